@@ -1,0 +1,260 @@
+"""The one typed configuration tree.
+
+A run is described by a `RunConfig`: data (source, tokenizer, vocabulary, split), model, training
+and sampling. Recipes are YAML files of this tree (`mllm/recipes/NAME.yaml`); the CLI's `--set
+key=value` overrides any field; the flow parameters, the MLflow params and the config stored in
+each checkpoint are this same tree, dumped with `to_dict()`.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mllm import UserError
+
+
+class _Section(BaseModel):
+    # An unknown field is a typo the user wants to hear about, not silently ignore.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TokenizerConfig(_Section):
+    kind: Literal["char", "word", "bpe"] = "char"
+    # char: keep only [A-Za-z0-9 \-.;,\n?!], newline runs -> one space, space runs -> one space.
+    # False keeps every character as it is (the "raw" mode).
+    normalize: bool = True
+    bpe_vocab_size: int = Field(2000, ge=64, le=1_000_000)
+    strip_gutenberg: bool = True
+
+
+class VocabConfig(_Section):
+    min_freq: int = Field(1, ge=1)
+    max_size: int | None = Field(None, ge=2)
+    # <unk> is always present; these are added on request.
+    specials: list[Literal["<pad>", "<bos>", "<eos>"]] = []
+
+
+class SplitConfig(_Section):
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    test_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    # Contiguous: train is the first part of the text, then val, then test (no leakage between
+    # neighbouring windows). Otherwise chunks of `shuffle_chunk` tokens are shuffled with `seed`.
+    contiguous: bool = True
+    shuffle_chunk: int = Field(4096, ge=1)
+    seed: int = 1337
+
+    @model_validator(mode="after")
+    def _fractions(self) -> "SplitConfig":
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError("val_fraction + test_fraction must be below 1 (train needs some data)")
+        return self
+
+
+class DataConfig(_Section):
+    source: str = ""
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    vocab: VocabConfig = VocabConfig()
+    split: SplitConfig = SplitConfig()
+
+
+class ModelConfig(_Section):
+    arch: Literal["lstm", "gru", "rnn", "gpt"] = "lstm"
+    vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
+    n_embd: int = Field(32, ge=1)
+    n_layer: int = Field(4, ge=1)
+    # Recurrent models.
+    hidden_size: int = Field(128, ge=1)
+    from_scratch: bool = False  # our own LSTM/RNN cells instead of torch.nn.LSTM/RNN
+    # GPT.
+    n_head: int = Field(4, ge=1)
+    block_size: int = Field(64, ge=1)
+    bias: bool = True
+    tie_weights: bool = True
+    dropout: float = Field(0.2, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.arch == "gpt" and self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.from_scratch and self.arch == "gru":
+            raise ValueError("from_scratch cells exist for lstm and rnn, not gru")
+        return self
+
+
+class TrainConfig(_Section):
+    batch_size: int = Field(64, ge=1)
+    window: int = Field(64, ge=1)  # tokens per training sequence (GPT: at most block_size)
+    # "epoch": shuffled passes over every window at `stride` (the reference LSTM recipe).
+    # "random": each batch draws random windows (nanoGPT).
+    sampling: Literal["epoch", "random"] = "random"
+    stride: int = Field(1, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    max_minutes: float | None = Field(None, gt=0)
+    optimizer: Literal["adam", "adamw"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(1e-4, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    grad_clip: float | None = Field(None, gt=0)
+    grad_accum: int = Field(1, ge=1)
+    eval_interval: int = Field(500, ge=1)
+    eval_batches: int = Field(20, ge=1)
+    log_interval: int = Field(10, ge=1)
+    checkpoint_interval: int = Field(1000, ge=1)
+    early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA
+    compile: bool = False
+    seed: int = 1337
+    nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if self.max_steps is None and self.epochs is None and self.max_minutes is None:
+            raise ValueError("set one of max_steps, epochs or max_minutes: training needs an end")
+        if self.epochs is not None and self.sampling != "epoch":
+            raise ValueError("epochs needs sampling: epoch (random sampling counts max_steps)")
+        return self
+
+
+SamplingMethod = Literal["greedy", "temperature", "top-k", "top-p", "beam"]
+
+
+class SampleConfig(_Section):
+    prompts: list[str] = ["The "]
+    max_new_tokens: int = Field(200, ge=1)
+    methods: list[SamplingMethod] = ["greedy", "top-p"]
+    temperature: float = Field(0.8, gt=0)
+    top_k: int = Field(40, ge=1)
+    top_p: float = Field(0.9, gt=0, le=1)
+    beam_width: int = Field(4, ge=1)
+    seed: int = 1337
+
+
+class TrainPaths(_Section):
+    """Where a training job finds its inputs and puts its checkpoints (any fsspec URLs).
+
+    Filled in by the pipeline, or by hand for `python -m mllm.train`; not part of what a run
+    *is*, so left out of digests.
+    """
+
+    train_ids: str
+    val_ids: str
+    vocab: str
+    tokenizer: str | None = None  # BPE: the trained tokenizer's JSON
+    checkpoint_dir: str
+
+
+class RunConfig(_Section):
+    recipe: str = "custom"
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig(max_steps=1000)
+    sample: SampleConfig = SampleConfig()
+    paths: TrainPaths | None = None
+
+    @model_validator(mode="after")
+    def _window(self) -> "RunConfig":
+        if self.model.arch == "gpt" and self.train.window > self.model.block_size:
+            raise ValueError(
+                f"train.window ({self.train.window}) exceeds model.block_size "
+                f"({self.model.block_size}): GPT has no position embedding beyond it"
+            )
+        return self
+
+    def to_dict(self, paths: bool = False) -> dict[str, Any]:
+        d = self.model_dump(mode="json")
+        if not paths:
+            d.pop("paths", None)
+        return d
+
+    def to_yaml(self, paths: bool = True) -> str:
+        return yaml.safe_dump(self.to_dict(paths=paths), sort_keys=False)
+
+
+def validate(data: dict[str, Any], where: str) -> RunConfig:
+    """Build a RunConfig, turning pydantic's report into one line that names the field."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "config"
+        msg = first["msg"]
+        if first["type"] == "extra_forbidden":
+            msg = "unknown field (check its spelling against a recipe)"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise UserError(f"{where}: {field}: {msg}{more}") from None
+
+
+def recipe_names() -> list[str]:
+    folder = resources.files("mllm") / "recipes"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_dict(name: str) -> dict[str, Any]:
+    path = resources.files("mllm") / "recipes" / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown recipe {name!r}: choose one of {', '.join(recipe_names())}")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.setdefault("recipe", name)
+    return data
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} not found: give the path of a YAML file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections (data, model, train)")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides; values are parsed as YAML (3e-4, true, [a, b], null)."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserError(f"malformed override {item!r}: write it as section.field=value, e.g. train.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {item!r}: {part} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def resolve(recipe: str | None = None, config_file: str | None = None,
+            overrides: list[str] = (), source: str | None = None) -> RunConfig:
+    """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
+    if config_file:
+        data, where = load_file(config_file), str(config_file)
+    else:
+        data, where = recipe_dict(recipe or "default"), f"recipe {recipe or 'default'}"
+    if source:
+        data.setdefault("data", {})["source"] = source
+    data = apply_overrides(data, list(overrides))
+    return validate(data, where if not overrides else f"{where} with --set")

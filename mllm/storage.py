@@ -1,0 +1,131 @@
+"""Object storage through fsspec: any URL (a local path, file://, s3://, https:// to read).
+
+Writes are atomic: a reader never sees half a file. Local files are written to a temporary name
+in the same folder and renamed; object stores publish an object only when its upload completes,
+so they are written in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import uuid
+from typing import Any, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from mllm import UserError
+
+
+def storage_options(url: str) -> dict[str, Any]:
+    """Options for the filesystem behind `url`, from the environment.
+
+    For S3 the standard AWS variables are read by botocore itself; only the endpoint (MinIO, moto,
+    any S3-compatible store) needs passing on.
+    """
+    protocol = fsspec.utils.get_protocol(url)
+    if protocol in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+    if protocol in ("http", "https"):
+        return {"client_kwargs": {"timeout": _http_timeout()}}
+    return {}
+
+
+def _http_timeout():
+    import aiohttp  # fsspec's http filesystem is built on aiohttp
+
+    return aiohttp.ClientTimeout(total=None, connect=15, sock_read=60)
+
+
+def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and the path within it for `url`."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options(url))
+    return fs, path
+
+
+def join(root: str, *parts: str) -> str:
+    root = str(root).rstrip("/")
+    return "/".join([root, *[p.strip("/") for p in parts if p]])
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    fs.invalidate_cache(path)  # s3fs caches listings; another client may have written since
+    return fs.exists(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = filesystem(url)
+    with fs.open(path, "rb") as f:
+        return f.read()
+
+
+def read_text(url: str) -> str:
+    return read_bytes(url).decode("utf-8")
+
+
+def read_json(url: str) -> Any:
+    return json.loads(read_bytes(url))
+
+
+@contextlib.contextmanager
+def atomic_open(url: str, mode: str = "wb") -> Iterator[Any]:
+    """Open `url` for writing so that it appears whole or not at all."""
+    fs, path = filesystem(url)
+    if not isinstance(fs, LocalFileSystem):
+        with fs.open(path, mode) as f:
+            yield f
+        fs.invalidate_cache(path)
+        return
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    with atomic_open(url, "wb") as f:
+        f.write(data)
+
+
+def write_text(url: str, text: str) -> None:
+    write_bytes(url, text.encode("utf-8"))
+
+
+def write_json(url: str, obj: Any) -> None:
+    write_text(url, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def remove(url: str) -> None:
+    fs, path = filesystem(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    fs.invalidate_cache(path)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest(obj: Any) -> str:
+    """A short stable digest of any JSON-able object: names storage folders after their inputs."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def require(url: str, what: str) -> None:
+    if not exists(url):
+        raise UserError(f"{what} not found at {url}: check the path or URL")
