@@ -1,0 +1,379 @@
+"""Text in, tokens out: streaming reading, Project Gutenberg stripping and the tokenizers.
+
+Everything streams in chunks (a corpus need not fit in memory twice), and every step gives the
+same result however the text is chunked: a word, a CRLF, a run of spaces or a Gutenberg marker
+split between two chunks comes out as if it had never been split.
+
+    chunks = strip_gutenberg(read_chunks("data/pg2600.txt"))
+    tok = build_tokenizer(TokenizerConfig(kind="char"))
+    for tokens in tok.tokenize(chunks): ...
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from abc import ABC, abstractmethod
+from typing import Callable, Iterable, Iterator
+
+from mllm import UserError
+from mllm.config import TokenizerConfig
+from mllm.storage import filesystem
+
+# -----------------------------------------------------------------------------
+# reading
+
+
+def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines."""
+    fs, path = filesystem(url)
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0  # bytes handed to the decoder so far, to say where a bad byte is
+    cr = False  # a chunk ended in "\r": it may be the first half of a "\r\n"
+    first = True
+    try:
+        f = fs.open(path, "rb")
+    except (FileNotFoundError, IsADirectoryError):
+        raise UserError(f"no text file at {url}: check the path or URL") from None
+    with f:
+        while True:
+            data = f.read(chunk_chars)
+            final = not data
+            pending = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(data, final)
+            except UnicodeDecodeError as e:
+                where = offset - pending + e.start
+                raise UserError(f"{url} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                                f"{where}): convert it to UTF-8 first") from None
+            offset += len(data)
+            if first and text:
+                # A byte order mark says how the file is encoded; it is not part of the text.
+                text = text.removeprefix("\ufeff")
+                first = False
+            if cr:
+                text = "\r" + text
+            cr = not final and text.endswith("\r")
+            if cr:
+                text = text[:-1]
+            text = text.replace("\r\n", "\n").replace("\r", "\n")
+            if text:
+                yield text
+            if final:
+                return
+
+
+# -----------------------------------------------------------------------------
+# Project Gutenberg header and footer
+
+# Marker lines are short; bounding them lets the stream move on past a long line at once
+# instead of waiting for its end to see whether it is a marker.
+_START = re.compile(r"^\*\*\*[ \t]{0,8}START OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}(?:\n|\Z)", re.M)
+_END = re.compile(r"^\*\*\*[ \t]{0,8}END OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}$", re.M)
+_MARKER_MAX = 340  # longer than any line the two patterns match
+# The START line of a Gutenberg book is near the top (the licence header is a few kB); text with
+# no START line there is not a Gutenberg book and passes through unchanged, without our holding
+# the whole corpus in memory looking for one.
+_HEADER_CHARS = 100_000
+
+
+def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
+    """Drop a Project Gutenberg header (through the START line) and footer (from the END line)."""
+    it = iter(chunks)
+    head, scanned = "", 0
+    for chunk in it:
+        head += chunk
+        start = _START.search(head, scanned)
+        if start and start.group().endswith("\n") and start.start() < _HEADER_CHARS:
+            break
+        if len(head) >= _HEADER_CHARS + _MARKER_MAX:
+            yield head
+            yield from it
+            return
+        scanned = head.rfind("\n") + 1  # the complete lines have no START: skip them next time
+    else:
+        start = _START.search(head, scanned)  # the last line may be a START with no newline
+        if not start or start.start() >= _HEADER_CHARS:
+            if head:
+                yield head
+            return
+    yield from _until_end(head[start.end():], it)
+
+
+def _find_end(buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
+    pos = 0 if at_line_start else buf.find("\n") + 1
+    if pos == 0 and not at_line_start:
+        return None
+    return _END.search(buf, pos, endpos)
+
+
+def _until_end(buf: str, it: Iterator[str]) -> Iterator[str]:
+    """Pass text through up to the END marker line; `buf` begins at the start of a line."""
+    at_line_start = True
+    for chunk in it:
+        buf += chunk
+        # Search complete lines only and hold back the last one: it may be the END marker still
+        # arriving.
+        cut = buf.rfind("\n") + 1
+        end = _find_end(buf, at_line_start, cut)
+        if end:
+            if end.start():
+                yield buf[:end.start()]
+            return
+        if cut:
+            at_line_start = True
+        if len(buf) - cut > _MARKER_MAX:
+            cut, at_line_start = len(buf), False  # too long to be a marker: let it go now
+        if cut:
+            yield buf[:cut]
+        buf = buf[cut:]
+    end = _find_end(buf, at_line_start, len(buf))
+    if end:
+        buf = buf[:end.start()]
+    if buf:
+        yield buf
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+
+def _last_match(pattern: re.Pattern, text: str, end: int | None = None) -> int:
+    """Start of the last match of a one-character `pattern` in `text[:end]`, or -1."""
+    end = len(text) if end is None else end
+    # Natural text has a match near its end: look at the tail before scanning everything.
+    for lo in (max(end - 4096, 0), 0):
+        last = None
+        for last in pattern.finditer(text, lo, end):
+            pass
+        if last:
+            return last.start()
+        if lo == 0:
+            break
+    return -1
+
+
+class Tokenizer(ABC):
+    """Text <-> token strings. The vocabulary (mllm.vocab) maps the strings to ids."""
+
+    kind: str = ""
+
+    def __init__(self, normalize: bool = True):
+        self.normalize = normalize
+
+    @abstractmethod
+    def tokenize(self, chunks: Iterable[str]) -> Iterator[list[str]]:
+        """Tokens of a stream of text, one list per piece of it, the same for any chunking."""
+
+    @abstractmethod
+    def split(self, text: str) -> list[str]:
+        """Tokens of a prompt. Nothing is dropped, so the caller can name what the vocab lacks."""
+
+    def detokenize(self, tokens: list[str]) -> str:
+        return "".join(tokens)
+
+    def _state(self) -> dict:
+        return {}
+
+    def to_json(self) -> str:
+        state = {"format": "mllm-tokenizer", "version": 1, "kind": self.kind,
+                 "normalize": self.normalize, **self._state()}
+        return json.dumps(state, sort_keys=True, ensure_ascii=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(normalize={self.normalize})"
+
+
+class CharTokenizer(Tokenizer):
+    """One token per character.
+
+    normalize=True is the reference War and Peace recipe: keep only [A-Za-z0-9 \\-.;,\\n?!], then
+    every run of newlines and spaces becomes one space (paragraphs are not worth a token class).
+    """
+
+    kind = "char"
+    _DROP = re.compile(r"[^A-Za-z0-9 \-.;,\n?!]+")
+    _SPACE = re.compile(r"[ \n]+")
+
+    def tokenize(self, chunks):
+        if not self.normalize:
+            for chunk in chunks:
+                if chunk:
+                    yield list(chunk)
+            return
+        space = False  # the last token so far was a space: a run may continue into this chunk
+        for chunk in chunks:
+            text = self._SPACE.sub(" ", self._DROP.sub("", chunk))
+            if space and text.startswith(" "):
+                text = text[1:]
+            if text:
+                space = text.endswith(" ")
+                yield list(text)
+
+    def split(self, text):
+        if self.normalize:
+            text = self._SPACE.sub(" ", text)
+        return list(text)
+
+
+class WordTokenizer(Tokenizer):
+    """Words and punctuation, like torchtext's basic_english.
+
+    normalize=True lower-cases and turns "<br />" into a space; normalize=False keeps the text as
+    it is. Either way ' . , ( ) ! ? " ; : are tokens of their own and whitespace separates.
+    """
+
+    kind = "word"
+    _TOKEN = re.compile(r"""['.,()!?";:]|[^\s'.,()!?";:]+""")
+    _BR = re.compile(r"<br />", re.I)
+    _SPACE = re.compile(r"\s")
+    _NO_SPACE_BEFORE = re.compile(r" ([.,!?;:)])")
+
+    def _words(self, text: str) -> list[str]:
+        if self.normalize:
+            text = self._BR.sub(" ", text).lower()
+        return self._TOKEN.findall(text)
+
+    def _cut(self, text: str) -> int:
+        """Where to end this piece: at whitespace, so no word is split, nor a "<br />"."""
+        cut = _last_match(self._SPACE, text)
+        # The space in "<br />" separates nothing: cut at the whitespace before that word instead.
+        while self.normalize and cut >= 3 and text[cut - 3:cut].lower() == "<br":
+            cut = _last_match(self._SPACE, text, cut - 3)
+        return max(cut, 0)
+
+    def tokenize(self, chunks):
+        carry = ""
+        for chunk in chunks:
+            text = carry + chunk
+            cut = self._cut(text)
+            carry = text[cut:]
+            tokens = self._words(text[:cut])
+            if tokens:
+                yield tokens
+        tokens = self._words(carry)
+        if tokens:
+            yield tokens
+
+    def split(self, text):
+        return self._words(text)
+
+    def detokenize(self, tokens):
+        text = " ".join(tokens)
+        return self._NO_SPACE_BEFORE.sub(r"\1", text).replace("( ", "(")
+
+
+class BpeTokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2 style) from Hugging Face `tokenizers`, trained on the corpus.
+
+    Byte-level BPE encodes any text losslessly, so it does no normalisation of its own; tokens
+    are the BPE piece strings ("Ġthe"), and the decoder turns them back into text.
+    """
+
+    kind = "bpe"
+    # GPT-2 pre-tokenization never joins a non-space character to the whitespace after it, so
+    # text can be cut there and each piece encoded on its own, with the same tokens. (Only space
+    # and newline: Python and the Rust regex agree on those being whitespace.)
+    _SAFE_CUT = re.compile(r"(?<=\S)[ \n]")
+    _PIECE = 1 << 16
+
+    def __init__(self, hf, vocab_size: int, normalize: bool = True):
+        super().__init__(normalize)
+        self.hf = hf
+        self.vocab_size = vocab_size
+        self._itos = [""] * hf.get_vocab_size()
+        for piece, i in hf.get_vocab().items():
+            self._itos[i] = piece
+
+    @classmethod
+    def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        hf = HFTokenizer(models.BPE())
+        # No prefix space: the first word of a piece must not differ from the same word mid-text.
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        hf.train_from_iterator(chunks, trainer=trainer)
+        return cls(hf, vocab_size, normalize)
+
+    def _cut(self, text: str) -> int:
+        return max(_last_match(self._SAFE_CUT, text), 0)
+
+    def _encode(self, text: str) -> list[str]:
+        # Encoding pieces as a batch lets the Rust side use every core.
+        pieces, i = [], 0
+        while len(text) - i > self._PIECE:
+            m = self._SAFE_CUT.search(text, i + self._PIECE)
+            if not m:
+                break
+            pieces.append(text[i:m.start()])
+            i = m.start()
+        pieces.append(text[i:])
+        # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which we do not need.
+        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        itos = self._itos
+        return [itos[i] for enc in encode(pieces, add_special_tokens=False) for i in enc.ids]
+
+    def tokenize(self, chunks):
+        carry = ""
+        for chunk in chunks:
+            text = carry + chunk
+            cut = self._cut(text)
+            carry = text[cut:]
+            tokens = self._encode(text[:cut])
+            if tokens:
+                yield tokens
+        tokens = self._encode(carry)
+        if tokens:
+            yield tokens
+
+    def split(self, text):
+        return self._encode(text)
+
+    def detokenize(self, tokens):
+        return self.hf.decoder.decode(list(tokens))
+
+    def _state(self):
+        return {"bpe_vocab_size": self.vocab_size, "hf_tokenizer": json.loads(self.hf.to_str())}
+
+
+_KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BpeTokenizer}
+
+
+def build_tokenizer(cfg: TokenizerConfig,
+                    training_chunks: Callable[[], Iterable[str]] | None = None) -> Tokenizer:
+    """The tokenizer `cfg` describes; BPE is trained on the text `training_chunks()` streams."""
+    if cfg.kind == "bpe":
+        if training_chunks is None:
+            raise ValueError("a BPE tokenizer needs training text: pass training_chunks")
+        return BpeTokenizer.train(training_chunks(), cfg.bpe_vocab_size, cfg.normalize)
+    return _KINDS[cfg.kind](normalize=cfg.normalize)
+
+
+def tokenizer_from_json(s: str, source: str = "tokenizer JSON") -> Tokenizer:
+    """The tokenizer that `Tokenizer.to_json` saved; anything else is a UserError."""
+    fix = "point to the tokenizer.json the tokenize stage wrote, or tokenize again"
+    try:
+        state = json.loads(s)
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError):
+        raise UserError(f"{source} is not JSON: {fix}") from None
+    if not isinstance(state, dict) or state.get("format") != "mllm-tokenizer":
+        raise UserError(f"{source} is not an mllm tokenizer (no format: mllm-tokenizer): {fix}")
+    if state.get("version") != 1:
+        raise UserError(f"{source} has tokenizer format version {state.get('version')!r}, this "
+                        f"mllm reads version 1: upgrade mllm or tokenize again")
+    kind, normalize = state.get("kind"), state.get("normalize", True)
+    if kind not in _KINDS or not isinstance(normalize, bool):
+        raise UserError(f"{source} names an unknown tokenizer kind {kind!r}: {fix}")
+    if kind != "bpe":
+        return _KINDS[kind](normalize=normalize)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        hf = HFTokenizer.from_str(json.dumps(state["hf_tokenizer"]))
+    except Exception:  # the Rust side raises its own exception type for any malformed field
+        raise UserError(f"{source} holds a damaged BPE tokenizer: {fix}") from None
+    return BpeTokenizer(hf, int(state.get("bpe_vocab_size", hf.get_vocab_size())), normalize)
