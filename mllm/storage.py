@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from typing import Any, Iterator
 
@@ -129,3 +130,50 @@ def digest(obj: Any) -> str:
 def require(url: str, what: str) -> None:
     if not exists(url):
         raise UserError(f"{what} not found at {url}: check the path or URL")
+
+
+DONE = "_SUCCESS"
+
+
+def is_complete(url: str) -> bool:
+    """Whether a folder written with `staged_dir` was finished."""
+    return exists(join(url, DONE))
+
+
+@contextlib.contextmanager
+def staged_dir(url: str) -> Iterator[str]:
+    """Write a folder of outputs that readers see only once it is whole.
+
+    Yields the URL to write into. A local folder is filled under a temporary name and renamed
+    into place; on an object store the files go straight to `url`. Either way a `_SUCCESS`
+    marker is written last, and only a folder with the marker counts as an output. On failure
+    whatever was written is removed.
+    """
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        parent, name = os.path.split(path.rstrip("/"))
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        os.makedirs(tmp)
+        try:
+            yield tmp
+            with open(os.path.join(tmp, DONE), "w"):
+                pass
+            if os.path.isdir(path):  # an unfinished earlier attempt, or a concurrent twin
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+    try:
+        yield url
+        write_bytes(join(url, DONE), b"")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm(path, recursive=True)
+        raise
+    finally:
+        fs.invalidate_cache(path)

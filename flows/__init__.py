@@ -1,0 +1,14 @@
+"""Prefect flows and the CLI: compose the stages, choose where training runs."""
+
+import os
+
+# Set before Prefect and MLflow read their settings. Both try to send usage data home, which only
+# fails (and logs an error) on a machine without internet; a busy 2-core machine can take longer
+# than Prefect's default 20 s to start its temporary server.
+for _name, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "DO_NOT_TRACK": "true",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+}.items():
+    os.environ.setdefault(_name, _value)

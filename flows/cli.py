@@ -1,0 +1,202 @@
+"""`mllm-pipeline`: run the pipeline, or one part of it, from the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mllm import UserError
+from mllm.config import recipe_dict, recipe_names, resolve
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="A reproducible training pipeline for small language models.")
+console = Console(stderr=True)
+
+Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
+Source = Annotated[Optional[str], typer.Option("--source", "-s", help="Corpus: a path, file://, s3:// or https:// URL.")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL [default: $MLLM_STORAGE or ./storage].")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def _user_errors() -> Iterator[None]:
+    """A user's mistake ends the command with one line and exit status 2, never a traceback."""
+    _quiet_user_error_tracebacks()
+    try:
+        yield
+    except UserError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted: outputs already finished are kept; run the same command to continue")
+
+
+class _HideUserErrorTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, UserError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_user_error_tracebacks() -> None:
+    # Prefect logs a failed task with its traceback; for a user's mistake the message suffices.
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, _HideUserErrorTraceback) for f in handler.filters):
+                handler.addFilter(_HideUserErrorTraceback())
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[None]:
+    """Progress bars for download, tokenization and training, fed by the tasks' hook."""
+    import tasks
+
+    if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
+        yield
+        return
+    bars: dict[str, Any] = {}
+    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeRemainingColumn(), console=console, transient=False)
+
+    def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
+        if stage not in bars:
+            bars[stage] = progress.add_task(stage, total=total, info="")
+        info = ""
+        if stage == "train":
+            loss = f.get("train_loss")
+            info = f"step {int(completed)}/{int(total or 0)}" + (f" loss {loss:.4f}" if loss is not None else "") \
+                + f" {f.get('tokens_per_s', 0):,.0f} tok/s"
+        elif stage == "download":
+            info = f"{completed / 1e6:.1f} MB"
+        elif stage == "tokenize":
+            info = f"{int(completed):,} tokens"
+        progress.update(bars[stage], completed=completed, total=total, info=info)
+
+    tasks.progress_hook = hook
+    try:
+        with progress:
+            yield
+    finally:
+        tasks.progress_hook = None
+
+
+@app.command()
+def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+        set_: Sets = None) -> None:
+    """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
+    with _user_errors():
+        cfg = resolve(recipe, overrides=set_ or [], source=source)
+        from flows.pipeline import pipeline, storage_root
+
+        root = storage_root(storage)
+        with _progress():
+            result = pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [])
+        t, e = result.trained, result.evaluation
+        typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
+        typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
+        typer.echo(f"outputs: {t.run_dir}")
+        typer.echo(f"  checkpoint: {t.best_checkpoint}")
+        typer.echo(f"  samples:    {t.run_dir}/samples/")
+        typer.echo(f"  report:     {e.report}")
+
+
+@app.command()
+def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+            set_: Sets = None) -> None:
+    """Run the data stages only: download, tokenize, vocabulary, split."""
+    with _user_errors():
+        cfg = resolve(recipe, overrides=set_ or [], source=source)
+        from flows.pipeline import prepare as prepare_flow, storage_root, with_results
+
+        root = storage_root(storage)
+        with _progress():
+            data = with_results(prepare_flow, root)(cfg, root)
+        s = data.splits
+        typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
+                   f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
+        typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {s.url}")
+
+
+@app.command()
+def train(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+          set_: Sets = None) -> None:
+    """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
+    with _user_errors():
+        cfg = resolve(recipe, overrides=set_ or [], source=source)
+        from flows.pipeline import prepare as prepare_flow, storage_root, train as train_flow, with_results
+
+        root = storage_root(storage)
+        with _progress():
+            data = with_results(prepare_flow, root)(cfg, root)
+            trained = with_results(train_flow, root)(cfg, data, root)
+        typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
+                   f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
+        typer.echo(f"checkpoint: {trained.checkpoint}")
+
+
+@app.command()
+def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+             set_: Sets = None) -> None:
+    """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
+    with _user_errors():
+        cfg = resolve(recipe, overrides=set_ or [], source=source)
+        from flows.pipeline import evaluate as evaluate_flow, prepare as prepare_flow, storage_root, \
+            train as train_flow, with_results
+
+        root = storage_root(storage)
+        with _progress():
+            data = with_results(prepare_flow, root)(cfg, root)
+            trained = with_results(train_flow, root)(cfg, data, root)
+            evaluation, _ = with_results(evaluate_flow, root)(cfg, trained, data)
+        typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
+                   f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
+
+
+@app.command()
+def sample(checkpoint: Annotated[str, typer.Option(help="Checkpoint URL (a run's checkpoints/best.pt).")],
+           prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The ",
+           method: Annotated[str, typer.Option(help="greedy, temperature, top-k, top-p or beam.")] = "top-p",
+           max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.9,
+           beam_width: int = 4, seed: int = 1337) -> None:
+    """Generate text from a checkpoint."""
+    with _user_errors():
+        from mllm.checkpoint import load_checkpoint
+        from mllm.sample import sample_text
+
+        if method not in ("greedy", "temperature", "top-k", "top-p", "beam"):
+            raise UserError(f"unknown method {method!r}: choose greedy, temperature, top-k, top-p or beam")
+        loaded = load_checkpoint(checkpoint)
+        typer.echo(sample_text(loaded, prompt, method, max_new_tokens=max_new_tokens, temperature=temperature,
+                               top_k=top_k, top_p=top_p, beam_width=beam_width, seed=seed))
+
+
+@app.command()
+def recipes() -> None:
+    """List the shipped recipes."""
+    for name in recipe_names():
+        d = recipe_dict(name)
+        m, t = d.get("model", {}), d.get("train", {})
+        length = f"{t['epochs']} epochs" if "epochs" in t else f"{t.get('max_steps')} steps"
+        typer.echo(f"{name:18} {m.get('arch', '?'):5} {d.get('data', {}).get('tokenizer', {}).get('kind', 'char'):5} "
+                   f"{m.get('n_layer')} layers, {length}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

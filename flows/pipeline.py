@@ -1,0 +1,117 @@
+"""The flows: `prepare` (data stages), `train`, `evaluate`, and `pipeline` (all of it).
+
+Each flow body reads as the recipe: a straight line of task calls. Caching, retries and where
+results live are configured on the tasks and in `with_results`, not in the logic.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
+
+from mllm import storage
+from mllm.config import RunConfig, resolve
+from tasks import data as data_tasks
+from tasks import model as model_tasks
+from tasks.caching import result_storage
+from tasks.model import Evaluation, Prepared, Trained
+
+
+def storage_root(storage_url: str | None = None) -> str:
+    """The storage root: --storage, else $MLLM_STORAGE, else ./storage."""
+    root = storage_url or os.environ.get("MLLM_STORAGE") or "storage"
+    if "://" not in root:
+        root = os.path.abspath(os.path.expanduser(root))
+    return root.rstrip("/")
+
+
+def with_results(fl: Any, root: str) -> Any:
+    """The flow with its task results (and so Prefect's cache records) kept under `root`."""
+    return fl.with_options(result_storage=result_storage(root))
+
+
+@flow(name="prepare", log_prints=True)
+def prepare(cfg: RunConfig, root: str) -> Prepared:
+    d = cfg.data
+    raw = data_tasks.download(d.source, d.sha256, root)
+    tokens = data_tasks.tokenize(raw, d.tokenizer, root)
+    vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
+    splits = data_tasks.split(tokens, vocab, d.split, root)
+    return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
+                    tokens=tokens, vocab=vocab, splits=splits)
+
+
+@flow(name="train")
+def train(cfg: RunConfig, data: Prepared, root: str,
+          on_metrics: Callable[[list[dict]], None] | None = None) -> Trained:
+    return model_tasks.train(cfg, data, root, on_metrics)
+
+
+@flow(name="evaluate")
+def evaluate(cfg: RunConfig, trained: Trained, data: Prepared) -> tuple[Evaluation, dict[str, list[str]]]:
+    evaluation = model_tasks.evaluate(cfg, trained, data, "val")
+    samples = model_tasks.generate(cfg, trained)
+    return evaluation, samples
+
+
+class PipelineResult(BaseModel):
+    recipe: str
+    storage: str
+    data: Prepared
+    trained: Trained
+    evaluation: Evaluation
+    samples: dict[str, list[str]]
+
+
+@flow(name="pipeline")
+def pipeline(recipe: str = "default", source: str | None = None, storage_url: str | None = None,
+             overrides: list[str] = []) -> PipelineResult:  # noqa: B006 (Prefect shows it as a form field)
+    """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe."""
+    cfg = resolve(recipe, overrides=overrides, source=source)
+    root = storage_root(storage_url)
+    data = with_results(prepare, root)(cfg, root)
+    trained = with_results(train, root)(cfg, data, root)
+    evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, trained=trained,
+                            evaluation=evaluation, samples=samples)
+    create_markdown_artifact(summary(result), key=f"pipeline-{_slug(cfg.recipe)}",
+                             description=f"{cfg.recipe}: data, training and samples")
+    return result
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower())
+
+
+def summary(r: PipelineResult) -> str:
+    d, t, e = r.data, r.trained, r.evaluation
+    lines = [
+        f"# {r.recipe}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| corpus | {d.source} ({d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}`) |",
+        f"| tokens | {d.tokens.n_tokens:,} |",
+        f"| vocabulary | {d.vocab.size} entries |",
+        f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
+        + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
+        f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
+        f"| train loss | {_f(t.train_loss)} |",
+        f"| val loss | {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
+        f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token) |",
+        f"| outputs | `{t.run_dir}` |",
+        "",
+        "## Samples",
+        "",
+    ]
+    for method, texts in r.samples.items():
+        lines += [f"**{method}**", "", "```", texts[0].strip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

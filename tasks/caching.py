@@ -1,0 +1,61 @@
+"""What makes a stage's output reusable: its key, where Prefect keeps results, and retries.
+
+A stage's key is a digest of its inputs' content, its config and the source of the code that
+does the work. It names the stage's folder under the storage root and is Prefect's cache key, so
+Prefect shows a stage whose output already exists as Cached instead of running it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+from pathlib import Path
+from typing import Any, Callable
+
+from fsspec.implementations.local import LocalFileSystem
+from prefect.filesystems import RemoteFileSystem
+
+import mllm
+from mllm import UserError, storage
+
+
+@functools.cache
+def code_digest(*objects: Any) -> str:
+    """Digest of the source of the modules or classes a stage runs, and the package version."""
+    h = hashlib.sha256(mllm.__version__.encode())
+    for obj in objects:
+        h.update(inspect.getsource(obj).encode())
+    return h.hexdigest()[:16]
+
+
+def stage_cache(key_fn: Callable[..., str]) -> Callable[[Any, dict[str, Any]], str]:
+    """Turn a stage's key function into a Prefect cache_key_fn over the task's parameters."""
+
+    def cache_key(context: Any, parameters: dict[str, Any]) -> str:
+        return f"{key_fn.__name__.strip('_')}-{key_fn(**parameters)}"
+
+    return cache_key
+
+
+def transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry condition: retry I/O failures, never a user's mistake (a retry cannot fix it)."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    if exc is None:
+        return True
+    return not isinstance(exc, UserError) or getattr(exc, "transient", False)
+
+
+def result_storage(root: str) -> Path | RemoteFileSystem:
+    """Prefect result storage under the storage root, so cached results live beside the data.
+
+    Prefect takes a local folder as a path; any other root becomes a saved RemoteFileSystem
+    block (fsspec underneath, credentials from the environment, never stored in the block).
+    """
+    url = storage.join(root, "prefect-results")
+    fs, path = storage.filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        return Path(path)
+    block = RemoteFileSystem(basepath=url, settings=storage.storage_options(url))
+    block.save(f"mllm-results-{storage.digest(url)}", overwrite=True)
+    return block

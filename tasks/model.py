@@ -1,0 +1,177 @@
+"""The model stages as Prefect tasks: train, evaluate, generate samples.
+
+Training writes to `runs/<key>/` where the key digests the data it trains on, the model and
+training config and the code. Running the same training again resumes from its last checkpoint
+(and returns at once when that checkpoint is final): a crashed or killed run continues where it
+stopped, and a finished one is not paid for twice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+import mllm.train
+from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, storage
+from mllm.config import RunConfig, TrainPaths
+from mllm.data import load_ids
+from mllm.sample import sample_text
+import tasks
+from tasks.caching import code_digest, transient
+from tasks.data import Splits, Tokens, Vocabulary
+
+class Prepared(BaseModel):
+    """What the data stages hand on to training."""
+
+    raw_sha256: str
+    raw_url: str
+    raw_bytes: int
+    source: str
+    tokens: Tokens
+    vocab: Vocabulary
+    splits: Splits
+
+
+class Trained(BaseModel):
+    key: str
+    run_dir: str
+    config: str  # the job's config YAML: `python -m mllm.train --config` runs it again
+    checkpoint: str
+    best_checkpoint: str
+    steps: int
+    train_loss: float | None
+    val_loss: float | None
+    best_val_loss: float | None
+    tokens_per_s: float
+    elapsed_s: float
+    stop_reason: str
+    resumed_from_step: int
+
+
+class Evaluation(BaseModel):
+    split: str
+    checkpoint: str
+    loss: float
+    perplexity: float
+    bits_per_token: float
+    bits_per_byte: float
+    tokens: int
+    unigram_bits_per_token: float
+    bigram_bits_per_token: float
+    report: str  # URL of the markdown report
+
+
+def train_key(cfg: RunConfig, data: Prepared) -> str:
+    return storage.digest(["train", data.splits.key, data.vocab.digest, cfg.model.model_dump(),
+                           cfg.train.model_dump(), code_digest(models, rnn, gpt, mllm.train)])
+
+
+def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
+    """The config a training job runs: the run's tree with its input and output paths."""
+    run_dir = storage.join(root, "runs", train_key(cfg, data))
+    paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
+                       vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
+                       checkpoint_dir=storage.join(run_dir, "checkpoints"))
+    job = cfg.model_copy(update={"paths": paths})
+    job.model.vocab_size = data.vocab.size
+    return job, run_dir
+
+
+@task(name="train", retries=0)
+def train(cfg: RunConfig, data: Prepared, root: str,
+          on_metrics: Callable[[list[dict]], None] | None = None) -> Trained:
+    logger = get_run_logger()
+    job, run_dir = train_job(cfg, data, root)
+    config_url = storage.join(run_dir, "config.yaml")
+    storage.write_text(config_url, job.to_yaml())
+    logger.info("training %s %s: %s", cfg.recipe, cfg.model.arch, run_dir)
+    last_log = [0.0]
+
+    def on_progress(p: dict[str, Any]) -> None:
+        if tasks.progress_hook is not None:
+            tasks.report_progress("train", p["step"], p["total_steps"], **p)
+        elif time.monotonic() - last_log[0] > 10:  # a line every 10 s in a worker's log
+            last_log[0] = time.monotonic()
+            logger.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", p["step"], p["total_steps"],
+                        p.get("train_loss") or float("nan"), p.get("lr", 0.0), p.get("tokens_per_s", 0.0))
+
+    result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+    logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
+                f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
+    return Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url,
+                   checkpoint=result.checkpoint, best_checkpoint=result.best_checkpoint,
+                   steps=result.steps, train_loss=result.train_loss, val_loss=result.val_loss,
+                   best_val_loss=result.best_val_loss, tokens_per_s=result.tokens_per_s,
+                   elapsed_s=result.elapsed_s, stop_reason=result.stop_reason,
+                   resumed_from_step=result.resumed_from_step)
+
+
+@task(name="evaluate", retries=1, retry_condition_fn=transient)
+def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
+    """Score the best checkpoint on a whole split, beside unigram and bigram baselines."""
+    part = getattr(data.splits, split)
+    if part is None:
+        raise UserError(f"there is no {split} split: set data.split.test_fraction above 0 to make one")
+    ckpt_url = trained.best_checkpoint if storage.exists(trained.best_checkpoint) else trained.checkpoint
+    loaded = checkpoint.load_checkpoint(ckpt_url)
+    ids = load_ids(part.ids)
+    window = min(cfg.train.window, loaded.config.model.block_size) if cfg.model.arch == "gpt" else cfg.train.window
+    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window,
+                                    batch_size=max(1, min(cfg.train.batch_size, 256)),
+                                    n_bytes=part.n_bytes)
+    train_ids = load_ids(data.splits.train.ids)
+    unigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=1)
+    bigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=2)
+    report_url = storage.join(trained.run_dir, f"eval-{split}.md")
+    result = Evaluation(split=split, checkpoint=ckpt_url, loss=scores["loss"],
+                        perplexity=scores["perplexity"], bits_per_token=scores["bits_per_token"],
+                        bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"],
+                        unigram_bits_per_token=unigram["bits_per_token"],
+                        bigram_bits_per_token=bigram["bits_per_token"], report=report_url)
+    storage.write_text(report_url, evaluation_report(cfg, trained, result))
+    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), result.model_dump(mode="json"))
+    get_run_logger().info("%s: loss %.4f, %.3f bits/token, %.3f bits/byte (bigram baseline %.3f bits/token)",
+                          split, result.loss, result.bits_per_token, result.bits_per_byte,
+                          result.bigram_bits_per_token)
+    return result
+
+
+def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
+    return "\n".join([
+        f"# Evaluation of {cfg.recipe} on the {e.split} split",
+        "",
+        f"Checkpoint: `{e.checkpoint}` after {trained.steps} steps ({trained.stop_reason}).",
+        "",
+        "| metric | model | unigram | bigram |",
+        "|---|---|---|---|",
+        f"| loss (nats/token) | {e.loss:.4f} | | |",
+        f"| perplexity | {e.perplexity:.3f} | | |",
+        f"| bits per token | {e.bits_per_token:.4f} | {e.unigram_bits_per_token:.4f} | {e.bigram_bits_per_token:.4f} |",
+        f"| bits per byte | {e.bits_per_byte:.4f} | | |",
+        "",
+        f"{e.tokens} tokens scored, each once.",
+        "",
+    ])
+
+
+@task(name="generate", retries=1, retry_condition_fn=transient)
+def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
+    """One sample per prompt and sampling method, saved as `samples/<method>.txt`."""
+    ckpt_url = trained.best_checkpoint if storage.exists(trained.best_checkpoint) else trained.checkpoint
+    loaded = checkpoint.load_checkpoint(ckpt_url)
+    s = cfg.sample
+    samples: dict[str, list[str]] = {}
+    for method in s.methods:
+        samples[method] = [
+            sample_text(loaded, prompt, method, max_new_tokens=s.max_new_tokens,
+                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        beam_width=s.beam_width, seed=s.seed)
+            for prompt in s.prompts
+        ]
+        body = "\n\n".join(f"--- prompt {p!r}\n{t}" for p, t in zip(s.prompts, samples[method]))
+        storage.write_text(storage.join(trained.run_dir, "samples", f"{method}.txt"), body + "\n")
+    get_run_logger().info("samples (%s): %r", s.methods[0], samples[s.methods[0]][0][:120])
+    return samples

@@ -1,0 +1,56 @@
+"""Test isolation: Prefect, MLflow and every cache write under a temporary folder, never ~.
+
+These variables are set before any test module imports prefect or mlflow, which read them once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+
+_HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
+os.environ.update({
+    "PREFECT_HOME": str(_HOME / "prefect"),
+    "PREFECT_API_URL": "",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
+    "MPLCONFIGDIR": str(_HOME / "matplotlib"),
+    "MPLBACKEND": "Agg",
+    "HF_HOME": str(_HOME / "hf"),
+    "TORCHINDUCTOR_CACHE_DIR": str(_HOME / "inductor"),
+})
+os.environ.pop("MLLM_STORAGE", None)
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+WORDS = ("the a of and to in was he she it his her that with had for not on at as but they said "
+         "prince princess count natasha pierre andrew moscow war peace army emperor house night "
+         "day old young little great love life time man woman soldier french russian room door").split()
+
+
+def make_text(n_words: int = 4000, seed: int = 0, gutenberg: bool = True) -> str:
+    """A small English-like text with Gutenberg-style header and footer, made up on the spot."""
+    rng = random.Random(seed)
+    sentences, words = [], 0
+    while words < n_words:
+        k = rng.randint(4, 14)
+        s = " ".join(rng.choice(WORDS) for _ in range(k))
+        sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", ".", "!", "?", ";"]))
+        words += k
+    paras = [" ".join(sentences[i:i + 5]) for i in range(0, len(sentences), 5)]
+    body = "\r\n\r\n".join(paras) + "\r\n"
+    if not gutenberg:
+        return body
+    return ("The Project Gutenberg eBook of a Test\r\n\r\n*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\r\n"
+            + body + "*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\r\nLicense text that must not be read.\r\n")
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(make_text().encode("utf-8"))
+    return path

@@ -1,0 +1,125 @@
+"""The CLI as a user meets it: help, recipes, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import make_text
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+@pytest.fixture
+def http_root(tmp_path: Path):
+    """A real HTTP server on loopback serving a folder."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def _no_outputs(root: Path) -> None:
+    """Nothing half-written: no stage folder, and no temporary leftovers."""
+    if not root.exists():
+        return
+    for stage in ("raw", "tokens", "vocab", "splits", "runs"):
+        d = root / stage
+        assert not d.exists() or not any(d.iterdir()), list(d.iterdir())
+
+
+def test_help_lists_every_command() -> None:
+    out = cli("--help")
+    assert out.returncode == 0
+    for command in ("run", "prepare", "train", "evaluate", "sample", "recipes"):
+        assert command in out.stdout
+    out = cli("run", "--help")
+    assert "--recipe" in out.stdout and "--set" in out.stdout and "--storage" in out.stdout
+
+
+def test_recipes_lists_the_shipped_recipes() -> None:
+    out = cli("recipes")
+    assert out.returncode == 0
+    for name in ("warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "smoke", "default"):
+        assert name in out.stdout
+
+
+def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
+    _assert_one_line_error(cli("run", "--recipe", "nope", "--storage", str(tmp_path)), "nope", "smoke")
+    _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr"), "train.lr", "section.field=value")
+    _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lrr=1"), "train.lrr", "unknown field")
+    _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr=-1"), "train.lr")
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "binary", "latin1", "sha256"])
+def test_bad_sources_fail_with_one_line_and_leave_nothing(case: str, tmp_path: Path) -> None:
+    src = tmp_path / "corpus.txt"
+    extra: list[str] = []
+    if case == "empty":
+        src.write_bytes(b"")
+    elif case == "binary":
+        src.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
+    elif case == "latin1":
+        src.write_bytes("Un café à Moscou, déjà vu.\n".encode("latin-1") * 10)
+    elif case == "sha256":
+        src.write_text(make_text(200), encoding="utf-8")
+        extra = ["--set", "data.sha256=" + "0" * 64]
+    root = tmp_path / "storage"
+    out = cli("run", "--recipe", "smoke", "--source", str(src), "--storage", str(root), *extra)
+    needles = {"missing": ["not found", "corpus.txt"], "empty": ["empty"], "binary": ["binary"],
+               "latin1": ["UTF-8", "offset"], "sha256": ["sha256", "0" * 64]}[case]
+    _assert_one_line_error(out, *needles)
+    _no_outputs(root)
+
+
+def test_unreachable_url_names_it_and_the_fix(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_closed_port()}/warandpeace.txt"
+    root = tmp_path / "storage"
+    out = cli("run", "--recipe", "smoke", "--source", url, "--storage", str(root))
+    _assert_one_line_error(out, url, "SOURCE=")
+    _no_outputs(root)
+
+
+def test_http_source_downloads_and_missing_url_fails(http_root, tmp_path: Path) -> None:
+    folder, base = http_root
+    (folder / "corpus.txt").write_text(make_text(), encoding="utf-8")
+    root = tmp_path / "storage"
+    out = cli("prepare", "--recipe", "smoke", "--source", f"{base}/corpus.txt", "--storage", str(root))
+    assert out.returncode == 0, out.stderr
+    assert "vocabulary" in out.stdout
+    assert len(list((root / "raw").glob("*.txt"))) == 1
+
+    out = cli("prepare", "--recipe", "smoke", "--source", f"{base}/nothing.txt", "--storage", str(tmp_path / "s2"))
+    _assert_one_line_error(out, f"{base}/nothing.txt", "not found")
