@@ -1,0 +1,168 @@
+"""A decoder-only transformer, after karpathy/nanoGPT's model.py, with a KV cache for generation.
+
+Token and learned position embeddings, pre-LayerNorm blocks of causal self-attention and a GELU
+MLP, output weights tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mllm.config import ModelConfig
+from mllm.rnn import optim_groups
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far, up to `capacity` (block_size).
+
+    Preallocated so a generation step writes in place instead of concatenating; allocated on first
+    use so it takes the dtype the model computes in (bfloat16 under autocast).
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, capacity: int):
+        self.shape = (n_layer, batch_size, n_head, capacity, head_dim)
+        self.k = self.v = None
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[3]
+
+    def append(self, layer: int, k, v):
+        """Store the new tokens' k, v ([B, nh, T, hs]) for `layer`; return the layer's keys and values so far."""
+        if self.k is None:
+            self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
+        start, end = self.length, self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions; {end} asked for (crop or reset it)")
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        if layer == self.shape[0] - 1:
+            self.length = end  # every layer has now seen the new tokens
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def reorder(self, index):
+        """Keep batch rows `index` (beam search: each surviving beam takes its parent's cache)."""
+        if self.k is not None:
+            self.k = self.k[:, index]
+            self.v = self.v[:, index]
+        self.shape = (self.shape[0], len(index), *self.shape[2:])
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            k, v = cache.append(layer, k, v)
+        mask, causal = None, True
+        if past and T == 1:
+            causal = False  # one new token may look at every cached one
+        elif past:
+            # SDPA's is_causal aligns the triangle top-left; new token i sits at position past + i.
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            causal = False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        assert config.arch == "gpt" and config.vocab_size > 0
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                # GPT-2: each block adds two residual branches; scale them so the stream's variance holds.
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, targets=None, state: KVCache | None = None):
+        B, T = idx.shape
+        past = state.length if state is not None else 0
+        if past + T > self.config.block_size:
+            raise ValueError(f"{past + T} positions exceed block_size {self.config.block_size}: crop the context")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, state, layer)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss, state
+
+    def new_state(self, batch_size: int, device=None) -> KVCache:
+        # The cache allocates on the device (and in the dtype) of the first keys written to it.
+        c = self.config
+        return KVCache(c.n_layer, batch_size, c.n_head, c.n_embd // c.n_head, c.block_size)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, tied ones once; non_embedding leaves out the position table (nanoGPT's count for FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, T: int) -> int:
+        """Training FLOPs per token at context T, as nanoGPT's estimate_mfu (PaLM appendix B)."""
+        c = self.config
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * T
+
+    def optim_groups(self, weight_decay: float) -> list[dict]:
+        return optim_groups(self, weight_decay)
