@@ -30,10 +30,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import mlflow
-import pandas as pd
 import mlflow.pyfunc
+import pandas as pd
+import torch
+from fsspec.implementations.local import LocalFileSystem
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import register_dataset_source, resolve_dataset_source
 from mlflow.data.meta_dataset import MetaDataset
@@ -45,6 +46,7 @@ from mlflow.tracking import MlflowClient
 
 import mllm
 from mllm import UserError, storage
+from mllm.checkpoint import read_checkpoint
 from mllm.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 MAX_DIGEST = 36  # the datasets table's digest column
+TRAINING_ONLY = ("optimizer", "scheduler", "rng", "data_state")  # checkpoint keys
 
 
 # --- secrets -------------------------------------------------------------------------------
@@ -213,8 +216,6 @@ def _version(dist: str) -> str:
 
 
 def _device(requested: str) -> str:
-    import torch
-
     if requested != "auto":
         return requested
     if torch.cuda.is_available():
@@ -362,14 +363,18 @@ class RunTracker:
         self.run_id = run.info.run_id
         log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
                  self.cfg.recipe, self.uri)
-        params = scrub(flatten(self.cfg.to_dict()))
-        entries = [Param(k, v if len(v) <= MAX_PARAM_VALUE else v[:MAX_PARAM_VALUE - 3] + "...")
-                   for k, v in params.items()]
-        for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
-        self.log_text(self.cfg.to_yaml(paths=False), "config.yaml")
-        if git["dirty"] and git["diff"]:
-            self.log_text(git["diff"], "git.diff")
+        try:
+            params = scrub(flatten(self.cfg.to_dict()))
+            entries = [Param(k, v if len(v) <= MAX_PARAM_VALUE else v[:MAX_PARAM_VALUE - 3] + "...")
+                       for k, v in params.items()]
+            for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
+                self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
+            self.log_text(self.cfg.to_yaml(paths=False), "config.yaml")
+            if git["dirty"] and git["diff"]:
+                self.log_text(git["diff"], "git.diff")
+        except BaseException as e:
+            self.__exit__(type(e), e, e.__traceback__)  # not left RUNNING forever
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -478,21 +483,28 @@ class RunTracker:
         (default: the recipe) and move `champion` to it only if its val_loss is lower."""
         name = model_name or self.cfg.recipe
         with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
+            # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
+            # needs, not the optimizer state that doubles or triples a checkpoint's size.
+            state = read_checkpoint(checkpoint_url)
             local = os.path.join(tmp, "checkpoint.pt")
-            with open(local, "wb") as f:  # any fsspec URL, not just the ones MLflow can fetch
-                f.write(storage.read_bytes(checkpoint_url))
-            info = Model.log(
-                artifact_path=None,
-                name="model",
-                flavor=mlflow.pyfunc,
-                flavor_name="pyfunc.CustomPythonModel",
-                python_model=TextGenerator(),
-                artifacts={"checkpoint": local},
-                code_paths=_model_code(tmp),
-                signature=_signature(self.cfg),
-                pip_requirements=_requirements(),
-                run_id=self.run_id,
-            )
+            torch.save({k: v for k, v in state.items() if k not in TRAINING_ONLY}, local)
+            del state
+            with warnings.catch_warnings():
+                # "no input example": the signature says what goes in, and an example would
+                # make MLflow generate text with the model here just to check it.
+                warnings.filterwarnings("ignore", message=".*input example", category=UserWarning)
+                info = Model.log(
+                    artifact_path=None,
+                    name="model",
+                    flavor=mlflow.pyfunc,
+                    flavor_name="pyfunc.ModelFromCode",
+                    python_model=_model_script(tmp),
+                    artifacts={"checkpoint": local},
+                    code_paths=_model_code(tmp),
+                    signature=_signature(self.cfg),
+                    pip_requirements=_requirements(),
+                    run_id=self.run_id,
+                )
         version = mlflow.register_model(info.model_uri, name, tags={
             "val_loss": repr(float(val_loss)), "run_id": self.run_id,
             "checkpoint": scrub(checkpoint_url)})
@@ -547,8 +559,6 @@ class TextGenerator(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context) -> None:
-        import torch
-
         from mllm.checkpoint import load_checkpoint
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -564,25 +574,27 @@ class TextGenerator(mlflow.pyfunc.PythonModel):
 
 
 def _prompts(model_input: Any) -> list[str]:
-    """A DataFrame (a "prompt" column, else the first), a Series, a list, a dict or a str."""
-    if isinstance(model_input, str):
-        return [model_input]
-    if isinstance(model_input, dict):
-        value = model_input.get("prompt", model_input.get("prompts", next(iter(model_input.values()))))
-        return _prompts(value)
-    if hasattr(model_input, "columns"):  # pandas.DataFrame
-        column = "prompt" if "prompt" in model_input.columns else model_input.columns[0]
-        return [str(v) for v in model_input[column].tolist()]
-    if hasattr(model_input, "tolist"):  # Series, numpy array
-        return [str(v) for v in model_input.tolist()]
-    return [str(v) for v in model_input]
+    """Prompts from a DataFrame (its "prompt" column, else the first), a Series, a list, a
+    dict or a str. MLflow turns {"prompt": [a, b]} into one row holding the list: unpack it."""
+    x = model_input
+    if isinstance(x, str):
+        return [x]
+    if isinstance(x, dict):
+        return _prompts(x.get("prompt", next(iter(x.values()), [])))
+    if hasattr(x, "columns"):  # pandas.DataFrame
+        x = x["prompt" if "prompt" in x.columns else x.columns[0]]
+    if hasattr(x, "tolist"):  # Series, numpy array
+        x = x.tolist()
+    if isinstance(x, (list, tuple)):
+        return [p for item in x for p in _prompts(item)]
+    return [str(x)]
 
 
 def _signature(cfg: RunConfig) -> ModelSignature:
     s = cfg.sample
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]),
-        outputs=Schema([ColSpec("string", "text")]),
+        inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts works too
+        outputs=Schema([ColSpec("string")]),
         params=ParamSchema([
             ParamSpec("method", "string", s.methods[0]),
             ParamSpec("max_new_tokens", "long", s.max_new_tokens),
@@ -595,9 +607,20 @@ def _signature(cfg: RunConfig) -> ModelSignature:
     )
 
 
+def _model_script(tmp: str) -> str:
+    """The model as code, not as a pickle: MLflow runs this file to build it on load."""
+    path = Path(tmp, "text_generator.py")
+    path.write_text(
+        "# An mllm checkpoint that continues prompts: see tasks/tracking.py.\n"
+        "import mlflow\n\n"
+        "from tasks.tracking import TextGenerator\n\n"
+        "mlflow.models.set_model(TextGenerator())\n")
+    return str(path)
+
+
 def _model_code(tmp: str) -> list[str]:
     """mllm and this module travel with the model, so that it loads where neither is
-    installed (the pickled TextGenerator refers to tasks.tracking by name)."""
+    installed."""
     code = Path(tmp, "code")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(Path(mllm.__file__).parent, code / "mllm", ignore=ignore)
@@ -608,7 +631,8 @@ def _model_code(tmp: str) -> list[str]:
 
 
 def _requirements() -> list[str]:
-    # Pinned from this environment: MLflow's inference would load the model in a subprocess.
-    return [f"{dist}=={_version(dist)}" for dist in (
+    # Pinned from this environment, since MLflow's inference would load the model in a
+    # subprocess; without local labels (+cpu, +cu121): the server picks its own torch build.
+    return [f"{dist}=={_version(dist).split('+')[0]}" for dist in (
         "mlflow", "torch", "numpy", "pyarrow", "fsspec", "pydantic", "pyyaml", "tokenizers")
         if _version(dist) != "not installed"]

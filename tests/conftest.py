@@ -18,10 +18,17 @@ os.environ.update({
     "PREFECT_API_URL": "",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "true",
+    "XDG_CONFIG_HOME": str(_HOME / "config"),
+    "XDG_CACHE_HOME": str(_HOME / "cache"),
     "MPLCONFIGDIR": str(_HOME / "matplotlib"),
     "MPLBACKEND": "Agg",
     "HF_HOME": str(_HOME / "hf"),
     "TORCHINDUCTOR_CACHE_DIR": str(_HOME / "inductor"),
+    # Tiny test models run 30x slower when two threads contend for two busy cores.
+    "OMP_NUM_THREADS": "1",
 })
 os.environ.pop("MLLM_STORAGE", None)
 

@@ -1,0 +1,375 @@
+"""MLflow tracking, against an SQLite store and against a real `mlflow server` on loopback.
+
+Each test runs in a scratch git repository in tmp_path with HOME in tmp_path too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from conftest import make_text
+from mllm.checkpoint import load_checkpoint
+from mllm.config import RunConfig, TokenizerConfig
+from mllm.sample import sample_text
+from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)
+from tasks import tracking
+from tasks.tracking import RunTracker, flatten, git_info, scrub, tracking_uri
+
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+TINY = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0}
+
+
+@dataclass
+class Store:
+    uri: str
+    server_log: Path | None = None  # the server's access log: one line per HTTP request
+
+    def requests(self, endpoint: str) -> int:
+        return self.server_log.read_text().count(endpoint)
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("server", marks=pytest.mark.integration)])
+def store(request, tmp_path_factory) -> Store:
+    """An SQLite file, or a real server that proxies artifacts over HTTP."""
+    if request.param == "server":
+        server = request.getfixturevalue("mlflow_server")
+        return Store(server.url, server.process.log)
+    if any("[server]" in item.nodeid for item in request.session.items):
+        request.getfixturevalue("mlflow_server_starting")  # it starts while SQLite tests run
+    return Store(f"sqlite:///{tmp_path_factory.mktemp('mlflow-sqlite') / 'mlflow.db'}")
+
+
+@pytest.fixture(autouse=True)
+def forget_tracking_uri(monkeypatch):
+    """mlflow.set_tracking_uri is process-wide: later test modules get conftest's store back."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", os.environ.get("MLFLOW_TRACKING_URI", ""))
+    yield
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    h = tmp_path / "home"
+    h.mkdir()
+    for var, sub in (("HOME", ""), ("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache")):
+        monkeypatch.setenv(var, str(h / sub))
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    return h
+
+
+@pytest.fixture
+def repo(tmp_path, home, monkeypatch) -> Path:
+    """A scratch git checkout with one commit, as the working folder."""
+    r = tmp_path / "repo"
+    r.mkdir()
+    git(r, "init", "-q", "-b", "main")
+    (r / "train.py").write_text("lr = 1e-3\n")
+    git(r, "add", "train.py")
+    git(r, "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
+        "commit", "-q", "-m", "first")
+    monkeypatch.chdir(r)
+    return r
+
+
+@pytest.fixture
+def uri(store, repo, monkeypatch) -> str:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.uri)
+    return store.uri
+
+
+def git(path: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def config(**over) -> RunConfig:
+    """A unique recipe name per test: each gets its own experiment and registered model."""
+    data = {"recipe": f"t-{uuid.uuid4().hex[:8]}", "model": TINY,
+            "train": {"max_steps": 4, "batch_size": 4, "window": 8}}
+    for key, value in over.items():
+        data[key] = {**data.get(key, {}), **value}
+    return RunConfig.model_validate(data)
+
+
+def artifact_texts(run_id: str, dst: Path) -> dict[str, str]:
+    folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(dst)))
+    return {str(p.relative_to(folder)): p.read_text(errors="replace")
+            for p in folder.rglob("*") if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- pure helpers
+
+def test_tracking_uri_env_first_else_sqlite_beside_the_storage_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert tracking_uri(str(tmp_path / "store" / "root")) == f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    assert tracking_uri(f"file://{tmp_path}/root") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri("s3://bucket/runs") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert mlflow.get_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert not (tmp_path / "mlflow.db").exists()  # choosing a store creates nothing yet
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:pa55word@mlflow.example.com/")
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    # Credentials move to MLflow's own variables, so they never show in a URL it prints.
+    assert tracking_uri("s3://bucket/runs") == "https://mlflow.example.com/"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pa55word"
+
+
+def test_flatten_gives_one_string_param_per_leaf():
+    flat = flatten({"model": {"arch": "gpt", "n_layer": 2, "bias": True},
+                    "train": {"epochs": None, "lr": 1e-3}, "sample": {"methods": ["greedy"]},
+                    "vocab": {"specials": []}, "recipe": "smoke"})
+    assert flat == {"model.arch": "gpt", "model.n_layer": "2", "model.bias": "true",
+                    "train.epochs": "null", "train.lr": "0.001", "sample.methods": '["greedy"]',
+                    "vocab.specials": "[]", "recipe": "smoke"}
+    cfg = config()
+    assert len(flatten(cfg.to_dict())) > 60 and flatten(cfg.to_dict())["model.arch"] == "lstm"
+
+
+def test_scrub_hides_env_secrets_url_userinfo_and_secret_named_options(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a secret-named variable, no secret
+    got = scrub({
+        "note": f"key is {SECRET}!",
+        "source": "s3://AKIAEXAMPLE:other-secret@bucket/raw.txt",
+        "endpoint": "https://user:pass@minio.local:9000/x",
+        "storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t", "sessionToken": "tok-123",
+                            "client_kwargs": {"endpoint_url": "http://minio:9000"}},
+        "tokenizer": {"kind": "char"}, "max_new_tokens": 200, "parallel": "false",
+        "yaml": "password: hunter22\nsorted(x, key=len)\n",
+    })
+    assert got == {
+        "note": "key is ***!",
+        "source": "s3://***@bucket/raw.txt",
+        "endpoint": "https://***@minio.local:9000/x",
+        "storage_options": {"key": "***", "secret": "***", "sessionToken": "***",
+                            "client_kwargs": {"endpoint_url": "http://minio:9000"}},
+        "tokenizer": {"kind": "char"}, "max_new_tokens": 200, "parallel": "false",
+        "yaml": "password: ***\nsorted(x, key=len)\n",
+    }
+
+
+def test_git_info_reports_commit_branch_and_the_diff_when_dirty(repo, tmp_path):
+    info = git_info(str(repo))
+    assert info["commit"] == git(repo, "rev-parse", "HEAD") and info["branch"] == "main"
+    assert info["dirty"] is False and info["diff"] is None
+    (repo / "train.py").write_text("lr = 3e-4\n")
+    (repo / "notes.txt").write_text("new\n")
+    info = git_info(str(repo))
+    assert info["dirty"] is True
+    assert "-lr = 1e-3" in info["diff"] and "+lr = 3e-4" in info["diff"] and "notes.txt" in info["diff"]
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    assert git_info(str(outside)) == {"commit": None, "branch": None, "dirty": None, "diff": None,
+                                      "remote": None}
+
+
+# ----------------------------------------------------------------------------- runs
+
+def test_run_logs_the_whole_config_git_state_and_versions(uri, repo, tmp_path):
+    cfg = config()
+    root = str(tmp_path / "storage")
+    with RunTracker(cfg, root, tags={"trigger": "test"}, run_name="first") as run:
+        pass
+    client = MlflowClient(uri)
+    r = client.get_run(run.run_id)
+    assert r.info.status == "FINISHED" and r.info.run_name == "first"
+    assert client.get_experiment(r.info.experiment_id).name == cfg.recipe
+    assert r.data.params == flatten(cfg.to_dict())
+    texts = artifact_texts(run.run_id, tmp_path / "art")
+    assert RunConfig.model_validate(yaml.safe_load(texts["config.yaml"])) == cfg
+    assert "git.diff" not in texts  # clean checkout
+    tags = r.data.tags
+    head = git(repo, "rev-parse", "HEAD")
+    assert tags["git.commit"] == tags["mlflow.source.git.commit"] == head
+    assert tags["git.branch"] == "main" and tags["git.dirty"] == "false"
+    assert tags["storage.root"] == root and tags["trigger"] == "test" and tags["device"] == "cpu"
+    assert tags["version.mlflow"] == mlflow.__version__ and tags["version.mllm"] == "0.1.0"
+    assert tags["version.torch"] and tags["version.prefect"]
+    assert "prefect.flow_run_id" not in tags  # not inside a flow run
+
+
+def test_dirty_checkout_is_tagged_and_its_diff_logged(uri, repo, tmp_path):
+    (repo / "train.py").write_text("lr = 3e-4\n")
+    with RunTracker(config(), str(tmp_path / "storage")) as run:
+        pass
+    assert MlflowClient(uri).get_run(run.run_id).data.tags["git.dirty"] == "true"
+    diff = artifact_texts(run.run_id, tmp_path / "art")["git.diff"]
+    assert "+lr = 3e-4" in diff
+
+
+def test_a_failing_training_ends_the_run_failed(uri, tmp_path):
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with RunTracker(config(), str(tmp_path / "storage")) as run:
+            raise RuntimeError("CUDA out of memory")
+    r = MlflowClient(uri).get_run(run.run_id)
+    assert r.info.status == "FAILED" and r.data.tags["error"] == "RuntimeError: CUDA out of memory"
+
+
+def test_flow_run_id_and_url_are_tagged_under_a_prefect_worker(uri, tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_UI_URL, temporary_settings
+
+    flow_run_id = str(uuid.uuid4())
+    monkeypatch.setenv("PREFECT__FLOW_RUN_ID", flow_run_id)  # how a worker starts a flow run
+    with temporary_settings({PREFECT_UI_URL: "http://127.0.0.1:4200"}):
+        with RunTracker(config(), str(tmp_path / "storage")) as run:
+            pass
+    tags = MlflowClient(uri).get_run(run.run_id).data.tags
+    assert tags["prefect.flow_run_id"] == flow_run_id
+    assert tags["prefect.flow_run_url"] == f"http://127.0.0.1:4200/flow-runs/flow-run/{flow_run_id}"
+
+
+def test_metrics_go_in_one_request_per_call_with_their_steps(store, uri, tmp_path, monkeypatch):
+    with RunTracker(config(), str(tmp_path / "storage")) as run:
+        calls = []
+        real = run.client.log_batch
+        monkeypatch.setattr(run.client, "log_batch", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
+        before = store.requests("/runs/log-batch") if store.server_log else 0
+        for step in (0, 10, 20):
+            run.log_metrics([{"step": step, "train_loss": 3.0 - step / 10, "lr": 1e-3,
+                              "grad_norm": 1.5, "tokens_per_s": 1000.0 + step}])
+        run.log_metrics([{"step": 20, "val_loss": 2.5, "val_perplexity": 12.2, "val_bits_per_token": 3.6}])
+        assert len(calls) == 4
+        # 2,400 numbers in one call: as few requests as MLflow's 1,000-metric limit allows.
+        run.log_metrics([{"step": 100 + i, "train_loss": 1.0, "lr": 1e-4, "grad_norm": 0.5}
+                         for i in range(800)])
+        assert len(calls) == 7 and [len(c["metrics"]) for c in calls[4:]] == [1000, 1000, 400]
+        if store.server_log:  # what reached the server: one HTTP request per batch
+            time.sleep(0.5)  # the access log line follows the response
+            assert store.requests("/runs/log-batch") - before == 7
+        assert run.log_loss_curve() == "loss_curve.png"
+    client = MlflowClient(uri)
+    history = {m.step: m.value for m in client.get_metric_history(run.run_id, "train_loss")}
+    assert len(history) == 803 and history[10] == 2.0 and history[20] == 1.0 and history[899] == 1.0
+    assert [(m.step, m.value) for m in client.get_metric_history(run.run_id, "val_loss")] == [(20, 2.5)]
+    assert [m.step for m in client.get_metric_history(run.run_id, "tokens_per_s")] == [0, 10, 20]
+    png = Path(mlflow.artifacts.download_artifacts(run_id=run.run_id, artifact_path="loss_curve.png",
+                                                   dst_path=str(tmp_path / "art")))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_datasets_carry_our_digest_source_and_size(uri, tmp_path):
+    sha = "9f" * 32  # a whole sha256: longer than MLflow's 36-character digest column
+    with RunTracker(config(), str(tmp_path / "storage")) as run:
+        run.log_dataset("raw", "https://example.com/corpus.txt", sha, "raw")
+        run.log_dataset("train", str(tmp_path / "storage" / "train.npy"), "0123456789abcdef",
+                        "training", n_tokens=90_000)
+        run.log_dataset("val", "s3://bucket/val.npy", "fedcba9876543210", "validation", n_tokens=10_000)
+    inputs = {d.dataset.name: d for d in MlflowClient(uri).get_run(run.run_id).inputs.dataset_inputs}
+    assert set(inputs) == {"raw", "train", "val"}
+    train = inputs["train"]
+    assert train.dataset.digest == "0123456789abcdef"
+    assert json.loads(train.dataset.source) == {"uri": str(tmp_path / "storage" / "train.npy")}
+    assert json.loads(train.dataset.profile) == {"num_tokens": 90_000}
+    tags = {t.key: t.value for t in train.tags}
+    assert tags["mlflow.data.context"] == "training" and tags["n_tokens"] == "90000"
+    assert json.loads(inputs["val"].dataset.source) == {"uri": "s3://bucket/val.npy"}
+    raw = inputs["raw"]
+    assert json.loads(raw.dataset.source) == {"url": "https://example.com/corpus.txt"}
+    assert raw.dataset.digest == sha[:36] and {t.key: t.value for t in raw.tags}["digest"] == sha
+
+
+def test_no_secret_reaches_a_param_tag_artifact_dataset_or_log_line(uri, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    source = f"s3://AKIAEXAMPLE:{SECRET}@bucket/corpus.txt"
+    root = f"s3://AKIAEXAMPLE:{SECRET}@bucket/runs"
+    cfg = config(data={"source": source})
+    caplog.set_level(logging.INFO, logger="tasks.tracking")
+    with RunTracker(cfg, root, tags={"note": f"secret {SECRET}"}) as run:
+        run.log_text(f"AWS_SECRET_ACCESS_KEY={SECRET}\nsource: {source}\n", "notes.txt")
+        run.log_dict({"storage_options": {"key": "AKIAEXAMPLE", "secret": SECRET}}, "options.json")
+        run.log_dataset("raw", source, "ab" * 8, "raw")
+        tracking.log.info("reading %s", source)
+    r = MlflowClient(uri).get_run(run.run_id)
+    texts = artifact_texts(run.run_id, tmp_path / "art")
+    everything = {
+        "params": json.dumps(r.data.params), "tags": json.dumps(r.data.tags),
+        "datasets": json.dumps([d.dataset.source for d in r.inputs.dataset_inputs]),
+        "logs": caplog.text, **texts,
+    }
+    assert {name for name, text in everything.items() if SECRET in text or "AKIAEXAMPLE" in text} == set()
+    # ...and they were there to hide: the redaction shows where.
+    assert r.data.params["data.source"] == "s3://***@bucket/corpus.txt"
+    assert r.data.tags["storage.root"] == "s3://***@bucket/runs" and r.data.tags["note"] == "secret ***"
+    assert "AWS_SECRET_ACCESS_KEY=***" in texts["notes.txt"]
+    assert json.loads(texts["options.json"]) == {"storage_options": {"key": "***", "secret": "***"}}
+    assert "reading s3://***@bucket/corpus.txt" in caplog.text
+
+
+# ----------------------------------------------------------------------------- the model
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    """A tiny character LSTM trained for a few steps on made-up text."""
+    from mllm.text import build_tokenizer
+    from mllm.train import train
+    from mllm.vocab import Vocab
+
+    d = tmp_path_factory.mktemp("trained")
+    tokenizer = build_tokenizer(TokenizerConfig(kind="char"))
+    tokens = [t for piece in tokenizer.tokenize([make_text(600, gutenberg=False)]) for t in piece]
+    vocab = Vocab.build(Counter(tokens))
+    ids = np.asarray(vocab.encode(tokens), dtype=np.uint16)
+    cut = int(0.9 * len(ids))
+    np.save(d / "train.npy", ids[:cut])
+    np.save(d / "val.npy", ids[cut:])
+    vocab.save(str(d / "vocab.json"))
+    cfg = config(train={"max_steps": 6, "eval_interval": 3, "eval_batches": 2, "log_interval": 2,
+                        "checkpoint_interval": 3},
+                 sample={"max_new_tokens": 12, "methods": ["greedy"]})
+    cfg.paths = {"train_ids": str(d / "train.npy"), "val_ids": str(d / "val.npy"),
+                 "vocab": str(d / "vocab.json"), "checkpoint_dir": str(d / "ckpt")}
+    return train(cfg).checkpoint
+
+
+def test_champion_moves_only_when_val_loss_improves_and_the_model_generates(uri, checkpoint, tmp_path):
+    cfg = config(sample={"max_new_tokens": 12, "methods": ["greedy"]})
+    name = cfg.recipe
+    client = MlflowClient(uri)
+    results = []
+    for loss in (2.0, 2.5, 1.5):
+        with RunTracker(cfg, str(tmp_path / "storage")) as run:
+            results.append(run.log_model(checkpoint, val_loss=loss))
+            results[-1]["run_id"] = run.run_id
+            results[-1]["champion"] = str(client.get_model_version_by_alias(name, "champion").version)
+    assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
+        ("1", True, "1"), ("2", False, "1"), ("3", True, "3")]
+    assert results[0]["previous"] is None
+    assert results[1]["previous"]["version"] == "1" and results[1]["previous"]["val_loss"] == 2.0
+    assert results[2]["previous"]["version"] == "1"
+    decisions = [client.get_run(r["run_id"]).data.tags["champion.decision"] for r in results]
+    assert decisions[0].startswith("promoted") and decisions[1].startswith("kept: val_loss 2.5 >= champion v1 2")
+    assert decisions[2].startswith("promoted: val_loss 1.5 < champion v1 2")
+    report = json.loads(artifact_texts(results[1]["run_id"], tmp_path / "art")["champion.json"])
+    assert report["promoted"] is False and report["version"] == "2" and report["val_loss"] == 2.5
+    assert client.get_model_version(name, "2").tags["val_loss"] == "2.5"
+
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    params = model.metadata.get_params_schema()
+    assert {p.name for p in params.params} >= {"method", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}
+    # The served model generates exactly what the checkpoint does through mllm itself.
+    loaded = load_checkpoint(checkpoint)
+    texts = model.predict(["The ", "and "], params={"max_new_tokens": 7})
+    assert texts == [sample_text(loaded, p, "greedy", max_new_tokens=7) for p in ("The ", "and ")]
+    assert texts[0].startswith("The ") and len(texts[0]) > len("The ")
+    top_p = {"method": "top-p", "top_p": 0.9, "seed": 3, "max_new_tokens": 20}
+    sampled = model.predict(pd.DataFrame({"prompt": ["The "]}), params=top_p)
+    assert sampled == [sample_text(loaded, "The ", **top_p)]
+    assert model.predict({"prompt": ["the "]}, params={"max_new_tokens": 3})[0].startswith("the ")
