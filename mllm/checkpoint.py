@@ -1,0 +1,96 @@
+"""Checkpoints: the full training state in one torch.save file, loaded with weights_only=True.
+
+A checkpoint holds only what the safe unpickler accepts: the model, optimizer and scheduler
+state_dicts, the step, the RNG states (ByteTensors), the run config as a plain dict, the
+vocabulary and tokenizer as JSON strings, metrics (floats) and the data position (ints). So it
+carries everything needed to resume training or to sample, and nothing that runs code on load.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mllm import UserError, storage
+from mllm.config import RunConfig
+from mllm.models import build_model
+from mllm.text import Tokenizer, tokenizer_from_json
+from mllm.vocab import Vocab
+
+REQUIRED = ("model", "step", "config", "vocab", "vocab_digest", "tokenizer")
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module  # in eval mode, on the device asked for
+    config: RunConfig
+    vocab: Vocab
+    tokenizer: Tokenizer
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def save_checkpoint(url: str, state: dict[str, Any]) -> None:
+    """Write `state` so that `url` holds either the previous checkpoint or this one, never half."""
+    with storage.atomic_open(url, "wb") as f:
+        torch.save(state, f)
+
+
+def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """The raw checkpoint dict, tensors mapped to `device`."""
+    storage.require(url, "checkpoint")
+    try:
+        blob = storage.read_bytes(url)
+        state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"checkpoint {url} holds objects that a safe load refuses: it was not written by mllm"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(
+            f"checkpoint {url} is truncated or corrupt ({reason}): train again or pick another checkpoint"
+        ) from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
+        raise UserError(f"checkpoint {url} is not an mllm checkpoint (it lacks {', '.join(REQUIRED)})")
+    return state
+
+
+def check_vocab(state: dict[str, Any], vocab: Vocab, url: str) -> None:
+    if state["vocab_digest"] != vocab.digest:
+        raise UserError(
+            f"checkpoint {url} was trained with another vocabulary (digest {state['vocab_digest'][:12]}, "
+            f"this one {vocab.digest[:12]}): use the vocabulary it was trained with, or another checkpoint_dir"
+        )
+
+
+def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab | None = None) -> Loaded:
+    """A model ready to sample or evaluate, with the config, vocabulary and tokenizer it was trained with.
+
+    With `vocab`, refuses a checkpoint trained on another vocabulary: its ids would mean other tokens.
+    """
+    state = read_checkpoint(url, device)
+    if vocab is not None:
+        check_vocab(state, vocab, url)
+    try:
+        config = RunConfig.model_validate(state["config"])
+        ckpt_vocab = Vocab.from_json(state["vocab"])
+        tokenizer = tokenizer_from_json(state["tokenizer"])
+    except (ValueError, KeyError, TypeError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"checkpoint {url} has an unreadable config, vocabulary or tokenizer ({reason})") from None
+    model = build_model(config.model)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise UserError(
+            f"checkpoint {url} does not fit the model its config describes ({str(e).splitlines()[0]})"
+        ) from None
+    model.to(device).eval()
+    metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
+    return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics)

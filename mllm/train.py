@@ -1,0 +1,419 @@
+"""The training loop, and `python -m mllm.train --config run.yaml`.
+
+nanoGPT's train.py, as a function: AdamW (fused on CUDA), linear warmup then cosine decay,
+gradient clipping and accumulation, bf16 autocast on CUDA, optional torch.compile, DDP under
+torchrun. Checkpoints hold the full state (model, optimizer, scheduler, step, RNG states, data
+position), so a run stopped at any checkpoint resumes to the same weights it would have reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from mllm import UserError, storage
+from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
+from mllm.config import RunConfig, TrainConfig, apply_overrides, load_file, validate
+from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
+from mllm.models import build_model
+from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
+from mllm.vocab import Vocab
+
+Records = list[dict]
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    train_loss: float | None
+    val_loss: float | None
+    best_val_loss: float | None
+    checkpoint: str  # last.pt
+    best_checkpoint: str | None
+    tokens_per_s: float
+    elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
+    stop_reason: str  # max_steps | epochs | max_minutes | early_stopping
+    resumed_from_step: int
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"train.device {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"train.device is {name} but no CUDA GPU is visible: use train.device=auto or cpu")
+    return device
+
+
+def _distributed(device: torch.device) -> tuple[_Dist, torch.device]:
+    """Join the process group when started under torchrun (WORLD_SIZE > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist(), device
+    d = _Dist(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
+    if device.type == "cuda":
+        device = torch.device("cuda", d.local_rank)
+        torch.cuda.set_device(device)
+    if not tdist.is_initialized():
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        d.owns_group = True
+    return d, device
+
+
+def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, np.ndarray, np.ndarray]:
+    p = cfg.paths
+    if p is None:
+        raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
+    storage.require(p.train_ids, "train ids (paths.train_ids)")
+    storage.require(p.val_ids, "validation ids (paths.val_ids)")
+    storage.require(p.vocab, "vocabulary (paths.vocab)")
+    vocab = Vocab.load(p.vocab)
+    if p.tokenizer:
+        storage.require(p.tokenizer, "tokenizer (paths.tokenizer)")
+        tokenizer = tokenizer_from_json(storage.read_text(p.tokenizer), p.tokenizer)
+    elif cfg.data.tokenizer.kind == "bpe":
+        raise UserError("a BPE run needs paths.tokenizer: the JSON of the tokenizer its ids were made with")
+    else:
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+    vocab_size = cfg.model.vocab_size or len(vocab)
+    if vocab_size < len(vocab):
+        raise UserError(f"model.vocab_size {vocab_size} is below the vocabulary's {len(vocab)}: "
+                        "set it to 0 (taken from the vocabulary)")
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    ids = {}
+    for what, url in (("train", p.train_ids), ("validation", p.val_ids)):
+        ids[what] = load_ids(url)
+        top = int(ids[what].max()) if len(ids[what]) else 0
+        if top >= vocab_size:
+            raise UserError(f"{what} ids at {url} hold id {top} but the vocabulary has {len(vocab)} tokens: "
+                            "they were made with another vocabulary; re-run the split stage")
+    return cfg, vocab, tokenizer, ids["train"], ids["validation"]
+
+
+def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
+    """The multiplier of train.lr at each step: linear warmup, then constant or cosine to min_lr."""
+    if t.lr_schedule == "cosine" and total_steps is None:
+        raise UserError("lr_schedule cosine needs max_steps or epochs to know where to end: set one, or use constant")
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+        return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
+
+    return factor
+
+
+def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    if hasattr(model, "optim_groups"):
+        groups = model.optim_groups(t.weight_decay)
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": t.weight_decay}]
+    kind = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
+    return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda" or None)
+
+
+def _autocast(t: TrainConfig, device: torch.device):
+    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if bf16:
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+@torch.no_grad()
+def _val_loss(model, ids, starts, window, batch_size, device, autocast, d: _Dist) -> float:
+    """Mean loss over the fixed validation windows, each rank scoring its share."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    mine = starts[d.rank::d.world_size]
+    for i in range(0, len(mine), batch_size):
+        x, y = windows(ids, mine[i:i + batch_size], window)
+        with autocast():
+            _, loss, _ = model(x.to(device), y.to(device))
+        total[0] += loss.double() * y.numel()
+        total[1] += y.numel()
+    if d.world_size > 1:
+        tdist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+def _gather(obj, d: _Dist) -> list:
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    tdist.all_gather_object(out, obj)
+    return out
+
+
+def _rng_state(batches, device: torch.device, d: _Dist) -> dict:
+    # Every rank's own dropout RNG, so a DDP run resumes exactly too (only rank 0 writes).
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    states = _gather((torch.get_rng_state(), cuda), d)
+    rng = {"cpu": [s[0] for s in states]}
+    if cuda is not None:
+        rng["cuda"] = [s[1] for s in states]
+    if batches.rng_state() is not None:
+        rng["data"] = batches.rng_state()
+    return rng
+
+
+def _set_rng_state(rng: dict, batches, data_state: dict, device: torch.device, d: _Dist) -> None:
+    if d.rank < len(rng.get("cpu", [])):
+        torch.set_rng_state(rng["cpu"][d.rank].cpu())
+    if device.type == "cuda" and d.rank < len(rng.get("cuda", [])):
+        torch.cuda.set_rng_state(rng["cuda"][d.rank].cpu(), device)
+    data = rng.get("data")
+    batches.load_state_dict(data_state, data.cpu() if data is not None else None)
+
+
+def _check_model(saved: dict, cfg: RunConfig, url: str) -> None:
+    now = cfg.model.model_dump(mode="json")
+    for key, value in saved.get("model", {}).items():
+        if key != "dropout" and now.get(key) != value:
+            raise UserError(f"checkpoint {url} has model.{key}={value!r}, this config {now.get(key)!r}: "
+                            "use the same model, another checkpoint_dir, or --no-resume")
+
+
+def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
+          on_progress: Callable[[dict], None] | None = None, resume: bool = True) -> TrainResult:
+    """Train per `cfg` (its paths section says where inputs and checkpoints are); see module doc.
+
+    on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
+    Under DDP only rank 0 calls them and writes checkpoints.
+    """
+    cfg, vocab, tokenizer, train_ids, val_ids = _inputs(cfg)
+    t = cfg.train
+    d, device = _distributed(_device(t.device))
+    try:
+        return _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_progress, resume)
+    finally:
+        if d.owns_group:
+            tdist.destroy_process_group()
+
+
+def _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_progress, resume) -> TrainResult:
+    t = cfg.train
+    last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
+    best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
+    torch.manual_seed(t.seed + d.rank)
+    if t.sampling == "epoch":
+        batches = EpochWindows(train_ids, t.window, t.batch_size, t.stride, t.seed, d.rank, d.world_size)
+    else:
+        batches = RandomWindows(train_ids, t.window, t.batch_size, t.seed, d.rank, d.world_size)
+    val_starts = eval_starts(val_ids, t.window, t.eval_batches * t.batch_size, t.seed)
+    if t.max_steps is not None:
+        total_steps, end_reason = t.max_steps, "max_steps"
+    elif t.epochs is not None:
+        total_steps, end_reason = math.ceil(t.epochs * batches.batches_per_epoch / t.grad_accum), "epochs"
+    else:
+        total_steps, end_reason = None, "max_minutes"
+
+    raw = build_model(cfg.model).to(device)
+    optimizer = _optimizer(raw, t, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t, total_steps))
+    step, elapsed_before = 0, 0.0
+    metrics: dict[str, float] = {}
+    if resume and storage.exists(last_url):
+        state = read_checkpoint(last_url, "cpu")
+        check_vocab(state, vocab, last_url)
+        _check_model(state["config"], cfg, last_url)
+        raw.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = int(state["step"])
+        metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
+        elapsed_before = metrics.get("elapsed_s", 0.0)
+        # Last: building the model and optimizer above drew from the RNG.
+        _set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
+        del state
+    resumed_from = step
+    if len(set(_gather(step, d))) > 1:
+        raise UserError(f"the ranks found different checkpoints in {cfg.paths.checkpoint_dir}: "
+                        "it must be storage that every rank reads (a shared folder or object storage)")
+    best = metrics.get("best_val_loss", math.inf)
+    evals_since_best = int(metrics.get("evals_since_best", 0))
+
+    compiled = model = torch.compile(raw) if t.compile else raw
+    if d.world_size > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(compiled, device_ids=[d.local_rank] if device.type == "cuda" else None)
+    autocast = _autocast(t, device)
+    pin = device.type == "cuda"
+    tokens_per_step = t.batch_size * t.window * t.grad_accum * d.world_size
+
+    def limit_reason(step: int, elapsed: float) -> str | None:
+        if total_steps is not None and step >= total_steps:
+            return end_reason
+        if t.max_minutes is not None and elapsed >= 60 * t.max_minutes:
+            return "max_minutes"
+        if t.early_stopping_patience and evals_since_best >= t.early_stopping_patience:
+            return "early_stopping"
+        return None
+
+    def save(url: str) -> None:
+        rng = _rng_state(batches, device, d)  # a collective: every rank takes part
+        if not d.master:
+            return
+        save_checkpoint(url, {
+            "model": raw.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
+            "config": cfg.to_dict(), "vocab": vocab.to_json(), "vocab_digest": vocab.digest,
+            "tokenizer": tokenizer.to_json(), "metrics": {k: float(v) for k, v in metrics.items()},
+            "data_state": batches.state_dict(),
+        })
+
+    t0 = time.perf_counter()
+    stop = limit_reason(step, elapsed_before)
+    loss_sum = torch.zeros((), device=device)
+    loss_count, tokens_run, mark, mark_step = 0, 0, t0, step
+    while stop is None:
+        lr = scheduler.get_last_lr()[0]
+        for micro in range(t.grad_accum):
+            x, y = batches.next()
+            if pin:
+                x, y = x.pin_memory(), y.pin_memory()
+            x, y = x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+            if d.world_size > 1:
+                # Average gradients across ranks once per step, not after every micro-batch.
+                model.require_backward_grad_sync = micro == t.grad_accum - 1
+            with autocast():
+                _, loss, _ = model(x, y)
+            (loss / t.grad_accum).backward()
+            loss_sum += loss.detach()
+            loss_count += 1
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), t.grad_clip or math.inf)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_run += tokens_per_step
+
+        elapsed = elapsed_before + time.perf_counter() - t0
+        if t.max_minutes is not None and d.world_size > 1:
+            # Clocks differ between ranks; rank 0's decides, or the ranks would part ways.
+            clock = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            tdist.broadcast(clock, 0)
+            elapsed = clock.item()
+        stop = limit_reason(step, elapsed)
+        records: Records = []
+        if step % t.log_interval == 0 or stop:
+            now = time.perf_counter()
+            metrics["train_loss"] = (loss_sum / loss_count).item()
+            metrics["tokens_per_s"] = (step - mark_step) * tokens_per_step / max(now - mark, 1e-9)
+            records.append({"step": step, "train_loss": metrics["train_loss"], "lr": lr,
+                            "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"]})
+            loss_sum.zero_()
+            loss_count, mark, mark_step = 0, now, step
+        improved = False
+        if step % t.eval_interval == 0 or stop:
+            val = _val_loss(compiled, val_ids, val_starts, t.window, t.batch_size, device, autocast, d)
+            improved = val < best
+            best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
+            metrics.update(val_loss=val, best_val_loss=best, evals_since_best=evals_since_best)
+            records.append({"step": step, "val_loss": val, "val_perplexity": math.exp(min(val, 700.0)),
+                            "val_bits_per_token": val / math.log(2)})
+            stop = stop or limit_reason(step, elapsed)
+        metrics["elapsed_s"] = elapsed
+        if records and on_metrics and d.master:
+            on_metrics(records)
+        if improved:
+            save(best_url)
+        if step % t.checkpoint_interval == 0 or stop:
+            save(last_url)
+        if (step % t.log_interval == 0 or stop) and on_progress and d.master:
+            on_progress({"step": step, "total_steps": total_steps, "epoch": batches.epoch,
+                         "elapsed_s": elapsed, "train_loss": metrics.get("train_loss"), "lr": lr,
+                         "tokens_per_s": metrics.get("tokens_per_s")})
+
+    run_s = time.perf_counter() - t0
+    if d.world_size > 1:
+        tdist.barrier()  # no rank returns before rank 0 has written the checkpoint it names
+    return TrainResult(
+        steps=step, train_loss=metrics.get("train_loss"), val_loss=metrics.get("val_loss"),
+        best_val_loss=best if math.isfinite(best) else None, checkpoint=last_url,
+        best_checkpoint=best_url if math.isfinite(best) else None,
+        tokens_per_s=tokens_run / run_s if tokens_run else metrics.get("tokens_per_s", 0.0),
+        elapsed_s=metrics.get("elapsed_s", elapsed_before), stop_reason=stop,
+        resumed_from_step=resumed_from,
+    )
+
+
+def _print_records(records: Records) -> None:
+    for r in records:
+        if "train_loss" in r:
+            print(f"step {r['step']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}, "
+                  f"grad norm {r['grad_norm']:.3f}, {r['tokens_per_s']:,.0f} tok/s", flush=True)
+        if "val_loss" in r:
+            print(f"step {r['step']}: val loss {r['val_loss']:.4f}, perplexity {r['val_perplexity']:.2f}, "
+                  f"{r['val_bits_per_token']:.3f} bits/token", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mllm.train",
+        description="Train a language model from token ids on disk (no Prefect, no MLflow). Writes "
+                    "{paths.checkpoint_dir}/last.pt (full state, resumable) and best.pt (best validation loss).",
+    )
+    parser.add_argument("--config", required=True, metavar="FILE.yaml",
+                        help="a RunConfig as YAML (a recipe's sections plus a paths section: train_ids, "
+                             "val_ids, vocab, optional tokenizer, checkpoint_dir)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set train.lr=3e-4 (repeatable; values are YAML)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start from scratch even if checkpoint_dir holds a last.pt (it is overwritten)")
+    args = parser.parse_args(argv)
+    try:
+        data = apply_overrides(load_file(args.config), args.overrides)
+        cfg = validate(data, args.config if not args.overrides else f"{args.config} with --set")
+        if cfg.paths is None:
+            raise UserError(f"{args.config} has no paths section: add paths with train_ids, val_ids, "
+                            "vocab and checkpoint_dir")
+        result = train(cfg, on_metrics=_print_records, resume=not args.no_resume)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
+        best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
+        resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
+        print(f"done: {result.steps} steps ({result.stop_reason}{resumed}), val loss {val}, best {best}, "
+              f"{result.tokens_per_s:,.0f} tok/s, {result.elapsed_s:.1f}s; checkpoint {result.checkpoint}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
