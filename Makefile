@@ -15,14 +15,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+# torch first and alone: asked for together with the project, pip takes PyPI's CUDA build of
+# the same version over the CPU wheel that pip's find-links offers on the machines we test on.
+$(VENV)/.torch: | $(BIN)/python
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
-	$(BIN)/python -m pip install -q -e ".[pipeline]"
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[dev]"
+# constraints.txt holds versions known to resolve together: without it pip takes the newest
+# boto3 for moto, then backtracks through hundreds of releases to meet s3fs's exact pin.
+$(VENV)/.installed: pyproject.toml constraints.txt $(VENV)/.torch
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[pipeline]"
 	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml constraints.txt $(VENV)/.torch
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

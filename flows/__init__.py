@@ -10,5 +10,6 @@ for _name, _value in {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "DO_NOT_TRACK": "true",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
 }.items():
     os.environ.setdefault(_name, _value)

@@ -107,6 +107,9 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         t, e = result.trained, result.evaluation
         typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
+        c = result.champion
+        typer.echo(f"model: {c['name']} v{c['version']} ({'promoted to champion' if c['promoted'] else 'champion kept'}: {c['reason']})")
+        typer.echo(f"mlflow run: {result.mlflow_run_id}")
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint}")
         typer.echo(f"  samples:    {t.run_dir}/samples/")

@@ -7,7 +7,7 @@ results live are configured on the tasks and in `with_results`, not in the logic
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -17,7 +17,9 @@ from mllm import storage
 from mllm.config import RunConfig, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
+from tasks import tracking
 from tasks.caching import result_storage
+from tasks.tracking import RunTracker
 from tasks.model import Evaluation, Prepared, Trained
 
 
@@ -46,9 +48,8 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
 
 
 @flow(name="train")
-def train(cfg: RunConfig, data: Prepared, root: str,
-          on_metrics: Callable[[list[dict]], None] | None = None) -> Trained:
-    return model_tasks.train(cfg, data, root, on_metrics)
+def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
+    return model_tasks.train(cfg, data, root, run_id)
 
 
 @flow(name="evaluate")
@@ -65,6 +66,8 @@ class PipelineResult(BaseModel):
     trained: Trained
     evaluation: Evaluation
     samples: dict[str, list[str]]
+    mlflow_run_id: str
+    champion: dict[str, Any]
 
 
 @flow(name="pipeline")
@@ -74,10 +77,14 @@ def pipeline(recipe: str = "default", source: str | None = None, storage_url: st
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
     data = with_results(prepare, root)(cfg, root)
-    trained = with_results(train, root)(cfg, data, root)
-    evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+    with RunTracker(cfg, root) as run:
+        tracking.log_data(run.run_id, cfg, root, data)
+        trained = with_results(train, root)(cfg, data, root, run.run_id)
+        evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+        champion = tracking.log_outcome(run.run_id, cfg, root, trained, evaluation, samples)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, trained=trained,
-                            evaluation=evaluation, samples=samples)
+                            evaluation=evaluation, samples=samples, mlflow_run_id=run.run_id,
+                            champion=champion)
     create_markdown_artifact(summary(result), key=f"pipeline-{_slug(cfg.recipe)}",
                              description=f"{cfg.recipe}: data, training and samples")
     return result
@@ -104,6 +111,8 @@ def summary(r: PipelineResult) -> str:
         f"| val loss | {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
         f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token) |",
         f"| outputs | `{t.run_dir}` |",
+        f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.get('name')} v{r.champion.get('version')}, "
+        f"{'now champion' if r.champion.get('promoted') else 'champion kept'} ({r.champion.get('reason', '')}) |",
         "",
         "## Samples",
         "",

@@ -9,7 +9,7 @@ stopped, and a finished one is not paid for twice.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, task
 from pydantic import BaseModel
@@ -22,6 +22,7 @@ from mllm.sample import sample_text
 import tasks
 from tasks.caching import code_digest, transient
 from tasks.data import Splits, Tokens, Vocabulary
+from tasks.tracking import RunTracker
 
 class Prepared(BaseModel):
     """What the data stages hand on to training."""
@@ -81,9 +82,10 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
 
 
 @task(name="train", retries=0)
-def train(cfg: RunConfig, data: Prepared, root: str,
-          on_metrics: Callable[[list[dict]], None] | None = None) -> Trained:
+def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
+    """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches."""
     logger = get_run_logger()
+    on_metrics = RunTracker.attach(run_id, cfg, root).log_metrics if run_id else None
     job, run_dir = train_job(cfg, data, root)
     config_url = storage.join(run_dir, "config.yaml")
     storage.write_text(config_url, job.to_yaml())

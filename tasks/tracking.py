@@ -43,6 +43,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model, ModelSignature
 from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 from mlflow.tracking import MlflowClient
+from prefect import task
 
 import mllm
 from mllm import UserError, storage
@@ -349,7 +350,13 @@ class RunTracker:
         self.client = MlflowClient(self.uri)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
-        self.history: list[dict] = []
+
+    @classmethod
+    def attach(cls, run_id: str, cfg: RunConfig, storage_root: str) -> "RunTracker":
+        """The tracker of a run started elsewhere (the pipeline), e.g. in a training worker."""
+        tracker = cls(cfg, storage_root)
+        tracker.run_id = run_id
+        return tracker
 
     # context manager
 
@@ -421,7 +428,6 @@ class RunTracker:
             values = {k: float(v) for k, v in record.items()
                       if k != "step" and v is not None and not isinstance(v, bool)}
             metrics += [Metric(k, v, now, step) for k, v in values.items()]
-            self.history.append({"step": step, **values})
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
@@ -429,7 +435,8 @@ class RunTracker:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""
         from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
 
-        curves = {name: [(r["step"], r[name]) for r in self.history if name in r]
+        # From the server: training may have logged from another process (a worker).
+        curves = {name: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, name))
                   for name in ("train_loss", "val_loss")}
         if not any(curves.values()):
             return None
@@ -636,3 +643,43 @@ def _requirements() -> list[str]:
     return [f"{dist}=={_version(dist).split('+')[0]}" for dist in (
         "mlflow", "torch", "numpy", "pyarrow", "fsspec", "pydantic", "pyyaml", "tokenizers")
         if _version(dist) != "not installed"]
+
+
+# --- the pipeline's tracking tasks ---------------------------------------------------------
+
+@task(name="log-data", retries=2, retry_delay_seconds=2)
+def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
+    """The data stages as MLflow datasets (source URI and our digest), and the vocabulary."""
+    run = RunTracker.attach(run_id, cfg, root)
+    run.log_dataset("corpus", data.source, data.raw_sha256, "raw", None)
+    run.log_dataset("tokens", data.tokens.url, data.tokens.key, "tokens", data.tokens.n_tokens)
+    for split in ("train", "val", "test"):
+        part = getattr(data.splits, split)
+        if part is not None:
+            context = {"train": "training", "val": "validation", "test": "testing"}[split]
+            run.log_dataset(split, part.ids, f"{data.splits.key}-{split}", context, part.n_tokens)
+    run.log_text(storage.read_text(data.vocab.url), "vocab.json")
+    run.set_tags({"data.raw_sha256": data.raw_sha256, "data.vocab_digest": data.vocab.digest,
+                  "data.splits": data.splits.url})
+
+
+@task(name="log-outcome", retries=2, retry_delay_seconds=2)
+def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
+                samples: dict[str, list[str]]) -> dict[str, Any]:
+    """Final metrics, report, samples, loss curve; the model, and the champion decision."""
+    run = RunTracker.attach(run_id, cfg, root)
+    e = evaluation
+    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss, "final_val_perplexity": e.perplexity,
+                      "final_val_bits_per_token": e.bits_per_token, "final_val_bits_per_byte": e.bits_per_byte,
+                      "baseline_unigram_bits_per_token": e.unigram_bits_per_token,
+                      "baseline_bigram_bits_per_token": e.bigram_bits_per_token}])
+    run.log_text(storage.read_text(e.report), "evaluation.md")
+    run.log_dict(e.model_dump(mode="json"), "evaluation.json")
+    for method, texts in samples.items():
+        run.log_text("\n\n".join(f"--- prompt {p!r}\n{t}" for p, t in zip(cfg.sample.prompts, texts)) + "\n",
+                     f"samples/{method}.txt")
+    run.log_dict({"prompts": cfg.sample.prompts, "methods": list(samples)}, "samples/prompts.json")
+    run.log_loss_curve()
+    run.set_tags({"train.steps": trained.steps, "train.stop_reason": trained.stop_reason,
+                  "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step})
+    return run.log_model(e.checkpoint, e.loss)

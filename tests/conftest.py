@@ -61,3 +61,13 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_bytes(make_text().encode("utf-8"))
     return path
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect server (a subprocess on a free loopback port, temporary SQLite database)
+    for the flows this test process runs; stopped after the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield

@@ -19,6 +19,8 @@ from conftest import make_text
 from flows.pipeline import pipeline
 from mllm.vocab import Vocab
 
+pytestmark = pytest.mark.usefixtures("prefect_server")
+
 FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
         "sample.max_new_tokens=20"]
 
@@ -70,10 +72,11 @@ def test_pipeline_writes_every_stage_and_a_usable_checkpoint(corpus: Path, tmp_p
     assert (Path(r.trained.run_dir) / "samples" / "greedy.txt").is_file()
 
     out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", r.trained.checkpoint,
-                          "--prompt", "The ", "--max-new-tokens", "30", "--method", "greedy"],
+                          "--prompt", "The ", "--max-new-tokens", "30", "--method", "top-p"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("The ") and len(out.stdout.strip()) > 10
+    text = out.stdout.removesuffix("\n")
+    assert text.startswith("The ") and len(text) == 4 + 30  # one character per new token
 
 
 def test_second_run_reuses_every_data_stage(corpus: Path, tmp_path: Path) -> None:

@@ -1,0 +1,1 @@
+"""Speed measurements, run by hand: `python -m benchmarks.<name> [--quick]` or `make bench`."""

@@ -1,0 +1,149 @@
+"""What every benchmark shares: the machine header, corpora, War and Peace ids, tables, JSON.
+
+Figures are only comparable with the machine they ran on, so each benchmark prints (and saves)
+the torch version, its thread count, the CPU count and the load average next to its numbers:
+another job on the same two cores halves a throughput without anything else changing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+OUT = REPO / "benchmarks" / "out"
+CORPORA = {"warandpeace": DATA / "warandpeace.txt", "tinyshakespeare": DATA / "tinyshakespeare.txt"}
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a shorter pass (fewer steps, smaller inputs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's own choice, one per core)")
+    if extra:
+        extra(p)
+    args = p.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def corpus(name: str) -> Path:
+    """The corpus file, or exit with a message saying where it was looked for."""
+    path = CORPORA[name]
+    if not path.is_file():
+        print(f"skipped: {name} corpus not found at {path} (benchmarks read ../shared/data beside the repo)")
+        raise SystemExit(0)
+    return path
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "machine": platform.machine(),
+            "loadavg_start": list(os.getloadavg())}
+
+
+def header(name: str, quick: bool) -> dict[str, Any]:
+    m = machine()
+    print(f"# {name}{' (quick)' if quick else ''}\n")
+    print(f"torch {m['torch']}, {m['threads']} torch threads, {m['cpus']} CPUs, python {m['python']}, "
+          f"load average {m['loadavg_start'][0]:.2f}\n", flush=True)
+    return m
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """A markdown table of `rows`; columns are (key, title) pairs."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+        if isinstance(v, int):
+            return f"{v:,}"
+        return "" if v is None else str(v)
+
+    lines = ["| " + " | ".join(t for _, t in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{name}.json"
+    payload = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"\nfigures saved to {path.relative_to(REPO)}", flush=True)
+    return path
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def hms(seconds: float) -> str:
+    """A long duration the way a person reads it: 37 min, 5.4 h, 2.1 days."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bool = True,
+              strip_gutenberg: bool = True, val_fraction: float = 0.1) -> dict[str, Any]:
+    """Tokenize a corpus with mllm.text and mllm.vocab into train/val .npy and vocab.json in
+    `folder`: the inputs `mllm.train` reads, without the pipeline around them."""
+    import numpy as np
+    import pyarrow as pa
+
+    from mllm.config import TokenizerConfig
+    from mllm.text import build_tokenizer, read_chunks, strip_gutenberg as strip
+    from mllm.vocab import Vocab
+
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks = read_chunks(str(corpus_path))
+    if strip_gutenberg:
+        chunks = strip(chunks)
+    tok = build_tokenizer(TokenizerConfig(kind=kind, normalize=normalize, strip_gutenberg=strip_gutenberg))
+    tokens = pa.chunked_array([pa.array(t, pa.string()) for t in tok.tokenize(chunks)])
+    counts = {v: c for v, c in zip(*(f.to_pylist() for f in tokens.value_counts().flatten()))}
+    vocab = Vocab.build(counts)
+    ids = vocab.encode_array(tokens)
+    n_val = int(len(ids) * val_fraction)
+    np.save(folder / "train.npy", ids[:len(ids) - n_val])
+    np.save(folder / "val.npy", ids[len(ids) - n_val:])
+    vocab.save(str(folder / "vocab.json"))
+    return {"train_ids": str(folder / "train.npy"), "val_ids": str(folder / "val.npy"),
+            "vocab": str(folder / "vocab.json"), "vocab_size": len(vocab),
+            "n_train": len(ids) - n_val, "n_val": n_val}
+
+
+def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, overrides: dict[str, Any]):
+    """A recipe (or the default tree) with `overrides` ({"train.max_steps": 10}) and paths filled in."""
+    from mllm.config import RunConfig, TrainPaths, apply_overrides, recipe_dict, validate
+
+    data = recipe_dict(recipe) if recipe else RunConfig().to_dict()
+    data = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    data["paths"] = TrainPaths(train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"],
+                               checkpoint_dir=str(checkpoint_dir)).model_dump()
+    return validate(data, f"benchmark config ({recipe or 'default tree'})")
+
+
+def python() -> str:
+    return sys.executable
