@@ -19,6 +19,7 @@ whether greedy decoding gave the same tokens with and without the cache/state.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +42,16 @@ MODELS = {
 }
 
 
+@contextlib.contextmanager
+def threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def brief_training(model: torch.nn.Module, ids: np.ndarray, steps: int, window: int = 64,
                    batch: int = 16) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -52,12 +63,13 @@ def brief_training(model: torch.nn.Module, ids: np.ndarray, steps: int, window: 
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
 
 def timed(model, prompt: list[int], n: int, method: str, use_cache: bool, repeats: int) -> tuple[float, list[int]]:
+    """Median seconds over up to `repeats` runs (fewer when one run is slow enough to be steady)."""
     times, out = [], []
-    for _ in range(repeats):
+    while len(times) < repeats and sum(times) < 5.0:
         t0 = time.perf_counter()
         out = generate(model, prompt, n, method=method, temperature=0.8, top_p=0.9, seed=1,
                        use_cache=use_cache)
@@ -74,35 +86,41 @@ def main() -> None:
     repeats, train_steps = (1, 20) if q else (3, 60)
     with tempfile.TemporaryDirectory(prefix="mllm-bench-generate-") as tmp:
         paths = token_ids(wp, Path(tmp) / "wp")
-        ids = load_ids(paths["train_ids"])
-        ids = np.array(ids)  # the folder goes away before the models are done with the ids
+        ids = np.array(load_ids(paths["train_ids"]))  # a copy: the folder goes before the models do
     prompt = [int(i) for i in ids[1000:1004]]
 
+    # One sequence at a time is a stream of tiny ops: with every core's thread waiting on the
+    # others at each op, a core taken by anything else stalls all of them. Hence a one-thread pass.
+    thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
     rows = []
     for name, spec in MODELS.items():
         torch.manual_seed(1337)
         model = build_model(ModelConfig(vocab_size=paths["vocab_size"], **spec))
         t0 = time.perf_counter()
-        loss = brief_training(model, ids, train_steps)
+        with threads(1):
+            loss = brief_training(model, ids, train_steps)
         print(f"{name}: {train_steps} training steps in {time.perf_counter() - t0:.1f} s, loss {loss:.2f}",
               flush=True)
         model.eval()
-        for method in ("greedy", "top-p"):
-            timed(model, prompt, 8, method, True, 1)  # warm-up
-            s_cached, cached = timed(model, prompt, n, method, True, repeats)
-            load_cached = load()
-            s_full, full = timed(model, prompt, n, method, False, repeats)
-            cache_name = "KV cache" if spec["arch"] == "gpt" else "carried state"
-            same = (cached == full) if method == "greedy" else None
-            for mode, s, ld in ((cache_name, s_cached, load_cached), ("recompute", s_full, load())):
-                rows.append({"model": name, "method": method, "mode": mode, "new_tokens": n, "seconds": s,
-                             "tokens_per_s": n / s, "speedup": s_full / s, "same_tokens": same, "load": ld})
-            print(f"  {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, {n / s_full:,.0f} recomputing "
-                  f"({s_full / s_cached:.1f}x)" + (f", same tokens: {same}" if same is not None else ""),
-                  flush=True)
+        cache_name = "KV cache" if spec["arch"] == "gpt" else "carried state"
+        for n_threads in thread_counts:
+            with threads(n_threads):
+                for method in ("greedy", "top-p"):
+                    timed(model, prompt, 8, method, True, 1)  # warm-up
+                    s_cached, cached = timed(model, prompt, n, method, True, repeats)
+                    load_cached = load()
+                    s_full, full = timed(model, prompt, n, method, False, repeats)
+                    same = (cached == full) if method == "greedy" else None
+                    for mode, s, ld in ((cache_name, s_cached, load_cached), ("recompute", s_full, load())):
+                        rows.append({"model": name, "threads": n_threads, "method": method, "mode": mode,
+                                     "new_tokens": n, "seconds": s, "tokens_per_s": n / s,
+                                     "speedup": s_full / s, "same_tokens": same, "load": ld})
+                    print(f"  {n_threads} threads, {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, "
+                          f"{n / s_full:,.0f} recomputing ({s_full / s_cached:.1f}x)"
+                          + (f", same tokens: {same}" if same is not None else ""), flush=True)
 
     print()
-    print(table(rows, [("model", "model"), ("method", "method"), ("mode", "context"), ("seconds", f"s / {n} tokens"),
+    print(table(rows, [("model", "model"), ("threads", "threads"), ("method", "method"), ("mode", "context"), ("seconds", f"s / {n} tokens"),
                        ("tokens_per_s", "tokens/s"), ("speedup", "vs recompute"), ("same_tokens", "greedy same"),
                        ("load", "load avg")]))
     save("generate_speed", {"machine": m, "quick": q, "new_tokens": n, "repeats": repeats,

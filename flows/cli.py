@@ -33,7 +33,6 @@ def _fail(message: str) -> None:
 @contextlib.contextmanager
 def _user_errors() -> Iterator[None]:
     """A user's mistake ends the command with one line and exit status 2, never a traceback."""
-    _quiet_user_error_tracebacks()
     try:
         yield
     except UserError as e:
@@ -51,12 +50,20 @@ class _HideUserErrorTraceback(logging.Filter):
         return True
 
 
-def _quiet_user_error_tracebacks() -> None:
-    # Prefect logs a failed task with its traceback; for a user's mistake the message suffices.
-    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", ""):
+def _flows():
+    """The flows module, imported on first use (Prefect takes seconds to import)."""
+    from flows import pipeline
+
+    # Prefect logs a failed run with its traceback; on the console, for a user's mistake, the
+    # message suffices (the Prefect UI still gets the whole log).
+    for name in ("prefect", ""):
         for handler in logging.getLogger(name).handlers:
             if not any(isinstance(f, _HideUserErrorTraceback) for f in handler.filters):
                 handler.addFilter(_HideUserErrorTraceback())
+    # A flow that fails within a second can race its own heartbeat thread against the shutdown
+    # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
+    logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
+    return pipeline
 
 
 @contextlib.contextmanager
@@ -93,17 +100,20 @@ def _progress() -> Iterator[None]:
         tasks.progress_hook = None
 
 
+Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
+
+
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-        set_: Sets = None) -> None:
+        set_: Sets = None, tag: Tags = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
-        cfg = resolve(recipe, overrides=set_ or [], source=source)
-        from flows.pipeline import pipeline, storage_root
-
-        root = storage_root(storage)
+        _resolve(recipe, set_, source)
+        tags = dict(_key_value(t, "--tag") for t in tag or [])
+        fl = _flows()
+        root = fl.storage_root(storage)
         with _progress():
-            result = pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [])
+            result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags)
         t, e = result.trained, result.evaluation
         typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
@@ -116,17 +126,32 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         typer.echo(f"  report:     {e.report}")
 
 
+def _resolve(recipe: str, sets: list[str] | None, source: str | None):
+    """The config, checked before Prefect starts: a bad recipe, --set or path fails at once."""
+    cfg = resolve(recipe, overrides=sets or [], source=source)
+    src = cfg.data.source
+    if src and "://" not in src and not os.path.isfile(src):
+        raise UserError(f"source file {os.path.abspath(src)} not found: check the path")
+    return cfg
+
+
+def _key_value(item: str, option: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"malformed {option} {item!r}: write it as key=value")
+    return key.strip(), value
+
+
 @app.command()
 def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
             set_: Sets = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with _user_errors():
-        cfg = resolve(recipe, overrides=set_ or [], source=source)
-        from flows.pipeline import prepare as prepare_flow, storage_root, with_results
-
-        root = storage_root(storage)
+        cfg = _resolve(recipe, set_, source)
+        fl = _flows()
+        root = fl.storage_root(storage)
         with _progress():
-            data = with_results(prepare_flow, root)(cfg, root)
+            data = fl.with_results(fl.prepare, root)(cfg, root)
         s = data.splits
         typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
                    f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
@@ -138,13 +163,12 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
           set_: Sets = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with _user_errors():
-        cfg = resolve(recipe, overrides=set_ or [], source=source)
-        from flows.pipeline import prepare as prepare_flow, storage_root, train as train_flow, with_results
-
-        root = storage_root(storage)
+        cfg = _resolve(recipe, set_, source)
+        fl = _flows()
+        root = fl.storage_root(storage)
         with _progress():
-            data = with_results(prepare_flow, root)(cfg, root)
-            trained = with_results(train_flow, root)(cfg, data, root)
+            data = fl.with_results(fl.prepare, root)(cfg, root)
+            trained = fl.with_results(fl.train, root)(cfg, data, root)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -155,35 +179,81 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
              set_: Sets = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with _user_errors():
-        cfg = resolve(recipe, overrides=set_ or [], source=source)
-        from flows.pipeline import evaluate as evaluate_flow, prepare as prepare_flow, storage_root, \
-            train as train_flow, with_results
-
-        root = storage_root(storage)
+        cfg = _resolve(recipe, set_, source)
+        fl = _flows()
+        root = fl.storage_root(storage)
         with _progress():
-            data = with_results(prepare_flow, root)(cfg, root)
-            trained = with_results(train_flow, root)(cfg, data, root)
-            evaluation, _ = with_results(evaluate_flow, root)(cfg, trained, data)
+            data = fl.with_results(fl.prepare, root)(cfg, root)
+            trained = fl.with_results(fl.train, root)(cfg, data, root)
+            evaluation, _ = fl.with_results(fl.evaluate, root)(cfg, trained, data)
         typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
                    f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
 
 
 @app.command()
-def sample(checkpoint: Annotated[str, typer.Option(help="Checkpoint URL (a run's checkpoints/best.pt).")],
+def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
+           run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
+           model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
            prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The ",
            method: Annotated[str, typer.Option(help="greedy, temperature, top-k, top-p or beam.")] = "top-p",
            max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.9,
-           beam_width: int = 4, seed: int = 1337) -> None:
-    """Generate text from a checkpoint."""
+           beam_width: int = 4, seed: int = 1337, storage: Storage = None) -> None:
+    """Generate text from a checkpoint, an MLflow run's model, or a registered model."""
     with _user_errors():
-        from mllm.checkpoint import load_checkpoint
-        from mllm.sample import sample_text
-
+        if sum(x is not None for x in (checkpoint, run, model)) != 1:
+            raise UserError("give exactly one of --checkpoint URL, --run RUN_ID or --model NAME@champion")
         if method not in ("greedy", "temperature", "top-k", "top-p", "beam"):
             raise UserError(f"unknown method {method!r}: choose greedy, temperature, top-k, top-p or beam")
-        loaded = load_checkpoint(checkpoint)
-        typer.echo(sample_text(loaded, prompt, method, max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=top_k, top_p=top_p, beam_width=beam_width, seed=seed))
+        params = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, beam_width=beam_width, seed=seed)
+        if checkpoint:
+            from mllm.checkpoint import load_checkpoint
+            from mllm.sample import sample_text
+
+            typer.echo(sample_text(load_checkpoint(checkpoint), prompt, **params))
+            return
+        from flows import runs
+
+        storage_root = _flows().storage_root
+
+        root = storage_root(storage)
+        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params))
+
+
+@app.command("runs")
+def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
+              recipe: Annotated[Optional[str], typer.Option(help="Only this recipe's runs.")] = None,
+              json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+              storage: Storage = None) -> None:
+    """Recent training runs in MLflow: id, recipe, commit, val loss, status."""
+    with _user_errors():
+        from flows import runs
+
+        storage_root = _flows().storage_root
+
+        rows = runs.list_runs(storage_root(storage), limit, recipe)
+        if json_:
+            typer.echo(runs.as_json(rows))
+            return
+        typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9}  {'status':9} started")
+        for r in rows:
+            loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
+            typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} {r['started']}"
+                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
+
+
+@app.command()
+def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to reproduce.")],
+              storage: Storage = None) -> None:
+    """Re-run a run at its git commit with its recorded config and data, and compare metrics."""
+    with _user_errors():
+        from flows import runs
+
+        storage_root = _flows().storage_root
+
+        result = runs.reproduce(storage_root(storage), run_id)
+        typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']}")
+        typer.echo(runs.comparison_table(result))
 
 
 @app.command()

@@ -72,12 +72,12 @@ class PipelineResult(BaseModel):
 
 @flow(name="pipeline")
 def pipeline(recipe: str = "default", source: str | None = None, storage_url: str | None = None,
-             overrides: list[str] = []) -> PipelineResult:  # noqa: B006 (Prefect shows it as a form field)
+             overrides: list[str] = [], tags: dict[str, str] = {}) -> PipelineResult:  # noqa: B006
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe."""
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
     data = with_results(prepare, root)(cfg, root)
-    with RunTracker(cfg, root) as run:
+    with RunTracker(cfg, root, tags=tags) as run:
         tracking.log_data(run.run_id, cfg, root, data)
         trained = with_results(train, root)(cfg, data, root, run.run_id)
         evaluation, samples = with_results(evaluate, root)(cfg, trained, data)

@@ -8,6 +8,8 @@ each checkpoint are this same tree, dumped with `to_dict()`.
 
 from __future__ import annotations
 
+import types
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -223,8 +225,26 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _text_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
+    """Dotted names of the fields that hold free text (a source URL, a sha256, a device)."""
+    model = model or RunConfig
+    names = set()
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+        inner = [a for a in typing.get_args(ann) if a is not type(None)] if union else []
+        if ann is str or inner == [str]:
+            names.add(prefix + name)
+        for t in [ann, *inner]:
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                names |= _text_fields(t, f"{prefix}{name}.")
+    return names
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `key.sub=value` overrides; values are parsed as YAML (3e-4, true, [a, b], null)."""
+    """Apply `key.sub=value` overrides. Values are parsed as YAML (3e-4, true, [a, b], null),
+    except for text fields, which take the value as written (a sha256 of digits stays text)."""
+    text = _text_fields()
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -234,6 +254,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if key in text and not isinstance(value, str) and value is not None:
+            value = raw.strip()
         node = data
         parts = key.split(".")
         for part in parts[:-1]:

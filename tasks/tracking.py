@@ -682,4 +682,6 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     run.log_loss_curve()
     run.set_tags({"train.steps": trained.steps, "train.stop_reason": trained.stop_reason,
                   "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step})
-    return run.log_model(e.checkpoint, e.loss)
+    outcome = run.log_model(e.checkpoint, e.loss)
+    run.set_tags({"model_uri": outcome["model_uri"], "model_version": f"{outcome['name']}/{outcome['version']}"})
+    return outcome

@@ -1,0 +1,285 @@
+"""Wall time of the data stages through the real Prefect flow, and the memory they need at scale.
+
+    python -m benchmarks.data_stages [--quick]
+
+1. `flows.pipeline.prepare` on War and Peace (download from the local file, tokenize, vocabulary,
+   split) for the char, word and BPE-2000 tokenizers, each into a fresh storage folder, in this
+   process with a temporary PREFECT_HOME (Prefect starts its temporary server on the first flow).
+   Stage times are the task runs' start-to-end times as the Prefect API recorded them; then the
+   same flow again, every stage cached, timed in-process (Prefect's start-up already paid).
+2. The whole `mllm-pipeline prepare` command as a user runs it, a subprocess each: the first run
+   ever (fresh PREFECT_HOME: Prefect creates its database), a run on new data (Prefect's database
+   there), and a fully cached re-run.
+3. Scale: a text of War and Peace's body repeated to 50 MB and 500 MB (10 and 50 MB with
+   --quick), written to a temporary folder and deleted after. A worker process runs the tokenize
+   task (char tokenizer, the default recipe's) inside a Prefect flow and reports its throughput
+   and the process's peak resident memory (VmHWM, reset before each stage through
+   /proc/self/clear_refs), then the vocabulary and split stages at the smaller sizes. A stage
+   whose peak grows with the text does not stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, corpus, header, load, parse_args, save, table
+
+KINDS = {"char": [], "word": ["data.tokenizer.kind=word"],
+         "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe_vocab_size=2000"]}
+STAGES = ("download", "tokenize", "build-vocabulary", "split")
+
+
+def prefect_env(home: Path) -> dict[str, str]:
+    """A Prefect of our own: its database and settings under `home`, no server to reach."""
+    (home / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's database cannot open in a missing folder
+    return {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_API_URL": "",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "XDG_CACHE_HOME": str(home / "cache"),
+    }
+
+
+# --- memory of this process ---------------------------------------------------------------
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> bool:
+    """Start VmHWM again from the current RSS (Linux 4.0+), so each stage gets its own peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --- 1. the flow in-process ----------------------------------------------------------------
+
+
+def stage_times(flow_run_id) -> dict[str, object]:
+    """Each task's start-to-end seconds (or "cached") as the Prefect API recorded them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    times: dict[str, object] = {}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # task run states reach the API a moment after the flow returns
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        times = {}
+        for r in runs:
+            stage = r.name.rsplit("-", 1)[0]
+            if r.state_name == "Cached":
+                times[stage] = "cached"
+            elif r.start_time and r.end_time:
+                times[stage] = (r.end_time - r.start_time).total_seconds()
+        if len(times) == len(STAGES):
+            break
+        time.sleep(0.5)
+    return times
+
+
+def in_process(source: Path, tmp: Path) -> tuple[list[dict], float]:
+    from prefect import flow
+
+    from flows.pipeline import prepare, with_results
+    from mllm.config import resolve
+
+    @flow(name="bench-warm-up")
+    def warm_up() -> None:
+        pass
+
+    t0 = time.perf_counter()
+    warm_up()  # starts Prefect's temporary server, which every later flow of this process uses
+    server_s = time.perf_counter() - t0
+    print(f"  Prefect start-up (an empty flow, the first of this process): {server_s:.1f} s", flush=True)
+    rows = []
+    for kind, overrides in KINDS.items():
+        cfg = resolve("default", source=str(source), overrides=overrides)
+        root = str(tmp / "storage" / kind.replace(" ", "-"))
+        for run in ("cold", "cached"):
+            t0 = time.perf_counter()
+            state = with_results(prepare, root)(cfg, root, return_state=True)
+            flow_s = time.perf_counter() - t0
+            data = state.result()
+            times = stage_times(state.state_details.flow_run_id)
+            rows.append({"tokenizer": kind, "run": run, **{s: times.get(s) for s in STAGES},
+                         "flow_s": flow_s, "tokens": data.tokens.n_tokens, "vocab": data.vocab.size,
+                         "load": load()})
+            print(f"  prepare, {kind}, {run}: {flow_s:.1f} s; " +
+                  ", ".join(f"{s} {_fmt(times.get(s))}" for s in STAGES), flush=True)
+    return rows, server_s
+
+
+def _fmt(v) -> str:
+    return f"{v:.2f} s" if isinstance(v, float) else str(v)
+
+
+# --- 2. the CLI ----------------------------------------------------------------------------
+
+
+def cli_runs(source: Path, tmp: Path) -> list[dict]:
+    exe = Path(sys.executable).with_name("mllm-pipeline")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
+    env = {**os.environ, **prefect_env(tmp / "cli-home"), "COLUMNS": "200"}
+    rows = []
+    for what, storage_name in (("first run ever (new Prefect database)", "a"), ("new data", "b"),
+                               ("fully cached re-run", "b")):
+        t0 = time.perf_counter()
+        out = subprocess.run([*cmd, "prepare", "--recipe", "default", "--source", str(source),
+                              "--storage", str(tmp / "cli-storage" / storage_name)],
+                             env=env, capture_output=True, text=True, cwd=tmp, timeout=600)
+        wall = time.perf_counter() - t0
+        if out.returncode != 0:
+            raise RuntimeError(f"mllm-pipeline prepare failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        rows.append({"command": f"mllm-pipeline prepare: {what}", "wall_s": wall, "load": load()})
+        print(f"  mllm-pipeline prepare, {what}: {wall:.1f} s", flush=True)
+    return rows
+
+
+# --- 3. scale ------------------------------------------------------------------------------
+
+
+def write_big_text(body: str, path: Path, size_mb: int) -> tuple[int, str]:
+    """War and Peace's body repeated to `size_mb` MB (no Gutenberg markers: nothing is cut)."""
+    import hashlib
+
+    block = (body.rstrip() + "\n\n").encode("utf-8")
+    digest, n = hashlib.sha256(), 0
+    with open(path, "wb") as f:
+        while n < size_mb * 1_000_000:
+            f.write(block)
+            digest.update(block)
+            n += len(block)
+    return n, digest.hexdigest()
+
+
+def worker(spec: dict) -> dict:
+    """In a process of its own: the stages on one big text, with time and peak memory of each."""
+    from prefect import flow
+
+    from mllm.config import SplitConfig, TokenizerConfig, VocabConfig
+    from tasks import data as data_tasks
+
+    @flow(name="bench-scale")
+    def scale(raw, root: str, more: bool) -> dict:
+        out = {"rss_start": _status("VmRSS")}
+        out["peak_reset"] = reset_peak()
+        t0 = time.perf_counter()
+        tokens = data_tasks.tokenize(raw, TokenizerConfig(kind="char"), root)
+        out["tokenize"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "tokens": tokens.n_tokens}
+        if more:
+            reset_peak()
+            before = _status("VmRSS")
+            t0 = time.perf_counter()
+            vocab = data_tasks.build_vocabulary(tokens, VocabConfig(), root)
+            out["build-vocabulary"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "rss_before": before}
+            reset_peak()
+            before = _status("VmRSS")
+            t0 = time.perf_counter()
+            data_tasks.split(tokens, vocab, SplitConfig(), root)
+            out["split"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "rss_before": before}
+        return out
+
+    @flow(name="bench-warm-up")
+    def warm_up() -> None:
+        pass
+
+    warm_up()  # Prefect's temporary server and client: started before the first measurement
+    results = []
+    for item in spec["texts"]:
+        raw = data_tasks.RawText(source=item["path"], url=item["path"], sha256=item["sha256"], bytes=item["bytes"])
+        out = scale(raw, item["root"], item["more"])
+        results.append({"mb": item["bytes"] / 1e6, **out})
+    return {"results": results}
+
+
+def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int) -> list[dict]:
+    texts = []
+    for mb in sizes:
+        path = tmp / f"text-{mb}MB.txt"
+        n, sha = write_big_text(body, path, mb)
+        texts.append({"path": str(path), "bytes": n, "sha256": sha, "root": str(tmp / f"scale-{mb}"),
+                      "more": mb <= more_up_to})
+    env = {**os.environ, **prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
+                         env=env, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    for t in texts:
+        os.remove(t["path"])
+    if out.returncode != 0:
+        raise RuntimeError(f"scale worker failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    rows = []
+    for r in results:
+        base = r["rss_start"]
+        for stage in ("tokenize", "build-vocabulary", "split"):
+            if stage not in r:
+                continue
+            st = r[stage]
+            rows.append({"stage": stage, "text_mb": r["mb"], "seconds": st["s"], "mb_per_s": r["mb"] / st["s"],
+                         "peak_rss_mb": st["peak"] / 1e6,
+                         "above_start_mb": (st["peak"] - base) / 1e6, "tokens": st.get("tokens"),
+                         "peak_tracked": r["peak_reset"], "load": load()})
+            print(f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s), "
+                  f"peak RSS {st['peak'] / 1e6:,.0f} MB ({(st['peak'] - base) / 1e6:+,.0f} MB over the "
+                  f"worker's {base / 1e6:,.0f} MB at start)", flush=True)
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(json.loads(sys.argv[2]))))
+        return
+    args = parse_args(__doc__.splitlines()[0])
+    m = header("data_stages", args.quick)
+    source = corpus("warandpeace")
+    sizes, more_up_to = ([10, 50], 50) if args.quick else ([50, 500], 50)
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-data-") as tmp_name:
+        tmp = Path(tmp_name)
+        # Before the first import of prefect or mlflow: they read these once.
+        os.environ.update({**prefect_env(tmp / "home"), "PREFECT_LOGGING_LEVEL": "WARNING"})
+        print("1. the prepare flow in this process", flush=True)
+        flow_rows, server_s = in_process(source, tmp)
+        print("2. the mllm-pipeline prepare command", flush=True)
+        cli_rows = cli_runs(source, tmp)
+        print(f"3. tokenize (and vocabulary, split up to {more_up_to} MB) on {' and '.join(f'{s} MB' for s in sizes)}",
+              flush=True)
+        from mllm.text import read_chunks, strip_gutenberg
+
+        body = "".join(strip_gutenberg(read_chunks(str(source))))
+        scale_rows = scale_runs(body, tmp, sizes, more_up_to)
+
+    print()
+    print(table(flow_rows, [("tokenizer", "tokenizer"), ("run", "run"), *[(s, f"{s} s") for s in STAGES],
+                            ("flow_s", "flow s"), ("tokens", "tokens"), ("vocab", "vocab"), ("load", "load avg")]))
+    print(f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
+          f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n")
+    print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
+    print()
+    print(table(scale_rows, [("stage", "stage"), ("text_mb", "text MB"), ("seconds", "s"), ("mb_per_s", "MB/s"),
+                             ("peak_rss_mb", "peak RSS MB"), ("above_start_mb", "over start MB"),
+                             ("load", "load avg")]))
+    save("data_stages", {"machine": m, "quick": args.quick, "flow": flow_rows, "prefect_start_s": server_s, "cli": cli_rows,
+                         "scale": scale_rows})
+
+
+if __name__ == "__main__":
+    main()

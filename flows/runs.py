@@ -1,0 +1,192 @@
+"""Finding runs in MLflow, loading their models, and reproducing a run from its git commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from mllm import UserError
+from tasks.tracking import tracking_uri
+
+# The metrics a reproduction is compared on, in the order they are printed.
+COMPARED = ("final_val_loss", "final_val_bits_per_token", "final_val_bits_per_byte", "train_loss")
+
+
+def client(root: str) -> MlflowClient:
+    return MlflowClient(tracking_uri(root))
+
+
+def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dict[str, Any]]:
+    c = client(root)
+    experiments = c.search_experiments()
+    if recipe:
+        experiments = [e for e in experiments if e.name == recipe]
+    if not experiments:
+        return []
+    runs = c.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time DESC"],
+                         max_results=limit)
+    names = {e.experiment_id: e.name for e in experiments}
+    return [{
+        "run_id": r.info.run_id,
+        "recipe": names.get(r.info.experiment_id, "?"),
+        "commit": (r.data.tags.get("git.commit") or "")[:10] + ("+dirty" if r.data.tags.get("git.dirty") == "true" else ""),
+        "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
+        "status": r.info.status,
+        "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
+        "reproduces": r.data.tags.get("reproduces"),
+    } for r in runs]
+
+
+def get_run(root: str, run_id: str):
+    try:
+        return client(root).get_run(run_id)
+    except MlflowException:
+        raise UserError(f"no MLflow run {run_id} in {tracking_uri(root)}: see `mllm-pipeline runs`") from None
+
+
+def model_uri(root: str, run_id: str | None = None, model: str | None = None) -> str:
+    """The pyfunc model of a run, or of a registered model (`NAME@alias` or `NAME/version`)."""
+    if model:
+        return model if model.startswith("models:/") else f"models:/{model}"
+    run = get_run(root, run_id)
+    uri = run.data.tags.get("model_uri")
+    if not uri:
+        raise UserError(f"run {run_id} logged no model (it failed or is still running): pick a finished run")
+    return uri
+
+
+def generate(root: str, uri: str, prompt: str, params: dict[str, Any]) -> str:
+    import mlflow.pyfunc
+
+    tracking_uri(root)
+    try:
+        model = mlflow.pyfunc.load_model(uri)
+    except MlflowException as e:
+        raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
+    return model.predict([prompt], params=params)[0]
+
+
+# --- reproduce ----------------------------------------------------------------------------
+
+
+def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]:
+    """Re-run `run_id` at its recorded commit, with its recorded config and data digest.
+
+    The commit is checked out in a temporary git worktree and the pipeline runs there (its
+    code, this interpreter) into a fresh storage folder, so nothing from the original run is
+    reused: the data is downloaded and tokenized again and the model trained from scratch. The
+    new MLflow run carries the tag `reproduces=<run_id>`.
+    """
+    run = get_run(root, run_id)
+    tags = run.data.tags
+    commit = tags.get("git.commit")
+    if not commit:
+        raise UserError(f"run {run_id} recorded no git commit (it was not started from a git checkout)")
+    if tags.get("git.dirty") == "true":
+        print(f"warning: run {run_id} was made with uncommitted changes (see its git.diff artifact); "
+              "reproducing the commit without them", file=sys.stderr)
+    repo = repo or _repo_root()
+    if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        raise UserError(f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
+                        "or run reproduce from a clone that has it")
+    cfg = _recorded_config(root, run_id)
+    sha = tags.get("data.raw_sha256")
+    if sha:
+        cfg.setdefault("data", {})["sha256"] = sha  # a changed source is an error, not a new result
+    recipe = cfg.pop("recipe", None) or run.data.params.get("recipe", "default")
+    # JSON values: YAML reads them back exactly (a quoted prompt keeps its trailing space).
+    overrides = [f"{k}={json.dumps(v)}" for k, v in _leaves(cfg).items()]
+
+    out = Path(tempfile.mkdtemp(prefix=f"mllm-reproduce-{run_id[:8]}-"))
+    worktree = out / "src"
+    storage = _reproduction_storage(root, run_id)
+    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", str(worktree), commit],
+                   check=True, capture_output=True)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(worktree), MLFLOW_TRACKING_URI=tracking_uri(root))
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage,
+               "--tag", f"reproduces={run_id}"]
+        for o in overrides:
+            cmd += ["--set", o]
+        proc = subprocess.run(cmd, cwd=worktree, env=env)
+        if proc.returncode:
+            raise UserError(f"the reproduction of {run_id} at {commit[:12]} failed (exit {proc.returncode}): see its output above")
+    finally:
+        subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", str(worktree)], capture_output=True)
+        shutil.rmtree(out, ignore_errors=True)
+    new = _latest_reproduction(root, run_id)
+    return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
+            "metrics": {m: (run.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
+
+
+def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _repo_root() -> str:
+    here = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if out.returncode:
+        raise UserError(f"{here} is not a git checkout: reproduce needs the project's git history")
+    return out.stdout.strip()
+
+
+def _recorded_config(root: str, run_id: str) -> dict[str, Any]:
+    import mlflow.artifacts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="config.yaml", dst_path=tmp)
+        except (MlflowException, OSError):
+            raise UserError(f"run {run_id} has no config.yaml artifact: it was not made by this pipeline") from None
+        return yaml.safe_load(Path(path).read_text())
+
+
+def _reproduction_storage(root: str, run_id: str) -> str:
+    from mllm import storage
+
+    return storage.join(root, "reproductions", f"{run_id[:12]}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _latest_reproduction(root: str, run_id: str):
+    runs = client(root).search_runs(
+        [e.experiment_id for e in client(root).search_experiments()],
+        filter_string=f"tags.reproduces = '{run_id}'", order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        raise UserError(f"the reproduction of {run_id} finished but logged no MLflow run")
+    return runs[0]
+
+
+def comparison_table(result: dict[str, Any]) -> str:
+    lines = [f"{'metric':28} {'original':>14} {'reproduction':>14} {'difference':>12}"]
+    for name, (a, b) in result["metrics"].items():
+        if a is None and b is None:
+            continue
+        diff = abs(a - b) if a is not None and b is not None else None
+        lines.append(f"{name:28} {_num(a):>14} {_num(b):>14} {_num(diff, '.2e'):>12}")
+    return "\n".join(lines)
+
+
+def _num(x: float | None, fmt: str = ".6f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def as_json(rows: Any) -> str:
+    return json.dumps(rows, indent=2)

@@ -1,0 +1,143 @@
+"""The pipeline recorded in a real MLflow server over HTTP, and reproduced from its commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import mlflow.pyfunc
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import make_text
+from flows.pipeline import pipeline
+from mllm.config import resolve
+from servers import mlflow_server, mlflow_server_starting  # noqa: F401 (fixtures)
+from tasks.tracking import flatten
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
+        "sample.max_new_tokens=20"]
+
+
+def git(path: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Path, tmp_path: Path,  # noqa: F811
+                                                     monkeypatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
+    secret = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    overrides = FAST + ["sample.methods=[greedy, top-k]"]
+    r = pipeline(recipe="smoke", source=str(corpus), storage_url=str(tmp_path / "storage"), overrides=overrides)
+    cfg = resolve("smoke", overrides=overrides, source=str(corpus))
+    client = MlflowClient(mlflow_server.url)
+    run = client.get_run(r.mlflow_run_id)
+
+    assert client.get_experiment(run.info.experiment_id).name == "smoke"
+    assert run.info.status == "FINISHED"
+    assert run.data.params == flatten(cfg.to_dict())
+    # Batched per-step metrics: every log step and every evaluation, with its step.
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [3, 6, 9, 12]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [6, 12]
+    assert {"lr", "grad_norm", "tokens_per_s", "final_val_bits_per_byte"} <= set(run.data.metrics)
+    assert run.data.metrics["final_val_loss"] == pytest.approx(r.evaluation.loss)
+
+    inputs = {d.dataset.name: d.dataset for d in run.inputs.dataset_inputs}
+    assert {"corpus", "tokens", "train", "val"} <= set(inputs)
+    assert inputs["corpus"].digest == r.data.raw_sha256[:36]
+    assert json.loads(inputs["train"].source)["uri"] == r.data.splits.train.ids
+
+    tags = run.data.tags
+    assert tags["git.commit"] == git(REPO, "rev-parse", "HEAD")
+    assert tags["prefect.flow_run_id"]
+    assert tags["storage.root"] == str(tmp_path / "storage")
+    assert tags["data.raw_sha256"] == r.data.raw_sha256
+
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
+        a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert {"config.yaml", "vocab.json", "evaluation.md", "loss_curve.png", "samples/greedy.txt",
+            "samples/top-k.txt", "samples/prompts.json"} <= artifacts
+    for path in artifacts - {"loss_curve.png", "samples"}:
+        text = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path,
+                                                        dst_path=str(tmp_path / "a"), tracking_uri=mlflow_server.url)).read_text()
+        assert secret not in text
+    assert secret not in json.dumps([run.data.params, tags])
+
+    assert r.champion["name"] == "smoke" and r.champion["promoted"]
+    model = mlflow.pyfunc.load_model("models:/smoke@champion")
+    [text] = model.predict(["The "], params={"method": "greedy", "max_new_tokens": 15})
+    assert text.startswith("The ") and len(text) == 4 + 15
+
+    # The same model from the CLI, by registered name and by run.
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url)
+    for how in (["--model", "smoke@champion"], ["--run", r.mlflow_run_id]):
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", *how, "--prompt", "The ", "--method",
+                              "greedy", "--max-new-tokens", "15"], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.rstrip("\n") == text
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--json"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    rows = json.loads(out.stdout)
+    assert any(row["run_id"] == r.mlflow_run_id and row["val_loss"] == pytest.approx(r.evaluation.loss) for row in rows)
+
+
+def _scratch_repo(tmp_path: Path) -> Path:
+    """A copy of the project's tracked files as a git repository of its own."""
+    repo = tmp_path / "project"
+    for rel in git(REPO, "ls-files").splitlines():
+        src = REPO / rel
+        if src.is_file():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, repo / rel)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "first")
+    return repo
+
+
+def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
+    repo = _scratch_repo(tmp_path)
+    first = git(repo, "rev-parse", "HEAD")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(), encoding="utf-8")
+    storage = tmp_path / "storage"
+    env = dict(os.environ, PYTHONPATH=str(repo), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+               PREFECT_HOME=str(tmp_path / "prefect"))
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    sets = [a for s in FAST for a in ("--set", s)]
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(storage), *sets)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [original] = json.loads(cli("runs", "--json", "--storage", str(storage)).stdout)
+
+    # A later commit: the reproduction still runs the first one's code.
+    (repo / "NOTES.md").write_text("a later change\n")
+    git(repo, "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "second")
+
+    out = cli("reproduce", original["run_id"], "--storage", str(storage))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "final_val_loss" in out.stdout
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    [new] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
+                               filter_string=f"tags.reproduces = '{original['run_id']}'")
+    old = client.get_run(original["run_id"])
+    assert new.data.tags["git.commit"] == first
+    assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)
+    assert new.data.tags["storage.root"].startswith(str(storage / "reproductions"))
+    assert not (tmp_path / "worktrees").exists() and git(repo, "worktree", "list").count("\n") == 0
+
+    out = cli("reproduce", "0" * 32, "--storage", str(storage))
+    assert out.returncode == 2 and "no MLflow run" in out.stderr
