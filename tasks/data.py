@@ -96,11 +96,14 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
     try:
         fs, path = storage.filesystem(source)
         src = fs.open(path, "rb")
-    except FileNotFoundError:
-        raise UserError(f"source {source} not found: check the URL or path") from None
-    except Exception as e:  # DNS, refused connection, timeout, HTTP error
+    except Exception as e:
+        # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
+        # FileNotFoundError too; its cause tells them from a real 404.
+        cause = e.__cause__ if isinstance(e, FileNotFoundError) else e
+        if isinstance(e, FileNotFoundError) and (cause is None or _is_http_status(cause)):
+            raise UserError(f"source {source} not found: check the URL or path") from None
         raise SourceUnreachable(
-            f"cannot download {source} ({_short(e)}): pass a local copy with "
+            f"cannot download {source} ({_short(cause)}): pass a local copy with "
             "--source path/to/file.txt (make run SOURCE=path/to/file.txt)"
         ) from None
 
@@ -161,6 +164,11 @@ def _size(fs: Any, path: str) -> int | None:
         return int(fs.size(path))
     except Exception:  # a server that does not say; the bar then just counts
         return None
+
+
+def _is_http_status(e: BaseException) -> bool:
+    """An answer from the server (404, 403, ...), as opposed to no answer at all."""
+    return type(e).__name__ == "ClientResponseError" or getattr(e, "status", None) is not None
 
 
 def _short(e: BaseException) -> str:
