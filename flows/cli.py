@@ -142,16 +142,27 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _run_stages(cfg, storage: str | None, last: str) -> Any:
+    """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
+    return the last one's result."""
+    fl = _flows()
+    root = fl.storage_root(storage)
+    with _progress():
+        data = fl.with_results(fl.prepare, root)(cfg, root)
+        if last == "prepare":
+            return data
+        trained = fl.with_results(fl.train, root)(cfg, data, root)
+        if last == "train":
+            return trained
+        return fl.with_results(fl.evaluate, root)(cfg, trained, data)
+
+
 @app.command()
 def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
             set_: Sets = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with _user_errors():
-        cfg = _resolve(recipe, set_, source)
-        fl = _flows()
-        root = fl.storage_root(storage)
-        with _progress():
-            data = fl.with_results(fl.prepare, root)(cfg, root)
+        data = _run_stages(_resolve(recipe, set_, source), storage, "prepare")
         s = data.splits
         typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
                    f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
@@ -163,12 +174,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
           set_: Sets = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with _user_errors():
-        cfg = _resolve(recipe, set_, source)
-        fl = _flows()
-        root = fl.storage_root(storage)
-        with _progress():
-            data = fl.with_results(fl.prepare, root)(cfg, root)
-            trained = fl.with_results(fl.train, root)(cfg, data, root)
+        trained = _run_stages(_resolve(recipe, set_, source), storage, "train")
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -179,13 +185,7 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
              set_: Sets = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with _user_errors():
-        cfg = _resolve(recipe, set_, source)
-        fl = _flows()
-        root = fl.storage_root(storage)
-        with _progress():
-            data = fl.with_results(fl.prepare, root)(cfg, root)
-            trained = fl.with_results(fl.train, root)(cfg, data, root)
-            evaluation, _ = fl.with_results(fl.evaluate, root)(cfg, trained, data)
+        evaluation, _ = _run_stages(_resolve(recipe, set_, source), storage, "evaluate")
         typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
                    f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
 

@@ -217,7 +217,32 @@ class CharTokenizer(Tokenizer):
         return list(text)
 
 
-class WordTokenizer(Tokenizer):
+class _CutTokenizer(Tokenizer):
+    """A tokenizer that streams by cutting the text where no token can straddle the cut and
+    carrying the rest over to the next chunk; `_cut` finds that place, `_tokens` tokenizes."""
+
+    @abstractmethod
+    def _cut(self, text: str) -> int: ...
+
+    @abstractmethod
+    def _tokens(self, text: str) -> list[str]: ...
+
+    def tokenize(self, chunks):
+        carry = ""
+        for chunk in chunks:
+            text = carry + chunk
+            cut = self._cut(text)
+            carry = text[cut:]
+            if tokens := self._tokens(text[:cut]):
+                yield tokens
+        if tokens := self._tokens(carry):
+            yield tokens
+
+    def split(self, text):
+        return self._tokens(text)
+
+
+class WordTokenizer(_CutTokenizer):
     """Words and punctuation, like torchtext's basic_english.
 
     normalize=True lower-cases and turns "<br />" into a space; normalize=False keeps the text as
@@ -230,7 +255,7 @@ class WordTokenizer(Tokenizer):
     _SPACE = re.compile(r"\s")
     _NO_SPACE_BEFORE = re.compile(r" ([.,!?;:)])")
 
-    def _words(self, text: str) -> list[str]:
+    def _tokens(self, text: str) -> list[str]:
         if self.normalize:
             text = self._BR.sub(" ", text).lower()
         return self._TOKEN.findall(text)
@@ -243,28 +268,13 @@ class WordTokenizer(Tokenizer):
             cut = _last_match(self._SPACE, text, cut - 3)
         return max(cut, 0)
 
-    def tokenize(self, chunks):
-        carry = ""
-        for chunk in chunks:
-            text = carry + chunk
-            cut = self._cut(text)
-            carry = text[cut:]
-            tokens = self._words(text[:cut])
-            if tokens:
-                yield tokens
-        tokens = self._words(carry)
-        if tokens:
-            yield tokens
-
-    def split(self, text):
-        return self._words(text)
 
     def detokenize(self, tokens):
         text = " ".join(tokens)
         return self._NO_SPACE_BEFORE.sub(r"\1", text).replace("( ", "(")
 
 
-class BpeTokenizer(Tokenizer):
+class BpeTokenizer(_CutTokenizer):
     """Byte-level BPE (GPT-2 style) from Hugging Face `tokenizers`, trained on the corpus.
 
     Byte-level BPE encodes any text losslessly, so it does no normalisation of its own; tokens
@@ -302,7 +312,7 @@ class BpeTokenizer(Tokenizer):
     def _cut(self, text: str) -> int:
         return max(_last_match(self._SAFE_CUT, text), 0)
 
-    def _encode(self, text: str) -> list[str]:
+    def _tokens(self, text: str) -> list[str]:
         # Encoding pieces as a batch lets the Rust side use every core.
         pieces, i = [], 0
         while len(text) - i > self._PIECE:
@@ -317,21 +327,6 @@ class BpeTokenizer(Tokenizer):
         itos = self._itos
         return [itos[i] for enc in encode(pieces, add_special_tokens=False) for i in enc.ids]
 
-    def tokenize(self, chunks):
-        carry = ""
-        for chunk in chunks:
-            text = carry + chunk
-            cut = self._cut(text)
-            carry = text[cut:]
-            tokens = self._encode(text[:cut])
-            if tokens:
-                yield tokens
-        tokens = self._encode(carry)
-        if tokens:
-            yield tokens
-
-    def split(self, text):
-        return self._encode(text)
 
     def detokenize(self, tokens):
         return self.hf.decoder.decode(list(tokens))

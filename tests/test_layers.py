@@ -1,0 +1,36 @@
+"""The layers: flows -> tasks -> mllm, and mllm runs without Prefect or MLflow."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_importing_every_mllm_module_loads_neither_prefect_nor_mlflow() -> None:
+    modules = sorted(p.stem for p in (ROOT / "mllm").glob("*.py") if p.stem != "__init__")
+    code = (f"import sys, mllm\nfor m in {modules!r}: __import__('mllm.' + m)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'tasks', 'flows'))\n"
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+def _imports(folder: str) -> set[str]:
+    found = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+    return found
+
+
+def test_imports_point_down_only() -> None:
+    assert not _imports("mllm") & {"prefect", "mlflow", "tasks", "flows"}
+    assert "flows" not in _imports("tasks")
