@@ -215,6 +215,7 @@ def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
             if batch:
                 w.write_table(_chunk_table(batch, n_chunks, schema))
                 n_chunks += len(batch)
+        report_progress("tokenize", n_tokens, n_tokens)
         if n_tokens == 0:
             raise UserError(
                 f"no tokens left in {raw.source} after the {cfg.kind} tokenizer's normalisation: "

@@ -14,13 +14,14 @@ from typing import Any
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
+import mllm.sample
 import mllm.train
 from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.data import load_ids
 from mllm.sample import sample_text
 import tasks
-from tasks.caching import code_digest, transient
+from tasks.caching import code_digest, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
 from tasks.tracking import RunTracker
 
@@ -111,7 +112,19 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
                    resumed_from_step=result.resumed_from_step)
 
 
-@task(name="evaluate", retries=1, retry_condition_fn=transient)
+def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> str:
+    # The checkpoint is named by the training key and its step count (a longer resumed
+    # training makes a new one); the split by its digest.
+    return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
+                           cfg.train.window, code_digest(mllm_evaluate)])
+
+
+def _generate_key(cfg: RunConfig, trained: Trained) -> str:
+    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(),
+                           code_digest(mllm.sample)])
+
+
+@task(name="evaluate", cache_key_fn=stage_cache(_evaluate_key), retries=1, retry_condition_fn=transient)
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
     """Score the best checkpoint on a whole split, beside unigram and bigram baselines."""
     part = getattr(data.splits, split)
@@ -159,7 +172,7 @@ def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
     ])
 
 
-@task(name="generate", retries=1, retry_condition_fn=transient)
+@task(name="generate", cache_key_fn=stage_cache(_generate_key), retries=1, retry_condition_fn=transient)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     """One sample per prompt and sampling method, saved as `samples/<method>.txt`."""
     ckpt_url = trained.best_checkpoint if storage.exists(trained.best_checkpoint) else trained.checkpoint

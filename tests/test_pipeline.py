@@ -87,7 +87,7 @@ def test_second_run_reuses_every_data_stage(corpus: Path, tmp_path: Path) -> Non
     second = _run(corpus, root)
     assert second.data == first.data
     assert parquet.stat().st_mtime_ns == mtime  # not tokenized again
-    for stage in ("tokenize", "build-vocabulary", "split"):
+    for stage in ("tokenize", "build-vocabulary", "split", "evaluate", "generate"):
         assert _task_states(stage)[0] == "Cached", stage
     # Training found its finished checkpoint and did not train again.
     assert second.trained.resumed_from_step == first.trained.steps
