@@ -33,7 +33,9 @@ def storage_root(storage_url: str | None = None) -> str:
 
 def with_results(fl: Any, root: str) -> Any:
     """The flow with its task results (and so Prefect's cache records) kept under `root`."""
-    return fl.with_options(result_storage=result_storage(root))
+    # The flows themselves persist nothing (a failed run would leave its pickled exception in
+    # storage); their tasks take this storage for their results and cache records.
+    return fl.with_options(result_storage=result_storage(root), persist_result=False)
 
 
 @flow(name="prepare", log_prints=True)

@@ -85,17 +85,16 @@ def _describe(source: str) -> str:
     return source if "://" in source else os.path.abspath(source)
 
 
-@task(name="download", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
-def download(source: str, sha256: str | None, root: str) -> RawText:
-    """Copy the source into `raw/<sha256>.txt`, checking that it is non-empty UTF-8 text."""
-    logger = get_run_logger()
+def open_source(source: str) -> tuple[Any, str, Any]:
+    """Open a corpus for reading: (filesystem, path, file). A missing file is a UserError; a
+    network failure is SourceUnreachable, which the download task retries."""
     if not source:
         raise UserError("no data source: pass --source URL (a path, file://, s3:// or https://)")
     if "://" not in source and not os.path.isfile(source):
         raise UserError(f"source file {_describe(source)} not found: check the path")
     try:
         fs, path = storage.filesystem(source)
-        src = fs.open(path, "rb")
+        return fs, path, fs.open(path, "rb")
     except Exception as e:
         # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
         # FileNotFoundError too; its cause tells them from a real 404.
@@ -107,6 +106,12 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
             "--source path/to/file.txt (make run SOURCE=path/to/file.txt)"
         ) from None
 
+
+@task(name="download", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+def download(source: str, sha256: str | None, root: str) -> RawText:
+    """Copy the source into `raw/<sha256>.txt`, checking that it is non-empty UTF-8 text."""
+    logger = get_run_logger()
+    fs, path, src = open_source(source)
     size = _size(fs, path)
     digest = hashlib.sha256()
     decoder = codecs.getincrementaldecoder("utf-8")()
