@@ -32,6 +32,7 @@ from tasks.caching import code_digest, stage_cache, transient
 # that a reader holds only a few MB at a time.
 ROW_GROUP_CHUNKS = 16
 CHUNK_CHARS = 1 << 18
+ROW_GROUP_IDS = 1 << 20  # token ids per row group of a split's Parquet file
 
 
 class RawText(BaseModel):
@@ -370,11 +371,16 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
             arr = arrays.pop(s)
             arr.flush()
             fs.put(os.path.join(tmp, f"{s}.npy"), f"{path}/{s}.npy")
-            with fs.open(f"{path}/{s}.parquet", "wb") as f:
-                pq.write_table(pa.table({"token_id": pa.array(np.asarray(arr), pa.int32())}), f,
-                               compression="zstd", row_group_size=1 << 20)
+            # Row group by row group, so memory stays at one row group whatever the split's size.
+            n_bytes = 0
+            schema = pa.schema([("token_id", pa.int32())])
+            with fs.open(f"{path}/{s}.parquet", "wb") as f, pq.ParquetWriter(f, schema, compression="zstd") as w:
+                for i in range(0, len(arr), ROW_GROUP_IDS):
+                    ids = np.asarray(arr[i:i + ROW_GROUP_IDS])
+                    w.write_table(pa.table({"token_id": pa.array(ids, pa.int32())}, schema=schema))
+                    n_bytes += int(token_bytes[ids].sum())
             parts[s] = SplitPart(parquet=storage.join(url, f"{s}.parquet"), ids=storage.join(url, f"{s}.npy"),
-                                 n_tokens=sizes[s], n_bytes=int(token_bytes[np.asarray(arr)].sum()))
+                                 n_tokens=sizes[s], n_bytes=n_bytes)
             del arr
         result = Splits(key=key, url=url, **parts)
         _manifest(out, result)
