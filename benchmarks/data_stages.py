@@ -10,12 +10,12 @@
 2. The whole `mllm-pipeline prepare` command as a user runs it, a subprocess each: the first run
    ever (fresh PREFECT_HOME: Prefect creates its database), a run on new data (Prefect's database
    there), and a fully cached re-run.
-3. Scale: a text of War and Peace's body repeated to 50 MB and 500 MB (10 and 50 MB with
-   --quick), written to a temporary folder and deleted after. A worker process runs the tokenize
-   task (char tokenizer, the default recipe's) inside a Prefect flow and reports its throughput
-   and the process's peak resident memory (VmHWM, reset before each stage through
-   /proc/self/clear_refs), then the vocabulary and split stages at the smaller sizes. A stage
-   whose peak grows with the text does not stream.
+3. Scale: a text of War and Peace's body repeated to 10, 50 and 500 MB (10 and 50 with --quick),
+   written to a temporary folder and deleted after. A worker process runs the tokenize task (char
+   tokenizer, the default recipe's) inside a Prefect flow and reports its throughput and the
+   process's peak resident memory (VmHWM, reset before each stage through /proc/self/clear_refs),
+   then the vocabulary and split stages at up to 50 MB. A stage whose peak grows with the text
+   does not stream: the growth of its peak per MB of text, between the sizes, is printed.
 """
 
 from __future__ import annotations
@@ -36,11 +36,16 @@ STAGES = ("download", "tokenize", "build-vocabulary", "split")
 
 
 def prefect_env(home: Path) -> dict[str, str]:
-    """A Prefect of our own: its database and settings under `home`, no server to reach."""
+    """The environment for a Prefect of our own: its database and settings under `home`.
+
+    PREFECT_API_URL is left out, not set empty: Prefect then runs its temporary server, while an
+    empty URL starves its events client, and task runs never reach the API.
+    """
     (home / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's database cannot open in a missing folder
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE")}
     return {
+        **env,
         "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_API_URL": "",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "true",
@@ -139,7 +144,7 @@ def _fmt(v) -> str:
 def cli_runs(source: Path, tmp: Path) -> list[dict]:
     exe = Path(sys.executable).with_name("mllm-pipeline")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
-    env = {**os.environ, **prefect_env(tmp / "cli-home"), "COLUMNS": "200"}
+    env = {**prefect_env(tmp / "cli-home"), "COLUMNS": "200"}
     rows = []
     for what, storage_name in (("first run ever (new Prefect database)", "a"), ("new data", "b"),
                                ("fully cached re-run", "b")):
@@ -163,12 +168,15 @@ def write_big_text(body: str, path: Path, size_mb: int) -> tuple[int, str]:
     import hashlib
 
     block = (body.rstrip() + "\n\n").encode("utf-8")
-    digest, n = hashlib.sha256(), 0
+    digest, n, size = hashlib.sha256(), 0, size_mb * 1_000_000
     with open(path, "wb") as f:
-        while n < size_mb * 1_000_000:
-            f.write(block)
-            digest.update(block)
-            n += len(block)
+        while n < size:
+            part = block if n + len(block) <= size else block[:block.rfind(b"\n", 0, size - n) + 1]
+            f.write(part)
+            digest.update(part)
+            n += len(part)
+            if not part:
+                break
     return n, digest.hexdigest()
 
 
@@ -185,18 +193,21 @@ def worker(spec: dict) -> dict:
         out["peak_reset"] = reset_peak()
         t0 = time.perf_counter()
         tokens = data_tasks.tokenize(raw, TokenizerConfig(kind="char"), root)
-        out["tokenize"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "tokens": tokens.n_tokens}
+        out["tokenize"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "tokens": tokens.n_tokens,
+                           "load": load()}
         if more:
             reset_peak()
             before = _status("VmRSS")
             t0 = time.perf_counter()
             vocab = data_tasks.build_vocabulary(tokens, VocabConfig(), root)
-            out["build-vocabulary"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "rss_before": before}
+            out["build-vocabulary"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"),
+                                       "rss_before": before, "load": load()}
             reset_peak()
             before = _status("VmRSS")
             t0 = time.perf_counter()
             data_tasks.split(tokens, vocab, SplitConfig(), root)
-            out["split"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "rss_before": before}
+            out["split"] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "rss_before": before,
+                            "load": load()}
         return out
 
     @flow(name="bench-warm-up")
@@ -219,7 +230,7 @@ def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int) -> list[
         n, sha = write_big_text(body, path, mb)
         texts.append({"path": str(path), "bytes": n, "sha256": sha, "root": str(tmp / f"scale-{mb}"),
                       "more": mb <= more_up_to})
-    env = {**os.environ, **prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+    env = {**prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
                          env=env, capture_output=True, text=True, cwd=REPO, timeout=1800)
     for t in texts:
@@ -237,11 +248,24 @@ def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int) -> list[
             rows.append({"stage": stage, "text_mb": r["mb"], "seconds": st["s"], "mb_per_s": r["mb"] / st["s"],
                          "peak_rss_mb": st["peak"] / 1e6,
                          "above_start_mb": (st["peak"] - base) / 1e6, "tokens": st.get("tokens"),
-                         "peak_tracked": r["peak_reset"], "load": load()})
+                         "peak_tracked": r["peak_reset"], "load": st["load"]})
             print(f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s), "
                   f"peak RSS {st['peak'] / 1e6:,.0f} MB ({(st['peak'] - base) / 1e6:+,.0f} MB over the "
                   f"worker's {base / 1e6:,.0f} MB at start)", flush=True)
     return rows
+
+
+def peak_growth(rows: list[dict]) -> dict[str, dict]:
+    """Per stage, how its peak RSS grew from its smallest to its largest text."""
+    out = {}
+    for stage in dict.fromkeys(r["stage"] for r in rows):
+        rs = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["text_mb"])
+        if len(rs) > 1:
+            a, b = rs[0], rs[-1]
+            out[stage] = {"text_from": a["text_mb"], "text_to": b["text_mb"], "from_mb": a["peak_rss_mb"],
+                          "to_mb": b["peak_rss_mb"],
+                          "mb_per_text_mb": (b["peak_rss_mb"] - a["peak_rss_mb"]) / (b["text_mb"] - a["text_mb"])}
+    return out
 
 
 def main() -> None:
@@ -251,11 +275,13 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     m = header("data_stages", args.quick)
     source = corpus("warandpeace")
-    sizes, more_up_to = ([10, 50], 50) if args.quick else ([50, 500], 50)
+    sizes, more_up_to = ([10, 50], 50) if args.quick else ([10, 50, 500], 50)
     with tempfile.TemporaryDirectory(prefix="mllm-bench-data-") as tmp_name:
         tmp = Path(tmp_name)
         # Before the first import of prefect or mlflow: they read these once.
-        os.environ.update({**prefect_env(tmp / "home"), "PREFECT_LOGGING_LEVEL": "WARNING"})
+        env = {**prefect_env(tmp / "home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
+        os.environ.clear()
+        os.environ.update(env)
         print("1. the prepare flow in this process", flush=True)
         flow_rows, server_s = in_process(source, tmp)
         print("2. the mllm-pipeline prepare command", flush=True)
@@ -277,7 +303,14 @@ def main() -> None:
     print(table(scale_rows, [("stage", "stage"), ("text_mb", "text MB"), ("seconds", "s"), ("mb_per_s", "MB/s"),
                              ("peak_rss_mb", "peak RSS MB"), ("above_start_mb", "over start MB"),
                              ("load", "load avg")]))
-    save("data_stages", {"machine": m, "quick": args.quick, "flow": flow_rows, "prefect_start_s": server_s, "cli": cli_rows,
+    growth = peak_growth(scale_rows)
+    print()
+    for stage, g in growth.items():
+        # A stage that holds the ids of the whole text needs at least 4 bytes (int32) per token.
+        verdict = "bounded" if g["mb_per_text_mb"] < 1.0 else "NOT BOUNDED: grows with the text"
+        print(f"{stage}: peak RSS {g['from_mb']:,.0f} -> {g['to_mb']:,.0f} MB for {g['text_from']:.0f} -> "
+              f"{g['text_to']:.0f} MB of text: {g['mb_per_text_mb']:+.2f} MB per MB of text ({verdict})")
+    save("data_stages", {"peak_growth": growth, "machine": m, "quick": args.quick, "flow": flow_rows, "prefect_start_s": server_s, "cli": cli_rows,
                          "scale": scale_rows})
 
 

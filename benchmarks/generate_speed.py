@@ -14,7 +14,8 @@ temperature 0.8), for:
 Each model is trained for a few dozen steps on War and Peace first, so that greedy and top-p see
 the peaked distributions of a real model rather than the near-uniform ones of random weights
 (the nucleus of a uniform distribution is nearly the whole vocabulary). The "same" column says
-whether greedy decoding gave the same tokens with and without the cache/state.
+whether greedy decoding gave the same tokens with and without the cache/state. Every case runs at
+torch's thread count and again at one thread (see the comment in main).
 """
 
 from __future__ import annotations

@@ -1,0 +1,160 @@
+"""What logging metrics to an MLflow server costs a training run.
+
+    python -m benchmarks.tracking_overhead [--quick] [--threads N]
+
+A real `mlflow server` on loopback (tests/servers.py: SQLite backend, artifacts through the
+server, so every call is HTTP as it would be to a remote one). The same training run, GPT at
+nanoGPT's CPU size on War and Peace for 200 steps (100 with --quick), log_interval 10 and a
+validation eval every 100 steps, runs
+- untracked (on_metrics=None),
+- tracked: inside `RunTracker` with `RunTracker.log_metrics` as on_metrics, one synchronous
+  log_batch request per log step, as the pipeline's train task does,
+- tracked with MLflow's asynchronous logging (what-if: the same log_metrics with its client's
+  log_batch(synchronous=False), flushed when training returns; the flush counts),
+alternating, a few times each, after one warm-up run of each; each figure is the median. The
+overhead is given twice: from the wall times (tracked against untracked, noisy by a few percent
+on a shared machine) and from the time spent inside on_metrics (direct, what logging cost). Same seed,
+same data, same thread count, a fresh checkpoint folder per run. The training wall time is what
+the overhead is measured on; creating and closing the MLflow run (params, config.yaml, tags) is a
+fixed cost per run, reported on its own.
+
+One thread by default: the figure is a ratio of a few percent, and two threads on two cores that
+anything else touches make a small model's step time jump tenfold from one moment to the next.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+
+GPT = {
+    "recipe": "bench-tracking",
+    "model.arch": "gpt", "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
+    "model.block_size": 64, "model.dropout": 0.0, "model.bias": False,
+    "train.batch_size": 12, "train.window": 64, "train.sampling": "random", "train.optimizer": "adamw",
+    "train.lr": 1e-3, "train.grad_clip": 1.0, "train.log_interval": 10, "train.eval_interval": 100,
+    "train.eval_batches": 4, "train.checkpoint_interval": 10**9, "train.seed": 1337,
+}
+
+
+class _AsyncLogging:
+    """The tracker's client with log_batch made asynchronous (the what-if variant)."""
+
+    def __init__(self, client):
+        self.client, self.pending = client, []
+
+    def log_batch(self, run_id, **kw):
+        self.pending.append(self.client.log_batch(run_id, synchronous=False, **kw))
+
+    def flush(self) -> None:
+        for op in self.pending:
+            op.wait()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import torch
+
+    if args.threads is None:
+        torch.set_num_threads(1)
+    m = header("tracking_overhead", args.quick)
+    wp = corpus("warandpeace")
+    steps, repeats = (100, 2) if args.quick else (200, 3)
+    sys.path.insert(0, str(REPO / "tests"))
+    from servers import run_mlflow_server
+
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-tracking-") as tmp_name:
+        tmp = Path(tmp_name)
+        paths = token_ids(wp, tmp / "wp")
+        t0 = time.perf_counter()
+        with run_mlflow_server(tmp / "mlflow") as server:
+            print(f"mlflow server at {server.url}, ready in {time.perf_counter() - t0:.1f} s", flush=True)
+            os.environ["MLFLOW_TRACKING_URI"] = server.url
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            from mllm.train import train
+            from tasks.tracking import RunTracker
+
+            runs = 0
+
+            def once(mode: str, n_steps: int) -> dict:
+                nonlocal runs
+                runs += 1
+                cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**GPT, "train.max_steps": n_steps})
+                calls: list[float] = []
+                if mode == "untracked":
+                    t = time.perf_counter()
+                    result = train(cfg, resume=False)
+                    return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss,
+                            "load": load()}
+                t = time.perf_counter()
+                with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
+                    setup_s = time.perf_counter() - t
+                    shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
+                    if shim:
+                        run.client = shim
+
+                    def on_metrics(records):
+                        c = time.perf_counter()
+                        run.log_metrics(records)
+                        calls.append(time.perf_counter() - c)
+
+                    t = time.perf_counter()
+                    result = train(cfg, on_metrics=on_metrics, resume=False)
+                    if shim:
+                        shim.flush()
+                        run.client = shim.client
+                    train_s = time.perf_counter() - t
+                    t = time.perf_counter()
+                logged = run.client.get_metric_history(run.run_id, "train_loss")
+                return {"mode": mode, "train_s": train_s, "setup_s": setup_s, "close_s": time.perf_counter() - t,
+                        "calls": len(calls), "call_ms": 1000 * median(calls), "logging_s": sum(calls),
+                        "logged": len(logged),
+                        "loss": result.train_loss, "load": load()}
+
+            modes = ("untracked", "tracked", "tracked, async")
+            for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
+                once(mode, 20)
+            samples: dict[str, list[dict]] = {mode: [] for mode in modes}
+            for i in range(repeats):
+                for mode in modes:
+                    r = once(mode, steps)
+                    samples[mode].append(r)
+                    print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s (load {r['load']})", flush=True)
+
+    base = median([r["train_s"] for r in samples["untracked"]])
+    rows = []
+    for mode in modes:
+        rs = samples[mode]
+        row = {"mode": mode, "steps": steps, "runs": len(rs), "train_s": median([r["train_s"] for r in rs]),
+               "all_train_s": [round(r["train_s"], 3) for r in rs], "loss": rs[0]["loss"],
+               "load": max(r["load"] for r in rs)}
+        row["overhead_pct"] = 100 * (row["train_s"] - base) / base
+        if mode != "untracked":
+            # The time on_metrics itself took: the overhead measured directly, free of the noise
+            # between two runs' wall times.
+            logging_pct = median([100 * r["logging_s"] / (r["train_s"] - r["logging_s"]) for r in rs])
+            row.update(calls=rs[0]["calls"], call_ms=median([r["call_ms"] for r in rs]), logging_pct=logging_pct,
+                       logged=rs[0]["logged"], setup_s=median([r["setup_s"] for r in rs]),
+                       close_s=median([r["close_s"] for r in rs]))
+        rows.append(row)
+    same_loss = len({round(r["loss"], 6) for r in rows}) == 1
+
+    print()
+    print(table(rows, [("mode", "run"), ("steps", "steps"), ("runs", "runs"), ("train_s", "train s (median)"),
+                       ("overhead_pct", "overhead % (wall)"), ("logging_pct", "overhead % (in on_metrics)"),
+                       ("calls", "log calls"), ("call_ms", "ms/call"),
+                       ("logged", "train_loss points on server"), ("setup_s", "run start s"),
+                       ("close_s", "run end s"), ("load", "load avg")]))
+    print(f"\nsame final train loss in every mode (same seed, same work): {same_loss}")
+    save("tracking_overhead", {"machine": m, "quick": args.quick, "steps": steps, "repeats": repeats,
+                               "config": GPT, "rows": rows, "same_loss": same_loss,
+                               "samples": samples})
+
+
+if __name__ == "__main__":
+    main()
