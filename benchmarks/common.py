@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -143,7 +142,3 @@ def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, 
     data["paths"] = TrainPaths(train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"],
                                checkpoint_dir=str(checkpoint_dir)).model_dump()
     return validate(data, f"benchmark config ({recipe or 'default tree'})")
-
-
-def python() -> str:
-    return sys.executable

@@ -20,6 +20,7 @@ and added to the full-run estimates. MFU is left out: peak FLOPs mean nothing on
 
 from __future__ import annotations
 
+import itertools
 import math
 import tempfile
 import time
@@ -45,6 +46,8 @@ NANOGPT_CPU = {
     "train.lr": 1e-3, "train.weight_decay": 0.1, "train.beta2": 0.99, "train.grad_clip": 1.0,
 }
 
+_runs = itertools.count()  # a fresh checkpoint folder per measurement: nothing to resume from
+
 
 def short_val(paths: dict, folder: Path, window: int) -> str:
     """A validation split of a few windows (see the module docstring)."""
@@ -59,8 +62,7 @@ def measure(name: str, recipe: str | None, paths: dict, folder: Path, overrides:
     length = {"train.max_steps": warmup + steps}
     if minutes:
         length["train.max_minutes"] = minutes
-    cfg = run_config(recipe, paths, folder / f"ckpt-{len(list(folder.iterdir()))}",
-                     {**overrides, **QUIET, **length})
+    cfg = run_config(recipe, paths, folder / f"ckpt-{next(_runs)}", {**overrides, **QUIET, **length})
     t = cfg.train
     cfg.paths.val_ids = short_val(paths, folder, t.window)
     tokens_per_step = t.batch_size * t.window
