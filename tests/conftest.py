@@ -56,6 +56,27 @@ def make_text(n_words: int = 4000, seed: int = 0, gutenberg: bool = True) -> str
             + body + "*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\r\nLicense text that must not be read.\r\n")
 
 
+def write_char_ids(folder: Path, n_words: int):
+    """Character ids of a made-up text in `folder`: train.npy and val.npy (90/10) and vocab.json."""
+    from collections import Counter
+
+    import numpy as np
+
+    from mllm.config import TokenizerConfig
+    from mllm.text import build_tokenizer
+    from mllm.vocab import Vocab
+
+    tokenizer = build_tokenizer(TokenizerConfig(kind="char"))
+    tokens = [t for piece in tokenizer.tokenize([make_text(n_words, gutenberg=False)]) for t in piece]
+    vocab = Vocab.build(Counter(tokens))
+    ids = np.asarray(vocab.encode(tokens), dtype=np.uint16)
+    cut = int(0.9 * len(ids))
+    np.save(folder / "train.npy", ids[:cut])
+    np.save(folder / "val.npy", ids[cut:])
+    vocab.save(str(folder / "vocab.json"))
+    return vocab
+
+
 @pytest.fixture
 def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"

@@ -11,16 +11,6 @@ from mllm.models import build_model
 from mllm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine their
-    # spin-waiting made these tests 30x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def cfg(**kw):
     base = dict(vocab_size=11, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=24, dropout=0.0)
     return ModelConfig(**{**base, **kw})

@@ -19,16 +19,6 @@ from mllm.vocab import Vocab
 V = 13
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors gain nothing from intra-op threads, and on a busy 2-core machine their
-    # spin-waiting made these tests 30x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny(arch, seed=4, **kw):
     """A small random model with confident predictions, so near-ties cannot flip an argmax."""
     torch.manual_seed(seed)

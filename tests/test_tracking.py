@@ -11,7 +11,6 @@ import os
 import subprocess
 import time
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +21,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import make_text
+from conftest import write_char_ids
 from mllm.checkpoint import load_checkpoint
-from mllm.config import RunConfig, TokenizerConfig
+from mllm.config import RunConfig
 from mllm.sample import sample_text
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)
 from tasks import tracking
@@ -318,19 +317,10 @@ def test_no_secret_reaches_a_param_tag_artifact_dataset_or_log_line(uri, tmp_pat
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """A tiny character LSTM trained for a few steps on made-up text."""
-    from mllm.text import build_tokenizer
     from mllm.train import train
-    from mllm.vocab import Vocab
 
     d = tmp_path_factory.mktemp("trained")
-    tokenizer = build_tokenizer(TokenizerConfig(kind="char"))
-    tokens = [t for piece in tokenizer.tokenize([make_text(600, gutenberg=False)]) for t in piece]
-    vocab = Vocab.build(Counter(tokens))
-    ids = np.asarray(vocab.encode(tokens), dtype=np.uint16)
-    cut = int(0.9 * len(ids))
-    np.save(d / "train.npy", ids[:cut])
-    np.save(d / "val.npy", ids[cut:])
-    vocab.save(str(d / "vocab.json"))
+    write_char_ids(d, 600)
     cfg = config(train={"max_steps": 6, "eval_interval": 3, "eval_batches": 2, "log_interval": 2,
                         "checkpoint_interval": 3},
                  sample={"max_new_tokens": 12, "methods": ["greedy"]})

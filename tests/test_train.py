@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +13,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import make_text
+from conftest import write_char_ids
 from mllm import UserError
 from mllm.checkpoint import Loaded, load_checkpoint
-from mllm.config import RunConfig, TokenizerConfig
+from mllm.config import RunConfig
 from mllm.data import EpochWindows, RandomWindows, load_ids, windows
-from mllm.text import build_tokenizer
 from mllm.train import lr_factor, main, train
 from mllm.vocab import Vocab
 
@@ -41,14 +39,7 @@ def one_thread():
 def data_dir(tmp_path_factory) -> Path:
     """Character ids of a small made-up text, split 90/10, with its vocabulary."""
     d = tmp_path_factory.mktemp("data")
-    tokenizer = build_tokenizer(TokenizerConfig(kind="char"))
-    tokens = [t for piece in tokenizer.tokenize([make_text(1200, gutenberg=False)]) for t in piece]
-    vocab = Vocab.build(Counter(tokens))
-    ids = np.asarray(vocab.encode(tokens), dtype=np.uint16)
-    cut = int(0.9 * len(ids))
-    np.save(d / "train.npy", ids[:cut])
-    np.save(d / "val.npy", ids[cut:])
-    vocab.save(str(d / "vocab.json"))
+    vocab = write_char_ids(d, 1200)
     # The same text with one character fewer known: another vocabulary, same ids range.
     Vocab(vocab.itos[:-1] + ["#"]).save(str(d / "other_vocab.json"))
     return d
