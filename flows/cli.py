@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
+from mllm.storage import unreachable
 from mllm.config import recipe_dict, recipe_names, resolve
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -37,6 +38,11 @@ def _user_errors() -> Iterator[None]:
         yield
     except UserError as e:
         _fail(str(e))
+    except Exception as e:
+        message = unreachable(e)
+        if message is None:
+            raise
+        _fail(message)
     except KeyboardInterrupt:
         _fail("interrupted: outputs already finished are kept; run the same command to continue")
 
@@ -44,7 +50,7 @@ def _user_errors() -> Iterator[None]:
 class _HideUserErrorTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, UserError):
+        if isinstance(exc, UserError) or (exc is not None and unreachable(exc)):
             record.exc_info = None
             record.exc_text = None
         return True
@@ -101,19 +107,23 @@ def _progress() -> Iterator[None]:
 
 
 Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
+TrainOn = Annotated[Optional[str], typer.Option(
+    "--train-on", metavar="POOL",
+    help="Train on a worker of this Prefect work pool (same as --set train.pool=POOL) [default: this process].")]
 
 
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-        set_: Sets = None, tag: Tags = None) -> None:
+        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
-        _resolve(recipe, set_, source)
+        _resolve(recipe, _with_pool(set_, train_on), source)
         tags = dict(_key_value(t, "--tag") for t in tag or [])
         fl = _flows()
         root = fl.storage_root(storage)
         with _progress():
-            result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags)
+            result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags,
+                                 train_on=train_on)
         t, e = result.trained, result.evaluation
         typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
@@ -135,6 +145,10 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None):
     return cfg
 
 
+def _with_pool(sets: list[str] | None, pool: str | None) -> list[str]:
+    return [*(sets or []), f"train.pool={pool}"] if pool else list(sets or [])
+
+
 def _key_value(item: str, option: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
@@ -151,7 +165,12 @@ def _run_stages(cfg, storage: str | None, last: str) -> Any:
         data = fl.with_results(fl.prepare, root)(cfg, root)
         if last == "prepare":
             return data
-        trained = fl.with_results(fl.train, root)(cfg, data, root)
+        if cfg.train.pool:
+            from flows import dispatch
+
+            trained = dispatch.train_on_pool(cfg, data, root, None, cfg.train.pool)
+        else:
+            trained = fl.with_results(fl.train, root)(cfg, data, root)
         if last == "train":
             return trained
         return fl.with_results(fl.evaluate, root)(cfg, trained, data)
@@ -171,10 +190,10 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
 
 @app.command()
 def train(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-          set_: Sets = None) -> None:
+          set_: Sets = None, train_on: TrainOn = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with _user_errors():
-        trained = _run_stages(_resolve(recipe, set_, source), storage, "train")
+        trained = _run_stages(_resolve(recipe, _with_pool(set_, train_on), source), storage, "train")
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -265,6 +284,70 @@ def recipes() -> None:
         length = f"{t['epochs']} epochs" if "epochs" in t else f"{t.get('max_steps')} steps"
         typer.echo(f"{name:18} {m.get('arch', '?'):5} {d.get('data', {}).get('tokenizer', {}).get('kind', 'char'):5} "
                    f"{m.get('n_layer')} layers, {length}")
+
+
+stack_app = typer.Typer(no_args_is_help=True, help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
+app.add_typer(stack_app, name="stack")
+StackHome = Annotated[Optional[str], typer.Option(
+    "--home", help="Where the stack keeps its state, databases and logs [default: $MLLM_STACK_HOME or ./.mllm-stack].")]
+
+
+@stack_app.command("up")
+def stack_up(home: StackHome = None, storage: Storage = None,
+             pool: Annotated[str, typer.Option(help="The process work pool its worker serves.")] = "local",
+             prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
+             mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000) -> None:
+    """Start the stack (MLflow's artifacts go to the storage root) and print its URLs."""
+    with _user_errors():
+        from flows import stack
+
+        root = _flows().storage_root(storage)
+        folder = stack.stack_home(home)
+        console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
+        try:
+            state = stack.up(folder, root, pool, prefect_port, mlflow_port)
+        except RuntimeError as e:
+            raise UserError(f"the stack did not start: {e}") from None
+        _print_stack(state)
+
+
+@stack_app.command("down")
+def stack_down(home: StackHome = None) -> None:
+    """Stop what `stack up` started, and only that."""
+    with _user_errors():
+        from flows import stack
+
+        stopped = stack.down(stack.stack_home(home))
+        if not stopped:
+            typer.echo("no stack was running")
+        for name, was_running in stopped:
+            typer.echo(f"{name:15} {'stopped' if was_running else 'was not running'}")
+
+
+@stack_app.command("status")
+def stack_status(home: StackHome = None) -> None:
+    """Say what of the stack runs; exit status 1 unless all of it does."""
+    from flows import stack
+
+    folder = stack.stack_home(home)
+    services = stack.status(folder)
+    if not services:
+        typer.echo(f"no stack in {folder}: start one with `mllm-pipeline stack up`")
+        raise typer.Exit(1)
+    for s, ok in services:
+        typer.echo(f"{s.name:15} {'running' if ok else 'NOT RUNNING':12} {s.url or ''}  (pid {s.pid}, log {s.log})")
+    if not all(ok for _, ok in services):
+        raise typer.Exit(1)
+    _print_stack(stack.load(folder), services=False)
+
+
+def _print_stack(state: dict, services: bool = True) -> None:
+    if services:
+        for s in state["services"]:
+            typer.echo(f"{s.name:15} {s.url or ''}")
+    typer.echo("Use it from a shell with:")
+    typer.echo("  export " + " ".join(f"{k}={v}" for k, v in state["env"].items()))
+    typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")
 
 
 def main() -> None:

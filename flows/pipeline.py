@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from mllm import storage
 from mllm.config import RunConfig, resolve
+from flows import dispatch
 from tasks import data as data_tasks
 from tasks import model as model_tasks
 from tasks import tracking
@@ -74,14 +75,23 @@ class PipelineResult(BaseModel):
 
 @flow(name="pipeline")
 def pipeline(recipe: str = "default", source: str | None = None, storage_url: str | None = None,
-             overrides: list[str] = [], tags: dict[str, str] = {}) -> PipelineResult:  # noqa: B006
-    """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe."""
+             overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
+             train_on: str | None = None) -> PipelineResult:
+    """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
+
+    Training runs in this process, or on a worker of the work pool `train_on` (or
+    `train.pool` in the config).
+    """
+    overrides = [*overrides, f"train.pool={train_on}"] if train_on else overrides
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
     data = with_results(prepare, root)(cfg, root)
     with RunTracker(cfg, root, tags=tags) as run:
         tracking.log_data(run.run_id, cfg, root, data)
-        trained = with_results(train, root)(cfg, data, root, run.run_id)
+        if cfg.train.pool:
+            trained = dispatch.train_on_pool(cfg, data, root, run.run_id, cfg.train.pool)
+        else:
+            trained = with_results(train, root)(cfg, data, root, run.run_id)
         evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
         champion = tracking.log_outcome(run.run_id, cfg, root, trained, evaluation, samples)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, trained=trained,

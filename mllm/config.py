@@ -119,6 +119,9 @@ class TrainConfig(_Section):
     compile: bool = False
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
+    # A Prefect work pool to hand training to (`--train-on`); none: the pipeline's own process.
+    # Where a run trains is not what it is: left out of the training key.
+    pool: str | None = None
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":

@@ -132,6 +132,29 @@ def require(url: str, what: str) -> None:
         raise UserError(f"{what} not found at {url}: check the path or URL")
 
 
+# Exceptions (by class name: botocore and aiohttp are optional here) that mean the storage
+# endpoint could not be reached or dropped the connection.
+_UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
+                "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ConnectionRefusedError",
+                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError"}
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
+    saying so and what to do; else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if {c.__name__ for c in type(exc).__mro__} & _UNREACHABLE:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
+            detail = " ".join(str(exc).split())[:200]
+            return (f"storage unreachable ({type(exc).__name__}: {detail}): check that {where} is up and "
+                    "reachable, then run the same command again (finished stages are reused)")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 DONE = "_SUCCESS"
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import math
 import os
 import sys
@@ -382,6 +384,20 @@ def _print_records(records: Records) -> None:
                   f"{r['val_bits_per_token']:.3f} bits/token", flush=True)
 
 
+@contextlib.contextmanager
+def _event_log(path: str | None):
+    """A function writing one JSON line per call to `path` (rank 0 only), or doing nothing."""
+    if not path or int(os.environ.get("RANK", "0")) != 0:
+        yield lambda event: None
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        def emit(event: dict) -> None:
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+
+        yield emit
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mllm.train",
@@ -395,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="override one field, e.g. --set train.lr=3e-4 (repeatable; values are YAML)")
     parser.add_argument("--no-resume", action="store_true",
                         help="start from scratch even if checkpoint_dir holds a last.pt (it is overwritten)")
+    parser.add_argument("--events", metavar="FILE.jsonl",
+                        help="also append metrics, progress and the result to this local file, one JSON "
+                             "object a line (how the pipeline follows a torchrun job)")
     args = parser.parse_args(argv)
     try:
         data = apply_overrides(load_file(args.config), args.overrides)
@@ -402,7 +421,14 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.paths is None:
             raise UserError(f"{args.config} has no paths section: add paths with train_ids, val_ids, "
                             "vocab and checkpoint_dir")
-        result = train(cfg, on_metrics=_print_records, resume=not args.no_resume)
+        with _event_log(args.events) as emit:
+            def on_metrics(records: Records) -> None:
+                _print_records(records)
+                emit({"metrics": records})
+
+            result = train(cfg, on_metrics=on_metrics, on_progress=lambda p: emit({"progress": p}),
+                           resume=not args.no_resume)
+            emit({"result": dataclasses.asdict(result)})
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

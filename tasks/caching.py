@@ -46,6 +46,23 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(exc, UserError) or getattr(exc, "transient", False)
 
 
+def io_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry condition for costly stages: retry only when storage or the network failed (the
+    stage then resumes from what it had written), not a bug or a user's mistake."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    while exc is not None:
+        if isinstance(exc, UserError):
+            return getattr(exc, "transient", False)
+        if isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in _IO_MODULES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# Libraries whose exceptions all mean the storage or the network failed.
+_IO_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "requests"}
+
+
 def result_storage(root: str) -> Path | RemoteFileSystem:
     """Prefect result storage under the storage root, so cached results live beside the data.
 

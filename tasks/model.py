@@ -8,6 +8,11 @@ stopped, and a finished one is not paid for twice.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -21,7 +26,7 @@ from mllm.config import RunConfig, TrainPaths
 from mllm.data import load_ids
 from mllm.sample import sample_text
 import tasks
-from tasks.caching import code_digest, stage_cache, transient
+from tasks.caching import code_digest, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
 from tasks.tracking import RunTracker
 
@@ -42,7 +47,7 @@ class Trained(BaseModel):
     run_dir: str
     config: str  # the job's config YAML: `python -m mllm.train --config` runs it again
     checkpoint: str
-    best_checkpoint: str
+    best_checkpoint: str | None  # none until a validation has run
     steps: int
     train_loss: float | None
     val_loss: float | None
@@ -68,7 +73,7 @@ class Evaluation(BaseModel):
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
     return storage.digest(["train", data.splits.key, data.vocab.digest, cfg.model.model_dump(),
-                           cfg.train.model_dump(), code_digest(models, rnn, gpt, mllm.train)])
+                           cfg.train.model_dump(exclude={"pool"}), code_digest(models, rnn, gpt, mllm.train)])
 
 
 def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
@@ -77,39 +82,101 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
                        vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
                        checkpoint_dir=storage.join(run_dir, "checkpoints"))
-    job = cfg.model_copy(update={"paths": paths})
+    job = cfg.model_copy(update={"paths": paths}, deep=True)  # never change the caller's config
     job.model.vocab_size = data.vocab.size
     return job, run_dir
 
 
-@task(name="train", retries=0)
+@task(name="train", retries=2, retry_delay_seconds=5, retry_condition_fn=io_error)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
-    """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches."""
+    """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches.
+
+    A storage failure is retried (training resumes from its last checkpoint). The result is
+    also written to `<run_dir>/trained.json`, where a pipeline that dispatched this training to
+    a work pool reads it.
+    """
     logger = get_run_logger()
     on_metrics = RunTracker.attach(run_id, cfg, root).log_metrics if run_id else None
     job, run_dir = train_job(cfg, data, root)
     config_url = storage.join(run_dir, "config.yaml")
     storage.write_text(config_url, job.to_yaml())
     logger.info("training %s %s: %s", cfg.recipe, cfg.model.arch, run_dir)
+    every = float(os.environ.get("MLLM_LOG_EVERY_S", "10"))
     last_log = [0.0]
 
     def on_progress(p: dict[str, Any]) -> None:
         if tasks.progress_hook is not None:
             tasks.report_progress("train", p["step"], p["total_steps"], **p)
-        elif time.monotonic() - last_log[0] > 10:  # a line every 10 s in a worker's log
+        elif time.monotonic() - last_log[0] > every:  # a line every few seconds in a worker's log
             last_log[0] = time.monotonic()
-            logger.info("step %d/%d loss %.4f lr %.2e %.0f tok/s", p["step"], p["total_steps"],
+            logger.info("step %d/%s loss %.4f lr %.2e %.0f tok/s", p["step"], p["total_steps"] or "?",
                         p.get("train_loss") or float("nan"), p.get("lr", 0.0), p.get("tokens_per_s", 0.0))
 
-    result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+    if job.train.nproc_per_node > 1:
+        result = _torchrun(job, on_metrics, on_progress)
+    else:
+        result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
-    return Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url,
-                   checkpoint=result.checkpoint, best_checkpoint=result.best_checkpoint,
-                   steps=result.steps, train_loss=result.train_loss, val_loss=result.val_loss,
-                   best_val_loss=result.best_val_loss, tokens_per_s=result.tokens_per_s,
-                   elapsed_s=result.elapsed_s, stop_reason=result.stop_reason,
-                   resumed_from_step=result.resumed_from_step)
+    trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url,
+                      checkpoint=result.checkpoint, best_checkpoint=result.best_checkpoint,
+                      steps=result.steps, train_loss=result.train_loss, val_loss=result.val_loss,
+                      best_val_loss=result.best_val_loss, tokens_per_s=result.tokens_per_s,
+                      elapsed_s=result.elapsed_s, stop_reason=result.stop_reason,
+                      resumed_from_step=result.resumed_from_step)
+    storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
+    return trained
+
+
+def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.TrainResult:
+    """Run `python -m mllm.train` under torchrun with `nproc_per_node` processes (DDP) and
+    follow it through its event file: metrics to MLflow, progress to the log."""
+    n = job.train.nproc_per_node
+    logger = get_run_logger()
+    with tempfile.TemporaryDirectory(prefix="mllm-torchrun-") as tmp:
+        config, events, out = (os.path.join(tmp, name) for name in ("config.yaml", "events.jsonl", "out.log"))
+        with open(config, "w") as f:
+            f.write(job.to_yaml())
+        open(events, "w").close()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               "-m", "mllm.train", "--config", config, "--events", events]
+        logger.info("starting %d training processes: torchrun --nproc_per_node=%d -m mllm.train", n, n)
+        result: dict[str, Any] | None = None
+        with open(out, "wb") as log, open(events, encoding="utf-8") as ev:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                pending = ""
+                while True:
+                    done = proc.poll() is not None
+                    pending += ev.read()
+                    *lines, pending = pending.split("\n")
+                    for line in lines:
+                        event = json.loads(line)
+                        if "metrics" in event and on_metrics:
+                            on_metrics(event["metrics"])
+                        elif "progress" in event:
+                            on_progress(event["progress"])
+                        elif "result" in event:
+                            result = event["result"]
+                    if done:
+                        break
+                    time.sleep(0.5)
+            finally:
+                if proc.poll() is None:  # this task was cancelled or failed: stop the ranks
+                    proc.terminate()
+                    proc.wait(30)
+        if proc.returncode != 0 or result is None:
+            tail = open(out, errors="replace").read().strip().splitlines()
+            errors = [line[len("error: "):] for line in tail if line.startswith("error: ")]
+            if errors:
+                raise UserError(errors[-1])
+            raise RuntimeError(f"torchrun exited with status {proc.returncode}:\n" + "\n".join(tail[-20:]))
+    return mllm.train.TrainResult(**result)
+
+
+def _best(trained: Trained) -> str:
+    best = trained.best_checkpoint
+    return best if best and storage.exists(best) else trained.checkpoint
 
 
 def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> str:
@@ -130,7 +197,7 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     part = getattr(data.splits, split)
     if part is None:
         raise UserError(f"there is no {split} split: set data.split.test_fraction above 0 to make one")
-    ckpt_url = trained.best_checkpoint if storage.exists(trained.best_checkpoint) else trained.checkpoint
+    ckpt_url = _best(trained)
     loaded = checkpoint.load_checkpoint(ckpt_url)
     ids = load_ids(part.ids)
     window = min(cfg.train.window, loaded.config.model.block_size) if cfg.model.arch == "gpt" else cfg.train.window
@@ -175,7 +242,7 @@ def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
 @task(name="generate", cache_key_fn=stage_cache(_generate_key), retries=1, retry_condition_fn=transient)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     """One sample per prompt and sampling method, saved as `samples/<method>.txt`."""
-    ckpt_url = trained.best_checkpoint if storage.exists(trained.best_checkpoint) else trained.checkpoint
+    ckpt_url = _best(trained)
     loaded = checkpoint.load_checkpoint(ckpt_url)
     s = cfg.sample
     samples: dict[str, list[str]] = {}

@@ -1,8 +1,9 @@
 """Real servers on free loopback ports for integration tests, started and stopped cleanly.
 
-`serving(cmd, health_url, log)` runs any server command until its health URL answers and stops
-its whole process group afterwards; `run_mlflow_server(folder)` is an `mlflow server` with an
-SQLite backend and artifacts served through it. The `mlflow_server` fixture gives one per
+`serving(cmd, health_url, log)` runs any server command (flows.stack.Service) until its health
+URL answers and stops its whole process group afterwards; `run_mlflow_server(folder)` is an
+`mlflow server` with an SQLite backend and artifacts served through it; `run_s3_server(folder)`
+is moto's S3 server behind a proxy that can be switched off. The `mlflow_server` fixture gives one per
 session (import the fixtures into the test module, or into conftest.py):
 
     from servers import mlflow_server, mlflow_server_starting  # noqa: F401
@@ -14,24 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flows.stack import Service, free_port
 
 
 def quiet_env(home: Path) -> dict[str, str]:
@@ -51,68 +44,17 @@ def quiet_env(home: Path) -> dict[str, str]:
     }
 
 
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-
-
-def _answers(url: str) -> bool:
-    try:
-        with _DIRECT.open(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-class Process:
-    """A server command started in the background, leading a process group of its own."""
-
-    def __init__(self, cmd: list[str], health_url: str, log: Path,
-                 env: dict[str, str] | None = None):
-        self.cmd, self.health_url, self.log = cmd, health_url, log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            self.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True, cwd=log.parent)
-        self.ready = False
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until the health URL answers 200; raise with the log's tail if it never does."""
-        deadline = time.monotonic() + timeout
-        while not self.ready:
-            if _answers(self.health_url):
-                self.ready = True
-            elif self.popen.poll() is not None:
-                raise RuntimeError(f"{' '.join(self.cmd[:4])} ... exited with {self.popen.returncode} before "
-                                   f"{self.health_url} answered:\n{_tail(self.log)}")
-            elif time.monotonic() > deadline:
-                raise RuntimeError(f"{self.health_url} did not answer within {timeout:.0f} s:\n"
-                                   f"{_tail(self.log)}")
-            else:
-                time.sleep(0.25)
-
-    def stop(self) -> None:
-        # The server's workers are its children: signal the group it leads, which we started.
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, sig)
-            try:
-                self.popen.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+def background(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None) -> Service:
+    """A server command started in the background (a process group of its own)."""
+    return Service(Path(cmd[2] if cmd[1:2] == ["-m"] else cmd[0]).name, cmd, str(log), health_url,
+                   env=env or {}).start()
 
 
 @contextlib.contextmanager
 def serving(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None,
-            timeout: float = 120.0) -> Iterator[Process]:
+            timeout: float = 120.0) -> Iterator[Service]:
     """Run `cmd` until `health_url` answers 200, yield it, then stop it."""
-    proc = Process(cmd, health_url, log, env)
+    proc = background(cmd, health_url, log, env)
     try:
         proc.wait_ready(timeout)
         yield proc
@@ -120,12 +62,113 @@ def serving(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | No
         proc.stop()
 
 
+class TcpProxy:
+    """A TCP forwarder on a free loopback port, to take a server away and bring it back
+    (`stop()`, `start()`) while the server itself, and what it holds, stays up."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.port = free_port()
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "TcpProxy":
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Refuse new connections and cut the open ones."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            open_sockets, self._sockets = list(self._sockets), set()
+        for sock in [listener, *open_sockets]:
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close()
+                    server.close()
+                    return
+                self._sockets |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class S3Server:
+    """moto's S3 server on loopback (as s3fs's own tests run it), reached through a proxy
+    that a test can switch off and on."""
+
+    url: str  # the proxy's: what clients are given
+    direct_url: str
+    proxy: TcpProxy
+    env: dict[str, str]
+
+    def client(self, direct: bool = True):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.direct_url if direct else self.url,
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            region_name="us-east-1")
+
+
+@contextlib.contextmanager
+def run_s3_server(folder: Path) -> Iterator[S3Server]:
+    port = free_port()
+    direct = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with serving(cmd, f"{direct}/moto-api/", folder / "moto.log", quiet_env(folder / "home")):
+        proxy = TcpProxy(port).start()
+        try:
+            env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
+                   "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                   "MLFLOW_S3_ENDPOINT_URL": proxy.url}
+            yield S3Server(proxy.url, direct, proxy, env)
+        finally:
+            proxy.stop()
+
+
 @dataclass
 class MlflowServer:
     url: str
     backend_uri: str
     artifacts: Path
-    process: Process
+    process: Service
 
     def wait_ready(self, timeout: float = 120.0) -> "MlflowServer":
         self.process.wait_ready(timeout)
@@ -148,7 +191,7 @@ def run_mlflow_server(folder: Path, wait: bool = True) -> Iterator[MlflowServer]
            "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
            "--port", str(port), "--workers", "1"]
     server = MlflowServer(url, backend, folder / "artifacts",
-                          Process(cmd, f"{url}/health", folder / "mlflow-server.log", env))
+                          background(cmd, f"{url}/health", folder / "mlflow-server.log", env))
     try:
         if wait:
             server.wait_ready()

@@ -39,7 +39,7 @@ class Store:
     server_log: Path | None = None  # the server's access log: one line per HTTP request
 
     def requests(self, endpoint: str) -> int:
-        return self.server_log.read_text().count(endpoint)
+        return Path(self.server_log).read_text().count(endpoint)
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("server", marks=pytest.mark.integration)])

@@ -1,0 +1,180 @@
+"""Training on a Prefect work pool: `--train-on POOL`.
+
+The pipeline keeps the data stages, evaluation and tracking in its own process and hands the
+`train` flow to a worker of the pool through a deployment (`train/train-<pool>`, created or
+updated on the fly). It then follows the remote run: its log lines come back as the pipeline's
+own, its state decides what happens next.
+
+- Completed: the result is read from `<run_dir>/trained.json` in storage.
+- Failed (the training raised): the pipeline fails with the remote error.
+- Crashed, or lost (Running but silent for `MLLM_LOST_AFTER_S` seconds: its worker or machine
+  went away): the run is marked Crashed and submitted again, up to `MLLM_TRAIN_RESTARTS`
+  times. Training resumes from its last checkpoint in storage.
+
+The worker needs the project installed, the storage credentials in its own environment, and
+the MLflow server reachable; the pipeline passes the non-secret settings (tracking URI, S3
+endpoint, storage root) as the run's `env` job variable and never a credential.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from prefect import get_client, get_run_logger
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_logger
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.sorting import LogSort
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Crashed
+from prefect.utilities.callables import parameter_schema
+
+import tasks
+from mllm import UserError, storage
+from mllm.config import RunConfig
+from tasks import tracking
+from tasks.model import Prepared, Trained, train_job
+
+ENTRYPOINT = "flows.pipeline:train"
+_STEP = re.compile(r"^step (\d+)/(\d+) loss ([0-9.naN]+)")
+
+
+class RemoteTrainingFailed(UserError):
+    """The training flow run on the pool failed: its error, and where to read its log."""
+
+
+def deployment_name(pool: str) -> str:
+    return f"train-{pool}"
+
+
+def ensure_deployment(pool: str) -> str:
+    """Create or update the train deployment for `pool`; its full name `train/train-<pool>`."""
+    from flows.pipeline import train
+
+    with get_client(sync_client=True) as client:
+        try:
+            wp = client.read_work_pool(pool)
+        except ObjectNotFound:
+            raise UserError(f"work pool {pool!r} not found on {_api_url()}: start one with "
+                            f"`mllm-pipeline stack up` (pool 'local') or create it with "
+                            f"`prefect work-pool create {pool} --type process`") from None
+        flow_id = client.create_flow_from_name(train.name)
+        client.create_deployment(
+            flow_id=flow_id, name=deployment_name(pool), work_pool_name=wp.name, entrypoint=ENTRYPOINT,
+            parameter_openapi_schema=parameter_schema(train).model_dump_for_openapi(),
+            description="The pipeline's training stage, run by a worker of this pool. Started by "
+                        "`mllm-pipeline run --train-on POOL`; its parameters come from the pipeline.",
+            tags=["mllm-pipeline", "train"],
+        )
+    return f"{train.name}/{deployment_name(pool)}"
+
+
+def job_env(root: str) -> dict[str, str]:
+    """Settings the training job needs to find storage and MLflow: no credentials."""
+    env = {"MLLM_STORAGE": root, "MLFLOW_TRACKING_URI": tracking.tracking_uri(root)}
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    # Never hand on a URL with user:password in it (the job variables are visible in the UI).
+    return {k: v for k, v in env.items() if not (urlsplit(v).password or urlsplit(v).username)}
+
+
+def train_on_pool(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
+    """Run the train flow on a worker of `pool`, follow it, and return what it trained."""
+    logger = _logger()
+    name = ensure_deployment(pool)
+    _, run_dir = train_job(cfg, data, root)
+    params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
+              "run_id": run_id}
+    restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
+    lost_after = float(os.environ.get("MLLM_LOST_AFTER_S", "300"))
+    for attempt in range(restarts + 1):
+        flow_run = run_deployment(name, parameters=params, timeout=0, job_variables={"env": job_env(root)},
+                                  tags=["mllm-pipeline"])
+        logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id)
+        final = _follow(flow_run, pool, lost_after)
+        if final.state_type == StateType.COMPLETED:
+            return Trained.model_validate(storage.read_json(storage.join(run_dir, "trained.json")))
+        message = (final.state.message if final.state else "") or final.state_name
+        if final.state_type != StateType.CRASHED:
+            raise RemoteTrainingFailed(f"training flow run {flow_run.name!r} on pool {pool!r} ended "
+                                       f"{final.state_name}: {_one_line(message)} (its log: {_run_url(flow_run)})")
+        logger.warning("training flow run %r crashed (%s); %s", flow_run.name, _one_line(message),
+                       "submitting it again: it resumes from its last checkpoint" if attempt < restarts
+                       else "no restarts left")
+    raise RemoteTrainingFailed(f"training on pool {pool!r} crashed {restarts + 1} times; the last: "
+                               f"{_one_line(message)}. Check the pool's workers, then run again (training "
+                               "resumes from its last checkpoint)")
+
+
+def _follow(flow_run: FlowRun, pool: str, lost_after: float) -> FlowRun:
+    """Wait for the run to end, passing its log lines on. A run that stays silent while
+    Running for `lost_after` seconds is marked Crashed."""
+    logger = _logger()
+    seen_at, last_ts, waiting_said, state = time.monotonic(), None, False, None
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run.id)
+            logs = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]),
+                          timestamp=LogFilterTimestamp(after_=last_ts) if last_ts else None),
+                sort=LogSort.TIMESTAMP_ASC, limit=200)
+            logs = [entry for entry in logs if last_ts is None or entry.timestamp > last_ts]
+            for entry in logs:
+                _relay(entry.message, logger)
+            if logs:
+                last_ts = logs[-1].timestamp
+            if logs or run.state_type != state:
+                seen_at, state = time.monotonic(), run.state_type
+            if run.state and run.state.is_final():
+                return run
+            if run.state_type in (StateType.SCHEDULED, StateType.PENDING) and not waiting_said:
+                logger.info("waiting for a worker of pool %r to pick up %r", pool, run.name)
+                waiting_said = True
+            if run.state_type == StateType.RUNNING and time.monotonic() - seen_at > lost_after:
+                message = (f"no log from the training run for {lost_after:.0f} s: its worker or machine "
+                           "is gone (set MLLM_LOST_AFTER_S to wait longer)")
+                client.set_flow_run_state(flow_run.id, Crashed(message=message), force=True)
+                return client.read_flow_run(flow_run.id)
+            time.sleep(1.0)
+
+
+def _logger() -> Any:
+    try:
+        return get_run_logger()
+    except MissingContextError:  # `mllm-pipeline train --train-on`: no flow around it
+        return get_logger("mllm.dispatch")
+
+
+def _relay(message: str, logger: Any) -> None:
+    """A remote log line: as progress when it is one and a progress bar listens, else logged."""
+    m = _STEP.match(message)
+    if m and tasks.progress_hook is not None:
+        loss = float(m.group(3))
+        tasks.report_progress("train", int(m.group(1)), int(m.group(2)),
+                              train_loss=None if loss != loss else loss)
+    else:
+        logger.info("[worker] %s", message)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())[:500]
+
+
+def _api_url() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or "the temporary Prefect server (set PREFECT_API_URL)"
+
+
+def _run_url(flow_run: FlowRun) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return f"{ui}/runs/flow-run/{flow_run.id}" if ui else f"flow run {flow_run.id}"

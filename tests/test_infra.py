@@ -1,0 +1,177 @@
+"""infra/: the work pools' base job templates, the compose stack, the image and the scripts.
+
+The templates are rendered with Prefect's own code (BaseJobConfiguration.from_template_and_values,
+what a worker runs for each flow run), with the job variables the project sends: env, image, gpus.
+When prefect-docker / prefect-kubernetes are installed their real job configuration classes are
+used; otherwise a stand-in subclass of Prefect's base class that keeps the same fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+from unittest import mock
+
+import pytest
+import yaml
+
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+VALUES = {"image": "mllm-pipeline:test", "gpus": 2, "env": {"MLFLOW_TRACKING_URI": "http://x"}}
+# Every variable of the workers' default templates (prefect-docker 0.7.4, prefect-kubernetes
+# 0.8.0), less the one each template fills itself.
+DOCKER_STANDARD = {"command", "env", "labels", "name", "image", "registry_credentials",
+                   "image_pull_policy", "networks", "network_mode", "auto_remove", "volumes",
+                   "stream_output", "mem_limit", "memswap_limit", "privileged"}
+K8S_STANDARD = {"name", "env", "labels", "command", "annotations", "namespace", "image",
+                "service_account_name", "image_pull_policy", "backoff_limit", "finished_job_ttl",
+                "job_watch_timeout_seconds", "pod_watch_timeout_seconds", "stream_output",
+                "cluster_config", "cpu_request", "cpu_limit", "memory_request", "memory_limit"}
+
+
+def _template(name: str) -> dict:
+    return json.loads((INFRA / "pools" / f"{name}.json").read_text())
+
+
+def _config_class(kind: str):
+    from prefect.workers.base import BaseJobConfiguration
+    from pydantic import Field
+
+    try:
+        if kind == "docker":
+            from prefect_docker.worker import DockerWorkerJobConfiguration
+            return DockerWorkerJobConfiguration
+        from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+        return KubernetesWorkerJobConfiguration
+    except ImportError:
+        pass
+
+    class StandIn(BaseJobConfiguration):
+        image: Optional[str] = None
+        container_create_kwargs: Optional[dict[str, Any]] = None
+        job_manifest: dict[str, Any] = Field(default_factory=dict)
+        namespace: str = "default"
+
+    return StandIn
+
+
+def render(kind: str, **overrides) -> Any:
+    """The job configuration a worker would build for a flow run with these job variables."""
+    values = {**VALUES, **overrides}
+    cls = _config_class(kind)
+    # The client only resolves block and variable references, which these templates have none of.
+    return asyncio.run(cls.from_template_and_values(_template(kind), values, client=mock.AsyncMock()))
+
+
+@pytest.mark.parametrize("kind, standard", [("docker", DOCKER_STANDARD), ("kubernetes", K8S_STANDARD)])
+def test_templates_keep_the_workers_variables(kind, standard):
+    template = _template(kind)
+    props = template["variables"]["properties"]
+    assert standard <= set(props), standard - set(props)
+    assert props["gpus"] == {**props["gpus"], "type": "integer", "default": 1, "minimum": 0}
+    assert props["image"]["default"] == "mllm-pipeline:latest"
+    # every placeholder of the job configuration names a variable of the schema
+    placeholders = set(re.findall(r"{{\s*([\w.]+)\s*}}", json.dumps(template["job_configuration"])))
+    assert placeholders <= set(props), placeholders - set(props)
+
+
+def test_docker_template_requests_the_gpus():
+    config = render("docker")
+    assert config.image == "mllm-pipeline:test"
+    assert config.env["MLFLOW_TRACKING_URI"] == "http://x"
+    kwargs = config.container_create_kwargs
+    assert kwargs["device_requests"] == [{"count": 2, "capabilities": [["gpu"]]}]
+    assert kwargs["shm_size"] == "8g"
+
+    none = render("docker", gpus=0).container_create_kwargs["device_requests"]
+    assert none[0]["count"] == 0          # NVIDIA_VISIBLE_DEVICES=void: no GPU in the container
+
+    docker_types = pytest.importorskip("docker.types")
+    host = docker_types.HostConfig(version="1.44", **kwargs)
+    assert host["DeviceRequests"][0]["Count"] == 2
+    assert host["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
+    assert host["ShmSize"] == 8 * 1024**3
+
+
+def test_kubernetes_template_requests_the_gpus():
+    config = render("kubernetes")
+    pod = config.job_manifest["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["name"] == "prefect-job"          # the name the kubernetes worker looks for
+    assert container["image"] == "mllm-pipeline:test"
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "2"
+    env = container["env"]
+    env = env if isinstance(env, dict) else {e["name"]: e.get("value") for e in env}
+    assert env["MLFLOW_TRACKING_URI"] == "http://x"
+    assert pod["restartPolicy"] == "Never"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+    none = render("kubernetes", gpus=0).job_manifest["spec"]["template"]["spec"]["containers"][0]
+    assert str(none["resources"]["limits"]["nvidia.com/gpu"]) == "0"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kind", ["docker", "kubernetes"])
+def test_server_accepts_the_template(prefect_server, kind):
+    """The Prefect server validates a pool's base job template when the pool is created; it
+    does so without the worker package installed."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    name = f"test-infra-{kind}"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=_template(kind)),
+                                overwrite=True)
+        pool = client.read_work_pool(name)
+    assert pool.type == kind
+    assert pool.base_job_template["variables"]["properties"]["gpus"]["default"] == 1
+    assert pool.base_job_template["job_configuration"] == _template(kind)["job_configuration"]
+
+
+def test_compose_worker_owns_a_gpu_and_talks_to_the_stack():
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "minio", "minio-init", "prefect", "mlflow", "worker"} <= set(services)
+    assert services["prefect"]["image"] == "prefecthq/prefect:3.8.8-python3.11"
+
+    worker = services["worker"]
+    assert worker["build"]["dockerfile"].endswith("infra/Dockerfile")
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    env = worker["environment"]
+    assert re.fullmatch(r"http://prefect:4200/api", env["PREFECT_API_URL"])
+    assert env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+    assert env["MLLM_STORAGE"].startswith("s3://")
+    command = worker["command"]
+    command = command if isinstance(command, str) else " ".join(command)
+    assert "prefect worker start" in command and "--type process" in command
+
+    # secrets only as ${VAR:-local default}, never a bare literal in an AWS or password variable
+    for svc in services.values():
+        for key, value in (svc.get("environment") or {}).items():
+            if re.search(r"SECRET|PASSWORD", key) and value is not None:
+                assert str(value).startswith("${"), (key, value)
+
+
+def test_dockerfile_installs_with_the_constraints():
+    text = (INFRA / "Dockerfile").read_text()
+    assert re.search(r'pip install -c constraints\.txt "\.\[pipeline\]"', text)
+    assert re.search(r"^USER (?!root)", text, re.M)
+    ignored = (INFRA.parent / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "storage", "mlruns", "benchmarks/out"} <= set(ignored)
+
+
+@pytest.mark.parametrize("script", sorted((INFRA / "paperspace").glob("*.sh")), ids=lambda p: p.name)
+def test_shell_scripts_parse(script):
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    subprocess.run([bash, "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "set -euo pipefail" in text
+    assert "usage" in text.lower()

@@ -1,0 +1,195 @@
+"""Training on a work pool, with everything in S3: real processes on loopback.
+
+The stack (`flows.stack.up`: a Prefect server, a process worker, an MLflow server) and moto's S3
+server (behind a proxy that can be switched off) run for the whole module; the storage root is
+`s3://<bucket>/...`, MLflow's artifacts go to the same bucket.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+import mllm.train
+from conftest import make_text
+from flows import stack
+from flows.pipeline import pipeline
+from mllm import storage
+from mllm.config import RunConfig
+from servers import S3Server, run_s3_server
+
+pytestmark = pytest.mark.integration
+
+BUCKET = "mllm-test"
+FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
+        "sample.max_new_tokens=20"]
+# Long enough (about 20 s on one thread) to kill in the middle, checkpoints every 50 steps.
+LONG = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50",
+        "train.log_interval=10", "sample.max_new_tokens=20"]
+
+
+@dataclass
+class Stack:
+    home: Path
+    env: dict[str, str]  # what a process needs to use the stack and the bucket
+    s3: S3Server
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+    def cli(self, *args: str, cwd: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, **self.env, "MLLM_LOST_AFTER_S": "15"})
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    with run_s3_server(tmp_path_factory.mktemp("s3")) as server:
+        server.client().create_bucket(Bucket=BUCKET)
+        server.client().put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stack_env(s3, tmp_path_factory):
+    home = tmp_path_factory.mktemp("stack")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HOME", str(home / "home"))  # the servers write nothing under the real ~
+    for k, v in s3.env.items():
+        mp.setenv(k, v)
+    try:
+        state = stack.up(home, f"s3://{BUCKET}/mlflow", pool="local", prefect_port=0, mlflow_port=0,
+                         worker_env={"OMP_NUM_THREADS": "1", "MLLM_LOG_EVERY_S": "1",
+                                     "PREFECT_WORKER_QUERY_SECONDS": "1"})
+        for k, v in state["env"].items():
+            mp.setenv(k, v)
+        with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
+            yield Stack(home, {**s3.env, **state["env"], "OMP_NUM_THREADS": "1"}, s3)
+    finally:
+        stack.down(home)
+        mp.undo()
+
+
+def test_pipeline_trains_on_the_pool_with_data_and_checkpoints_in_s3(stack_env: Stack) -> None:
+    r = pipeline(recipe="smoke", source=f"s3://{BUCKET}/corpus.txt", storage_url=f"s3://{BUCKET}/pool",
+                 overrides=FAST, train_on="local")
+
+    keys = stack_env.keys("pool/")
+    run = f"pool/runs/{r.trained.key}/"
+    assert r.trained.run_dir == f"s3://{BUCKET}/{run.rstrip('/')}" and r.trained.steps == 12
+    for key in (f"pool/raw/{r.data.raw_sha256}.txt", f"{run}checkpoints/last.pt", f"{run}trained.json",
+                f"{run}samples/top-p.txt", f"{run}eval-val.md"):
+        assert key in keys, key
+    assert any(k.startswith("pool/tokens/") and k.endswith(".parquet") for k in keys)
+
+    # MLflow over HTTP: the worker logged the training metrics into the pipeline's run, and
+    # the server put the artifacts in the bucket.
+    client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
+    history = client.get_metric_history(r.mlflow_run_id, "train_loss")
+    assert sorted(m.step for m in history) == [3, 6, 9, 12]
+    logged = client.get_run(r.mlflow_run_id)
+    assert logged.data.metrics["final_val_loss"] == pytest.approx(r.evaluation.loss)
+    assert logged.data.params["train.pool"] == "local"
+    assert {"evaluation.md", "samples"} <= {a.path for a in client.list_artifacts(r.mlflow_run_id)}
+    assert any(k.startswith("mlflow/") and k.endswith("evaluation.md") for k in stack_env.keys("mlflow/"))
+
+    # Prefect: the pipeline's flow run, and the training flow run the worker ran inside it.
+    with get_client(sync_client=True) as prefect:
+        parent = prefect.read_flow_run(logged.data.tags["prefect.flow_run_id"])
+        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
+        child = next(t for t in trains if t.parent_task_run_id
+                     and prefect.read_task_run(t.parent_task_run_id).flow_run_id == parent.id)
+    assert parent.state.is_completed() and child.state.is_completed()
+    assert child.work_pool_name == "local" and child.deployment_id is not None
+
+
+def _wait_for(what: str, condition, timeout: float, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def _checkpoint(stack_env: Stack, prefix: str) -> str | None:
+    return next((k for k in stack_env.keys(prefix) if k.endswith("checkpoints/last.pt")), None)
+
+
+def _uninterrupted(trained: dict, folder: Path) -> mllm.train.TrainResult:
+    """The same training, start to end in this process, into a local folder."""
+    job = RunConfig.model_validate(yaml.safe_load(storage.read_text(trained["config"])))
+    job.paths.checkpoint_dir = str(folder)
+    return mllm.train.train(job)
+
+
+def test_killed_worker_resumes_from_its_last_checkpoint(stack_env: Stack, tmp_path: Path) -> None:
+    proc = stack_env.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt",
+                         "--storage", f"s3://{BUCKET}/kill", "--train-on", "local",
+                         *[a for s in LONG for a in ("--set", s)], cwd=tmp_path)
+    try:
+        _wait_for("checkpoint", lambda: _checkpoint(stack_env, "kill/runs/"), 240, proc)
+        worker = next(s for s in stack.load(stack_env.home)["services"] if s.name == "worker")
+        # The machine goes away: the worker and the training process it started, at once.
+        for pid in [worker.pid, *stack.descendants(worker.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        stack.start_worker(stack_env.home)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "crashed" in err and "resumes from its last checkpoint" in err
+
+    key = _checkpoint(stack_env, "kill/runs/").split("/checkpoints/")[0]
+    trained = storage.read_json(f"s3://{BUCKET}/{key}/trained.json")
+    assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
+    reference = _uninterrupted(trained, tmp_path / "uninterrupted")
+    assert reference.resumed_from_step == 0
+    assert (trained["train_loss"], trained["val_loss"]) == (reference.train_loss, reference.val_loss)
+
+
+def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finished(
+        stack_env: Stack, tmp_path: Path) -> None:
+    args = ("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
+            f"s3://{BUCKET}/outage", *[a for s in LONG for a in ("--set", s)])
+    proc = stack_env.cli(*args, cwd=tmp_path)
+    try:
+        _wait_for("checkpoint", lambda: _checkpoint(stack_env, "outage/runs/"), 240, proc)
+        stack_env.s3.proxy.stop()  # the endpoint goes away in the middle of training
+        out, err = proc.communicate(timeout=300)
+    finally:
+        stack_env.s3.proxy.start()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, err[-3000:]
+    assert "Retry 1/2" in err and "Retry 2/2" in err  # Prefect retried the training task
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: storage unreachable") and stack_env.s3.url in last
+    assert "Traceback" not in err
+
+    again = stack_env.cli(*args, cwd=tmp_path)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    for stage in ("tokenize", "build-vocabulary", "split"):
+        assert any(stage in line and "Cached" in line for line in err.splitlines()), stage
+    key = _checkpoint(stack_env, "outage/runs/").split("/checkpoints/")[0]
+    trained = storage.read_json(f"s3://{BUCKET}/{key}/trained.json")
+    assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
