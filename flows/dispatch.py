@@ -53,8 +53,9 @@ def deployment_name(pool: str) -> str:
     return f"train-{pool}"
 
 
-def ensure_deployment(pool: str) -> str:
-    """Create or update the train deployment for `pool`; its full name `train/train-<pool>`."""
+def ensure_deployment(pool: str) -> tuple[str, set[str]]:
+    """Create or update the train deployment for `pool`: its full name `train/train-<pool>`,
+    and the job variables the pool's job template takes."""
     from flows.pipeline import train
 
     with get_client(sync_client=True) as client:
@@ -72,7 +73,8 @@ def ensure_deployment(pool: str) -> str:
                         "`mllm-pipeline run --train-on POOL`; its parameters come from the pipeline.",
             tags=["mllm-pipeline", "train"],
         )
-    return f"{train.name}/{deployment_name(pool)}"
+    variables = set(wp.base_job_template.get("variables", {}).get("properties", {}))
+    return f"{train.name}/{deployment_name(pool)}", variables
 
 
 def job_env(root: str) -> dict[str, str]:
@@ -88,14 +90,17 @@ def job_env(root: str) -> dict[str, str]:
 def train_on_pool(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
     """Run the train flow on a worker of `pool`, follow it, and return what it trained."""
     logger = _logger()
-    name = ensure_deployment(pool)
+    name, variables = ensure_deployment(pool)
     _, run_dir = train_job(cfg, data, root)
+    job_variables: dict[str, Any] = {"env": job_env(root)}
+    if "gpus" in variables:  # the docker and kubernetes templates in infra/pools: one GPU a rank
+        job_variables["gpus"] = cfg.train.nproc_per_node
     params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
               "run_id": run_id}
     restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
     lost_after = float(os.environ.get("MLLM_LOST_AFTER_S", "300"))
     for attempt in range(restarts + 1):
-        flow_run = run_deployment(name, parameters=params, timeout=0, job_variables={"env": job_env(root)},
+        flow_run = run_deployment(name, parameters=params, timeout=0, job_variables=job_variables,
                                   tags=["mllm-pipeline"])
         logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id)
         final = _follow(flow_run, pool, lost_after)

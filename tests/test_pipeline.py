@@ -117,3 +117,14 @@ def test_test_split_and_word_tokenizer(corpus: Path, tmp_path: Path) -> None:
     assert abs(s.val.n_tokens - 0.1 * n) <= 64 and abs(s.test.n_tokens - 0.1 * n) <= 64
     assert s.val.n_bytes > s.val.n_tokens  # a word stands for several bytes
     assert r.evaluation.bits_per_byte < r.evaluation.bits_per_token
+
+
+def test_nproc_per_node_trains_under_torchrun_and_logs_its_metrics(corpus: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    r = _run(corpus, tmp_path / "storage", ["train.nproc_per_node=2"])
+    assert r.trained.steps == 12 and Path(r.trained.checkpoint).is_file()
+    # The two ranks' metrics came back through the event file into the MLflow run.
+    history = MlflowClient().get_metric_history(r.mlflow_run_id, "train_loss")
+    assert sorted(m.step for m in history) == [3, 6, 9, 12]
+    assert json.loads((Path(r.trained.run_dir) / "trained.json").read_text())["steps"] == 12

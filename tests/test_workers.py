@@ -50,10 +50,10 @@ class Stack:
         pages = self.s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
         return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
-    def cli(self, *args: str, cwd: Path) -> subprocess.Popen:
+    def cli(self, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, **self.env, "MLLM_LOST_AFTER_S": "15"})
+                                env={**os.environ, **self.env, "MLLM_LOST_AFTER_S": "8", **env})
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,9 @@ def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finis
         stack_env: Stack, tmp_path: Path) -> None:
     args = ("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
             f"s3://{BUCKET}/outage", *[a for s in LONG for a in ("--set", s)])
-    proc = stack_env.cli(*args, cwd=tmp_path)
+    # botocore tries each request twice instead of five times (each storage call then gives up
+    # in seconds, not tens of seconds); Prefect's retries of the stage come on top.
+    proc = stack_env.cli(*args, cwd=tmp_path, AWS_MAX_ATTEMPTS="2")
     try:
         _wait_for("checkpoint", lambda: _checkpoint(stack_env, "outage/runs/"), 240, proc)
         stack_env.s3.proxy.stop()  # the endpoint goes away in the middle of training
@@ -193,3 +195,31 @@ def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finis
     key = _checkpoint(stack_env, "outage/runs/").split("/checkpoints/")[0]
     trained = storage.read_json(f"s3://{BUCKET}/{key}/trained.json")
     assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
+
+
+def test_stack_status_reports_each_service(stack_env: Stack, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status", "--home", str(stack_env.home)],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for name in ("prefect-server", "mlflow-server", "worker"):
+        assert any(line.startswith(name) and " running " in line for line in lines), out.stdout
+    assert f"PREFECT_API_URL={stack_env.env['PREFECT_API_URL']}" in out.stdout
+
+
+def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
+    """A recorded pid now running something else (the pid was reused) is left alone."""
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    ours = stack.Service("worker", ["sleep", "61"], str(tmp_path / "logs" / "worker.log")).start()
+    try:
+        stack._save(tmp_path, [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"),
+                                                   pid=other.pid)], {}, "local", "storage", {})
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status", "--home", str(tmp_path)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "mlflow-server   NOT RUNNING" in out.stdout
+        assert stack.down(tmp_path) == [("mlflow-server", False), ("worker", True)]
+        assert ours._popen.poll() is not None and other.poll() is None
+        assert not (tmp_path / "stack.json").exists()
+    finally:
+        other.kill()
+        ours.stop()
