@@ -112,9 +112,12 @@ TrainOn = Annotated[Optional[str], typer.Option(
     help="Train on a worker of this Prefect work pool (same as --set train.pool=POOL) [default: this process].")]
 
 
+Force = Annotated[bool, typer.Option("--force", help="Train even if the champion was trained on the same data and code.")]
+
+
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None) -> None:
+        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
         _resolve(recipe, _with_pool(set_, train_on), source)
@@ -123,15 +126,20 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         root = fl.storage_root(storage)
         with _progress():
             result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags,
-                                 train_on=train_on)
+                                 train_on=train_on, force=force)
+        c = result.champion
+        if result.decision == "skipped":
+            typer.echo(f"skipped: {result.reason}")
+            typer.echo(f"champion: {c['name']} v{c['version']} (mlflow run {c['run_id']})")
+            typer.echo(f"mlflow run: {result.mlflow_run_id}")
+            return
         t, e = result.trained, result.evaluation
         typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
-        c = result.champion
         typer.echo(f"model: {c['name']} v{c['version']} ({'promoted to champion' if c['promoted'] else 'champion kept'}: {c['reason']})")
         typer.echo(f"mlflow run: {result.mlflow_run_id}")
         typer.echo(f"outputs: {t.run_dir}")
-        typer.echo(f"  checkpoint: {t.best_checkpoint}")
+        typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
         typer.echo(f"  samples:    {t.run_dir}/samples/")
         typer.echo(f"  report:     {e.report}")
 

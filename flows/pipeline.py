@@ -7,14 +7,14 @@ results live are configured on the tasks and in `with_results`, not in the logic
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from mllm import storage
-from mllm.config import RunConfig, resolve
+from mllm.config import RunConfig, recipe_names, resolve
 from flows import dispatch
 from tasks import data as data_tasks
 from tasks import model as model_tasks
@@ -66,40 +66,90 @@ class PipelineResult(BaseModel):
     recipe: str
     storage: str
     data: Prepared
-    trained: Trained
-    evaluation: Evaluation
+    decision: Literal["promoted", "kept", "skipped"]
+    reason: str
+    trained: Trained | None  # None when skipped
+    evaluation: Evaluation | None
     samples: dict[str, list[str]]
     mlflow_run_id: str
     champion: dict[str, Any]
 
 
+# The shipped recipes: the Prefect UI shows the parameter as a choice.
+RecipeName = Literal[tuple(recipe_names())]  # type: ignore[valid-type]
+
+
 @flow(name="pipeline")
-def pipeline(recipe: str = "default", source: str | None = None, storage_url: str | None = None,
+def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
-             train_on: str | None = None) -> PipelineResult:
+             train_on: str | None = None, force: bool = False) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
-    Training runs in this process, or on a worker of the work pool `train_on` (or
-    `train.pool` in the config).
+    - recipe: a shipped recipe; source: the corpus URL (a path, file://, s3://, https://) when
+      not the recipe's; storage_url: the storage root [$MLLM_STORAGE or ./storage]
+    - overrides: config fields as `section.field=value`, e.g. `train.max_steps=500`
+    - train_on: a work pool to train on [this process]
+    - force: train even when the champion was trained on the same data and code
+
+    The source is always read again. When the recipe's champion model was trained on the same
+    data, config and code, the run skips training and says so; otherwise the new model is
+    evaluated on the same validation split as the champion and becomes champion only if better.
     """
     overrides = [*overrides, f"train.pool={train_on}"] if train_on else overrides
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
     data = with_results(prepare, root)(cfg, root)
+    champion = tracking.champion_of(cfg, root)
+    key = model_tasks.train_key(cfg, data)
     with RunTracker(cfg, root, tags=tags) as run:
         tracking.log_data(run.run_id, cfg, root, data)
-        if cfg.train.pool:
-            trained = dispatch.train_on_pool(cfg, data, root, run.run_id, cfg.train.pool)
+        if champion and champion["train_key"] == key and not force:
+            reason = (f"data, config and code unchanged since champion v{champion['version']} was trained "
+                      f"(corpus sha256 {data.raw_sha256[:12]}, training key {key}); force retrains")
+            tracking.log_skipped(run.run_id, cfg, root, champion, reason)
+            outcome = {**champion, "name": cfg.recipe, "promoted": False, "decision": "skipped", "reason": reason}
+            trained = evaluation = None
+            samples: dict[str, list[str]] = {}
         else:
-            trained = with_results(train, root)(cfg, data, root, run.run_id)
-        evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-        champion = tracking.log_outcome(run.run_id, cfg, root, trained, evaluation, samples)
-    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, trained=trained,
-                            evaluation=evaluation, samples=samples, mlflow_run_id=run.run_id,
-                            champion=champion)
-    create_markdown_artifact(summary(result), key=f"pipeline-{_slug(cfg.recipe)}",
-                             description=f"{cfg.recipe}: data, training and samples")
+            if cfg.train.pool:
+                trained = dispatch.train_on_pool(cfg, data, root, run.run_id, cfg.train.pool)
+            else:
+                trained = with_results(train, root)(cfg, data, root, run.run_id)
+            evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+            score = None
+            if champion and champion["checkpoint"] and champion["splits_key"] != data.splits.key:
+                scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
+                score = scorer(champion["checkpoint"], data, cfg.train.window)
+            outcome = tracking.log_outcome(run.run_id, cfg, root, trained, evaluation, samples, data, score)
+    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome["decision"],
+                            reason=outcome["reason"], trained=trained, evaluation=evaluation, samples=samples,
+                            mlflow_run_id=run.run_id, champion=outcome)
+    slug = _slug(cfg.recipe)
+    create_markdown_artifact(decision_table(result), key=f"decision-{slug}",
+                             description=f"{cfg.recipe}: {result.decision}")
+    if trained is not None:
+        create_markdown_artifact(summary(result), key=f"pipeline-{slug}",
+                                 description=f"{cfg.recipe}: data, training and samples")
     return result
+
+
+def decision_table(r: PipelineResult) -> str:
+    c = r.champion
+    rows = [("decision", f"**{r.decision}**"), ("reason", r.reason), ("corpus sha256", r.data.raw_sha256[:16]),
+            ("MLflow run", f"`{r.mlflow_run_id}`")]
+    if r.decision == "skipped":
+        rows.append(("champion", f"{c.get('name')} v{c.get('version')} (run `{c.get('run_id')}`)"))
+    else:
+        rows.append(("this model", f"{c.get('name')} v{c.get('version')}, val loss {c.get('val_loss', float('nan')):.4f}, "
+                                   f"{r.evaluation.bits_per_byte:.4f} bits/byte"))
+        prev = c.get("previous")
+        if prev:
+            score = c.get("champion_score")
+            measured = (f"{score['bits_per_byte']:.4f} bits/byte on this split" if score
+                        else f"val loss {prev['val_loss']:.4f} on the same split")
+            rows.append(("previous champion", f"v{prev['version']}, {measured}"))
+    return "\n".join([f"# {r.recipe}: {r.decision}", "", "| | |", "|---|---|",
+                      *[f"| {k} | {v} |" for k, v in rows], ""])
 
 
 def _slug(name: str) -> str:

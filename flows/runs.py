@@ -119,6 +119,9 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
                "--tag", f"reproduces={run_id}"]
         for o in overrides:
             cmd += ["--set", o]
+        # Since `--force` exists, a run on unchanged data and code skips training: not here.
+        if (worktree / "flows" / "cli.py").read_text().count('"--force"'):
+            cmd.append("--force")
         proc = subprocess.run(cmd, cwd=worktree, env=env)
         if proc.returncode:
             raise UserError(f"the reproduction of {run_id} at {commit[:12]} failed (exit {proc.returncode}): see its output above")

@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
@@ -25,6 +26,7 @@ from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, 
 from mllm.config import RunConfig, TrainPaths
 from mllm.data import load_ids
 from mllm.sample import sample_text
+from mllm.vocab import Vocab
 import tasks
 from tasks.caching import code_digest, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
@@ -219,6 +221,44 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
                           split, result.loss, result.bits_per_token, result.bits_per_byte,
                           result.bigram_bits_per_token)
     return result
+
+
+class Score(BaseModel):
+    """A checkpoint scored on one split: how the champion is compared with a challenger."""
+
+    checkpoint: str
+    split: str
+    splits_key: str
+    loss: float
+    bits_per_byte: float
+    tokens: int
+
+
+def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> str:
+    return storage.digest(["score", checkpoint_url, data.splits.key, split, window, code_digest(mllm_evaluate)])
+
+
+@task(name="score-champion", cache_key_fn=stage_cache(_score_key), retries=1, retry_condition_fn=transient)
+def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> Score:
+    """Score another run's checkpoint (the champion's) on this run's split.
+
+    The split's tokens are mapped into the checkpoint's own vocabulary (a token it never saw
+    becomes <unk>), so a champion trained on other data is scored on exactly the same text. Bits
+    per byte compare across vocabularies; loss only within one.
+    """
+    part = getattr(data.splits, split)
+    loaded = checkpoint.load_checkpoint(checkpoint_url)
+    ours = Vocab.load(data.vocab.url)
+    ids = load_ids(part.ids)
+    if loaded.vocab.itos != ours.itos:
+        ids = loaded.vocab.encode_array(ours.itos)[np.asarray(ids, dtype=np.int64)]
+    if loaded.config.model.arch == "gpt":
+        window = min(window, loaded.config.model.block_size)
+    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window, batch_size=64, n_bytes=part.n_bytes)
+    get_run_logger().info("champion %s on this %s split: loss %.4f, %.4f bits/byte", checkpoint_url, split,
+                          scores["loss"], scores["bits_per_byte"])
+    return Score(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
+                 bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"])
 
 
 def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:

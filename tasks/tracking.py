@@ -484,10 +484,15 @@ class RunTracker:
 
     # the model
 
-    def log_model(self, checkpoint_url: str, val_loss: float,
-                  model_name: str | None = None) -> dict[str, Any]:
+    def log_model(self, checkpoint_url: str, val_loss: float, model_name: str | None = None,
+                  version_tags: dict[str, str] | None = None, champion_score: Any = None,
+                  bits_per_byte: float | None = None) -> dict[str, Any]:
         """Log the checkpoint as a pyfunc TextGenerator, register a version under `model_name`
-        (default: the recipe) and move `champion` to it only if its val_loss is lower."""
+        (default: the recipe) and move `champion` to it only if it is better.
+
+        Better: a lower val_loss than the champion's, when both were measured on the same
+        split; `champion_score` is the champion scored on this run's split when its own was
+        another (then bits per byte decide, comparable across vocabularies)."""
         name = model_name or self.cfg.recipe
         with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
             # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
@@ -514,15 +519,20 @@ class RunTracker:
                 )
         version = mlflow.register_model(info.model_uri, name, tags={
             "val_loss": repr(float(val_loss)), "run_id": self.run_id,
-            "checkpoint": scrub(checkpoint_url)})
-        return self._champion(name, version.version, float(val_loss), info.model_uri)
+            "checkpoint": scrub(checkpoint_url), **(version_tags or {})})
+        return self._champion(name, version.version, float(val_loss), info.model_uri, champion_score, bits_per_byte)
 
-    def _champion(self, name: str, version: str, val_loss: float, model_uri: str) -> dict:
-        previous = self._current_champion(name)
+    def _champion(self, name: str, version: str, val_loss: float, model_uri: str,
+                  champion_score: Any = None, bpb: float | None = None) -> dict:
+        previous = current_champion(self.client, name)
         if not math.isfinite(val_loss):
             promoted, reason = False, f"val_loss {val_loss} is not finite"
         elif previous is None:
             promoted, reason = True, "no champion yet"
+        elif champion_score is not None and bpb is not None:
+            promoted = bpb < champion_score.bits_per_byte
+            reason = (f"{bpb:.6g} {'<' if promoted else '>='} {champion_score.bits_per_byte:.6g} bits/byte for "
+                      f"champion v{previous['version']}, both on this run's validation split")
         elif previous["val_loss"] is None:
             promoted, reason = True, f"champion v{previous['version']} has no val_loss"
         elif val_loss < previous["val_loss"]:
@@ -534,27 +544,44 @@ class RunTracker:
         if promoted:
             self.client.set_registered_model_alias(name, CHAMPION, version)
         decision = "promoted" if promoted else "kept"
-        self.client.set_tag(self.run_id, "champion.decision", f"{decision}: {reason}")
+        self.set_decision(decision, reason)
         self.client.set_model_version_tag(name, version, "champion.decision",
                                           f"{decision}: {reason}")
-        result = {"name": name, "version": str(version), "promoted": promoted,
+        result = {"name": name, "version": str(version), "promoted": promoted, "decision": decision,
                   "previous": previous, "val_loss": val_loss, "reason": reason,
                   "model_uri": model_uri}
+        if champion_score is not None:
+            result["champion_score"] = champion_score.model_dump(mode="json")
         self.log_dict(result, "champion.json")
         log.info("model %s v%s %s: %s", name, version, decision, reason)
         return result
 
-    def _current_champion(self, name: str) -> dict | None:
-        try:
-            mv = self.client.get_model_version_by_alias(name, CHAMPION)
-        except MlflowException:
-            return None
-        loss = mv.tags.get("val_loss")
-        if loss is None and mv.run_id:
-            metrics = self.client.get_run(mv.run_id).data.metrics
-            loss = metrics.get("best_val_loss", metrics.get("val_loss"))
-        return {"version": str(mv.version), "val_loss": None if loss is None else float(loss),
-                "run_id": mv.run_id}
+    def set_decision(self, decision: str, reason: str) -> None:
+        """What this run did about the champion: promoted, kept, or skipped (not trained)."""
+        self.set_tags({"decision": decision, "decision.reason": reason,
+                       "champion.decision": f"{decision}: {reason}"})
+
+
+def current_champion(client: MlflowClient, name: str) -> dict | None:
+    """The model version that holds the `champion` alias, with what it was trained and
+    measured on (its tags), or None."""
+    try:
+        mv = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+    loss = mv.tags.get("val_loss")
+    if loss is None and mv.run_id:
+        metrics = client.get_run(mv.run_id).data.metrics
+        loss = metrics.get("best_val_loss", metrics.get("val_loss"))
+    return {"version": str(mv.version), "val_loss": None if loss is None else float(loss),
+            "run_id": mv.run_id, "checkpoint": mv.tags.get("checkpoint"),
+            "train_key": mv.tags.get("train.key"), "splits_key": mv.tags.get("data.splits_key"),
+            "raw_sha256": mv.tags.get("data.raw_sha256")}
+
+
+def champion_of(cfg: RunConfig, root: str) -> dict | None:
+    """The recipe's current champion (see `current_champion`)."""
+    return current_champion(MlflowClient(tracking_uri(root)), cfg.recipe)
 
 
 # --- the registered model ------------------------------------------------------------------
@@ -663,9 +690,17 @@ def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
                   "data.splits": data.splits.url})
 
 
+@task(name="log-skipped", retries=2, retry_delay_seconds=2)
+def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: dict[str, Any], reason: str) -> None:
+    """A run that did not train: the champion it deferred to, and why."""
+    run = RunTracker.attach(run_id, cfg, root)
+    run.set_tags({"champion.version": champion["version"], "champion.run_id": champion["run_id"] or ""})
+    run.set_decision("skipped", reason)
+
+
 @task(name="log-outcome", retries=2, retry_delay_seconds=2)
 def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
-                samples: dict[str, list[str]]) -> dict[str, Any]:
+                samples: dict[str, list[str]], data: Any = None, champion_score: Any = None) -> dict[str, Any]:
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
@@ -682,6 +717,11 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     run.log_loss_curve()
     run.set_tags({"train.steps": trained.steps, "train.stop_reason": trained.stop_reason,
                   "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step})
-    outcome = run.log_model(e.checkpoint, e.loss)
+    version_tags = {"train.key": trained.key}
+    if data is not None:
+        version_tags.update({"data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256})
+    run.set_tags({"train.key": trained.key})
+    outcome = run.log_model(e.checkpoint, e.loss, version_tags=version_tags, champion_score=champion_score,
+                            bits_per_byte=e.bits_per_byte)
     run.set_tags({"model_uri": outcome["model_uri"], "model_version": f"{outcome['name']}/{outcome['version']}"})
     return outcome

@@ -92,3 +92,11 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=None):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _own_mlflow_store(tmp_path: Path, monkeypatch) -> None:
+    """Each test its own MLflow store (created on first use): a champion registered by one
+    test must not make another skip its training."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow-store' / 'mlflow.db'}")
+    (tmp_path / "mlflow-store").mkdir()

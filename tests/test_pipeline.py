@@ -79,18 +79,25 @@ def test_pipeline_writes_every_stage_and_a_usable_checkpoint(corpus: Path, tmp_p
     assert text.startswith("The ") and len(text) == 4 + 30  # one character per new token
 
 
-def test_second_run_reuses_every_data_stage(corpus: Path, tmp_path: Path) -> None:
+def test_second_run_reuses_every_data_stage_and_skips_training(corpus: Path, tmp_path: Path) -> None:
     root = tmp_path / "storage"
     first = _run(corpus, root)
+    assert first.decision == "promoted" and first.reason == "no champion yet"
     parquet = Path(first.data.tokens.url) / "part-0.parquet"
     mtime = parquet.stat().st_mtime_ns
     second = _run(corpus, root)
     assert second.data == first.data
     assert parquet.stat().st_mtime_ns == mtime  # not tokenized again
-    for stage in ("tokenize", "build-vocabulary", "split", "evaluate", "generate"):
+    for stage in ("tokenize", "build-vocabulary", "split"):
         assert _task_states(stage)[0] == "Cached", stage
-    # Training found its finished checkpoint and did not train again.
-    assert second.trained.resumed_from_step == first.trained.steps
+    # The champion was trained on the same data, config and code: nothing to train.
+    assert second.decision == "skipped" and second.trained is None
+    assert f"since champion v{first.champion['version']}" in second.reason
+    # Forced, training finds its finished checkpoint and does not train again; the model is
+    # the champion's equal, so the champion stays.
+    third = pipeline(recipe="smoke", source=str(corpus), storage_url=str(root), overrides=FAST, force=True)
+    assert third.trained.resumed_from_step == first.trained.steps
+    assert third.decision == "kept" and _task_states("evaluate")[0] == "Cached"
 
 
 def test_runs_with_other_inputs_never_share_outputs(corpus: Path, tmp_path: Path) -> None:
@@ -128,3 +135,22 @@ def test_nproc_per_node_trains_under_torchrun_and_logs_its_metrics(corpus: Path,
     history = MlflowClient().get_metric_history(r.mlflow_run_id, "train_loss")
     assert sorted(m.step for m in history) == [3, 6, 9, 12]
     assert json.loads((Path(r.trained.run_dir) / "trained.json").read_text())["steps"] == 12
+
+
+def test_changed_data_trains_a_challenger_judged_on_the_same_split(corpus: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path / "storage"
+    first = _run(corpus, root)
+    corpus.write_text(make_text(5000, seed=7), encoding="utf-8")  # new text at the same source
+    second = _run(corpus, root)
+    assert second.data.raw_sha256 != first.data.raw_sha256 and second.decision in ("promoted", "kept")
+    # The champion was scored on the challenger's validation split, and bits per byte decided.
+    score = second.champion["champion_score"]
+    assert score["splits_key"] == second.data.splits.key
+    assert (second.decision == "promoted") == (second.evaluation.bits_per_byte < score["bits_per_byte"])
+    client = MlflowClient()
+    champion = client.get_model_version_by_alias("smoke", "champion")
+    assert str(champion.version) == (second.champion["version"] if second.decision == "promoted" else first.champion["version"])
+    tags = client.get_run(second.mlflow_run_id).data.tags
+    assert tags["decision"] == second.decision and "both on this run's validation split" in tags["decision.reason"]
