@@ -294,6 +294,61 @@ def recipes() -> None:
                    f"{m.get('n_layer')} layers, {length}")
 
 
+schedule_app = typer.Typer(invoke_without_command=True, help=(
+    "Retrain a recipe on a schedule: create or update its deployment `pipeline/RECIPE` on the Prefect "
+    "server ($PREFECT_API_URL), or pause, resume or delete it. `schedule list` shows them all."))
+app.add_typer(schedule_app, name="schedule")
+
+
+@schedule_app.callback()
+def schedule(ctx: typer.Context,
+             recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="The recipe to retrain.")] = None,
+             cron: Annotated[Optional[str], typer.Option(help='When, as a cron line: "0 3 * * 0" is Sundays at 03:00.')] = None,
+             interval: Annotated[Optional[float], typer.Option(help="Or every this many seconds.")] = None,
+             timezone: Annotated[str, typer.Option(help="The cron line's time zone.")] = "UTC",
+             pool: Annotated[str, typer.Option(help="The work pool whose worker runs the pipeline.")] = "local",
+             train_on: TrainOn = None, source: Source = None, storage: Storage = None, set_: Sets = None,
+             pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
+             resume: Annotated[bool, typer.Option("--resume", help="Resume it.")] = False,
+             delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    with _user_errors():
+        if recipe is None:
+            raise UserError("give --recipe NAME (and --cron or --interval), or use `mllm-pipeline schedule list`")
+        from flows import schedule as sched
+
+        if sum([pause, resume, delete]) > 1:
+            raise UserError("give one of --pause, --resume or --delete")
+        if pause or resume or delete:
+            (sched.pause if pause else sched.resume if resume else sched.delete)(recipe)
+            typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
+            return
+        d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
+                         source=source, storage_url=storage, overrides=set_ or [])
+        typer.echo(f"{d['name']}: {d['schedule']} on pool {d['pool']!r}; next run {d['next_run'] or 'not yet scheduled'}")
+        typer.echo(f"parameters: {d['parameters']}")
+
+
+@schedule_app.command("list")
+def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """The scheduled recipes: schedule, paused or not, next and last run."""
+    with _user_errors():
+        from flows import schedule as sched
+
+        rows = sched.list_schedules()
+        if json_:
+            import json
+
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        if not rows:
+            typer.echo("no schedules: create one with `mllm-pipeline schedule --recipe NAME --cron \"0 3 * * 0\"`")
+        for r in rows:
+            typer.echo(f"{r['name']:28} {r['schedule']:28} {'PAUSED' if r['paused'] else 'active':7} pool {r['pool']:10} "
+                       f"next {r['next_run'] or '-'}  last {r['last_run'] or '-'}")
+
+
 stack_app = typer.Typer(no_args_is_help=True, help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
 app.add_typer(stack_app, name="stack")
 StackHome = Annotated[Optional[str], typer.Option(

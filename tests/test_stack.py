@@ -1,4 +1,5 @@
-"""Training on a work pool, with everything in S3: real processes on loopback.
+"""The stack for real on loopback: training on a work pool with everything in S3, a killed
+worker, a storage outage, and scheduled retraining with its decisions.
 
 The stack (`flows.stack.up`: a Prefect server, a process worker, an MLflow server) and moto's S3
 server (behind a proxy that can be switched off) run for the whole module; the storage root is
@@ -19,7 +20,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, DeploymentFilter, DeploymentFilterId,
+                                            FlowFilter, FlowFilterName)
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 import mllm.train
@@ -223,3 +226,82 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     finally:
         other.kill()
         ours.stop()
+
+
+# -- scheduled retraining -------------------------------------------------------------------
+
+
+def _deployment_runs(deployment_id) -> list:
+    with get_client(sync_client=True) as prefect:
+        return prefect.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                      sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+
+
+def _decisions(client: MlflowClient) -> list[tuple[str, str]]:
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id], order_by=["attributes.start_time ASC"])
+    return [(r.data.tags.get("decision"), r.data.tags.get("decision.reason", "")) for r in runs]
+
+
+def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(stack_env: Stack, tmp_path: Path) -> None:
+    source, root = f"s3://{BUCKET}/weekly.txt", f"s3://{BUCKET}/scheduled"
+    stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly.txt", Body=make_text(4000, seed=11).encode())
+    client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, text=True, capture_output=True,
+                              env={**os.environ, **stack_env.env}, timeout=120)
+
+    out = cli("schedule", "--recipe", "smoke", "--interval", "20", "--source", source, "--storage", root,
+              *[a for s in FAST for a in ("--set", s)])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("pipeline/smoke: every 20 s on pool 'local'")
+    with get_client(sync_client=True) as prefect:
+        deployment = prefect.read_deployment_by_name("pipeline/smoke")
+    # Two runs from the schedule, executed by the worker one after the other.
+    _wait_for("two scheduled runs", lambda: sum(r.state.is_completed() for r in _deployment_runs(deployment.id)) >= 2, 300)
+    assert cli("schedule", "--recipe", "smoke", "--pause").returncode == 0
+    assert "PAUSED" in cli("schedule", "list").stdout
+    _wait_for("the runs to end", lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)), 180)
+    assert all(r.state.is_completed() for r in _deployment_runs(deployment.id))
+    decisions = _decisions(client)
+    assert decisions[0] == ("promoted", "no champion yet")
+    assert {d for d, _ in decisions[1:]} == {"skipped"} and "unchanged since champion v1" in decisions[1][1]
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["decision-smoke"])))
+    assert any("**skipped**" in a.data for a in artifacts) and any("**promoted**" in a.data for a in artifacts)
+
+    # New text at the source; a run started the way the UI's form does: its parameters as JSON.
+    stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly.txt", Body=make_text(4000, seed=12).encode())
+    schema = deployment.parameter_openapi_schema["properties"]
+    assert "smoke" in schema["recipe"]["enum"] and schema["force"]["type"] == "boolean"
+    form = {"recipe": "smoke", "source": source, "storage_url": root, "overrides": FAST, "train_on": None,
+            "force": False}
+    with get_client(sync_client=True) as prefect:
+        run = prefect.create_flow_run_from_deployment(deployment.id, parameters=form)
+    final = _wait_for("the UI's run", lambda: (r := _flow_run(run.id)).state.is_final() and r, 240)
+    assert final.state.is_completed(), final.state.message
+    decision, reason = _decisions(client)[-1]
+    assert decision in ("promoted", "kept") and "both on this run's validation split" in reason
+    champion = client.get_model_version_by_alias("smoke", "champion")
+    assert (str(champion.version) != "1") == (decision == "promoted")
+
+
+def _flow_run(flow_run_id):
+    with get_client(sync_client=True) as prefect:
+        return prefect.read_flow_run(flow_run_id)
+
+
+def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                          "infra/prefect.yaml"], cwd=repo, text=True, capture_output=True, timeout=180,
+                         env={**os.environ, **stack_env.env, "PREFECT_HOME": str(tmp_path / "prefect")})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    with get_client(sync_client=True) as prefect:
+        for name in ("default", "smoke", "warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt"):
+            d = prefect.read_deployment_by_name(f"pipeline/{name}")
+            assert d.parameters["recipe"] == name and d.entrypoint == "flows.pipeline:pipeline"
+            assert [s.active for s in d.schedules] == [False]  # paused until resumed
+            assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": "."}}]
+            assert d.global_concurrency_limit.limit == 1
+            assert set(d.parameter_openapi_schema["properties"]) >= {"recipe", "source", "overrides", "train_on", "force"}
