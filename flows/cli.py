@@ -262,10 +262,11 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
         if json_:
             typer.echo(runs.as_json(rows))
             return
-        typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9}  {'status':9} started")
+        typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9}  {'status':9} {'decision':9} started")
         for r in rows:
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
-            typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} {r['started']}"
+            typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} "
+                       f"{r['decision'] or '-':9} {r['started']}"
                        + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
 
 

@@ -101,11 +101,15 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     data = with_results(prepare, root)(cfg, root)
     champion = tracking.champion_of(cfg, root)
     key = model_tasks.train_key(cfg, data)
+    done = tracking.version_trained_on(cfg, root, key) if champion and not force else None
     with RunTracker(cfg, root, tags=tags) as run:
         tracking.log_data(run.run_id, cfg, root, data)
-        if champion and champion["train_key"] == key and not force:
-            reason = (f"data, config and code unchanged since champion v{champion['version']} was trained "
-                      f"(corpus sha256 {data.raw_sha256[:12]}, training key {key}); force retrains")
+        if done:
+            reason = (f"data, config and code unchanged since champion v{champion['version']} was trained"
+                      if done == champion["version"] else
+                      f"data, config and code unchanged since v{done} was trained, which did not beat "
+                      f"champion v{champion['version']}")
+            reason += f" (corpus sha256 {data.raw_sha256[:12]}, training key {key}); force retrains"
             tracking.log_skipped(run.run_id, cfg, root, champion, reason)
             outcome = {**champion, "name": cfg.recipe, "promoted": False, "decision": "skipped", "reason": reason}
             trained = evaluation = None

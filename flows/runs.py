@@ -45,6 +45,8 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         "status": r.info.status,
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
         "reproduces": r.data.tags.get("reproduces"),
+        "decision": r.data.tags.get("decision"),
+        "decision_reason": r.data.tags.get("decision.reason"),
     } for r in runs]
 
 

@@ -579,6 +579,17 @@ def current_champion(client: MlflowClient, name: str) -> dict | None:
             "raw_sha256": mv.tags.get("data.raw_sha256")}
 
 
+def version_trained_on(cfg: RunConfig, root: str, train_key: str) -> str | None:
+    """The newest version of the recipe's model trained with this training key, if any."""
+    client = MlflowClient(tracking_uri(root))
+    try:
+        versions = client.search_model_versions(f"name = '{cfg.recipe}'")
+    except MlflowException:
+        return None
+    same = [int(v.version) for v in versions if v.tags.get("train.key") == train_key]
+    return str(max(same)) if same else None
+
+
 def champion_of(cfg: RunConfig, root: str) -> dict | None:
     """The recipe's current champion (see `current_champion`)."""
     return current_champion(MlflowClient(tracking_uri(root)), cfg.recipe)

@@ -78,6 +78,8 @@ class TcpProxy:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "TcpProxy":
+        if self._listener is not None:
+            return self
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))

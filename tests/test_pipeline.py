@@ -154,3 +154,7 @@ def test_changed_data_trains_a_challenger_judged_on_the_same_split(corpus: Path,
     assert str(champion.version) == (second.champion["version"] if second.decision == "promoted" else first.champion["version"])
     tags = client.get_run(second.mlflow_run_id).data.tags
     assert tags["decision"] == second.decision and "both on this run's validation split" in tags["decision.reason"]
+    # Once more on the same text: that model exists, champion or not; nothing to train.
+    third = _run(corpus, root)
+    assert third.decision == "skipped"
+    assert ("did not beat" in third.reason) == (second.decision == "kept")
