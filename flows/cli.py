@@ -22,7 +22,7 @@ console = Console(stderr=True)
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[str], typer.Option("--source", "-s", help="Corpus: a path, file://, s3:// or https:// URL.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL [default: $MLLM_STORAGE or ./storage].")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 
@@ -109,7 +109,7 @@ def _progress() -> Iterator[None]:
 Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
 TrainOn = Annotated[Optional[str], typer.Option(
     "--train-on", metavar="POOL",
-    help="Train on a worker of this Prefect work pool (same as --set train.pool=POOL) [default: this process].")]
+    help="Train on a worker of this Prefect work pool (same as --set train.pool=POOL) (default: this process).")]
 
 
 Force = Annotated[bool, typer.Option("--force", help="Train even if the champion was trained on the same data and code.")]
@@ -353,7 +353,7 @@ def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON
 stack_app = typer.Typer(no_args_is_help=True, help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
 app.add_typer(stack_app, name="stack")
 StackHome = Annotated[Optional[str], typer.Option(
-    "--home", help="Where the stack keeps its state, databases and logs [default: $MLLM_STACK_HOME or ./.mllm-stack].")]
+    "--home", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
 
 
 @stack_app.command("up")

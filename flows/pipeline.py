@@ -98,6 +98,8 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     overrides = [*overrides, f"train.pool={train_on}"] if train_on else overrides
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
+    if cfg.train.pool:
+        dispatch.ensure_deployment(cfg.train.pool)  # no such pool: say so before the data stages
     data = with_results(prepare, root)(cfg, root)
     champion = tracking.champion_of(cfg, root)
     key = model_tasks.train_key(cfg, data)

@@ -123,3 +123,13 @@ def test_http_source_downloads_and_missing_url_fails(http_root, tmp_path: Path) 
 
     out = cli("prepare", "--recipe", "smoke", "--source", f"{base}/nothing.txt", "--storage", str(tmp_path / "s2"))
     _assert_one_line_error(out, f"{base}/nothing.txt", "not found")
+
+
+def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path: Path) -> None:
+    root = tmp_path / "storage"
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--train-on", "no-such-pool")
+    _assert_one_line_error(out, "work pool 'no-such-pool' not found", "prefect work-pool create")
+    _no_outputs(root)  # refused before any stage ran
+
+    out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0")
+    _assert_one_line_error(out, "set PREFECT_API_URL", "stack up")
