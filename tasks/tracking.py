@@ -363,6 +363,8 @@ class RunTracker:
     def __enter__(self) -> "RunTracker":
         self.experiment_id = self._experiment(self.cfg.recipe)
         git = git_info(".")
+        if git["commit"] is None:  # a worker starts a flow run in a temporary folder: the code's checkout
+            git = git_info(str(Path(__file__).resolve().parents[1]))
         tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
             k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}

@@ -288,6 +288,12 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     assert decision in ("promoted", "kept") and "both on this run's validation split" in reason
     champion = client.get_model_version_by_alias("smoke", "champion")
     assert (champion.version != first) == (decision == "promoted")
+    # The worker ran the flow in a temporary folder; the commit is still that of the code it ran.
+    repo = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    last = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
+                              order_by=["attributes.start_time DESC"], max_results=1)[0]
+    assert last.data.tags["git.commit"] == head
 
 
 def _flow_run(flow_run_id):
