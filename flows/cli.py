@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
 from mllm.storage import unreachable
-from mllm.config import recipe_dict, recipe_names, resolve
+from mllm.config import recipe_dict, recipe_names, resolve, with_pool
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A reproducible training pipeline for small language models.")
@@ -120,7 +120,7 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
-        _resolve(recipe, _with_pool(set_, train_on), source)
+        _resolve(recipe, with_pool(set_, train_on), source)
         tags = dict(_key_value(t, "--tag") for t in tag or [])
         fl = _flows()
         root = fl.storage_root(storage)
@@ -151,10 +151,6 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None):
 
     open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
     return cfg
-
-
-def _with_pool(sets: list[str] | None, pool: str | None) -> list[str]:
-    return [*(sets or []), f"train.pool={pool}"] if pool else list(sets or [])
 
 
 def _key_value(item: str, option: str) -> tuple[str, str]:
@@ -201,7 +197,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
           set_: Sets = None, train_on: TrainOn = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with _user_errors():
-        trained = _run_stages(_resolve(recipe, _with_pool(set_, train_on), source), storage, "train")
+        trained = _run_stages(_resolve(recipe, with_pool(set_, train_on), source), storage, "train")
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")

@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from mllm import storage
-from mllm.config import RunConfig, recipe_names, resolve
+from mllm.config import RunConfig, recipe_names, resolve, with_pool
 from flows import dispatch
 from tasks import data as data_tasks
 from tasks import model as model_tasks
@@ -95,8 +95,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     data, config and code, the run skips training and says so; otherwise the new model is
     evaluated on the same validation split as the champion and becomes champion only if better.
     """
-    overrides = [*overrides, f"train.pool={train_on}"] if train_on else overrides
-    cfg = resolve(recipe, overrides=overrides, source=source)
+    cfg = resolve(recipe, overrides=with_pool(overrides, train_on), source=source)
     root = storage_root(storage_url)
     if cfg.train.pool:
         dispatch.ensure_deployment(cfg.train.pool)  # no such pool: say so before the data stages

@@ -272,6 +272,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def with_pool(overrides: list[str] | None, pool: str | None) -> list[str]:
+    """The overrides, with `train.pool` set when a pool is given (`--train-on POOL`)."""
+    return [*(overrides or []), f"train.pool={pool}"] if pool else list(overrides or [])
+
+
 def resolve(recipe: str | None = None, config_file: str | None = None,
             overrides: list[str] = (), source: str | None = None) -> RunConfig:
     """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
