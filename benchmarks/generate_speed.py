@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import corpus, header, load, median, parse_args, save, table, token_ids
-from mllm.config import ModelConfig
+from mllm.config import model_config
 from mllm.data import load_ids, windows
 from mllm.models import build_model
 from mllm.sample import generate
@@ -96,7 +96,7 @@ def main() -> None:
     rows = []
     for name, spec in MODELS.items():
         torch.manual_seed(1337)
-        model = build_model(ModelConfig(vocab_size=paths["vocab_size"], **spec))
+        model = build_model(model_config(vocab_size=paths["vocab_size"], **spec))
         t0 = time.perf_counter()
         with threads(1):
             loss = brief_training(model, ids, train_steps)

@@ -14,7 +14,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
 from mllm.storage import unreachable
-from mllm.config import recipe_dict, recipe_names, resolve, with_pool
+from mllm.config import METHODS, recipe_dict, recipe_names, resolve
+from mllm.redact import scrub
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A reproducible training pipeline for small language models.")
@@ -109,7 +110,7 @@ def _progress() -> Iterator[None]:
 Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
 TrainOn = Annotated[Optional[str], typer.Option(
     "--train-on", metavar="POOL",
-    help="Train on a worker of this Prefect work pool (same as --set train.pool=POOL) (default: this process).")]
+    help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
 
 
 Force = Annotated[bool, typer.Option("--force", help="Train even if the champion was trained on the same data and code.")]
@@ -120,8 +121,9 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
-        _resolve(recipe, with_pool(set_, train_on), source)
-        tags = dict(_key_value(t, "--tag") for t in tag or [])
+        _resolve(recipe, set_, source)
+        # Scrubbed here, before Prefect stores the flow run's parameters.
+        tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         fl = _flows()
         root = fl.storage_root(storage)
         with _progress():
@@ -130,13 +132,13 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         c = result.champion
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
-            typer.echo(f"champion: {c['name']} v{c['version']} (mlflow run {c['run_id']})")
+            typer.echo(f"champion: {c.name} v{c.version} (mlflow run {c.run_id})")
             typer.echo(f"mlflow run: {result.mlflow_run_id}")
             return
         t, e = result.trained, result.evaluation
         typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
-        typer.echo(f"model: {c['name']} v{c['version']} ({'promoted to champion' if c['promoted'] else 'champion kept'}: {c['reason']})")
+        typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
         typer.echo(f"mlflow run: {result.mlflow_run_id}")
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
@@ -160,7 +162,7 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def _run_stages(cfg, storage: str | None, last: str) -> Any:
+def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
     """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
     return the last one's result."""
     fl = _flows()
@@ -169,12 +171,7 @@ def _run_stages(cfg, storage: str | None, last: str) -> Any:
         data = fl.with_results(fl.prepare, root)(cfg, root)
         if last == "prepare":
             return data
-        if cfg.train.pool:
-            from flows import dispatch
-
-            trained = dispatch.train_on_pool(cfg, data, root, None, cfg.train.pool)
-        else:
-            trained = fl.with_results(fl.train, root)(cfg, data, root)
+        trained = fl.run_training(cfg, data, root, None, pool)
         if last == "train":
             return trained
         return fl.with_results(fl.evaluate, root)(cfg, trained, data)
@@ -197,7 +194,9 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
           set_: Sets = None, train_on: TrainOn = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with _user_errors():
-        trained = _run_stages(_resolve(recipe, with_pool(set_, train_on), source), storage, "train")
+        from flows.launch import training_pool
+
+        trained = _run_stages(_resolve(recipe, set_, source), storage, "train", training_pool(recipe, train_on))
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -218,23 +217,35 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
            model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
            prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The ",
-           method: Annotated[str, typer.Option(help="greedy, temperature, top-k, top-p or beam.")] = "top-p",
-           max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 40, top_p: float = 0.9,
-           beam_width: int = 4, seed: int = 1337, storage: Storage = None) -> None:
-    """Generate text from a checkpoint, an MLflow run's model, or a registered model."""
+           method: Annotated[Optional[str], typer.Option(
+               help=f"{', '.join(METHODS)} (default: the run's first sample method).")] = None,
+           max_new_tokens: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           temperature: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
+           top_k: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           top_p: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
+           beam_width: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           seed: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           storage: Storage = None) -> None:
+    """Generate text from a checkpoint, an MLflow run's model, or a registered model.
+
+    Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
     with _user_errors():
         if sum(x is not None for x in (checkpoint, run, model)) != 1:
             raise UserError("give exactly one of --checkpoint URL, --run RUN_ID or --model NAME@champion")
-        if method not in ("greedy", "temperature", "top-k", "top-p", "beam"):
-            raise UserError(f"unknown method {method!r}: choose greedy, temperature, top-k, top-p or beam")
-        params = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, beam_width=beam_width, seed=seed)
+        if method is not None and method not in METHODS:
+            raise UserError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
+        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     beam_width=beam_width, seed=seed)
         if checkpoint:
             from mllm.checkpoint import load_checkpoint
-            from mllm.sample import sample_text
+            from mllm.sample import sample_text, with_defaults
 
-            typer.echo(sample_text(load_checkpoint(checkpoint), prompt, **params))
+            loaded = load_checkpoint(checkpoint)
+            method = method or loaded.config.sample.methods[0]
+            typer.echo(sample_text(loaded, prompt, method, **with_defaults(loaded, **given)))
             return
+        # The served model's signature holds the run's own sample section as its defaults.
+        params = {k: v for k, v in dict(given, method=method).items() if v is not None}
         from flows import runs
 
         storage_root = _flows().storage_root

@@ -19,7 +19,6 @@ endpoint, storage root) as the run's `env` job variable and never a credential.
 from __future__ import annotations
 
 import os
-import re
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,10 +38,9 @@ import tasks
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks import tracking
-from tasks.model import Prepared, Trained, train_job
+from tasks.model import Prepared, Trained, parse_progress, train_job
 
-ENTRYPOINT = "flows.pipeline:train"
-_STEP = re.compile(r"^step (\d+)/(\d+) loss ([0-9.naN]+)")
+ENTRYPOINT = "flows.training:train"
 
 
 class RemoteTrainingFailed(UserError):
@@ -53,11 +51,9 @@ def deployment_name(pool: str) -> str:
     return f"train-{pool}"
 
 
-def ensure_deployment(pool: str) -> tuple[str, set[str]]:
-    """Create or update the train deployment for `pool`: its full name `train/train-<pool>`,
-    and the job variables the pool's job template takes."""
-    from flows.pipeline import train
-
+def ensure_deployment(train: Any, pool: str) -> tuple[str, set[str]]:
+    """Create or update the deployment of the `train` flow for `pool`: its full name
+    `train/train-<pool>`, and the job variables the pool's job template takes."""
     with get_client(sync_client=True) as client:
         try:
             wp = client.read_work_pool(pool)
@@ -87,10 +83,10 @@ def job_env(root: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if not (urlsplit(v).password or urlsplit(v).username)}
 
 
-def train_on_pool(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
-    """Run the train flow on a worker of `pool`, follow it, and return what it trained."""
+def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
+    """Run the `train` flow on a worker of `pool`, follow it, and return what it trained."""
     logger = _logger()
-    name, variables = ensure_deployment(pool)
+    name, variables = ensure_deployment(train, pool)
     _, run_dir = train_job(cfg, data, root)
     job_variables: dict[str, Any] = {"env": job_env(root)}
     if "gpus" in variables:  # the docker and kubernetes templates in infra/pools: one GPU a rank
@@ -159,11 +155,9 @@ def _logger() -> Any:
 
 def _relay(message: str, logger: Any) -> None:
     """A remote log line: as progress when it is one and a progress bar listens, else logged."""
-    m = _STEP.match(message)
-    if m and tasks.progress_hook is not None:
-        loss = float(m.group(3))
-        tasks.report_progress("train", int(m.group(1)), int(m.group(2)),
-                              train_loss=None if loss != loss else loss)
+    progress = parse_progress(message)
+    if progress and tasks.progress_hook is not None:
+        tasks.report_progress("train", progress["step"], progress["total_steps"], train_loss=progress["train_loss"])
     else:
         logger.info("[worker] %s", message)
 

@@ -1,46 +1,33 @@
-"""The flows: `prepare` (data stages), `train`, `evaluate`, and `pipeline` (all of it).
-
-Each flow body reads as the recipe: a straight line of task calls. Caching, retries and where
-results live are configured on the tasks and in `with_results`, not in the logic.
+"""The pipeline flow: download, tokenize, build the vocabulary, split, train, evaluate, sample,
+and decide about the champion. Its body reads as that stage table: a straight line of steps with
+plain arguments; caching, retries and where results live are configured on the tasks and in
+`flows.launch`, where training runs in `flows.training`.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any, Literal
+from typing import Literal
 
+from mlflow.tracking import MlflowClient
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from mllm import storage
-from mllm.config import RunConfig, recipe_names, resolve, with_pool
 from flows import dispatch
+from flows.launch import storage_root, training_pool, with_results
+from flows.training import run_training, train
+from mllm.config import RunConfig, recipe_names, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
-from tasks import tracking
 from tasks.caching import result_storage
-from tasks.tracking import RunTracker
 from tasks.model import Evaluation, Prepared, Trained
-
-
-def storage_root(storage_url: str | None = None) -> str:
-    """The storage root: --storage, else $MLLM_STORAGE, else ./storage."""
-    root = storage_url or os.environ.get("MLLM_STORAGE") or "storage"
-    if "://" not in root:
-        root = os.path.abspath(os.path.expanduser(root))
-    return root.rstrip("/")
-
-
-def with_results(fl: Any, root: str) -> Any:
-    """The flow with its task results (and so Prefect's cache records) kept under `root`."""
-    # The flows themselves persist nothing (a failed run would leave its pickled exception in
-    # storage); their tasks take this storage for their results and cache records.
-    return fl.with_options(result_storage=result_storage(root), persist_result=False)
+from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
+from tasks.tracking import RunTracker, log_data, tracking_uri
 
 
 @flow(name="prepare", log_prints=True)
 def prepare(cfg: RunConfig, root: str) -> Prepared:
+    """The data stages: download, tokenize, build the vocabulary, split."""
     d = cfg.data
     raw = data_tasks.download(d.source, d.sha256, root)
     tokens = data_tasks.tokenize(raw, d.tokenizer, root)
@@ -50,13 +37,9 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
                     tokens=tokens, vocab=vocab, splits=splits)
 
 
-@flow(name="train")
-def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
-    return model_tasks.train(cfg, data, root, run_id)
-
-
 @flow(name="evaluate")
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared) -> tuple[Evaluation, dict[str, list[str]]]:
+    """Score the trained model on the validation split and generate its samples."""
     evaluation = model_tasks.evaluate(cfg, trained, data, "val")
     samples = model_tasks.generate(cfg, trained)
     return evaluation, samples
@@ -72,7 +55,7 @@ class PipelineResult(BaseModel):
     evaluation: Evaluation | None
     samples: dict[str, list[str]]
     mlflow_run_id: str
-    champion: dict[str, Any]
+    champion: Outcome
 
 
 # The shipped recipes: the Prefect UI shows the parameter as a choice.
@@ -85,57 +68,66 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
              train_on: str | None = None, force: bool = False) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
-    - recipe: a shipped recipe; source: the corpus URL (a path, file://, s3://, https://) when
-      not the recipe's; storage_url: the storage root [$MLLM_STORAGE or ./storage]
-    - overrides: config fields as `section.field=value`, e.g. `train.max_steps=500`
-    - train_on: a work pool to train on [this process]
-    - force: train even when the champion was trained on the same data and code
-
-    The source is always read again. When the recipe's champion model was trained on the same
+    The source is always read again. When a version of the recipe's model was trained on the same
     data, config and code, the run skips training and says so; otherwise the new model is
     evaluated on the same validation split as the champion and becomes champion only if better.
+
+    Args:
+        recipe: A shipped recipe (see `mllm-pipeline recipes`).
+        source: The corpus to train on when not the recipe's own: a path, file://, s3:// or https:// URL.
+        storage_url: The storage root for data, checkpoints and results [$MLLM_STORAGE or ./storage].
+        overrides: Config fields to change, as section.field=value (e.g. train.max_steps=500).
+        tags: Extra MLflow run tags, as key: value.
+        train_on: A work pool whose worker trains the model [the recipe's pipeline.pool, else this process].
+        force: Train even when a version was already trained on the same data, config and code.
     """
-    cfg = resolve(recipe, overrides=with_pool(overrides, train_on), source=source)
+    cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
-    if cfg.train.pool:
-        dispatch.ensure_deployment(cfg.train.pool)  # no such pool: say so before the data stages
+    pool = training_pool(recipe, train_on)
+    if pool:
+        dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
     data = with_results(prepare, root)(cfg, root)
-    champion = tracking.champion_of(cfg, root)
     key = model_tasks.train_key(cfg, data)
-    done = tracking.version_trained_on(cfg, root, key) if champion and not force else None
-    with RunTracker(cfg, root, tags=tags) as run:
-        tracking.log_data(run.run_id, cfg, root, data)
-        if done:
-            reason = (f"data, config and code unchanged since champion v{champion['version']} was trained"
-                      if done == champion["version"] else
-                      f"data, config and code unchanged since v{done} was trained, which did not beat "
-                      f"champion v{champion['version']}")
-            reason += f" (corpus sha256 {data.raw_sha256[:12]}, training key {key}); force retrains"
-            tracking.log_skipped(run.run_id, cfg, root, champion, reason)
-            outcome = {**champion, "name": cfg.recipe, "promoted": False, "decision": "skipped", "reason": reason}
-            trained = evaluation = None
-            samples: dict[str, list[str]] = {}
+    client = MlflowClient(tracking_uri(root))
+    champion = current_champion(client, cfg.recipe)
+    skip = None if force else skip_reason(champion, version_trained_on(client, cfg.recipe, key), data.raw_sha256, key)
+    trained = evaluation = None
+    samples: dict[str, list[str]] = {}
+    where = {"train.pool": pool} if pool else {}
+    with RunTracker(cfg, root, tags={**tags, **where}, run_name=f"{cfg.recipe}-{key[:8]}") as run:
+        log_data(run.run_id, cfg, root, data)
+        if skip:
+            outcome = log_skipped(run.run_id, cfg, root, champion, skip)
         else:
-            if cfg.train.pool:
-                trained = dispatch.train_on_pool(cfg, data, root, run.run_id, cfg.train.pool)
-            else:
-                trained = with_results(train, root)(cfg, data, root, run.run_id)
+            trained = run_training(cfg, data, root, run.run_id, pool)
             evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-            score = None
-            if champion and champion["checkpoint"] and champion["splits_key"] != data.splits.key:
-                scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
-                score = scorer(champion["checkpoint"], data, cfg.train.window)
-            outcome = tracking.log_outcome(run.run_id, cfg, root, trained, evaluation, samples, data, score)
-    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome["decision"],
-                            reason=outcome["reason"], trained=trained, evaluation=evaluation, samples=samples,
+            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
+    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
+                            reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome)
-    slug = _slug(cfg.recipe)
-    create_markdown_artifact(decision_table(result), key=f"decision-{slug}",
-                             description=f"{cfg.recipe}: {result.decision}")
-    if trained is not None:
-        create_markdown_artifact(summary(result), key=f"pipeline-{slug}",
-                                 description=f"{cfg.recipe}: data, training and samples")
+    publish(result)
     return result
+
+
+def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: Evaluation,
+          samples: dict[str, list[str]], data: Prepared, champion: Champion | None) -> Outcome:
+    """Register the challenger; it becomes champion only if it beats the champion on the same
+    validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
+    score = None
+    if champion and champion.checkpoint and champion.splits_key != data.splits.key:
+        scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
+        score = scorer(champion.checkpoint, data, cfg.train.window)
+    return log_outcome(run_id, cfg, root, trained, evaluation, samples, data, score)
+
+
+def publish(result: PipelineResult) -> None:
+    """The decision, and for a trained model a summary, as Prefect markdown artifacts."""
+    slug = "".join(c if c.isalnum() else "-" for c in result.recipe.lower())
+    create_markdown_artifact(decision_table(result), key=f"decision-{slug}",
+                             description=f"{result.recipe}: {result.decision}")
+    if result.trained is not None:
+        create_markdown_artifact(summary(result), key=f"pipeline-{slug}",
+                                 description=f"{result.recipe}: data, training and samples")
 
 
 def decision_table(r: PipelineResult) -> str:
@@ -143,22 +135,16 @@ def decision_table(r: PipelineResult) -> str:
     rows = [("decision", f"**{r.decision}**"), ("reason", r.reason), ("corpus sha256", r.data.raw_sha256[:16]),
             ("MLflow run", f"`{r.mlflow_run_id}`")]
     if r.decision == "skipped":
-        rows.append(("champion", f"{c.get('name')} v{c.get('version')} (run `{c.get('run_id')}`)"))
+        rows.append(("champion", f"{c.name} v{c.version} (run `{c.run_id}`)"))
     else:
-        rows.append(("this model", f"{c.get('name')} v{c.get('version')}, val loss {c.get('val_loss', float('nan')):.4f}, "
+        rows.append(("this model", f"{c.name} v{c.version}, val loss {_f(c.val_loss)}, "
                                    f"{r.evaluation.bits_per_byte:.4f} bits/byte"))
-        prev = c.get("previous")
-        if prev:
-            score = c.get("champion_score")
-            measured = (f"{score['bits_per_byte']:.4f} bits/byte on this split" if score
-                        else f"val loss {prev['val_loss']:.4f} on the same split")
-            rows.append(("previous champion", f"v{prev['version']}, {measured}"))
+        if c.previous:
+            measured = (f"{c.champion_score.bits_per_byte:.4f} bits/byte on this split" if c.champion_score
+                        else f"val loss {_f(c.previous.val_loss)} on the same split")
+            rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
     return "\n".join([f"# {r.recipe}: {r.decision}", "", "| | |", "|---|---|",
                       *[f"| {k} | {v} |" for k, v in rows], ""])
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower())
 
 
 def summary(r: PipelineResult) -> str:
@@ -178,8 +164,8 @@ def summary(r: PipelineResult) -> str:
         f"| val loss | {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
         f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token) |",
         f"| outputs | `{t.run_dir}` |",
-        f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.get('name')} v{r.champion.get('version')}, "
-        f"{'now champion' if r.champion.get('promoted') else 'champion kept'} ({r.champion.get('reason', '')}) |",
+        f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.name} v{r.champion.version}, "
+        f"{'now champion' if r.champion.promoted else 'champion kept'} ({r.champion.reason}) |",
         "",
         "## Samples",
         "",

@@ -60,7 +60,8 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
            storage_url: str | None = None, overrides: list[str] = (), paused: bool = False) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
     from flows.dispatch import job_env
-    from flows.pipeline import pipeline, storage_root
+    from flows.launch import storage_root
+    from flows.pipeline import pipeline
 
     _require_server()
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here

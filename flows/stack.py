@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flows import QUIET_ENV
 from mllm import UserError, storage
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
@@ -184,8 +185,7 @@ def _port(wanted: int, what: str, option: str) -> int:
 
 
 def _quiet_env(home: Path) -> dict[str, str]:
-    return {"PREFECT_HOME": str(home / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "PYTHONUNBUFFERED": "1",
+    return {**QUIET_ENV, "PREFECT_HOME": str(home / "prefect"),
             # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 

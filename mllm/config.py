@@ -12,10 +12,10 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from mllm import UserError
 
@@ -65,15 +65,32 @@ class DataConfig(_Section):
     split: SplitConfig = SplitConfig()
 
 
-class ModelConfig(_Section):
-    arch: Literal["lstm", "gru", "rnn", "gpt"] = "lstm"
+class RecurrentConfig(_Section):
+    """A recurrent language model: embedding, stacked LSTM/GRU/RNN layers, a linear head."""
+
+    arch: Literal["lstm", "gru", "rnn"] = "lstm"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
     n_embd: int = Field(32, ge=1)
     n_layer: int = Field(4, ge=1)
-    # Recurrent models.
     hidden_size: int = Field(128, ge=1)
     from_scratch: bool = False  # our own LSTM/RNN cells instead of torch.nn.LSTM/RNN
-    # GPT.
+    tie_weights: bool = True  # share the embedding with the output layer when n_embd == hidden_size
+    dropout: float = Field(0.2, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _cells(self) -> "RecurrentConfig":
+        if self.from_scratch and self.arch == "gru":
+            raise ValueError("from_scratch cells exist for lstm and rnn, not gru")
+        return self
+
+
+class GPTConfig(_Section):
+    """A decoder-only transformer (nanoGPT's): learned positions, pre-LayerNorm blocks."""
+
+    arch: Literal["gpt"] = "gpt"
+    vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
+    n_embd: int = Field(128, ge=1)
+    n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
     block_size: int = Field(64, ge=1)
     bias: bool = True
@@ -81,12 +98,35 @@ class ModelConfig(_Section):
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelConfig":
-        if self.arch == "gpt" and self.n_embd % self.n_head:
+    def _heads(self) -> "GPTConfig":
+        if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.from_scratch and self.arch == "gru":
-            raise ValueError("from_scratch cells exist for lstm and rnn, not gru")
         return self
+
+
+# The model families, told apart by `arch`: a family's section holds its own fields only, so a
+# field of another family is refused and the training key digests only what the model uses.
+FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig}
+ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig], Field(discriminator="arch")]
+
+
+_MODEL = TypeAdapter(ModelConfig)
+
+
+def model_config(**fields: Any) -> RecurrentConfig | GPTConfig:
+    """The section of the family that `arch` names (default lstm), built from its fields."""
+    return _MODEL.validate_python({"arch": "lstm", **fields})
+
+
+def family_of(arch: str) -> tuple[str, type[_Section]] | None:
+    for name, section in FAMILIES.items():
+        if arch in typing.get_args(section.model_fields["arch"].annotation):
+            return name, section
+    return None
+
+
+def archs() -> list[str]:
+    return [a for section in FAMILIES.values() for a in typing.get_args(section.model_fields["arch"].annotation)]
 
 
 class TrainConfig(_Section):
@@ -119,9 +159,6 @@ class TrainConfig(_Section):
     compile: bool = False
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
-    # A Prefect work pool to hand training to (`--train-on`); none: the pipeline's own process.
-    # Where a run trains is not what it is: left out of the training key.
-    pool: str | None = None
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":
@@ -133,6 +170,7 @@ class TrainConfig(_Section):
 
 
 SamplingMethod = Literal["greedy", "temperature", "top-k", "top-p", "beam"]
+METHODS: tuple[str, ...] = typing.get_args(SamplingMethod)
 
 
 class SampleConfig(_Section):
@@ -163,14 +201,14 @@ class TrainPaths(_Section):
 class RunConfig(_Section):
     recipe: str = "custom"
     data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = RecurrentConfig()
     train: TrainConfig = TrainConfig(max_steps=1000)
     sample: SampleConfig = SampleConfig()
     paths: TrainPaths | None = None
 
     @model_validator(mode="after")
     def _window(self) -> "RunConfig":
-        if self.model.arch == "gpt" and self.train.window > self.model.block_size:
+        if isinstance(self.model, GPTConfig) and self.train.window > self.model.block_size:
             raise ValueError(
                 f"train.window ({self.train.window}) exceeds model.block_size "
                 f"({self.model.block_size}): GPT has no position embedding beyond it"
@@ -193,12 +231,28 @@ def validate(data: dict[str, Any], where: str) -> RunConfig:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "config"
+        loc = list(first["loc"])
+        arch = None
+        if loc[:1] == ["model"] and len(loc) > 2 and family_of(str(loc[1])):
+            arch = str(loc.pop(1))  # pydantic names the union member by its tag: not a field
+        field = ".".join(str(p) for p in loc) or "config"
         msg = first["msg"]
-        if first["type"] == "extra_forbidden":
+        if first["type"] == "extra_forbidden" and arch:
+            family, section = family_of(arch)
+            others = [name for name, s in FAMILIES.items() if loc[-1] in s.model_fields]
+            fields = ", ".join(f for f in section.model_fields if f != "arch")
+            msg = (f"a field of the {' and '.join(others)} family, not of arch {arch}" if others
+                   else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"
+        elif first["type"] == "extra_forbidden":
             msg = "unknown field (check its spelling against a recipe)"
+        elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            field, msg = "model.arch", f"choose one of {', '.join(archs())}"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise UserError(f"{where}: {field}: {msg}{more}") from None
+
+
+# A recipe's section for the orchestration layer (flows/): read there, never by mllm.
+LAUNCH_SECTION = "pipeline"
 
 
 def recipe_names() -> list[str]:
@@ -234,6 +288,8 @@ def _text_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
     names = set()
     for name, field in model.model_fields.items():
         ann = field.annotation
+        if typing.get_origin(ann) is Annotated:
+            ann = typing.get_args(ann)[0]
         union = typing.get_origin(ann) in (typing.Union, types.UnionType)
         inner = [a for a in typing.get_args(ann) if a is not type(None)] if union else []
         if ann is str or inner == [str]:
@@ -272,11 +328,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def with_pool(overrides: list[str] | None, pool: str | None) -> list[str]:
-    """The overrides, with `train.pool` set when a pool is given (`--train-on POOL`)."""
-    return [*(overrides or []), f"train.pool={pool}"] if pool else list(overrides or [])
-
-
 def resolve(recipe: str | None = None, config_file: str | None = None,
             overrides: list[str] = (), source: str | None = None) -> RunConfig:
     """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
@@ -284,6 +335,8 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
         data, where = load_file(config_file), str(config_file)
     else:
         data, where = recipe_dict(recipe or "default"), f"recipe {recipe or 'default'}"
+    # How the pipeline launches a recipe (its default work pool) is not what the run is.
+    data.pop(LAUNCH_SECTION, None)
     if source:
         data.setdefault("data", {})["source"] = source
     data = apply_overrides(data, list(overrides))

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
+from mllm.config import METHODS
 
 if TYPE_CHECKING:
     from mllm.checkpoint import Loaded
 
-METHODS = ("greedy", "temperature", "top-k", "top-p", "beam")
 # Below this temperature softmax(logits / T) is one-hot up to float rounding: take the argmax
 # rather than divide by (nearly) zero.
 MIN_TEMPERATURE = 1e-5
@@ -196,6 +196,32 @@ def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
     return loaded.tokenizer.detokenize(tokens + loaded.vocab.decode(new))
 
 
+OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
+
+
+def with_defaults(loaded: "Loaded", **given) -> dict:
+    """Sampling options: those given (None: not given), else the checkpoint's own `sample`
+    section, so that a command repeats the run's own samples unless told otherwise."""
+    s = loaded.config.sample
+    return {**{k: getattr(s, k) for k in OPTIONS}, **{k: v for k, v in given.items() if v is not None}}
+
+
+def fit_prompt(loaded: "Loaded", prompt: str) -> tuple[str, list[str]]:
+    """A recipe's own prompt with the tokens the vocabulary lacks left out, and those tokens:
+    a corpus without a "P" still gets samples from a recipe that prompts "Prince Andrew "."""
+    tokens = loaded.tokenizer.split(prompt)
+    missing = loaded.vocab.missing(tokens)
+    if not missing:
+        return prompt, []
+    kept = [t for t in tokens if t not in set(missing)]
+    return loaded.tokenizer.detokenize(kept), missing
+
+
+def samples_text(prompts: list[str], texts: list[str]) -> str:
+    """One sampling method's samples as a file: each prompt, then its text."""
+    return "\n\n".join(f"--- prompt {p!r}\n{t}" for p, t in zip(prompts, texts)) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mllm.sample",
                                 description="Continue a prompt with a trained checkpoint.")
@@ -216,15 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         from mllm.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(args.checkpoint, device=args.device)
-        s = loaded.config.sample
-        pick = lambda given, default: default if given is None else given  # noqa: E731
-        text = sample_text(
-            loaded, args.prompt, args.method,
-            max_new_tokens=pick(args.max_new_tokens, s.max_new_tokens),
-            temperature=pick(args.temperature, s.temperature), top_k=pick(args.top_k, s.top_k),
-            top_p=pick(args.top_p, s.top_p), beam_width=pick(args.beam_width, s.beam_width),
-            seed=pick(args.seed, s.seed), use_cache=not args.no_cache,
-        )
+        options = with_defaults(loaded, **{k: getattr(args, k) for k in OPTIONS})
+        text = sample_text(loaded, args.prompt, args.method, use_cache=not args.no_cache, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -60,7 +60,8 @@ class _Dist:
         return self.rank == 0
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """train.device as a torch.device: auto picks CUDA, then MPS, then the CPU."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -218,7 +219,7 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     """
     cfg, vocab, tokenizer, train_ids, val_ids = _inputs(cfg)
     t = cfg.train
-    d, device = _distributed(_device(t.device))
+    d, device = _distributed(resolve_device(t.device))
     try:
         return _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_progress, resume)
     finally:

@@ -8,8 +8,10 @@ stopped, and a finished one is not paid for twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,11 +27,12 @@ import mllm.train
 from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.data import load_ids
-from mllm.sample import sample_text
+from mllm.sample import fit_prompt, sample_text, samples_text
 from mllm.vocab import Vocab
 import tasks
 from tasks.caching import code_digest, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
+from tasks.registry import ChampionScore
 from tasks.tracking import RunTracker
 
 class Prepared(BaseModel):
@@ -59,6 +62,9 @@ class Trained(BaseModel):
     stop_reason: str
     resumed_from_step: int
 
+    def samples_url(self, method: str) -> str:
+        return storage.join(self.run_dir, "samples", f"{method}.txt")
+
 
 class Evaluation(BaseModel):
     split: str
@@ -74,8 +80,29 @@ class Evaluation(BaseModel):
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
+    # The model section holds the chosen family's fields only: another family's cannot change it.
     return storage.digest(["train", data.splits.key, data.vocab.digest, cfg.model.model_dump(),
-                           cfg.train.model_dump(exclude={"pool"}), code_digest(models, rnn, gpt, mllm.train)])
+                           cfg.train.model_dump(), code_digest(models, rnn, gpt, mllm.train)])
+
+
+# A training job's progress line in a worker's log; `parse_progress` reads it back where the
+# pipeline follows a job on a work pool, to drive its progress bar.
+_PROGRESS = re.compile(r"^step (\d+)/(\d+|\?) loss ([0-9.naN]+)")
+
+
+def progress_line(p: dict[str, Any]) -> str:
+    loss = p.get("train_loss")
+    return (f"step {p['step']}/{p['total_steps'] or '?'} loss {float('nan') if loss is None else loss:.4f} "
+            f"lr {p.get('lr', 0.0):.2e} {p.get('tokens_per_s', 0.0):.0f} tok/s")
+
+
+def parse_progress(line: str) -> dict[str, Any] | None:
+    m = _PROGRESS.match(line)
+    if m is None:
+        return None
+    loss = float(m.group(3))
+    return {"step": int(m.group(1)), "total_steps": None if m.group(2) == "?" else int(m.group(2)),
+            "train_loss": None if loss != loss else loss}
 
 
 def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
@@ -111,8 +138,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
             tasks.report_progress("train", p["step"], p["total_steps"], **p)
         elif time.monotonic() - last_log[0] > every:  # a line every few seconds in a worker's log
             last_log[0] = time.monotonic()
-            logger.info("step %d/%s loss %.4f lr %.2e %.0f tok/s", p["step"], p["total_steps"] or "?",
-                        p.get("train_loss") or float("nan"), p.get("lr", 0.0), p.get("tokens_per_s", 0.0))
+            logger.info(progress_line(p))
 
     if job.train.nproc_per_node > 1:
         result = _torchrun(job, on_metrics, on_progress)
@@ -120,12 +146,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
         result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
-    trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url,
-                      checkpoint=result.checkpoint, best_checkpoint=result.best_checkpoint,
-                      steps=result.steps, train_loss=result.train_loss, val_loss=result.val_loss,
-                      best_val_loss=result.best_val_loss, tokens_per_s=result.tokens_per_s,
-                      elapsed_s=result.elapsed_s, stop_reason=result.stop_reason,
-                      resumed_from_step=result.resumed_from_step)
+    trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
     storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
     return trained
 
@@ -202,8 +223,7 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     ckpt_url = _best(trained)
     loaded = checkpoint.load_checkpoint(ckpt_url)
     ids = load_ids(part.ids)
-    window = min(cfg.train.window, loaded.config.model.block_size) if cfg.model.arch == "gpt" else cfg.train.window
-    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window,
+    scores = mllm_evaluate.evaluate(loaded.model, ids, window=cfg.train.window,
                                     batch_size=max(1, min(cfg.train.batch_size, 256)),
                                     n_bytes=part.n_bytes)
     train_ids = load_ids(data.splits.train.ids)
@@ -223,23 +243,12 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     return result
 
 
-class Score(BaseModel):
-    """A checkpoint scored on one split: how the champion is compared with a challenger."""
-
-    checkpoint: str
-    split: str
-    splits_key: str
-    loss: float
-    bits_per_byte: float
-    tokens: int
-
-
 def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> str:
     return storage.digest(["score", checkpoint_url, data.splits.key, split, window, code_digest(mllm_evaluate)])
 
 
 @task(name="score-champion", cache_key_fn=stage_cache(_score_key), retries=1, retry_condition_fn=transient)
-def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> Score:
+def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> ChampionScore:
     """Score another run's checkpoint (the champion's) on this run's split.
 
     The split's tokens are mapped into the checkpoint's own vocabulary (a token it never saw
@@ -252,12 +261,10 @@ def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: st
     ids = load_ids(part.ids)
     if loaded.vocab.itos != ours.itos:
         ids = loaded.vocab.encode_array(ours.itos)[np.asarray(ids, dtype=np.int64)]
-    if loaded.config.model.arch == "gpt":
-        window = min(window, loaded.config.model.block_size)
     scores = mllm_evaluate.evaluate(loaded.model, ids, window=window, batch_size=64, n_bytes=part.n_bytes)
     get_run_logger().info("champion %s on this %s split: loss %.4f, %.4f bits/byte", checkpoint_url, split,
                           scores["loss"], scores["bits_per_byte"])
-    return Score(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
+    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
                  bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"])
 
 
@@ -281,19 +288,27 @@ def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
 
 @task(name="generate", cache_key_fn=stage_cache(_generate_key), retries=1, retry_condition_fn=transient)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
-    """One sample per prompt and sampling method, saved as `samples/<method>.txt`."""
-    ckpt_url = _best(trained)
-    loaded = checkpoint.load_checkpoint(ckpt_url)
+    """One sample per prompt and sampling method, saved as `samples/<method>.txt`.
+
+    The recipe's own prompts lose the tokens this corpus's vocabulary lacks (with a warning): a
+    recipe written for one text still samples on another, and a model never goes unregistered
+    because its sample prompt did not fit.
+    """
+    logger = get_run_logger()
+    loaded = checkpoint.load_checkpoint(_best(trained))
     s = cfg.sample
+    prompts = []
+    for prompt in s.prompts:
+        fitted, missing = fit_prompt(loaded, prompt)
+        if missing:
+            logger.warning("sample prompt %r: the vocabulary lacks %s; sampling from %r instead", prompt,
+                           " ".join(repr(t) for t in missing[:20]), fitted)
+        prompts.append(fitted)
     samples: dict[str, list[str]] = {}
     for method in s.methods:
-        samples[method] = [
-            sample_text(loaded, prompt, method, max_new_tokens=s.max_new_tokens,
-                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                        beam_width=s.beam_width, seed=s.seed)
-            for prompt in s.prompts
-        ]
-        body = "\n\n".join(f"--- prompt {p!r}\n{t}" for p, t in zip(s.prompts, samples[method]))
-        storage.write_text(storage.join(trained.run_dir, "samples", f"{method}.txt"), body + "\n")
-    get_run_logger().info("samples (%s): %r", s.methods[0], samples[s.methods[0]][0][:120])
+        samples[method] = [sample_text(loaded, prompt, method, max_new_tokens=s.max_new_tokens,
+                                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                       beam_width=s.beam_width, seed=s.seed) for prompt in prompts]
+        storage.write_text(trained.samples_url(method), samples_text(prompts, samples[method]))
+    logger.info("samples (%s): %r", s.methods[0], samples[s.methods[0]][0][:120])
     return samples

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from flows import QUIET_ENV
+
 _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
 os.environ.update({
+    **QUIET_ENV,
     "PREFECT_HOME": str(_HOME / "prefect"),
     "PREFECT_API_URL": "",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "true",
     "XDG_CONFIG_HOME": str(_HOME / "config"),
     "XDG_CACHE_HOME": str(_HOME / "cache"),
     "MPLCONFIGDIR": str(_HOME / "matplotlib"),

@@ -24,6 +24,7 @@ from typing import Iterator
 
 import pytest
 
+from flows import QUIET_ENV
 from flows.stack import Service, free_port
 
 
@@ -37,10 +38,8 @@ def quiet_env(home: Path) -> dict[str, str]:
         "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_CACHE_HOME": str(home / ".cache"),
         "MPLCONFIGDIR": str(home / "matplotlib"),
+        **QUIET_ENV,
         "PREFECT_HOME": str(home / "prefect"),
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "true",
-        "PYTHONUNBUFFERED": "1",
     }
 
 

@@ -133,3 +133,31 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
 
     out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0")
     _assert_one_line_error(out, "set PREFECT_API_URL", "stack up")
+
+
+def test_a_field_of_another_model_family_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = cli("run", "--recipe", "smoke", "--set", "model.n_head=8", "--storage", str(tmp_path / "s"))
+    _assert_one_line_error(out, "model.n_head: a field of the gpt family, not of arch lstm")
+    _no_outputs(tmp_path / "s")
+
+
+def test_the_training_key_digests_the_chosen_family_only(tmp_path: Path) -> None:
+    """An LSTM recipe's model section holds recurrent fields only: a GPT field in its file is
+    refused, so nothing of another family can change its training key."""
+    import yaml
+
+    from mllm import UserError
+    from mllm.config import RecurrentConfig, recipe_dict, resolve
+
+    recipe = recipe_dict("smoke")
+    key_fields = resolve("smoke").model.model_dump()
+    assert set(key_fields) == set(RecurrentConfig.model_fields) and "n_head" not in key_fields
+    recipe["model"]["block_size"] = 128
+    path = tmp_path / "lstm-with-gpt-field.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(UserError, match=r"model\.block_size: a field of the gpt family, not of arch lstm"):
+        resolve(config_file=str(path))
+    # The same file as a GPT keeps its GPT fields and drops the recurrent ones from the key.
+    recipe["model"] = {"arch": "gpt", "n_embd": 32, "n_head": 4, "block_size": 64}
+    path.write_text(yaml.safe_dump(recipe))
+    assert "hidden_size" not in resolve(config_file=str(path)).model.model_dump()

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mllm.config import ModelConfig
+from mllm.config import model_config
 from mllm.evaluate import evaluate, ngram_baseline
 from mllm.models import build_model
 
@@ -24,7 +24,7 @@ class BigramTable(nn.Module):
 
     def __init__(self, vocab_size: int, arch: str, seed: int = 0):
         super().__init__()
-        self.config = ModelConfig(arch=arch, vocab_size=vocab_size)
+        self.config = model_config(arch=arch, vocab_size=vocab_size)
         self.table = nn.Parameter(torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(seed)))
         self.scored: list[int] = []
 
@@ -66,7 +66,7 @@ def test_loss_matches_a_hand_computation_with_repeated_tokens():
 
 def test_lstm_carries_its_state_across_windows():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="lstm", vocab_size=13, n_embd=8, hidden_size=16, n_layer=2, dropout=0.5))
+    model = build_model(model_config(arch="lstm", vocab_size=13, n_embd=8, hidden_size=16, n_layer=2, dropout=0.5))
     model.train()
     ids = np.random.default_rng(1).integers(0, 13, size=47)
     x = torch.from_numpy(ids[None, :-1].astype(np.int64))
@@ -82,7 +82,7 @@ def test_lstm_carries_its_state_across_windows():
 
 def test_gpt_reads_consecutive_windows_of_its_block_size():
     torch.manual_seed(0)
-    model = build_model(ModelConfig(arch="gpt", vocab_size=13, n_embd=16, n_head=2, n_layer=2, block_size=8))
+    model = build_model(model_config(arch="gpt", vocab_size=13, n_embd=16, n_head=2, n_layer=2, block_size=8))
     model.eval()
     ids = np.random.default_rng(2).integers(0, 13, size=30)
     total = 0.0

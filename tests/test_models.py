@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 
 from mllm import UserError
-from mllm.config import ModelConfig
+from mllm.config import family_of, model_config
 from mllm.gpt import GPT
 from mllm.models import build_model
 from mllm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
@@ -13,7 +13,8 @@ from mllm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
 
 def cfg(**kw):
     base = dict(vocab_size=11, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=24, dropout=0.0)
-    return ModelConfig(**{**base, **kw})
+    fields = family_of(kw.get("arch", "lstm"))[1].model_fields  # the sizes of arch's own family
+    return model_config(**{k: v for k, v in base.items() if k in fields and k not in kw}, **kw)
 
 
 @pytest.mark.parametrize("layers", [1, 3])
@@ -201,7 +202,7 @@ def test_tiny_model_overfits_tiny_text(arch, extra):
     x = torch.stack([data[s:s + window] for s in starts])
     y = torch.stack([data[s + 1:s + window + 1] for s in starts])
     y[:, :8] = -1  # a window's first characters have too little context to be certain
-    model = build_model(ModelConfig(arch=arch, vocab_size=len(chars), dropout=0.0, **extra))
+    model = build_model(model_config(arch=arch, vocab_size=len(chars), dropout=0.0, **extra))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     steps = 150 if arch == "gpt" else 250
     for _ in range(steps):

@@ -92,7 +92,7 @@ def test_second_run_reuses_every_data_stage_and_skips_training(corpus: Path, tmp
         assert _task_states(stage)[0] == "Cached", stage
     # The champion was trained on the same data, config and code: nothing to train.
     assert second.decision == "skipped" and second.trained is None
-    assert f"since champion v{first.champion['version']}" in second.reason
+    assert f"since champion v{first.champion.version}" in second.reason
     # Forced, training finds its finished checkpoint and does not train again; the model is
     # the champion's equal, so the champion stays.
     third = pipeline(recipe="smoke", source=str(corpus), storage_url=str(root), overrides=FAST, force=True)
@@ -146,12 +146,12 @@ def test_changed_data_trains_a_challenger_judged_on_the_same_split(corpus: Path,
     second = _run(corpus, root)
     assert second.data.raw_sha256 != first.data.raw_sha256 and second.decision in ("promoted", "kept")
     # The champion was scored on the challenger's validation split, and bits per byte decided.
-    score = second.champion["champion_score"]
-    assert score["splits_key"] == second.data.splits.key
-    assert (second.decision == "promoted") == (second.evaluation.bits_per_byte < score["bits_per_byte"])
+    score = second.champion.champion_score
+    assert score.splits_key == second.data.splits.key
+    assert (second.decision == "promoted") == (second.evaluation.bits_per_byte < score.bits_per_byte)
     client = MlflowClient()
     champion = client.get_model_version_by_alias("smoke", "champion")
-    assert str(champion.version) == (second.champion["version"] if second.decision == "promoted" else first.champion["version"])
+    assert str(champion.version) == (second.champion.version if second.decision == "promoted" else first.champion.version)
     tags = client.get_run(second.mlflow_run_id).data.tags
     assert tags["decision"] == second.decision and "both on this run's validation split" in tags["decision.reason"]
     # Once more on the same text: that model exists, champion or not; nothing to train.

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mllm import UserError
 from mllm.checkpoint import load_checkpoint, save_checkpoint
-from mllm.config import ModelConfig, RunConfig
+from mllm.config import RunConfig, family_of, model_config
 from mllm.models import build_model
 from mllm.sample import filter_top_k, filter_top_p, generate, main, next_token, sample_text
 from mllm.text import CharTokenizer
@@ -22,8 +22,10 @@ V = 13
 def tiny(arch, seed=4, **kw):
     """A small random model with confident predictions, so near-ties cannot flip an argmax."""
     torch.manual_seed(seed)
-    base = dict(arch=arch, vocab_size=V, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=16, dropout=0.0)
-    model = build_model(ModelConfig(**{**base, **kw})).eval()
+    base = dict(vocab_size=V, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=16, dropout=0.0)
+    fields = family_of(arch)[1].model_fields  # the sizes of arch's own family
+    model = build_model(model_config(arch=arch, **{k: v for k, v in base.items() if k in fields and k not in kw},
+                                     **kw)).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -152,7 +154,7 @@ class Bigram(torch.nn.Module):
     def __init__(self, table):
         super().__init__()
         self.logits = torch.nn.Parameter(table.log())
-        self.config = ModelConfig(arch="lstm", vocab_size=len(table))
+        self.config = model_config(arch="lstm", vocab_size=len(table))
 
     def forward(self, idx, targets=None, state=None):
         return self.logits[idx], None, state
@@ -207,7 +209,7 @@ def checkpoint(tmp_path_factory):
     """A checkpoint of a tiny LSTM that has learned TEXT by heart, saved as training saves it."""
     tokenizer = CharTokenizer(normalize=True)
     vocab = Vocab.build({ch: TEXT.count(ch) for ch in TEXT})
-    cfg = RunConfig(model=ModelConfig(arch="lstm", vocab_size=len(vocab), n_embd=16, hidden_size=48,
+    cfg = RunConfig(model=model_config(arch="lstm", vocab_size=len(vocab), n_embd=16, hidden_size=48,
                                       n_layer=1, dropout=0.0))
     torch.manual_seed(0)
     model = build_model(cfg.model)

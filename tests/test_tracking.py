@@ -9,7 +9,10 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +28,12 @@ from conftest import write_char_ids
 from mllm.checkpoint import load_checkpoint
 from mllm.config import RunConfig
 from mllm.sample import sample_text
+from flows.stack import free_port
+from mllm.redact import scrub
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)
-from tasks import tracking
-from tasks.tracking import RunTracker, flatten, git_info, scrub, tracking_uri
+from tasks import registry, tracking
+from tasks.provenance import git_info
+from tasks.tracking import RunTracker, flatten, tracking_uri
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 TINY = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0}
@@ -139,7 +145,8 @@ def test_flatten_gives_one_string_param_per_leaf():
                     "train.epochs": "null", "train.lr": "0.001", "sample.methods": '["greedy"]',
                     "vocab.specials": "[]", "recipe": "smoke"}
     cfg = config()
-    assert len(flatten(cfg.to_dict())) > 60 and flatten(cfg.to_dict())["model.arch"] == "lstm"
+    assert len(flatten(cfg.to_dict())) > 50 and flatten(cfg.to_dict())["model.arch"] == "lstm"
+    assert "model.n_head" not in flatten(cfg.to_dict())  # the chosen family's fields only
 
 
 def test_scrub_hides_env_secrets_url_userinfo_and_secret_named_options(monkeypatch):
@@ -336,8 +343,7 @@ def test_champion_moves_only_when_val_loss_improves_and_the_model_generates(uri,
     results = []
     for loss in (2.0, 2.5, 1.5):
         with RunTracker(cfg, str(tmp_path / "storage")) as run:
-            results.append(run.log_model(checkpoint, val_loss=loss))
-            results[-1]["run_id"] = run.run_id
+            results.append(registry.log_model(run, checkpoint, val_loss=loss).model_dump(mode="json"))
             results[-1]["champion"] = str(client.get_model_version_by_alias(name, "champion").version)
     assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
         ("1", True, "1"), ("2", False, "1"), ("3", True, "3")]
@@ -363,3 +369,59 @@ def test_champion_moves_only_when_val_loss_improves_and_the_model_generates(uri,
     sampled = model.predict(pd.DataFrame({"prompt": ["The "]}), params=top_p)
     assert sampled == [sample_text(loaded, "The ", **top_p)]
     assert model.predict({"prompt": ["the "]}, params={"max_new_tokens": 3})[0].startswith("the ")
+
+
+def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
+    """The model carries its own code (mllm and tasks/served_model.py): a serving environment
+    without Prefect loads it with pyfunc and answers /invocations from `mlflow models serve`."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri  # restored by forget_tracking_uri
+    cfg = config(sample={"max_new_tokens": 12, "methods": ["greedy"]})
+    with RunTracker(cfg, str(tmp_path / "storage")) as run:
+        registry.log_model(run, checkpoint, val_loss=2.0)
+    expected = sample_text(load_checkpoint(checkpoint), "The ", "greedy", max_new_tokens=9)
+
+    blocker = tmp_path / "no-prefect"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class NoPrefect:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'prefect' or name.startswith('prefect.'):\n"
+        "            raise ImportError('prefect is not installed here')\n"
+        "sys.meta_path.insert(0, NoPrefect())\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker), "MLFLOW_TRACKING_URI": uri}
+    load = ("import mlflow.pyfunc, json\n"
+            "try:\n    import prefect\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('prefect imported')\n"
+            f"m = mlflow.pyfunc.load_model('models:/{cfg.recipe}@champion')\n"
+            "print(json.dumps(m.predict(['The '], params={'max_new_tokens': 9})))\n")
+    out = subprocess.run([sys.executable, "-c", load], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [expected]
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{cfg.recipe}@champion",
+                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                              env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        body = json.dumps({"inputs": ["The "], "params": {"max_new_tokens": 9}}).encode()
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    answer = json.loads(response.read())
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "mlflow models serve did not answer in 240 s"
+                time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+    assert answer == {"predictions": [expected]}
+    assert "prefect" not in (tmp_path / "serve.log").read_text().lower()

@@ -1,0 +1,34 @@
+"""The training stage as a flow of its own, and the one step that runs it where it belongs: in
+this process, or on a worker of a Prefect work pool (`flows/dispatch.py`)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from flows import dispatch
+from flows.launch import with_results
+from mllm.config import RunConfig
+from tasks import model as model_tasks
+from tasks.model import Prepared, Trained
+
+
+@flow(name="train")
+def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
+    """Train (or resume) a model on prepared data, writing checkpoints under the storage root.
+
+    Started by the pipeline, here or on a work pool's worker; its parameters come from there.
+
+    Args:
+        cfg: The run's whole resolved configuration (data, model, train, sample).
+        data: What the data stages handed on: token ids of each split, the vocabulary.
+        root: The storage root URL where inputs are read and checkpoints written.
+        run_id: The MLflow run that receives the training metrics.
+    """
+    return model_tasks.train(cfg, data, root, run_id)
+
+
+def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None) -> Trained:
+    """Train here, or hand the `train` flow to a worker of `pool` and follow it."""
+    if pool:
+        return dispatch.train_on_pool(train, cfg, data, root, run_id, pool)
+    return with_results(train, root)(cfg, data, root, run_id)

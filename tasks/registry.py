@@ -1,0 +1,266 @@
+"""The model registry: a registered model per recipe, and the `champion` alias that moves only
+when a new version beats it.
+
+The policy is two pure functions of typed inputs, `skip_reason` (is there anything to train?)
+and `decide` (does the new version beat the champion?), so it is tested without a server. The
+rest registers a checkpoint as an MLflow model (`tasks/served_model.py` and `mllm` are its code)
+and records the decision as tags on the run and the version.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import mlflow
+import mlflow.pyfunc
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import Model, ModelSignature
+from mlflow.tracking import MlflowClient
+from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+from prefect import task
+from pydantic import BaseModel
+
+import mllm
+from mllm import storage
+from mllm.checkpoint import read_checkpoint
+from mllm.config import RunConfig
+from mllm.redact import scrub
+from tasks import served_model
+from tasks.provenance import version
+from tasks.tracking import RunTracker
+
+CHAMPION = "champion"
+TRAINING_ONLY = ("optimizer", "scheduler", "rng", "data_state")  # checkpoint keys the model needs not
+
+Decision = Literal["promoted", "kept", "skipped"]
+
+
+class Champion(BaseModel):
+    """The version that holds the `champion` alias, with what it was trained and measured on."""
+
+    name: str
+    version: str
+    run_id: str | None = None
+    checkpoint: str | None = None
+    val_loss: float | None = None
+    train_key: str | None = None
+    splits_key: str | None = None
+    raw_sha256: str | None = None
+
+
+class ChampionScore(BaseModel):
+    """The champion's checkpoint scored on a challenger's validation split."""
+
+    checkpoint: str
+    split: str
+    splits_key: str
+    loss: float
+    bits_per_byte: float
+    tokens: int
+
+
+class Outcome(BaseModel):
+    """What a pipeline run did about the recipe's model."""
+
+    name: str
+    version: str  # the new version; the champion's when skipped
+    decision: Decision
+    reason: str
+    promoted: bool = False
+    run_id: str | None = None
+    model_uri: str | None = None
+    val_loss: float | None = None
+    previous: Champion | None = None  # the champion before this run
+    champion_score: ChampionScore | None = None
+
+
+# --- the policy ------------------------------------------------------------------------------
+
+def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha256: str,
+                train_key: str) -> str | None:
+    """Why there is nothing to train (a version was trained on this very key), or None."""
+    if champion is None or trained_version is None:
+        return None
+    if trained_version == champion.version:
+        why = f"data, config and code unchanged since champion v{champion.version} was trained"
+    else:
+        why = (f"data, config and code unchanged since v{trained_version} was trained, which did not "
+               f"beat champion v{champion.version}")
+    return f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); force retrains"
+
+
+def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | None,
+           champion_score: ChampionScore | None = None) -> tuple[bool, str]:
+    """(promoted, why): lower val loss than the champion's when both were measured on the same
+    split; else lower bits per byte than the champion scored on this run's split (comparable
+    across vocabularies)."""
+    if not math.isfinite(val_loss):
+        return False, f"val_loss {val_loss} is not finite"
+    if champion is None:
+        return True, "no champion yet"
+    if champion_score is not None and bits_per_byte is not None:
+        better = bits_per_byte < champion_score.bits_per_byte
+        return better, (f"{bits_per_byte:.6g} {'<' if better else '>='} {champion_score.bits_per_byte:.6g} "
+                        f"bits/byte for champion v{champion.version}, both on this run's validation split")
+    if champion.val_loss is None:
+        return True, f"champion v{champion.version} has no val_loss"
+    better = val_loss < champion.val_loss
+    return better, (f"val_loss {val_loss:.6g} {'<' if better else '>='} champion v{champion.version} "
+                    f"{champion.val_loss:.6g}")
+
+
+# --- reading the registry ----------------------------------------------------------------------
+
+def current_champion(client: MlflowClient, name: str) -> Champion | None:
+    try:
+        mv = client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+    loss = mv.tags.get("val_loss")
+    if loss is None and mv.run_id:
+        metrics = client.get_run(mv.run_id).data.metrics
+        loss = metrics.get("best_val_loss", metrics.get("val_loss"))
+    return Champion(name=name, version=str(mv.version), run_id=mv.run_id, checkpoint=mv.tags.get("checkpoint"),
+                    val_loss=None if loss is None else float(loss), train_key=mv.tags.get("train.key"),
+                    splits_key=mv.tags.get("data.splits_key"), raw_sha256=mv.tags.get("data.raw_sha256"))
+
+
+def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str | None:
+    """The newest version of the model trained with this training key, if any."""
+    try:
+        found = client.search_model_versions(f"name = '{name}'")
+    except MlflowException:
+        return None
+    same = [int(v.version) for v in found if v.tags.get("train.key") == train_key]
+    return str(max(same)) if same else None
+
+
+# --- registering -----------------------------------------------------------------------------
+
+def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_byte: float | None = None,
+              version_tags: dict[str, str] | None = None, champion_score: ChampionScore | None = None,
+              model_name: str | None = None) -> Outcome:
+    """Log the checkpoint as a pyfunc TextGenerator, register a version under `model_name`
+    (default: the recipe), and move `champion` to it only if `decide` says it is better."""
+    name = model_name or run.cfg.recipe
+    with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
+        # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
+        # needs, not the optimizer state that doubles or triples a checkpoint's size.
+        state = read_checkpoint(checkpoint_url)
+        local = os.path.join(tmp, "checkpoint.pt")
+        torch.save({k: v for k, v in state.items() if k not in TRAINING_ONLY}, local)
+        del state
+        script = Path(tmp, "text_generator.py")
+        script.write_text(served_model.SCRIPT)
+        with warnings.catch_warnings():
+            # "no input example": the signature says what goes in, and an example would make
+            # MLflow generate text with the model here just to check it.
+            warnings.filterwarnings("ignore", message=".*input example", category=UserWarning)
+            info = Model.log(artifact_path=None, name="model", flavor=mlflow.pyfunc,
+                             flavor_name="pyfunc.ModelFromCode", python_model=str(script),
+                             artifacts={"checkpoint": local}, code_paths=_model_code(tmp),
+                             signature=_signature(run.cfg), pip_requirements=_requirements(),
+                             run_id=run.run_id)
+    previous = current_champion(run.client, name)
+    registered = mlflow.register_model(info.model_uri, name, tags={
+        "val_loss": repr(float(val_loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
+        **(version_tags or {})})
+    promoted, reason = decide(float(val_loss), bits_per_byte, previous, champion_score)
+    if promoted:
+        run.client.set_registered_model_alias(name, CHAMPION, registered.version)
+    outcome = Outcome(name=name, version=str(registered.version), decision="promoted" if promoted else "kept",
+                      reason=reason, promoted=promoted, run_id=run.run_id, model_uri=info.model_uri,
+                      val_loss=float(val_loss), previous=previous, champion_score=champion_score)
+    run.client.set_model_version_tag(name, outcome.version, "champion.decision", f"{outcome.decision}: {reason}")
+    record_decision(run, outcome)
+    return outcome
+
+
+def record_decision(run: RunTracker, outcome: Outcome) -> None:
+    """The decision as run tags (`decision`, `decision.reason`) and as `champion.json`."""
+    run.set_tags({"decision": outcome.decision, "decision.reason": outcome.reason,
+                  "champion.decision": f"{outcome.decision}: {outcome.reason}"})
+    run.log_dict(outcome.model_dump(mode="json"), "champion.json")
+
+
+def _signature(cfg: RunConfig) -> ModelSignature:
+    s = cfg.sample
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts works too
+        outputs=Schema([ColSpec("string")]),
+        params=ParamSchema([
+            ParamSpec("method", "string", s.methods[0]),
+            ParamSpec("max_new_tokens", "long", s.max_new_tokens),
+            ParamSpec("temperature", "double", s.temperature),
+            ParamSpec("top_k", "long", s.top_k),
+            ParamSpec("top_p", "double", s.top_p),
+            ParamSpec("beam_width", "long", s.beam_width),
+            ParamSpec("seed", "long", s.seed),
+        ]),
+    )
+
+
+def _model_code(tmp: str) -> list[str]:
+    """mllm and tasks/served_model.py travel with the model, and nothing else of this project:
+    it loads where neither is installed, and where Prefect is not."""
+    code = Path(tmp, "code")
+    shutil.copytree(Path(mllm.__file__).parent, code / "mllm",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (code / "tasks").mkdir()
+    (code / "tasks" / "__init__.py").write_text("")
+    shutil.copy(served_model.__file__, code / "tasks" / "served_model.py")
+    return [str(code / "mllm"), str(code / "tasks")]
+
+
+def _requirements() -> list[str]:
+    # Pinned from this environment, since MLflow's inference would load the model in a
+    # subprocess; without local labels (+cpu, +cu121): the server picks its own torch build.
+    return [f"{dist}=={version(dist).split('+')[0]}" for dist in (
+        "mlflow", "torch", "numpy", "pyarrow", "fsspec", "pydantic", "pyyaml", "tokenizers")
+        if version(dist) != "not installed"]
+
+
+# --- the pipeline's registry tasks -----------------------------------------------------------
+
+@task(name="log-skipped", retries=2, retry_delay_seconds=2)
+def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reason: str) -> Outcome:
+    """A run that did not train: the champion it deferred to, and why."""
+    run = RunTracker.attach(run_id, cfg, root)
+    run.set_tags({"champion.version": champion.version, "champion.run_id": champion.run_id or ""})
+    outcome = Outcome(name=champion.name, version=champion.version, decision="skipped", reason=reason,
+                      run_id=champion.run_id, val_loss=champion.val_loss, previous=champion)
+    record_decision(run, outcome)
+    return outcome
+
+
+@task(name="log-outcome", retries=2, retry_delay_seconds=2)
+def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
+                samples: dict[str, list[str]], data: Any, champion_score: ChampionScore | None = None) -> Outcome:
+    """Final metrics, report, samples, loss curve; the model, and the champion decision."""
+    run = RunTracker.attach(run_id, cfg, root)
+    e = evaluation
+    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss, "final_val_perplexity": e.perplexity,
+                      "final_val_bits_per_token": e.bits_per_token, "final_val_bits_per_byte": e.bits_per_byte,
+                      "baseline_unigram_bits_per_token": e.unigram_bits_per_token,
+                      "baseline_bigram_bits_per_token": e.bigram_bits_per_token}])
+    run.log_text(storage.read_text(e.report), "evaluation.md")
+    run.log_dict(e.model_dump(mode="json"), "evaluation.json")
+    for method in samples:
+        run.log_text(storage.read_text(trained.samples_url(method)), f"samples/{method}.txt")
+    run.log_dict({"prompts": cfg.sample.prompts, "methods": list(samples)}, "samples/prompts.json")
+    run.log_loss_curve()
+    run.set_tags({"train.steps": trained.steps, "train.stop_reason": trained.stop_reason,
+                  "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step,
+                  "train.key": trained.key})
+    version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
+    outcome = log_model(run, e.checkpoint, e.loss, e.bits_per_byte, version_tags=version_tags,
+                        champion_score=champion_score)
+    run.set_tags({"model_uri": outcome.model_uri, "model_version": f"{outcome.name}/{outcome.version}"})
+    return outcome
