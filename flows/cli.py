@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
-from mllm.storage import unreachable
 from mllm.config import METHODS, recipe_dict, recipe_names, resolve
 from mllm.redact import scrub
+from mllm.storage import hide_credentials, unreachable
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A reproducible training pipeline for small language models.")
@@ -28,8 +28,15 @@ Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a con
 
 
 def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {scrub(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _without_credentials(source: str | None, sets: list[str] | None) -> tuple[str | None, list[str]]:
+    """The source and overrides with any user:password taken out of URLs (kept in memory for the
+    download): the flow's parameters, which Prefect stores, never hold one."""
+    sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
+    return (hide_credentials(source) if source else None), sets
 
 
 @contextlib.contextmanager
@@ -48,25 +55,46 @@ def _user_errors() -> Iterator[None]:
         _fail("interrupted: outputs already finished are kept; run the same command to continue")
 
 
-class _HideUserErrorTraceback(logging.Filter):
+class _QuietAfterUserError(logging.Filter):
+    """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
+    failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
+    from the console from the first of them on. Prefect's run record keeps them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
     def filter(self, record: logging.LogRecord) -> bool:
+        if self.failed:
+            return False
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, UserError) or (exc is not None and unreachable(exc)):
-            record.exc_info = None
-            record.exc_text = None
+        names = {c.__name__ for c in _subclasses(UserError)}
+        message = record.getMessage()
+        if " - Retry " in message:
+            return True  # a passing failure that a retry may mend: the user wants to see it
+        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
+                f"{n}:" in message or f"{n}(" in message for n in names):
+            self.failed = True
+            return False
         return True
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(s for sub in cls.__subclasses__() for s in _subclasses(sub))]
+
+
+_quiet = _QuietAfterUserError()
 
 
 def _flows():
     """The flows module, imported on first use (Prefect takes seconds to import)."""
     from flows import pipeline
+    from prefect.logging.handlers import APILogHandler
 
-    # Prefect logs a failed run with its traceback; on the console, for a user's mistake, the
-    # message suffices (the Prefect UI still gets the whole log).
-    for name in ("prefect", ""):
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _HideUserErrorTraceback) for f in handler.filters):
-                handler.addFilter(_HideUserErrorTraceback())
+    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
+    for handler in {h for n in names for h in logging.getLogger(n).handlers}:
+        if not isinstance(handler, APILogHandler) and _quiet not in handler.filters:
+            handler.addFilter(_quiet)
     # A flow that fails within a second can race its own heartbeat thread against the shutdown
     # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
     logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
@@ -121,7 +149,8 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with _user_errors():
-        _resolve(recipe, set_, source)
+        source, set_ = _without_credentials(source, set_)
+        _resolve(recipe, set_, source, storage)
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         fl = _flows()
@@ -146,9 +175,13 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         typer.echo(f"  report:     {e.report}")
 
 
-def _resolve(recipe: str, sets: list[str] | None, source: str | None):
-    """The config, checked before Prefect starts: a bad recipe, --set or source fails at once."""
+def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: str | None):
+    """The config, checked before Prefect starts: a bad recipe, --set, source, storage root or
+    tracking server fails at once."""
+    from flows.launch import preflight, storage_root
+
     cfg = resolve(recipe, overrides=sets or [], source=source)
+    preflight(storage_root(storage))
     from tasks.data import open_source
 
     open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
@@ -182,7 +215,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
             set_: Sets = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with _user_errors():
-        data = _run_stages(_resolve(recipe, set_, source), storage, "prepare")
+        data = _run_stages(_resolve(recipe, set_, source, storage), storage, "prepare")
         s = data.splits
         typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
                    f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
@@ -196,7 +229,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
     with _user_errors():
         from flows.launch import training_pool
 
-        trained = _run_stages(_resolve(recipe, set_, source), storage, "train", training_pool(recipe, train_on))
+        trained = _run_stages(_resolve(recipe, set_, source, storage), storage, "train", training_pool(recipe, train_on))
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -207,7 +240,7 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
              set_: Sets = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with _user_errors():
-        evaluation, _ = _run_stages(_resolve(recipe, set_, source), storage, "evaluate")
+        evaluation, _ = _run_stages(_resolve(recipe, set_, source, storage), storage, "evaluate")
         typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
                    f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
 

@@ -4,10 +4,15 @@ its training goes to (`--train-on`, else the recipe's `pipeline.pool`, else this
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
 from typing import Any
 
+from mllm import UserError
 from mllm.config import LAUNCH_SECTION, recipe_dict
-from tasks.caching import result_storage
+from mllm.redact import strip_userinfo
 
 
 def storage_root(storage_url: str | None = None) -> str:
@@ -20,9 +25,12 @@ def storage_root(storage_url: str | None = None) -> str:
 
 def with_results(fl: Any, root: str) -> Any:
     """The flow with its task results (and so Prefect's cache records) kept under `root`."""
-    # The flows themselves persist nothing (a failed run would leave its pickled exception in
-    # storage); their tasks take this storage for their results and cache records.
-    return fl.with_options(result_storage=result_storage(root), persist_result=False)
+    from tasks.caching import forget_exception, result_storage  # imports Prefect: not on the CLI's fast paths
+
+    # The flows themselves persist no result; their tasks take this storage for their results
+    # and cache records. Prefect also writes a failed run's exception there: the hooks remove it.
+    return fl.with_options(result_storage=result_storage(root), persist_result=False,
+                           on_failure=[forget_exception], on_crashed=[forget_exception])
 
 
 def training_pool(recipe: str | None, train_on: str | None) -> str | None:
@@ -34,3 +42,49 @@ def training_pool(recipe: str | None, train_on: str | None) -> str | None:
     if recipe is None:
         return None
     return (recipe_dict(recipe).get(LAUNCH_SECTION) or {}).get("pool")
+
+
+def preflight(root: str) -> None:
+    """Check, before any stage runs, what would otherwise fail minutes into a run: a storage root
+    that cannot be a folder or cannot be written, and a tracking server that does not answer."""
+    check_storage(root)
+    check_tracking_server()
+
+
+def check_storage(root: str) -> None:
+    if "://" in root and not root.startswith("file://"):
+        return  # an object store: an unreachable endpoint fails the first stage with one line
+    path = Path(root.removeprefix("file://"))
+    fix = "choose another folder with --storage or MLLM_STORAGE"
+    for folder in [path, *path.parents]:
+        if folder.exists():
+            if not folder.is_dir():
+                what = "is" if folder == path else f"is under {folder}, which is"
+                raise UserError(f"storage root {root} {what} a file, not a folder: {fix}")
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".mllm-write-test-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"storage root {root} cannot be written ({e.strerror or type(e).__name__}): {fix}") from None
+
+
+def check_tracking_server(timeout: float = 5.0) -> None:
+    """An MLflow server named by MLFLOW_TRACKING_URI must answer its health check within seconds
+    (MLflow's own client would retry for minutes before failing)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if not uri.startswith(("http://", "https://")):
+        return
+    clean, _ = strip_userinfo(uri)
+    try:
+        with urllib.request.urlopen(f"{clean.rstrip('/')}/health", timeout=timeout):
+            return
+    except urllib.error.HTTPError:
+        return  # it answered (a proxy in front may guard /health): the server is there
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise UserError(f"the MLflow tracking server {clean} does not answer ({reason}): start it "
+                        "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "
+                        "runs (unset, runs are tracked in an SQLite file beside the storage root)") from None

@@ -14,12 +14,12 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from flows import dispatch
-from flows.launch import storage_root, training_pool, with_results
+from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
 from mllm.config import RunConfig, recipe_names, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
-from tasks.caching import result_storage
+from tasks.caching import forget_exception, result_storage
 from tasks.model import Evaluation, Prepared, Trained
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
 from tasks.tracking import RunTracker, log_data, tracking_uri
@@ -62,7 +62,7 @@ class PipelineResult(BaseModel):
 RecipeName = Literal[tuple(recipe_names())]  # type: ignore[valid-type]
 
 
-@flow(name="pipeline")
+@flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception])
 def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
              train_on: str | None = None, force: bool = False) -> PipelineResult:
@@ -83,6 +83,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     """
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
+    preflight(root)
     pool = training_pool(recipe, train_on)
     if pool:
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages

@@ -18,7 +18,7 @@ import torch
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.models import build_model
+from mllm.models import build_model, resolve_device
 from mllm.text import Tokenizer, tokenizer_from_json
 from mllm.vocab import Vocab
 
@@ -43,7 +43,12 @@ def save_checkpoint(url: str, state: dict[str, Any]) -> None:
 
 def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, Any]:
     """The raw checkpoint dict, tensors mapped to `device`."""
+    device = resolve_device(str(device))  # no such device: say so, not "corrupt checkpoint"
     storage.require(url, "checkpoint")
+    fs, path = storage.filesystem(url)
+    if fs.isdir(path):
+        raise UserError(f"checkpoint {url} is a folder: give a checkpoint file in it, e.g. "
+                        f"{storage.join(url, 'best.pt')} or {storage.join(url, 'last.pt')}")
     try:
         blob = storage.read_bytes(url)
         state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)

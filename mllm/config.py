@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from mllm import UserError
+from mllm import UserError, storage
 
 
 class _Section(BaseModel):
@@ -340,4 +340,8 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     if source:
         data.setdefault("data", {})["source"] = source
     data = apply_overrides(data, list(overrides))
-    return validate(data, where if not overrides else f"{where} with --set")
+    cfg = validate(data, where if not overrides else f"{where} with --set")
+    # A password in the source URL stays in this process's memory, out of the config that is
+    # logged, stored with every checkpoint and sent to MLflow.
+    cfg.data.source = storage.hide_credentials(cfg.data.source)
+    return cfg

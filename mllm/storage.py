@@ -19,27 +19,46 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from mllm import UserError
+from mllm.redact import strip_userinfo
+
+# user:password taken out of URLs by `hide_credentials`, by the URL without them: held in this
+# process's memory for the requests that need them, and never written anywhere.
+_CREDENTIALS: dict[str, tuple[str, str]] = {}
+
+
+def hide_credentials(url: str) -> str:
+    """`url` without its user:password, which is kept in memory for `storage_options(url)`: the
+    URL that goes on to logs, stage metadata, configs, checkpoints, MLflow and Prefect holds no
+    secret, and the download still authenticates."""
+    clean, auth = strip_userinfo(url)
+    if auth is not None:
+        _CREDENTIALS[clean] = auth
+    return clean
 
 
 def storage_options(url: str) -> dict[str, Any]:
-    """Options for the filesystem behind `url`, from the environment.
+    """Options for the filesystem behind `url`, from the environment (and from credentials that
+    `hide_credentials` took out of it).
 
     For S3 the standard AWS variables are read by botocore itself; only the endpoint (MinIO, moto,
     any S3-compatible store) needs passing on.
     """
     protocol = fsspec.utils.get_protocol(url)
+    auth = _CREDENTIALS.get(url)
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+        options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+        if auth:
+            options.update(key=auth[0], secret=auth[1])
+        return options
     if protocol in ("http", "https"):
-        return {"client_kwargs": {"timeout": _http_timeout()}}
+        import aiohttp  # fsspec's http filesystem is built on aiohttp
+
+        kwargs: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=None, connect=15, sock_read=60)}
+        if auth:
+            kwargs["auth"] = aiohttp.BasicAuth(*auth)
+        return {"client_kwargs": kwargs}
     return {}
-
-
-def _http_timeout():
-    import aiohttp  # fsspec's http filesystem is built on aiohttp
-
-    return aiohttp.ClientTimeout(total=None, connect=15, sock_read=60)
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -27,7 +27,7 @@ from mllm import UserError, storage
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
 from mllm.config import RunConfig, TrainConfig, apply_overrides, load_file, validate
 from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
-from mllm.models import build_model
+from mllm.models import build_model, resolve_device
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.vocab import Vocab
 
@@ -58,23 +58,6 @@ class _Dist:
     @property
     def master(self) -> bool:
         return self.rank == 0
-
-
-def resolve_device(name: str) -> torch.device:
-    """train.device as a torch.device: auto picks CUDA, then MPS, then the CPU."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"train.device {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"train.device is {name} but no CUDA GPU is visible: use train.device=auto or cpu")
-    return device
 
 
 def _distributed(device: torch.device) -> tuple[_Dist, torch.device]:

@@ -76,3 +76,16 @@ def result_storage(root: str) -> Path | RemoteFileSystem:
     block = RemoteFileSystem(basepath=url, settings=storage.storage_options(url))
     block.save(f"mllm-results-{storage.digest(url)}", overwrite=True)
     return block
+
+
+def forget_exception(*hook_args: Any) -> None:
+    """An on_failure hook (for tasks and flows): remove the pickled exception Prefect wrote for
+    the failed run under a random name in the result storage, where such files pile up. The run's
+    state message, in Prefect's database and UI, still says what went wrong."""
+    record = getattr(hook_args[-1], "data", None)
+    key = getattr(getattr(record, "metadata", None), "storage_key", None)
+    if key and ("://" in key or Path(key).is_absolute()):
+        try:
+            storage.remove(key)
+        except Exception:  # noqa: BLE001  (a leftover file is no reason to mask the failure)
+            pass

@@ -26,7 +26,7 @@ from mllm import UserError, storage, text
 from mllm.config import DataConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
 from tasks import report_progress
-from tasks.caching import code_digest, stage_cache, transient
+from tasks.caching import code_digest, forget_exception, stage_cache, transient
 
 # Token chunks per Parquet row group: large enough for zstd and vectorised reads, small enough
 # that a reader holds only a few MB at a time.
@@ -108,7 +108,8 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         ) from None
 
 
-@task(name="download", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+@task(name="download", on_failure=[forget_exception],
+      retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
 def download(source: str, sha256: str | None, root: str) -> RawText:
     """Copy the source into `raw/<sha256>.txt`, checking that it is non-empty UTF-8 text."""
     logger = get_run_logger()
@@ -189,7 +190,8 @@ def _tokens_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
     return storage.digest(["tokens", raw.sha256, cfg.model_dump(), code_digest(text)])
 
 
-@task(name="tokenize", cache_key_fn=stage_cache(_tokens_key), retries=1, retry_condition_fn=transient)
+@task(name="tokenize", on_failure=[forget_exception], cache_key_fn=stage_cache(_tokens_key),
+      retries=1, retry_condition_fn=transient)
 def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
     """Stream the raw text through the tokenizer into a Parquet dataset of token chunks."""
     key = _tokens_key(raw, cfg, root)
@@ -267,7 +269,8 @@ def _vocab_key(tokens: Tokens, cfg: VocabConfig, root: str) -> str:
     return storage.digest(["vocab", tokens.key, cfg.model_dump(), code_digest(Vocab)])
 
 
-@task(name="build-vocabulary", cache_key_fn=stage_cache(_vocab_key), retries=1, retry_condition_fn=transient)
+@task(name="build-vocabulary", on_failure=[forget_exception], cache_key_fn=stage_cache(_vocab_key),
+      retries=1, retry_condition_fn=transient)
 def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     """Count tokens row group by row group, then keep those that pass min_freq and max_size."""
     key = _vocab_key(tokens, cfg, root)
@@ -335,7 +338,8 @@ def _sizes(plan: list[tuple[int, int, str]]) -> dict[str, int]:
     return sizes
 
 
-@task(name="split", cache_key_fn=stage_cache(_split_key), retries=1, retry_condition_fn=transient)
+@task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_split_key),
+      retries=1, retry_condition_fn=transient)
 def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> Splits:
     """Encode the tokens and route each segment of the plan to its split's arrays."""
     key = _split_key(tokens, vocabulary, cfg, root)

@@ -30,7 +30,7 @@ from mllm.data import load_ids
 from mllm.sample import fit_prompt, sample_text, samples_text
 from mllm.vocab import Vocab
 import tasks
-from tasks.caching import code_digest, io_error, stage_cache, transient
+from tasks.caching import code_digest, forget_exception, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
 from tasks.registry import ChampionScore
 from tasks.tracking import RunTracker
@@ -116,7 +116,8 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     return job, run_dir
 
 
-@task(name="train", retries=2, retry_delay_seconds=5, retry_condition_fn=io_error)
+@task(name="train", on_failure=[forget_exception],
+      retries=2, retry_delay_seconds=5, retry_condition_fn=io_error)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
     """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches.
 
@@ -125,7 +126,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
     a work pool reads it.
     """
     logger = get_run_logger()
-    on_metrics = RunTracker.attach(run_id, cfg, root).log_metrics if run_id else None
+    on_metrics = RunTracker.attach(run_id, cfg, root).metrics_after_resume() if run_id else None
     job, run_dir = train_job(cfg, data, root)
     config_url = storage.join(run_dir, "config.yaml")
     storage.write_text(config_url, job.to_yaml())
@@ -214,7 +215,8 @@ def _generate_key(cfg: RunConfig, trained: Trained) -> str:
                            code_digest(mllm.sample)])
 
 
-@task(name="evaluate", cache_key_fn=stage_cache(_evaluate_key), retries=1, retry_condition_fn=transient)
+@task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
+      retries=1, retry_condition_fn=transient)
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
     """Score the best checkpoint on a whole split, beside unigram and bigram baselines."""
     part = getattr(data.splits, split)
@@ -247,7 +249,8 @@ def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "v
     return storage.digest(["score", checkpoint_url, data.splits.key, split, window, code_digest(mllm_evaluate)])
 
 
-@task(name="score-champion", cache_key_fn=stage_cache(_score_key), retries=1, retry_condition_fn=transient)
+@task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_score_key),
+      retries=1, retry_condition_fn=transient)
 def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> ChampionScore:
     """Score another run's checkpoint (the champion's) on this run's split.
 
@@ -286,7 +289,8 @@ def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
     ])
 
 
-@task(name="generate", cache_key_fn=stage_cache(_generate_key), retries=1, retry_condition_fn=transient)
+@task(name="generate", on_failure=[forget_exception], cache_key_fn=stage_cache(_generate_key),
+      retries=1, retry_condition_fn=transient)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     """One sample per prompt and sampling method, saved as `samples/<method>.txt`.
 

@@ -33,6 +33,7 @@ from mllm.checkpoint import read_checkpoint
 from mllm.config import RunConfig
 from mllm.redact import scrub
 from tasks import served_model
+from tasks.caching import forget_exception
 from tasks.provenance import version
 from tasks.tracking import RunTracker
 
@@ -229,7 +230,7 @@ def _requirements() -> list[str]:
 
 # --- the pipeline's registry tasks -----------------------------------------------------------
 
-@task(name="log-skipped", retries=2, retry_delay_seconds=2)
+@task(name="log-skipped", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reason: str) -> Outcome:
     """A run that did not train: the champion it deferred to, and why."""
     run = RunTracker.attach(run_id, cfg, root)
@@ -240,7 +241,7 @@ def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reas
     return outcome
 
 
-@task(name="log-outcome", retries=2, retry_delay_seconds=2)
+@task(name="log-outcome", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
                 samples: dict[str, list[str]], data: Any, champion_score: ChampionScore | None = None) -> Outcome:
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""

@@ -13,6 +13,7 @@ looks like a secret reaches a param, tag, artifact or log line: it all passes `s
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
@@ -37,6 +38,7 @@ from prefect import task
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
+from tasks.caching import forget_exception
 from tasks.provenance import code_git_info, run_tags
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,27 @@ def tracking_uri(storage_root: str) -> str:
         os.makedirs(folder, exist_ok=True)
         uri = _derived_uri = f"sqlite:///{os.path.join(folder, 'mlflow.db')}"
     mlflow.set_tracking_uri(uri)
+    _create_store(uri)
     return uri
+
+
+_created: set[str] = set()
+
+
+def _create_store(uri: str) -> None:
+    """Create an SQLite store's tables under a file lock: two runs started at once on a new store
+    would otherwise both run MLflow's table creation, and one of them fails."""
+    if not uri.startswith("sqlite:///") or uri in _created:
+        return
+    path = uri[len("sqlite:///"):]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            MlflowClient(uri).search_experiments(max_results=1)  # creates and migrates the tables
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _created.add(uri)
 
 
 def _artifact_root(uri: str) -> str | None:
@@ -262,6 +284,21 @@ class RunTracker:
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
+    def metrics_after_resume(self) -> Callable[[list[dict]], None]:
+        """`log_metrics` for a training that may resume: records at steps this run already holds
+        (logged between its last checkpoint and a crash, and trained again identically since
+        resume is exact) are left out, so the history holds each step once."""
+        history = [m.step for name in ("train_loss", "val_loss")
+                   for m in self.client.get_metric_history(self.run_id, name)]
+        logged = max(history, default=-1)
+
+        def log(records: list[dict]) -> None:
+            fresh = [r for r in records if int(r["step"]) > logged]
+            if fresh:
+                self.log_metrics(fresh)
+
+        return log
+
     def log_loss_curve(self) -> str | None:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""
         from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
@@ -318,7 +355,7 @@ class RunTracker:
 
 # --- the pipeline's tracking tasks ---------------------------------------------------------
 
-@task(name="log-data", retries=2, retry_delay_seconds=2)
+@task(name="log-data", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
     """The data stages as MLflow datasets (source URI and our digest), and the vocabulary."""
     run = RunTracker.attach(run_id, cfg, root)
