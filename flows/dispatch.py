@@ -38,7 +38,7 @@ import tasks
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks import tracking
-from tasks.model import Prepared, Trained, parse_progress, train_job
+from tasks.model import Prepared, Trained, parse_progress, train_job, training_code
 
 ENTRYPOINT = "flows.training:train"
 
@@ -92,7 +92,7 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
     if "gpus" in variables:  # the docker and kubernetes templates in infra/pools: one GPU a rank
         job_variables["gpus"] = cfg.train.nproc_per_node
     params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
-              "run_id": run_id}
+              "run_id": run_id, "code": training_code()}
     restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
     lost_after = float(os.environ.get("MLLM_LOST_AFTER_S", "300"))
     for attempt in range(restarts + 1):

@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mllm import UserError
+from tasks.provenance import version_changes
 from tasks.tracking import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.
@@ -98,6 +99,11 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     if tags.get("git.dirty") == "true":
         print(f"warning: run {run_id} was made with uncommitted changes (see its git.diff artifact); "
               "reproducing the commit without them", file=sys.stderr)
+    changed = version_changes(tags)
+    if changed:
+        print(f"warning: run {run_id} was made with other package versions than these (recorded -> "
+              f"running): {', '.join(f'{p} {a} -> {b}' for p, (a, b) in changed.items())}; its metrics may "
+              "differ for that reason alone", file=sys.stderr)
     repo = repo or _repo_root()
     if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
         raise UserError(f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
@@ -132,6 +138,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         shutil.rmtree(out, ignore_errors=True)
     new = _latest_reproduction(root, run_id)
     return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
+            "versions": changed,
             "metrics": {m: (run.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
 
 

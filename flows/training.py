@@ -13,7 +13,8 @@ from tasks.model import Prepared, Trained
 
 
 @flow(name="train")
-def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
+def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
+          code: dict[str, str] | None = None) -> Trained:
     """Train (or resume) a model on prepared data, writing checkpoints under the storage root.
 
     Started by the pipeline, here or on a work pool's worker; its parameters come from there.
@@ -23,7 +24,10 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
         data: What the data stages handed on: token ids of each split, the vocabulary.
         root: The storage root URL where inputs are read and checkpoints written.
         run_id: The MLflow run that receives the training metrics.
+        code: The caller's training code (digest and commit): a worker with other code refuses the job.
     """
+    if code is not None:
+        model_tasks.check_training_code(code)
     return model_tasks.train(cfg, data, root, run_id)
 
 

@@ -32,6 +32,7 @@ from mllm.vocab import Vocab
 import tasks
 from tasks.caching import code_digest, forget_exception, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
+from tasks.provenance import code_git_info
 from tasks.registry import ChampionScore
 from tasks.tracking import RunTracker
 
@@ -82,7 +83,24 @@ class Evaluation(BaseModel):
 def train_key(cfg: RunConfig, data: Prepared) -> str:
     # The model section holds the chosen family's fields only: another family's cannot change it.
     return storage.digest(["train", data.splits.key, data.vocab.digest, cfg.model.model_dump(),
-                           cfg.train.model_dump(), code_digest(models, rnn, gpt, mllm.train)])
+                           cfg.train.model_dump(), training_code()["digest"]])
+
+
+def training_code() -> dict[str, str]:
+    """The training code this process runs: the digest that goes into every training key, and
+    its commit. A worker compares the caller's with its own before it trains."""
+    return {"digest": code_digest(models, rnn, gpt, mllm.train), "commit": code_git_info()["commit"] or "unknown"}
+
+
+def check_training_code(caller: dict[str, str]) -> None:
+    """Refuse to train with other code than the caller's: the training key, the folder the model
+    goes to and what the caller reads back would all differ."""
+    ours = training_code()
+    if caller["digest"] != ours["digest"]:
+        raise UserError(f"the worker runs other training code than the pipeline that sent the job: pipeline "
+                        f"at commit {caller['commit']}, worker at commit {ours['commit']} (code digests "
+                        f"{caller['digest']} and {ours['digest']}): deploy the pipeline's commit to the worker "
+                        "(rebuild its image or update its checkout), or run the pipeline from the worker's commit")
 
 
 # A training job's progress line in a worker's log; `parse_progress` reads it back where the

@@ -59,7 +59,7 @@ def code_git_info() -> dict[str, Any]:
     info = git_info(".")
     if info["commit"] is None:
         info = git_info(str(Path(__file__).resolve().parents[1]))
-    if info["commit"] is None and os.environ.get("MLLM_GIT_COMMIT"):
+    if info["commit"] is None and os.environ.get("MLLM_GIT_COMMIT", "unknown") not in ("", "unknown"):
         info.update(commit=os.environ["MLLM_GIT_COMMIT"], dirty=False)
     return info
 
@@ -75,6 +75,14 @@ def versions() -> dict[str, str]:
     """`version.<package>` tags: Python, mllm and PACKAGES."""
     return {"version.python": sys.version.split()[0], "version.mllm": mllm.__version__,
             **{f"version.{dist}": version(dist) for dist in PACKAGES}}
+
+
+def version_changes(tags: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """{package: (recorded, running)} for each package whose version a run recorded (its
+    `version.*` tags) and which differs from the one running now."""
+    now = versions()
+    return {k[len("version."):]: (v, now[k]) for k, v in sorted(tags.items())
+            if k.startswith("version.") and k in now and now[k] != v}
 
 
 def describe_device(requested: str) -> str:

@@ -198,3 +198,44 @@ def test_a_failure_past_prefects_start_is_one_line_and_leaves_no_pickled_excepti
     # The finished stages' cache records stay; no exception is left pickled under a random name.
     left = sorted(p.name for p in (storage / "prefect-results").iterdir())
     assert left and all(re.fullmatch(r"[a-z_]+-[0-9a-f]{16}", name) for name in left), left
+
+
+def test_a_worker_with_other_training_code_refuses_the_job_naming_both_commits():
+    from flows.training import train
+    from mllm import UserError
+    from tasks.model import training_code
+
+    caller = {"digest": "0123456789abcdef", "commit": "c0ffee0000000000000000000000000000000000"}
+    ours = training_code()
+    with pytest.raises(UserError) as e:
+        train.fn(cfg=None, data=None, root="unused", code=caller)  # refused before it reads anything
+    message = str(e.value)
+    assert caller["commit"] in message and ours["commit"] in message and "\n" not in message
+
+
+def test_runs_from_an_image_record_its_commit_and_reproduce_names_changed_versions(monkeypatch):
+    from tasks import provenance
+
+    monkeypatch.setattr(provenance, "git_info", lambda path=".": {"commit": None, "branch": None, "dirty": None,
+                                                                 "diff": None, "remote": None})
+    monkeypatch.setenv("MLLM_GIT_COMMIT", "d" * 40)  # infra/Dockerfile's build argument
+    assert provenance.code_git_info()["commit"] == "d" * 40
+    tags = {**provenance.versions(), "version.torch": "0.0.1", "git.commit": "x"}
+    assert provenance.version_changes(tags) == {"torch": ("0.0.1", provenance.version("torch"))}
+
+
+def test_a_corpus_without_a_character_of_the_recipes_prompt_still_trains_samples_and_registers(own_stores, tmp_path):
+    env, _, _, storage = own_stores
+    corpus = tmp_path / "lower.txt"
+    corpus.write_text(make_text(3000).lower())  # no "T": the smoke recipe prompts "The "
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=10", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "model: smoke v1 (promoted to champion" in out.stdout
+    assert "the vocabulary lacks 'T'" in out.stderr
+    [samples] = storage.glob("runs/*/samples/greedy.txt")
+    assert samples.read_text().startswith("--- prompt 'he '\nhe ")
+    # A prompt the user gives keeps its clear error.
+    [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
+    line = _one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
+                           "the prompt has characters the vocabulary lacks: 'T'")
+    assert "leave them out of the prompt" in line

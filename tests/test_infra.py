@@ -162,6 +162,9 @@ def test_dockerfile_installs_with_the_constraints():
     text = (INFRA / "Dockerfile").read_text()
     assert re.search(r'pip install -c constraints\.txt "\.\[pipeline\]"', text)
     assert re.search(r"^USER (?!root)", text, re.M)
+    # The commit it was built from, since .git stays out: a label, and what runs record.
+    assert re.search(r"^ARG GIT_COMMIT", text, re.M) and 'ENV MLLM_GIT_COMMIT="${GIT_COMMIT}"' in text
+    assert 'org.opencontainers.image.revision="${GIT_COMMIT}"' in text
     ignored = (INFRA.parent / ".dockerignore").read_text().split()
     assert {".venv", ".git", "storage", "mlruns", "benchmarks/out"} <= set(ignored)
 

@@ -390,7 +390,9 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
         "        if name == 'prefect' or name.startswith('prefect.'):\n"
         "            raise ImportError('prefect is not installed here')\n"
         "sys.meta_path.insert(0, NoPrefect())\n")
-    env = {**os.environ, "PYTHONPATH": str(blocker), "MLFLOW_TRACKING_URI": uri}
+    env = {**os.environ, "PYTHONPATH": str(blocker), "MLFLOW_TRACKING_URI": uri,
+           # MLflow starts uvicorn by name, as from an activated environment.
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     load = ("import mlflow.pyfunc, json\n"
             "try:\n    import prefect\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('prefect imported')\n"
             f"m = mlflow.pyfunc.load_model('models:/{cfg.recipe}@champion')\n"
