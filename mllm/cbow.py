@@ -339,13 +339,32 @@ class CBOW(nn.Module):
         super().__init__()
         assert config.vocab_size > 0, "set vocab_size to the vocabulary's size first"
         self.config = config
-        self.embedding = nn.Embedding(config.vocab_size, config.n_embd, max_norm=config.max_norm)
+        # max_norm is applied by `renorm_`, not by nn.Embedding: torch's CPU kernel for it loops
+        # over the looked-up rows one at a time, half of a training step's time.
+        self.embedding = nn.Embedding(config.vocab_size, config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def renorm_(self, ids: torch.Tensor) -> None:
+        """What nn.Embedding(max_norm=...) does before a lookup: rows of `ids` longer than
+        max_norm are scaled, in place, to max_norm (torch's formula, 1e-7 included)."""
+        if self.config.max_norm is None:
+            return
+        rows = ids.unique()
+        w = self.embedding.weight
+        norms = w[rows].norm(dim=1)
+        over = norms > self.config.max_norm
+        rows, norms = rows[over], norms[over]
+        w[rows] *= (self.config.max_norm / (norms + 1e-7)).unsqueeze(1).to(w.dtype)
 
     def encode(self, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The mean input embedding of each row's real context words: [B, D]."""
-        m = mask.to(self.embedding.weight.dtype).unsqueeze(-1)
-        return (self.embedding(context) * m).sum(1) / m.sum(1).clamp_min(1.0)
+        self.renorm_(context)
+        m = mask.to(self.embedding.weight.dtype)
+        weights = m / m.sum(1, keepdim=True).clamp_min(1.0)
+        # embedding_bag sums the weighted rows without materialising [B, 2C, D]: the step's
+        # largest cost otherwise.
+        return F.embedding_bag(context, self.embedding.weight, per_sample_weights=weights, mode="sum")
 
     def forward(self, context, mask, negatives=None, target=None):
         h = self.encode(context, mask)
@@ -353,12 +372,13 @@ class CBOW(nn.Module):
             logits = self.head(h)
             loss = None if target is None else F.cross_entropy(logits, target)
             return logits, loss, None
-        w = self.head.weight
-        pos = (h * w[target]).sum(-1)
-        neg = torch.bmm(w[negatives], h.unsqueeze(-1)).squeeze(-1)
+        # Column 0 is the centre word, the rest are noise words: one gather and one product.
+        words = torch.cat([target.unsqueeze(1), negatives], dim=1)
+        # Not bmm: on CPU, thousands of [K, D] x [D, 1] products are slower than a multiply-sum.
+        scores = (self.head.weight[words] * h.unsqueeze(1)).sum(-1)
         # A noise draw that happens to be the centre word is no negative example of it.
         real = (negatives != target.unsqueeze(-1)).to(h.dtype)
-        loss = -(F.logsigmoid(pos) + (F.logsigmoid(-neg) * real).sum(-1)).mean()
+        loss = -(F.logsigmoid(scores[:, 0]) + (F.logsigmoid(-scores[:, 1:]) * real).sum(-1)).mean()
         return None, loss, None
 
     @torch.no_grad()
