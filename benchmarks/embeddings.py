@@ -28,11 +28,11 @@ import torch
 import yaml
 
 from benchmarks.common import OUT, REPO, corpus, header, load, parse_args, save, table
-from mllm.cbow import CBOW, CbowBatches, CbowConfig, basic_english, evaluate_loss, paragraph_ids, \
-    split_by_paragraph, split_paragraphs
+from mllm.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
+    split_paragraphs
 from mllm.text import read_chunks, strip_gutenberg
 from mllm.vocab import Vocab
-from mllm.wordsim import (WordVectors, evaluate_embeddings, load_analogies, load_pairs, neighbours_table,
+from mllm.wordsim import (WordVectors, evaluate_embeddings, evaluate_loss, load_analogies, load_pairs, neighbours_table,
                           write_parquet, write_word2vec)
 
 PROBES = ["king", "war", "moscow", "mother", "horse", "happy", "said", "natasha", "frenchmen"]

@@ -339,27 +339,30 @@ class CBOW(nn.Module):
         super().__init__()
         assert config.vocab_size > 0, "set vocab_size to the vocabulary's size first"
         self.config = config
-        # max_norm is applied by `renorm_`, not by nn.Embedding: torch's CPU kernel for it loops
-        # over the looked-up rows one at a time, half of a training step's time.
+        # max_norm is applied by `renorm_`, not by nn.Embedding: see there.
         self.embedding = nn.Embedding(config.vocab_size, config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     @torch.no_grad()
-    def renorm_(self, ids: torch.Tensor) -> None:
-        """What nn.Embedding(max_norm=...) does before a lookup: rows of `ids` longer than
-        max_norm are scaled, in place, to max_norm (torch's formula, 1e-7 included)."""
+    def renorm_(self) -> None:
+        """nn.Embedding(max_norm=...)'s rule, torch's formula (1e-7 included), on every row.
+
+        torch scales only the rows a batch looks up, one at a time on CPU (half of a step's
+        time); under DDP each rank looks up different rows, so the replicas would drift apart.
+        Scaling every row too long is a function of the weights alone, so every rank does the
+        same, and a looked-up row is exactly what torch's lookup would use.
+        """
         if self.config.max_norm is None:
             return
-        rows = ids.unique()
         w = self.embedding.weight
-        norms = w[rows].norm(dim=1)
+        norms = w.norm(dim=1)
         over = norms > self.config.max_norm
-        rows, norms = rows[over], norms[over]
-        w[rows] *= (self.config.max_norm / (norms + 1e-7)).unsqueeze(1).to(w.dtype)
+        if over.any():
+            w[over] *= (self.config.max_norm / (norms[over] + 1e-7)).unsqueeze(1).to(w.dtype)
 
     def encode(self, context: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The mean input embedding of each row's real context words: [B, D]."""
-        self.renorm_(context)
+        self.renorm_()
         m = mask.to(self.embedding.weight.dtype)
         weights = m / m.sum(1, keepdim=True).clamp_min(1.0)
         # embedding_bag sums the weighted rows without materialising [B, 2C, D]: the step's
@@ -402,18 +405,3 @@ class CBOW(nn.Module):
         # No decay: it would pull the vectors of rare words, updated seldom, towards zero.
         return [{"params": [p for p in self.parameters() if p.requires_grad], "weight_decay": 0.0}]
 
-
-@torch.no_grad()
-def evaluate_loss(model: CBOW, batches: Iterable[tuple], device: str | torch.device = "cpu") -> float:
-    """Mean loss per sample over fixed batches (CbowBatches.eval_batches of validation paragraphs)."""
-    was_training = model.training
-    model.eval()
-    total, n = 0.0, 0
-    for batch in batches:
-        _, loss, _ = model(*(t.to(device) for t in batch))
-        total += loss.item() * len(batch[-1])
-        n += len(batch[-1])
-    model.train(was_training)
-    if n == 0:
-        raise UserError("the validation paragraphs hold no CBOW sample: raise the validation fraction")
-    return total / n

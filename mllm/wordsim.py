@@ -7,8 +7,9 @@
 The three sets ship inside gensim's wheel and are read from the installed package, never
 downloaded: gensim is an optional dependency (`pip install 'mllm-pipeline[embeddings]'`).
 
+    report = evaluate_cbow(model, vocab.itos, val_batches, probes=["war"])   # metrics, neighbours
     vecs = WordVectors(vocab.itos, model.context_vectors().numpy())
-    report = evaluate_embeddings(vecs)        # {"wordsim353_spearman": ..., ...}
+    write_word2vec("out/vectors.txt", vecs); write_parquet("out/vectors.parquet", vecs)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from mllm import UserError, storage
 
@@ -147,6 +149,42 @@ def evaluate_embeddings(vectors: WordVectors) -> dict[str, float]:
     r = vectors.evaluate_analogies(load_analogies())
     out |= {"analogy_accuracy": r["accuracy"], "analogy_coverage": r["coverage"]}
     return out
+
+
+@torch.no_grad()
+def evaluate_loss(model, batches: Iterable[tuple], device: str | torch.device = "cpu") -> float:
+    """Mean loss per sample over fixed batches (mllm.cbow.CbowBatches.eval_batches of the
+    validation paragraphs): the held-out CBOW loss."""
+    was_training = model.training
+    model.eval()
+    total, n = 0.0, 0
+    for batch in batches:
+        _, loss, _ = model(*(t.to(device) for t in batch))
+        total += loss.item() * len(batch[-1])
+        n += len(batch[-1])
+    model.train(was_training)
+    if n == 0:
+        raise UserError("the validation paragraphs hold no CBOW sample: raise the validation fraction")
+    return total / n
+
+
+def evaluate_cbow(model, tokens: list[str], val_batches: Iterable[tuple] | None = None,
+                  probes: Iterable[str] = (), k: int = 10, device: str | torch.device = "cpu") -> dict:
+    """One eval of a CBOW model (mllm.cbow.CBOW): {"metrics", "neighbours", "notes"}.
+
+    metrics: the word-similarity and analogy scores of the input ("context") embedding, the usual
+    word vectors, under their plain names (HEADLINE among them), the output ("centre") rows' under
+    centre_<name>, and val_loss when `val_batches` are given. neighbours and notes: see
+    neighbours_table, for both embeddings.
+    """
+    named = {"context": WordVectors(tokens, model.context_vectors().cpu().numpy()),
+             "centre": WordVectors(tokens, model.centre_vectors().cpu().numpy())}
+    metrics = evaluate_embeddings(named["context"])
+    metrics |= {f"centre_{name}": v for name, v in evaluate_embeddings(named["centre"]).items()}
+    if val_batches is not None:
+        metrics["val_loss"] = evaluate_loss(model, val_batches, device)
+    rows, notes = neighbours_table(named, probes, k)
+    return {"metrics": metrics, "neighbours": rows, "notes": notes}
 
 
 def missing_word(word: str, tokens: Iterable[str]) -> str:

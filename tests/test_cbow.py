@@ -15,10 +15,10 @@ from pydantic import ValidationError
 
 from mllm import UserError
 from mllm.cbow import (CBOW, PAD_ID, BasicEnglishTokenizer, CbowBatches, CbowConfig, basic_english,
-                       check_offsets, contexts, evaluate_loss, load_offsets, noise_distribution, paragraph_ids,
+                       check_offsets, contexts, load_offsets, noise_distribution, paragraph_ids,
                        sample_centres, save_array, split_by_paragraph, split_paragraphs)
 from mllm.vocab import Vocab
-from mllm.wordsim import (WordVectors, load_analogies, load_pairs, missing_word, neighbours_table, rank,
+from mllm.wordsim import (WordVectors, evaluate_cbow, evaluate_loss, load_analogies, load_pairs, missing_word, neighbours_table, rank,
                           read_parquet, spearman, write_parquet, write_word2vec)
 
 # -----------------------------------------------------------------------------
@@ -186,18 +186,20 @@ def test_max_norm_keeps_every_looked_up_row_inside_the_unit_ball():
     model = CBOW(cfg)
     with torch.no_grad():
         model.embedding.weight.mul_(5)
+        model.embedding.weight[40:].mul_(0.01)  # some rows already inside the ball
     reference = nn.Embedding(50, 8, max_norm=1.0)
     reference.weight.data.copy_(model.embedding.weight)
     before = model.embedding.weight.detach().clone()
-    ctx = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]])
+    ctx = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 41]])
     model(ctx, torch.ones_like(ctx, dtype=torch.bool), torch.zeros(2, 0, dtype=torch.long), torch.tensor([8, 9]))
     reference(ctx)
     looked_up = ctx.unique()
+    # The rows a lookup uses are exactly what torch's max_norm makes of them...
+    torch.testing.assert_close(model.embedding.weight[looked_up], reference.weight[looked_up])
     assert (model.embedding.weight[looked_up].norm(dim=1) <= 1 + 1e-6).all()
-    untouched = torch.ones(50, dtype=torch.bool)
-    untouched[looked_up] = False
-    assert torch.equal(model.embedding.weight[untouched], before[untouched])
-    torch.testing.assert_close(model.embedding.weight, reference.weight)  # what torch's max_norm does
+    # ...every row is inside the ball (the same on every DDP rank), and short rows are untouched.
+    assert (model.embedding.weight.norm(dim=1) <= 1 + 1e-6).all()
+    assert torch.equal(model.embedding.weight[40:], before[40:])
     assert (model.context_vectors().norm(dim=1) <= 1 + 1e-6).all()
 
 
@@ -219,6 +221,22 @@ def test_softmax_forward_is_cross_entropy_and_heldout_loss_averages_it():
     torch.testing.assert_close(loss, nn.functional.cross_entropy(logits, batches[0][-1]))
     total = sum(model(*b)[1].item() * len(b[-1]) for b in batches)
     assert evaluate_loss(model, batches) == pytest.approx(total / 100, rel=1e-5)
+
+
+def test_evaluate_cbow_reports_both_embeddings_and_the_heldout_loss():
+    tokens = ["<unk>", "tiger", "cat", "book", "paper", "love", "sex", "money", "cash"]
+    model = CBOW(CbowConfig(vocab_size=len(tokens), n_embd=8, max_norm=None))
+    ids, offsets = np.array([1, 2, 3, 4, 5, 6, 7, 8] * 4, dtype=np.int32), np.array([0, 8, 16, 24, 32])
+    val = CbowBatches.from_config(model.config, ids, offsets, batch_size=10, seed=0).eval_batches()
+    r = evaluate_cbow(model, tokens, val, probes=["cat", "tigers"], k=3)
+    m = r["metrics"]
+    want = WordVectors(tokens, model.embedding.weight.detach().numpy()).evaluate_pairs(load_pairs("wordsim353"))
+    assert m["wordsim353_spearman"] == pytest.approx(want["spearman"]) and want["pairs"] >= 4
+    assert {"simlex999_spearman", "analogy_accuracy", "centre_wordsim353_spearman", "val_loss"} <= set(m)
+    assert m["val_loss"] == pytest.approx(evaluate_loss(model, val))
+    assert {(row["embedding"], row["rank"]) for row in r["neighbours"]} == {
+        (e, k) for e in ("context", "centre") for k in (1, 2, 3)}
+    assert r["notes"] == ["'tigers' is not in the vocabulary; did you mean 'tiger'?"]
 
 
 def test_negative_sampling_forward_has_no_logits():
