@@ -32,7 +32,7 @@ from mllm.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_id
     split_paragraphs
 from mllm.text import read_chunks, strip_gutenberg
 from mllm.vocab import Vocab
-from mllm.wordsim import (WordVectors, evaluate_embeddings, evaluate_loss, load_analogies, load_pairs, neighbours_table,
+from mllm.wordsim import (METRICS, WordVectors, evaluate_cbow, evaluate_embeddings, load_analogies, load_pairs,
                           write_parquet, write_word2vec)
 
 PROBES = ["king", "war", "moscow", "mother", "horse", "happy", "said", "natasha", "frenchmen"]
@@ -57,9 +57,28 @@ def train_cbow(cfg: CbowConfig, batches: CbowBatches, epochs: float, lr: float, 
         losses.append(loss.item())
         if batches.position[1] == 0 or step == steps - 1:
             per_epoch.append(float(np.mean(losses)))
-            log(f"  epoch {len(per_epoch)}: mean training loss {per_epoch[-1]:.4f}")
+            log(f"  epoch {len(per_epoch)}: mean training loss {per_epoch[-1]:.4f}", flush=True)
             losses = []
     return model, per_epoch
+
+
+def softmax_estimate(cfg: CbowConfig, ids, offsets, batch_size: int, epochs: float, per_epoch: int,
+                     steps: int = 3) -> dict:
+    """What the reference's full softmax would cost here: a few timed Adam steps, scaled up."""
+    full = cfg.model_copy(update={"objective": "softmax"})
+    batches = CbowBatches.from_config(full, ids, offsets, batch_size, seed=0)
+    model = CBOW(full)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    times = []
+    for _ in range(steps + 1):  # the first step warms up the allocator
+        t0 = time.perf_counter()
+        _, loss, _ = model(*batches.next())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    seconds = float(np.mean(times[1:])) * per_epoch * epochs
+    return {"model": f"mllm, full softmax (estimate from {steps} steps)", "seconds": seconds}
 
 
 def pca_picture(vectors: WordVectors, path: str | Path, n: int = 150, title: str = "") -> None:
@@ -119,30 +138,36 @@ def main() -> None:
 
     rows = []
     batches = CbowBatches.from_config(cfg, train_ids, train_off, train_cfg["batch_size"], seed=0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model, per_epoch = train_cbow(cfg, batches, epochs, train_cfg["lr"])
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     val = CbowBatches.from_config(cfg, val_ids, val_off, train_cfg["batch_size"], seed=0)
-    named = {"context": WordVectors(vocab.itos, model.context_vectors().numpy()),
-             "centre": WordVectors(vocab.itos, model.centre_vectors().numpy())}
-    for name, vecs in named.items():
-        rows.append({"model": f"mllm {args.recipe} ({name})", "seconds": seconds,
-                     "train_loss": per_epoch[-1], "val_loss": evaluate_loss(model, val.eval_batches()),
-                     **evaluate_embeddings(vecs)})
+    report = evaluate_cbow(model, vocab.itos, val.eval_batches(), PROBES, k=8)
+    m = report["metrics"]
+    for name in ("context", "centre"):
+        prefix = "" if name == "context" else "centre_"
+        rows.append({"model": f"mllm {args.recipe} ({name})", "seconds": seconds, "cpu_seconds": cpu,
+                     "train_loss": per_epoch[-1], "val_loss": m["val_loss"],
+                     **{k: m[prefix + k] for k in METRICS}})
 
-    t0 = time.perf_counter()
+    if cfg.objective == "negative":
+        rows.append(softmax_estimate(cfg, train_ids, train_off, train_cfg["batch_size"], epochs,
+                                     batches.batches_per_epoch))
+
+    t0, c0 = time.perf_counter(), time.process_time()
     w2v = Word2Vec(sentences=paragraphs[:n_train], vector_size=cfg.n_embd, window=cfg.context,
                    min_count=min_freq, sg=0, cbow_mean=1, epochs=epochs, workers=os.cpu_count() or 1, seed=0)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     kv = w2v.wv
     gensim_vecs = WordVectors(list(kv.index_to_key), kv.vectors)
-    rows.append({"model": "gensim Word2Vec(sg=0, cbow_mean=1)", "seconds": seconds, **evaluate_embeddings(gensim_vecs)})
+    rows.append({"model": "gensim Word2Vec(sg=0, cbow_mean=1)", "seconds": seconds, "cpu_seconds": cpu,
+                 **evaluate_embeddings(gensim_vecs)})
     # gensim's own scorer on its own vectors: our evaluation must agree with it.
     data = Path(gensim.__file__).parent / "test" / "test_data"
     ws_gensim = kv.evaluate_word_pairs(str(data / "wordsim353.tsv"))[1].statistic
     an_gensim = kv.evaluate_word_analogies(str(data / "questions-words.txt"))[0]
 
-    columns = [("model", "model"), ("seconds", "train s"), ("train_loss", "last epoch loss"),
+    columns = [("model", "model"), ("seconds", "train s"), ("cpu_seconds", "train CPU s"), ("train_loss", "last epoch loss"),
                ("val_loss", "val loss"), ("wordsim353_spearman", "WS-353 rho"),
                ("wordsim353_coverage", "WS-353 cov"), ("simlex999_spearman", "SimLex rho"),
                ("simlex999_coverage", "SimLex cov"), ("analogy_accuracy", "analogy acc"),
@@ -152,21 +177,22 @@ def main() -> None:
           f"WS-353 rho {ws_gensim:.3f}, analogy accuracy {an_gensim:.3f}")
     print(f"load average at the end: {load()}")
 
-    neighbours, notes = neighbours_table(named, PROBES, k=8)
+    neighbours, notes = report["neighbours"], report["notes"]
     print("\nnearest neighbours (mllm):")
     for word in dict.fromkeys(n["probe"] for n in neighbours):
-        for name in named:
+        for name in ("context", "centre"):
             near = [n["neighbour"] for n in neighbours if n["probe"] == word and n["embedding"] == name]
             print(f"  {word:>10} {name:>7}: {', '.join(near)}")
     for note in notes:
         print(f"  {note}")
 
     OUT.mkdir(parents=True, exist_ok=True)
-    write_parquet(str(OUT / "cbow_vectors.parquet"), named["context"])
-    write_word2vec(str(OUT / "cbow_vectors.txt"), named["context"])
+    vectors = WordVectors(vocab.itos, model.context_vectors().numpy())
+    write_parquet(str(OUT / "cbow_vectors.parquet"), vectors)
+    write_word2vec(str(OUT / "cbow_vectors.txt"), vectors)
     loaded = KeyedVectors.load_word2vec_format(str(OUT / "cbow_vectors.txt"), binary=False)
-    assert loaded.vectors.shape == named["context"].vectors.shape
-    pca_picture(named["context"], OUT / "cbow_pca.png")
+    assert loaded.vectors.shape == vectors.vectors.shape
+    pca_picture(vectors, OUT / "cbow_pca.png")
     save("embeddings", {"machine": machine, "recipe": r, "epochs": epochs, "rows": rows,
                         "gensim_own_scores": {"wordsim353": ws_gensim, "analogy": an_gensim},
                         "vocab_size": len(vocab), "tokens": len(ids), "paragraphs": len(paragraphs),

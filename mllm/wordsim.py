@@ -28,6 +28,8 @@ from mllm import UserError, storage
 
 SETS = {"wordsim353": "wordsim353.tsv", "simlex999": "simlex999.txt", "analogies": "questions-words.txt"}
 HEADLINE = "wordsim353_spearman"  # higher is better; decides the champion
+METRICS = ("wordsim353_spearman", "wordsim353_coverage", "simlex999_spearman", "simlex999_coverage",
+           "analogy_accuracy", "analogy_coverage")  # what evaluate_embeddings returns
 
 
 def eval_set_text(name: str) -> str:
