@@ -369,3 +369,14 @@ def test_gensim_loads_the_exported_vectors(tmp_path):
     assert back.tokens == vecs.tokens and np.array_equal(back.vectors, vecs.vectors)
     with pytest.raises(UserError, match="Parquet"):
         write_word2vec(str(tmp_path / "bad.txt"), WordVectors(["a b"], np.zeros((1, 2))))
+
+
+@pytest.mark.parametrize("name", ["cbow", "cbow-smoke"])
+def test_the_draft_recipes_model_sections_are_valid(name):
+    import importlib.resources
+
+    import yaml
+
+    recipe = yaml.safe_load((importlib.resources.files("mllm") / "recipes" / f"{name}.yaml").read_text())
+    assert CbowConfig(**recipe["model"]).arch == "cbow"
+    assert recipe["data"]["tokenizer"]["kind"] == BasicEnglishTokenizer.kind
