@@ -103,7 +103,7 @@ def pca_picture(vectors: WordVectors, path: str | Path, n: int = 150, title: str
 
 
 def recipe(name: str) -> dict:
-    return yaml.safe_load((REPO / "mllm" / "recipes" / f"{name}.yaml").read_text())
+    return yaml.safe_load((REPO / "benchmarks" / "recipes" / f"{name}.yaml").read_text())
 
 
 def paragraphs_of(path: Path) -> list[list[str]]:
@@ -113,7 +113,7 @@ def paragraphs_of(path: Path) -> list[list[str]]:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0],
-                      lambda p: p.add_argument("--recipe", default="cbow", help="mllm/recipes/<name>.yaml"))
+                      lambda p: p.add_argument("--recipe", default="cbow", help="benchmarks/recipes/<name>.yaml"))
     path = corpus("warandpeace")
     try:
         import gensim

@@ -7,6 +7,8 @@ import random
 import sys
 from collections import Counter
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -373,10 +375,9 @@ def test_gensim_loads_the_exported_vectors(tmp_path):
 
 @pytest.mark.parametrize("name", ["cbow", "cbow-smoke"])
 def test_the_draft_recipes_model_sections_are_valid(name):
-    import importlib.resources
-
     import yaml
 
-    recipe = yaml.safe_load((importlib.resources.files("mllm") / "recipes" / f"{name}.yaml").read_text())
+    # Beside the benchmark until the pipeline trains this family (then they move to mllm/recipes).
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "benchmarks" / "recipes" / f"{name}.yaml").read_text())
     assert CbowConfig(**recipe["model"]).arch == "cbow"
     assert recipe["data"]["tokenizer"]["kind"] == BasicEnglishTokenizer.kind
