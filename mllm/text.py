@@ -11,14 +11,17 @@ split between two chunks comes out as if it had never been split.
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from abc import ABC, abstractmethod
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Generator, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
 
 from mllm import UserError
 from mllm.config import TokenizerConfig
+from mllm.corpus import TextDecoder
 from mllm.storage import filesystem
 
 # -----------------------------------------------------------------------------
@@ -26,12 +29,14 @@ from mllm.storage import filesystem
 
 
 def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
-    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines."""
+    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines.
+
+    The bytes are checked as the download checked them (mllm.corpus.TextDecoder): a byte order
+    mark chooses the encoding and is dropped, and anything that is not text is a UserError.
+    """
     fs, path = filesystem(url)
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0  # bytes handed to the decoder so far, to say where a bad byte is
+    decoder = TextDecoder(url)
     cr = False  # a chunk ended in "\r": it may be the first half of a "\r\n"
-    first = True
     try:
         f = fs.open(path, "rb")
     except (FileNotFoundError, IsADirectoryError):
@@ -40,18 +45,7 @@ def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
         while True:
             data = f.read(chunk_chars)
             final = not data
-            pending = len(decoder.getstate()[0])
-            try:
-                text = decoder.decode(data, final)
-            except UnicodeDecodeError as e:
-                where = offset - pending + e.start
-                raise UserError(f"{url} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                                f"{where}): convert it to UTF-8 first") from None
-            offset += len(data)
-            if first and text:
-                # A byte order mark says how the file is encoded; it is not part of the text.
-                text = text.removeprefix("\ufeff")
-                first = False
+            text = decoder.decode(data, final)
             if cr:
                 text = "\r" + text
             cr = not final and text.endswith("\r")
@@ -79,7 +73,13 @@ _HEADER_CHARS = 100_000
 
 
 def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
-    """Drop a Project Gutenberg header (through the START line) and footer (from the END line)."""
+    """Keep only the books' text: drop each Project Gutenberg header (through its START line) and
+    licence (from its END line up to the next book's START line).
+
+    A file of several books one after the other keeps every book's body. Text with no START line
+    near its top is not from Gutenberg and passes through unchanged; a book with no END line
+    keeps everything after its START.
+    """
     it = iter(chunks)
     head, scanned = "", 0
     for chunk in it:
@@ -98,41 +98,55 @@ def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
             if head:
                 yield head
             return
-    yield from _until_end(head[start.end():], it)
+    rest: str | None = head[start.end():]
+    while rest is not None:
+        rest = yield from _through(_END, rest, it, keep=True)
+        if rest is None:
+            return
+        # Licence and the next book's header: dropped up to its START line, if there is one.
+        rest = yield from _through(_START, rest, it, keep=False)
 
 
-def _find_end(buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
+def _find(marker: re.Pattern, buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
     pos = 0 if at_line_start else buf.find("\n") + 1
     if pos == 0 and not at_line_start:
         return None
-    return _END.search(buf, pos, endpos)
+    return marker.search(buf, pos, endpos)
 
 
-def _until_end(buf: str, it: Iterator[str]) -> Iterator[str]:
-    """Pass text through up to the END marker line; `buf` begins at the start of a line."""
+def _through(marker: re.Pattern, buf: str, it: Iterator[str], keep: bool) -> Generator[str, None, str | None]:
+    """Pass on (keep) or drop the text up to the first `marker` line; return the text after that
+    line, or None when the stream ended first. `buf` begins at the start of a line.
+
+    Only complete lines are searched, and the last one is held back (it may be a marker still
+    arriving), so memory stays at one chunk plus one marker line.
+    """
     at_line_start = True
-    for chunk in it:
+    while True:
+        chunk = next(it, None)
+        if chunk is None:
+            found = _find(marker, buf, at_line_start, len(buf))
+            if found:
+                if keep and found.start():
+                    yield buf[:found.start()]
+                return buf[found.end():]
+            if keep and buf:
+                yield buf
+            return None
         buf += chunk
-        # Search complete lines only and hold back the last one: it may be the END marker still
-        # arriving.
         cut = buf.rfind("\n") + 1
-        end = _find_end(buf, at_line_start, cut)
-        if end:
-            if end.start():
-                yield buf[:end.start()]
-            return
+        found = _find(marker, buf, at_line_start, cut)
+        if found:
+            if keep and found.start():
+                yield buf[:found.start()]
+            return buf[found.end():]
         if cut:
             at_line_start = True
         if len(buf) - cut > _MARKER_MAX:
             cut, at_line_start = len(buf), False  # too long to be a marker: let it go now
-        if cut:
+        if keep and cut:
             yield buf[:cut]
         buf = buf[cut:]
-    end = _find_end(buf, at_line_start, len(buf))
-    if end:
-        buf = buf[:end.start()]
-    if buf:
-        yield buf
 
 
 # -----------------------------------------------------------------------------
@@ -166,6 +180,12 @@ class Tokenizer(ABC):
     def tokenize(self, chunks: Iterable[str]) -> Iterator[list[str]]:
         """Tokens of a stream of text, one list per piece of it, the same for any chunking."""
 
+    def token_arrays(self, chunks: Iterable[str]) -> Iterator[pa.Array]:
+        """The same tokens as `tokenize`, as Arrow string (or dictionary of string) arrays: what
+        the tokenize stage writes, without a Python object per token where a tokenizer can."""
+        for tokens in self.tokenize(chunks):
+            yield pa.array(tokens, pa.string())
+
     @abstractmethod
     def split(self, text: str) -> list[str]:
         """Tokens of a prompt. Nothing is dropped, so the caller can name what the vocab lacks."""
@@ -185,16 +205,44 @@ class Tokenizer(ABC):
         return f"{type(self).__name__}(normalize={self.normalize})"
 
 
+# The characters the normalising char tokenizer keeps. All ASCII, so it works on the UTF-8 bytes:
+# every byte of a non-ASCII character is >= 0x80 and dropped with it.
+_CHAR_KEPT = "\n !,-.0123456789;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_CHAR_KEEP = np.zeros(256, dtype=bool)
+_CHAR_KEEP[[ord(c) for c in _CHAR_KEPT]] = True
+_CHAR_INDEX = np.zeros(256, dtype=np.int32)  # byte -> its position in _CHAR_KEPT
+_CHAR_INDEX[[ord(c) for c in _CHAR_KEPT]] = np.arange(len(_CHAR_KEPT), dtype=np.int32)
+
+
 class CharTokenizer(Tokenizer):
     """One token per character.
 
     normalize=True is the reference War and Peace recipe: keep only [A-Za-z0-9 \\-.;,\\n?!], then
     every run of newlines and spaces becomes one space (paragraphs are not worth a token class).
+    It runs on byte arrays (numpy), not one Python string per character: the tokenize stage
+    streams hundreds of MB through it.
     """
 
     kind = "char"
-    _DROP = re.compile(r"[^A-Za-z0-9 \-.;,\n?!]+")
     _SPACE = re.compile(r"[ \n]+")
+    _VALUES = pa.array(list(_CHAR_KEPT), pa.string())
+
+    def _normalized(self, chunks: Iterable[str]) -> Iterator[np.ndarray]:
+        """The normalised text of each chunk as ASCII bytes (uint8), empty pieces skipped."""
+        space = False  # the last token so far was a space: a run may continue into this chunk
+        for chunk in chunks:
+            b = np.frombuffer(chunk.encode("utf-8"), dtype=np.uint8)
+            b = b[_CHAR_KEEP[b]]
+            if not len(b):
+                continue
+            is_space = (b == 32) | (b == 10)
+            after_space = np.empty_like(is_space)
+            after_space[0] = space
+            after_space[1:] = is_space[:-1]
+            b = np.where(is_space, np.uint8(32), b)[~(is_space & after_space)]
+            if len(b):
+                space = bool(b[-1] == 32)
+                yield b
 
     def tokenize(self, chunks):
         if not self.normalize:
@@ -202,19 +250,35 @@ class CharTokenizer(Tokenizer):
                 if chunk:
                     yield list(chunk)
             return
-        space = False  # the last token so far was a space: a run may continue into this chunk
-        for chunk in chunks:
-            text = self._SPACE.sub(" ", self._DROP.sub("", chunk))
-            if space and text.startswith(" "):
-                text = text[1:]
-            if text:
-                space = text.endswith(" ")
-                yield list(text)
+        for b in self._normalized(chunks):
+            yield list(b.tobytes().decode("ascii"))
+
+    def token_arrays(self, chunks):
+        if not self.normalize:
+            for chunk in chunks:
+                if chunk:
+                    yield _utf8_characters(chunk)
+            return
+        for b in self._normalized(chunks):
+            yield pa.DictionaryArray.from_arrays(pa.array(_CHAR_INDEX[b]), self._VALUES)
 
     def split(self, text):
         if self.normalize:
             text = self._SPACE.sub(" ", text)
         return list(text)
+
+
+def _utf8_characters(text: str) -> pa.Array:
+    """Each character of `text` as a string of its own: the UTF-8 bytes once, cut at every byte
+    that starts a character (anything but a continuation byte 0b10xxxxxx)."""
+    data = text.encode("utf-8")
+    b = np.frombuffer(data, dtype=np.uint8)
+    starts = np.flatnonzero((b & 0xC0) != 0x80)
+    offsets = np.empty(len(starts) + 1, dtype=np.int32 if len(b) < 2**31 else np.int64)
+    offsets[:-1] = starts
+    offsets[-1] = len(b)
+    kind = pa.string() if offsets.dtype == np.int32 else pa.large_string()
+    return pa.Array.from_buffers(kind, len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
 class _CutTokenizer(Tokenizer):
@@ -227,16 +291,19 @@ class _CutTokenizer(Tokenizer):
     @abstractmethod
     def _tokens(self, text: str) -> list[str]: ...
 
-    def tokenize(self, chunks):
+    def _pieces(self, chunks: Iterable[str]) -> Iterator[str]:
         carry = ""
         for chunk in chunks:
             text = carry + chunk
             cut = self._cut(text)
             carry = text[cut:]
-            if tokens := self._tokens(text[:cut]):
+            yield text[:cut]
+        yield carry
+
+    def tokenize(self, chunks):
+        for piece in self._pieces(chunks):
+            if tokens := self._tokens(piece):
                 yield tokens
-        if tokens := self._tokens(carry):
-            yield tokens
 
     def split(self, text):
         return self._tokens(text)
@@ -295,6 +362,7 @@ class BpeTokenizer(_CutTokenizer):
         self._itos = [""] * hf.get_vocab_size()
         for piece, i in hf.get_vocab().items():
             self._itos[i] = piece
+        self._pieces_arrow = pa.array(self._itos, pa.string())
 
     @classmethod
     def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":
@@ -312,7 +380,7 @@ class BpeTokenizer(_CutTokenizer):
     def _cut(self, text: str) -> int:
         return max(_last_match(self._SAFE_CUT, text), 0)
 
-    def _tokens(self, text: str) -> list[str]:
+    def _ids(self, text: str) -> np.ndarray:
         # Encoding pieces as a batch lets the Rust side use every core.
         pieces, i = [], 0
         while len(text) - i > self._PIECE:
@@ -324,8 +392,18 @@ class BpeTokenizer(_CutTokenizer):
         pieces.append(text[i:])
         # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which we do not need.
         encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        ids = [np.asarray(enc.ids, dtype=np.int32) for enc in encode(pieces, add_special_tokens=False)]
+        return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+
+    def _tokens(self, text: str) -> list[str]:
         itos = self._itos
-        return [itos[i] for enc in encode(pieces, add_special_tokens=False) for i in enc.ids]
+        return [itos[i] for i in self._ids(text).tolist()]
+
+    def token_arrays(self, chunks):
+        for piece in self._pieces(chunks):
+            ids = self._ids(piece)
+            if len(ids):
+                yield pa.DictionaryArray.from_arrays(pa.array(ids), self._pieces_arrow)
 
 
     def detokenize(self, tokens):
