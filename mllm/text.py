@@ -1,7 +1,8 @@
-"""Text in, tokens out: streaming reading, Project Gutenberg stripping and the tokenizers.
+"""Text in, tokens out: the char, word and BPE tokenizers (reading and Gutenberg stripping are
+in mllm.corpus, and importable from here too).
 
-Everything streams in chunks (a corpus need not fit in memory twice), and every step gives the
-same result however the text is chunked: a word, a CRLF, a run of spaces or a Gutenberg marker
+Everything streams in chunks (a corpus need not fit in memory twice), and every tokenizer gives
+the same tokens however the text is chunked: a word, a run of spaces or a multi-byte character
 split between two chunks comes out as if it had never been split.
 
     chunks = strip_gutenberg(read_chunks("data/pg2600.txt"))
@@ -14,140 +15,14 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from typing import Callable, Generator, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from mllm import UserError
 from mllm.config import TokenizerConfig
-from mllm.corpus import TextDecoder
-from mllm.storage import filesystem
-
-# -----------------------------------------------------------------------------
-# reading
-
-
-def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
-    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines.
-
-    The bytes are checked as the download checked them (mllm.corpus.TextDecoder): a byte order
-    mark chooses the encoding and is dropped, and anything that is not text is a UserError.
-    """
-    fs, path = filesystem(url)
-    decoder = TextDecoder(url)
-    cr = False  # a chunk ended in "\r": it may be the first half of a "\r\n"
-    try:
-        f = fs.open(path, "rb")
-    except (FileNotFoundError, IsADirectoryError):
-        raise UserError(f"no text file at {url}: check the path or URL") from None
-    with f:
-        while True:
-            data = f.read(chunk_chars)
-            final = not data
-            text = decoder.decode(data, final)
-            if cr:
-                text = "\r" + text
-            cr = not final and text.endswith("\r")
-            if cr:
-                text = text[:-1]
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
-            if text:
-                yield text
-            if final:
-                return
-
-
-# -----------------------------------------------------------------------------
-# Project Gutenberg header and footer
-
-# Marker lines are short; bounding them lets the stream move on past a long line at once
-# instead of waiting for its end to see whether it is a marker.
-_START = re.compile(r"^\*\*\*[ \t]{0,8}START OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}(?:\n|\Z)", re.M)
-_END = re.compile(r"^\*\*\*[ \t]{0,8}END OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}$", re.M)
-_MARKER_MAX = 340  # longer than any line the two patterns match
-# The START line of a Gutenberg book is near the top (the licence header is a few kB); text with
-# no START line there is not a Gutenberg book and passes through unchanged, without our holding
-# the whole corpus in memory looking for one.
-_HEADER_CHARS = 100_000
-
-
-def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
-    """Keep only the books' text: drop each Project Gutenberg header (through its START line) and
-    licence (from its END line up to the next book's START line).
-
-    A file of several books one after the other keeps every book's body. Text with no START line
-    near its top is not from Gutenberg and passes through unchanged; a book with no END line
-    keeps everything after its START.
-    """
-    it = iter(chunks)
-    head, scanned = "", 0
-    for chunk in it:
-        head += chunk
-        start = _START.search(head, scanned)
-        if start and start.group().endswith("\n") and start.start() < _HEADER_CHARS:
-            break
-        if len(head) >= _HEADER_CHARS + _MARKER_MAX:
-            yield head
-            yield from it
-            return
-        scanned = head.rfind("\n") + 1  # the complete lines have no START: skip them next time
-    else:
-        start = _START.search(head, scanned)  # the last line may be a START with no newline
-        if not start or start.start() >= _HEADER_CHARS:
-            if head:
-                yield head
-            return
-    rest: str | None = head[start.end():]
-    while rest is not None:
-        rest = yield from _through(_END, rest, it, keep=True)
-        if rest is None:
-            return
-        # Licence and the next book's header: dropped up to its START line, if there is one.
-        rest = yield from _through(_START, rest, it, keep=False)
-
-
-def _find(marker: re.Pattern, buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
-    pos = 0 if at_line_start else buf.find("\n") + 1
-    if pos == 0 and not at_line_start:
-        return None
-    return marker.search(buf, pos, endpos)
-
-
-def _through(marker: re.Pattern, buf: str, it: Iterator[str], keep: bool) -> Generator[str, None, str | None]:
-    """Pass on (keep) or drop the text up to the first `marker` line; return the text after that
-    line, or None when the stream ended first. `buf` begins at the start of a line.
-
-    Only complete lines are searched, and the last one is held back (it may be a marker still
-    arriving), so memory stays at one chunk plus one marker line.
-    """
-    at_line_start = True
-    while True:
-        chunk = next(it, None)
-        if chunk is None:
-            found = _find(marker, buf, at_line_start, len(buf))
-            if found:
-                if keep and found.start():
-                    yield buf[:found.start()]
-                return buf[found.end():]
-            if keep and buf:
-                yield buf
-            return None
-        buf += chunk
-        cut = buf.rfind("\n") + 1
-        found = _find(marker, buf, at_line_start, cut)
-        if found:
-            if keep and found.start():
-                yield buf[:found.start()]
-            return buf[found.end():]
-        if cut:
-            at_line_start = True
-        if len(buf) - cut > _MARKER_MAX:
-            cut, at_line_start = len(buf), False  # too long to be a marker: let it go now
-        if keep and cut:
-            yield buf[:cut]
-        buf = buf[cut:]
-
+from mllm.corpus import read_chunks, strip_gutenberg  # noqa: F401  (part of this module's API)
 
 # -----------------------------------------------------------------------------
 # tokenizers

@@ -90,7 +90,7 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
 
 
 def _tokens_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
-    return storage.digest(["tokens", raw.sha256, cfg.model_dump(), code_digest(text, token_chunks)])
+    return storage.digest(["tokens", raw.sha256, cfg.model_dump(), code_digest(corpus, text, token_chunks)])
 
 
 @task(name="tokenize", cache_key_fn=stage_cache(_tokens_key), retries=1, retry_condition_fn=transient)
