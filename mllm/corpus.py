@@ -250,7 +250,8 @@ def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
             cr = not final and text.endswith("\r")
             if cr:
                 text = text[:-1]
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
+            if "\r" in text:  # most texts have none: two copies of each chunk saved
+                text = text.replace("\r\n", "\n").replace("\r", "\n")
             if text:
                 yield text
             if final:
