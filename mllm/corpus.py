@@ -136,6 +136,8 @@ class TextDecoder:
         sample = block[:1 << 16]
         half = len(sample) // 2
         even, odd = sample[0::2].count(0), sample[1::2].count(0)
+        if (self.bom + self._offset) % 2:  # this block starts at an odd offset in the file
+            even, odd = odd, even
         if half >= 2 and max(even, odd) >= 0.4 * half and min(even, odd) <= 0.05 * half:
             enc = "utf-16le" if odd > even else "utf-16be"
             return (f"{self.name} looks like UTF-16 text without a byte order mark (NUL every other byte): "
