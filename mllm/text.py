@@ -148,11 +148,10 @@ def _utf8_characters(text: str) -> pa.Array:
     data = text.encode("utf-8")
     b = np.frombuffer(data, dtype=np.uint8)
     starts = np.flatnonzero((b & 0xC0) != 0x80)
-    offsets = np.empty(len(starts) + 1, dtype=np.int32 if len(b) < 2**31 else np.int64)
+    offsets = np.empty(len(starts) + 1, dtype=np.int32)  # a chunk is far below 2 GB
     offsets[:-1] = starts
     offsets[-1] = len(b)
-    kind = pa.string() if offsets.dtype == np.int32 else pa.large_string()
-    return pa.Array.from_buffers(kind, len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    return pa.Array.from_buffers(pa.string(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
 class _CutTokenizer(Tokenizer):
