@@ -1,6 +1,6 @@
 """Wall time of the data stages through the real Prefect flow, and the memory they need at scale.
 
-    python -m benchmarks.data_stages [--quick]
+    python -m benchmarks.data_stages [--quick] [--scale-only] [--sizes 10,50,500] [--word-up-to 50] [--bpe-up-to 10]
 
 1. `flows.pipeline.prepare` on War and Peace (download from the local file, tokenize, vocabulary,
    split) for the char, word and BPE-2000 tokenizers, each into a fresh storage folder, in this
@@ -10,13 +10,19 @@
 2. The whole `mllm-pipeline prepare` command as a user runs it, a subprocess each: the first run
    ever (fresh PREFECT_HOME: Prefect creates its database), a run on new data (Prefect's database
    there), and a fully cached re-run.
-3. Scale: a text of War and Peace's body repeated to 10, 50 and 500 MB (10 and 50 with --quick),
-   written to a temporary folder and deleted after. A worker process runs the tokenize task (char
-   tokenizer, the default recipe's) inside a Prefect flow and reports its throughput and the
+3. Scale: a text of War and Peace's body repeated to 10, 50 and 500 MB (10 and 50 with --quick;
+   --sizes picks others), written to a temporary folder and deleted after. A worker process runs
+   the tokenize task inside a Prefect flow, for the char tokenizer (the default recipe's) at every
+   size, word up to --word-up-to MB and BPE 2000 up to --bpe-up-to MB (BPE's stage includes
+   learning its merges: a second pass over the text), and reports each one's throughput (MB of text per second of wall time, and per CPU
+   second of the process: on a shared machine the second is the steadier figure) and the
    process's peak memory (VmHWM, reset before each stage through /proc/self/clear_refs, and the
-   largest anonymous and file-backed RSS, sampled; see `Peaks`), then the vocabulary and split
-   stages at up to 50 MB. A stage whose peak anonymous memory grows with the text does not
-   stream: the growth per MB of text, between the sizes, is printed.
+   largest anonymous and file-backed RSS, sampled; see `Peaks`), then the char text's vocabulary
+   and split stages at up to 50 MB. A stage whose peak anonymous memory grows with the text does
+   not stream: the growth per MB of text, between the sizes, is printed.
+
+--scale-only skips parts 1 and 2 (Prefect's start-up and the CLI), which do not change with the
+tokenizers' speed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, corpus, header, load, parse_args, save, table
 
+SCALE_KINDS = {"char": {"kind": "char"}, "word": {"kind": "word"}, "bpe 2000": {"kind": "bpe", "bpe_vocab_size": 2000}}
 KINDS = {"char": [], "word": ["data.tokenizer.kind=word"],
          "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe_vocab_size=2000"]}
 STAGES = ("download", "tokenize", "build-vocabulary", "split")
@@ -89,11 +96,12 @@ class Peaks:
 
     def __enter__(self) -> "Peaks":
         self.reset = reset_peak()
-        self.start, self.anon, self.file = _status("VmRSS"), 0, 0
+        self.start, self.start_anon, self.anon, self.file = _status("VmRSS"), _status("RssAnon"), 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         self._t0 = time.perf_counter()
+        self._cpu0 = time.process_time()
         return self
 
     def _sample(self) -> None:
@@ -107,13 +115,14 @@ class Peaks:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._cpu0
         self._stop.set()
         self._thread.join()
         self._sample()
         self.hwm = _status("VmHWM")
 
     def report(self, **more) -> dict:
-        return {"s": self.seconds, "peak": self.hwm, "anon": self.anon, "file": self.file, "start": self.start,
+        return {"s": self.seconds, "cpu_s": self.cpu_seconds, "peak": self.hwm, "anon": self.anon, "file": self.file, "start": self.start, "start_anon": self.start_anon,
                 "peak_reset": self.reset, "load": load(), **more}
 
 
@@ -167,7 +176,9 @@ def in_process(source: Path, tmp: Path) -> tuple[list[dict], float]:
             flow_s = time.perf_counter() - t0
             data = state.result()
             times = stage_times(state.state_details.flow_run_id)
+            tok_s = times.get("tokenize")
             rows.append({"tokenizer": kind, "run": run, **{s: times.get(s) for s in STAGES},
+                         "tokenize_mb_per_s": source.stat().st_size / 1e6 / tok_s if isinstance(tok_s, float) else None,
                          "flow_s": flow_s, "tokens": data.tokens.n_tokens, "vocab": data.vocab.size,
                          "load": load()})
             print(f"  prepare, {kind}, {run}: {flow_s:.1f} s; " +
@@ -229,18 +240,20 @@ def worker(spec: dict) -> dict:
     from tasks import data as data_tasks
 
     @flow(name="bench-scale")
-    def scale(raw, root: str, more: bool) -> dict:
+    def scale(raw, root: str, kinds: list[str], more: bool) -> dict:
         out = {}
-        with Peaks() as p:
-            tokens = data_tasks.tokenize(raw, TokenizerConfig(kind="char"), root)
-        out["tokenize"] = p.report(tokens=tokens.n_tokens)
-        if more:
+        for kind in kinds:
+            cfg = TokenizerConfig(**SCALE_KINDS[kind])
             with Peaks() as p:
-                vocab = data_tasks.build_vocabulary(tokens, VocabConfig(), root)
-            out["build-vocabulary"] = p.report()
-            with Peaks() as p:
-                data_tasks.split(tokens, vocab, SplitConfig(), root)
-            out["split"] = p.report()
+                tokens = data_tasks.tokenize(raw, cfg, f"{root}/{kind.replace(' ', '-')}")
+            out[f"tokenize {kind}"] = p.report(tokens=tokens.n_tokens)
+            if more and kind == "char":
+                with Peaks() as p:
+                    vocab = data_tasks.build_vocabulary(tokens, VocabConfig(), root)
+                out["build-vocabulary"] = p.report()
+                with Peaks() as p:
+                    data_tasks.split(tokens, vocab, SplitConfig(), root)
+                out["split"] = p.report()
         return out
 
     @flow(name="bench-warm-up")
@@ -251,21 +264,23 @@ def worker(spec: dict) -> dict:
     results = []
     for item in spec["texts"]:
         raw = data_tasks.RawText(source=item["path"], url=item["path"], sha256=item["sha256"], bytes=item["bytes"])
-        out = scale(raw, item["root"], item["more"])
+        out = scale(raw, item["root"], item["kinds"], item["more"])
         results.append({"mb": item["bytes"] / 1e6, **out})
     return {"results": results}
 
 
-def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int) -> list[dict]:
+def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int, up_to: dict[str, int]) -> list[dict]:
     texts = []
     for mb in sizes:
         path = tmp / f"text-{mb}MB.txt"
         n, sha = write_big_text(body, path, mb)
+        kinds = [k for k in SCALE_KINDS if mb <= up_to.get(k, mb)]
         texts.append({"path": str(path), "bytes": n, "sha256": sha, "root": str(tmp / f"scale-{mb}"),
-                      "more": mb <= more_up_to})
+                      "kinds": kinds, "more": mb <= more_up_to})
+        os.sync()  # the text written, not still in flight, when the first stage's clock starts
     env = {**prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
-                         env=env, capture_output=True, text=True, cwd=REPO, timeout=1800)
+                         env=env, capture_output=True, text=True, cwd=REPO, timeout=3600)
     for t in texts:
         os.remove(t["path"])
     if out.returncode != 0:
@@ -273,22 +288,28 @@ def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int) -> list[
     results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
     rows = []
     for r in results:
-        for stage in ("tokenize", "build-vocabulary", "split"):
-            if stage not in r:
+        for stage, st in r.items():
+            if stage == "mb":
                 continue
-            st = r[stage]
             rows.append({"stage": stage, "text_mb": r["mb"], "seconds": st["s"], "mb_per_s": r["mb"] / st["s"],
+                         "cpu_s": st["cpu_s"], "mb_per_cpu_s": r["mb"] / st["cpu_s"],
                          "peak_rss_mb": st["peak"] / 1e6, "peak_anon_mb": st["anon"] / 1e6,
                          "peak_file_mb": st["file"] / 1e6, "start_rss_mb": st["start"] / 1e6,
-                         "tokens": st.get("tokens"), "peak_tracked": st["peak_reset"], "load": st["load"]})
-            print(f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s), peak RSS "
+                         "added_anon_mb": (st["anon"] - st["start_anon"]) / 1e6, "tokens": st.get("tokens"), "peak_tracked": st["peak_reset"], "load": st["load"]})
+            print(f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s; "
+                  f"{st['cpu_s']:.1f} CPU s, {r['mb'] / st['cpu_s']:.1f} MB per CPU s), peak RSS "
                   f"{st['peak'] / 1e6:,.0f} MB (anonymous {st['anon'] / 1e6:,.0f}, file-backed "
-                  f"{st['file'] / 1e6:,.0f}; {st['start'] / 1e6:,.0f} MB at the stage's start)", flush=True)
+                  f"{st['file'] / 1e6:,.0f}; {st['start'] / 1e6:,.0f} MB at the stage's start), "
+                  f"load {st['load']}", flush=True)
     return rows
 
 
 def peak_growth(rows: list[dict]) -> dict[str, dict]:
-    """Per stage, how its peak memory grew from its smallest to its largest text, per MB of text."""
+    """Per stage, how its peak memory grew from its smallest to its largest text, per MB of text.
+
+    Anonymous memory is counted from the stage's own start: the worker runs every size in one
+    process, and what an earlier stage left in the allocators' pools (Arrow's, glibc's) is not
+    this stage's doing."""
     out = {}
     for stage in dict.fromkeys(r["stage"] for r in rows):
         rs = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["text_mb"])
@@ -296,8 +317,8 @@ def peak_growth(rows: list[dict]) -> dict[str, dict]:
             a, b = rs[0], rs[-1]
             per = lambda key: (b[key] - a[key]) / (b["text_mb"] - a["text_mb"])  # noqa: E731
             out[stage] = {"text_from": a["text_mb"], "text_to": b["text_mb"],
-                          "anon_from_mb": a["peak_anon_mb"], "anon_to_mb": b["peak_anon_mb"],
-                          "anon_mb_per_text_mb": per("peak_anon_mb"), "rss_mb_per_text_mb": per("peak_rss_mb")}
+                          "anon_from_mb": a["added_anon_mb"], "anon_to_mb": b["added_anon_mb"],
+                          "anon_mb_per_text_mb": per("added_anon_mb"), "rss_mb_per_text_mb": per("peak_rss_mb")}
     return out
 
 
@@ -305,44 +326,55 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
         return
-    args = parse_args(__doc__.splitlines()[0])
+    def options(p) -> None:
+        p.add_argument("--scale-only", action="store_true", help="only part 3, the tokenizers at scale")
+        p.add_argument("--sizes", help="text sizes in MB for part 3, e.g. 10,50,500")
+        p.add_argument("--word-up-to", type=int, default=50, help="the word tokenizer only on texts up to this many MB")
+        p.add_argument("--bpe-up-to", type=int, default=10, help="BPE only on texts up to this many MB")
+
+    args = parse_args(__doc__.splitlines()[0], options)
     m = header("data_stages", args.quick)
     source = corpus("warandpeace")
-    sizes, more_up_to = ([10, 50], 50) if args.quick else ([10, 50, 500], 50)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [10, 50] if args.quick else [10, 50, 500]
+    more_up_to = 50
+    flow_rows, cli_rows, server_s = [], [], None
     with tempfile.TemporaryDirectory(prefix="mllm-bench-data-") as tmp_name:
         tmp = Path(tmp_name)
         # Before the first import of prefect or mlflow: they read these once.
         env = {**prefect_env(tmp / "home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
         os.environ.clear()
         os.environ.update(env)
-        print("1. the prepare flow in this process", flush=True)
-        flow_rows, server_s = in_process(source, tmp)
-        print("2. the mllm-pipeline prepare command", flush=True)
-        cli_rows = cli_runs(source, tmp)
-        print(f"3. tokenize (and vocabulary, split up to {more_up_to} MB) on {' and '.join(f'{s} MB' for s in sizes)}",
-              flush=True)
+        if not args.scale_only:
+            print("1. the prepare flow in this process", flush=True)
+            flow_rows, server_s = in_process(source, tmp)
+            print("2. the mllm-pipeline prepare command", flush=True)
+            cli_rows = cli_runs(source, tmp)
+        print(f"3. tokenize on {' and '.join(f'{s} MB' for s in sizes)} (word up to {args.word_up_to} MB, BPE up to {args.bpe_up_to} MB; "
+              f"char's vocabulary and split up to {more_up_to} MB)", flush=True)
         from mllm.text import read_chunks, strip_gutenberg
 
         body = "".join(strip_gutenberg(read_chunks(str(source))))
-        scale_rows = scale_runs(body, tmp, sizes, more_up_to)
+        scale_rows = scale_runs(body, tmp, sizes, more_up_to, {"word": args.word_up_to, "bpe 2000": args.bpe_up_to})
 
-    print()
-    print(table(flow_rows, [("tokenizer", "tokenizer"), ("run", "run"), *[(s, f"{s} s") for s in STAGES],
-                            ("flow_s", "flow s"), ("tokens", "tokens"), ("vocab", "vocab"), ("load", "load avg")]))
-    print(f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
-          f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n")
-    print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
+    if flow_rows:
+        print()
+        print(table(flow_rows, [("tokenizer", "tokenizer"), ("run", "run"), *[(s, f"{s} s") for s in STAGES],
+                                ("tokenize_mb_per_s", "tokenize MB/s"), ("flow_s", "flow s"), ("tokens", "tokens"), ("vocab", "vocab"), ("load", "load avg")]))
+        print(f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
+              f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n")
+        print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
     print()
     print(table(scale_rows, [("stage", "stage"), ("text_mb", "text MB"), ("seconds", "s"), ("mb_per_s", "MB/s"),
+                             ("cpu_s", "CPU s"), ("mb_per_cpu_s", "MB/CPU s"),
                              ("peak_rss_mb", "peak RSS MB"), ("peak_anon_mb", "peak anonymous MB"),
                              ("peak_file_mb", "peak file-backed MB"), ("start_rss_mb", "RSS at start MB"),
-                             ("load", "load avg")]))
+                             ("added_anon_mb", "anonymous added MB"), ("load", "load avg")]))
     growth = peak_growth(scale_rows)
     print()
     for stage, g in growth.items():
         # A stage that holds the ids of the whole text needs at least 4 bytes (int32) per token.
         verdict = "bounded" if g["anon_mb_per_text_mb"] < 1.0 else "NOT BOUNDED: grows with the text"
-        print(f"{stage}: peak anonymous memory {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
+        print(f"{stage}: anonymous memory added at its peak {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
               f"{g['text_from']:.0f} -> {g['text_to']:.0f} MB of text: {g['anon_mb_per_text_mb']:+.2f} MB per MB "
               f"of text ({verdict}); whole RSS {g['rss_mb_per_text_mb']:+.2f} MB per MB")
     save("data_stages", {"peak_growth": growth, "machine": m, "quick": args.quick, "flow": flow_rows, "prefect_start_s": server_s, "cli": cli_rows,

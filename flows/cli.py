@@ -182,7 +182,7 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
 
     cfg = resolve(recipe, overrides=sets or [], source=source)
     preflight(storage_root(storage))
-    from tasks.data import open_source
+    from mllm.corpus import open_source
 
     open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
     return cfg

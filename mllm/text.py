@@ -1,7 +1,8 @@
-"""Text in, tokens out: streaming reading, Project Gutenberg stripping and the tokenizers.
+"""Text in, tokens out: the char, word and BPE tokenizers (reading and Gutenberg stripping are
+in mllm.corpus, and importable from here too).
 
-Everything streams in chunks (a corpus need not fit in memory twice), and every step gives the
-same result however the text is chunked: a word, a CRLF, a run of spaces or a Gutenberg marker
+Everything streams in chunks (a corpus need not fit in memory twice), and every tokenizer gives
+the same tokens however the text is chunked: a word, a run of spaces or a multi-byte character
 split between two chunks comes out as if it had never been split.
 
     chunks = strip_gutenberg(read_chunks("data/pg2600.txt"))
@@ -11,129 +12,17 @@ split between two chunks comes out as if it had never been split.
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from abc import ABC, abstractmethod
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
+import pyarrow as pa
+
 from mllm import UserError
 from mllm.config import TokenizerConfig
-from mllm.storage import filesystem
-
-# -----------------------------------------------------------------------------
-# reading
-
-
-def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
-    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines."""
-    fs, path = filesystem(url)
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0  # bytes handed to the decoder so far, to say where a bad byte is
-    cr = False  # a chunk ended in "\r": it may be the first half of a "\r\n"
-    first = True
-    try:
-        f = fs.open(path, "rb")
-    except (FileNotFoundError, IsADirectoryError):
-        raise UserError(f"no text file at {url}: check the path or URL") from None
-    with f:
-        while True:
-            data = f.read(chunk_chars)
-            final = not data
-            pending = len(decoder.getstate()[0])
-            try:
-                text = decoder.decode(data, final)
-            except UnicodeDecodeError as e:
-                where = offset - pending + e.start
-                raise UserError(f"{url} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                                f"{where}): convert it to UTF-8 first") from None
-            offset += len(data)
-            if first and text:
-                # A byte order mark says how the file is encoded; it is not part of the text.
-                text = text.removeprefix("\ufeff")
-                first = False
-            if cr:
-                text = "\r" + text
-            cr = not final and text.endswith("\r")
-            if cr:
-                text = text[:-1]
-            text = text.replace("\r\n", "\n").replace("\r", "\n")
-            if text:
-                yield text
-            if final:
-                return
-
-
-# -----------------------------------------------------------------------------
-# Project Gutenberg header and footer
-
-# Marker lines are short; bounding them lets the stream move on past a long line at once
-# instead of waiting for its end to see whether it is a marker.
-_START = re.compile(r"^\*\*\*[ \t]{0,8}START OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}(?:\n|\Z)", re.M)
-_END = re.compile(r"^\*\*\*[ \t]{0,8}END OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}$", re.M)
-_MARKER_MAX = 340  # longer than any line the two patterns match
-# The START line of a Gutenberg book is near the top (the licence header is a few kB); text with
-# no START line there is not a Gutenberg book and passes through unchanged, without our holding
-# the whole corpus in memory looking for one.
-_HEADER_CHARS = 100_000
-
-
-def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
-    """Drop a Project Gutenberg header (through the START line) and footer (from the END line)."""
-    it = iter(chunks)
-    head, scanned = "", 0
-    for chunk in it:
-        head += chunk
-        start = _START.search(head, scanned)
-        if start and start.group().endswith("\n") and start.start() < _HEADER_CHARS:
-            break
-        if len(head) >= _HEADER_CHARS + _MARKER_MAX:
-            yield head
-            yield from it
-            return
-        scanned = head.rfind("\n") + 1  # the complete lines have no START: skip them next time
-    else:
-        start = _START.search(head, scanned)  # the last line may be a START with no newline
-        if not start or start.start() >= _HEADER_CHARS:
-            if head:
-                yield head
-            return
-    yield from _until_end(head[start.end():], it)
-
-
-def _find_end(buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
-    pos = 0 if at_line_start else buf.find("\n") + 1
-    if pos == 0 and not at_line_start:
-        return None
-    return _END.search(buf, pos, endpos)
-
-
-def _until_end(buf: str, it: Iterator[str]) -> Iterator[str]:
-    """Pass text through up to the END marker line; `buf` begins at the start of a line."""
-    at_line_start = True
-    for chunk in it:
-        buf += chunk
-        # Search complete lines only and hold back the last one: it may be the END marker still
-        # arriving.
-        cut = buf.rfind("\n") + 1
-        end = _find_end(buf, at_line_start, cut)
-        if end:
-            if end.start():
-                yield buf[:end.start()]
-            return
-        if cut:
-            at_line_start = True
-        if len(buf) - cut > _MARKER_MAX:
-            cut, at_line_start = len(buf), False  # too long to be a marker: let it go now
-        if cut:
-            yield buf[:cut]
-        buf = buf[cut:]
-    end = _find_end(buf, at_line_start, len(buf))
-    if end:
-        buf = buf[:end.start()]
-    if buf:
-        yield buf
-
+from mllm.corpus import read_chunks, strip_gutenberg  # noqa: F401  (part of this module's API)
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -166,6 +55,12 @@ class Tokenizer(ABC):
     def tokenize(self, chunks: Iterable[str]) -> Iterator[list[str]]:
         """Tokens of a stream of text, one list per piece of it, the same for any chunking."""
 
+    def token_arrays(self, chunks: Iterable[str]) -> Iterator[pa.Array]:
+        """The same tokens as `tokenize`, as Arrow string (or dictionary of string) arrays: what
+        the tokenize stage writes, without a Python object per token where a tokenizer can."""
+        for tokens in self.tokenize(chunks):
+            yield pa.array(tokens, pa.string())
+
     @abstractmethod
     def split(self, text: str) -> list[str]:
         """Tokens of a prompt. Nothing is dropped, so the caller can name what the vocab lacks."""
@@ -185,16 +80,43 @@ class Tokenizer(ABC):
         return f"{type(self).__name__}(normalize={self.normalize})"
 
 
+# The characters the normalising char tokenizer keeps. All ASCII, so it works on the UTF-8 bytes:
+# every byte of a non-ASCII character is >= 0x80 and dropped with it.
+_CHAR_KEPT = " !,-.0123456789;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_CHAR_DROP = bytes(sorted(set(range(256)) - {ord(c) for c in _CHAR_KEPT + "\n"}))
+_CHAR_NEWLINE_TO_SPACE = bytes.maketrans(b"\n", b" ")
+# The dictionary of the normalised token arrays: every ASCII character, so that a kept byte is
+# its own index (no lookup per token); readers count only the entries that occur.
+_ASCII = pa.array([chr(i) for i in range(128)], pa.string())
+
+
 class CharTokenizer(Tokenizer):
     """One token per character.
 
     normalize=True is the reference War and Peace recipe: keep only [A-Za-z0-9 \\-.;,\\n?!], then
     every run of newlines and spaces becomes one space (paragraphs are not worth a token class).
+    It works on bytes with C-speed bytes methods, not one Python string per character: the
+    tokenize stage streams hundreds of MB through it.
     """
 
     kind = "char"
-    _DROP = re.compile(r"[^A-Za-z0-9 \-.;,\n?!]+")
     _SPACE = re.compile(r"[ \n]+")
+
+    def _normalized(self, chunks: Iterable[str]) -> Iterator[np.ndarray]:
+        """The normalised text of each chunk as ASCII bytes (uint8), empty pieces skipped."""
+        space = False  # the last token so far was a space: a run may continue into this chunk
+        for chunk in chunks:
+            b = np.frombuffer(chunk.encode("utf-8").translate(_CHAR_NEWLINE_TO_SPACE, _CHAR_DROP), dtype=np.uint8)
+            if not len(b):
+                continue
+            is_space = b == 32
+            keep = np.empty(len(b), dtype=bool)
+            keep[0] = not (space and is_space[0])
+            np.logical_not(is_space[1:] & is_space[:-1], out=keep[1:])  # the first of each run stays
+            b = b[keep]
+            if len(b):
+                space = bool(is_space[-1])
+                yield b
 
     def tokenize(self, chunks):
         if not self.normalize:
@@ -202,19 +124,34 @@ class CharTokenizer(Tokenizer):
                 if chunk:
                     yield list(chunk)
             return
-        space = False  # the last token so far was a space: a run may continue into this chunk
-        for chunk in chunks:
-            text = self._SPACE.sub(" ", self._DROP.sub("", chunk))
-            if space and text.startswith(" "):
-                text = text[1:]
-            if text:
-                space = text.endswith(" ")
-                yield list(text)
+        for b in self._normalized(chunks):
+            yield list(b.tobytes().decode("ascii"))
+
+    def token_arrays(self, chunks):
+        if not self.normalize:
+            for chunk in chunks:
+                if chunk:
+                    yield _utf8_characters(chunk)
+            return
+        for b in self._normalized(chunks):
+            yield pa.DictionaryArray.from_arrays(pa.array(b.view(np.int8)), _ASCII)
 
     def split(self, text):
         if self.normalize:
             text = self._SPACE.sub(" ", text)
         return list(text)
+
+
+def _utf8_characters(text: str) -> pa.Array:
+    """Each character of `text` as a string of its own: the UTF-8 bytes once, cut at every byte
+    that starts a character (anything but a continuation byte 0b10xxxxxx)."""
+    data = text.encode("utf-8")
+    b = np.frombuffer(data, dtype=np.uint8)
+    starts = np.flatnonzero((b & 0xC0) != 0x80)
+    offsets = np.empty(len(starts) + 1, dtype=np.int32)  # a chunk is far below 2 GB
+    offsets[:-1] = starts
+    offsets[-1] = len(b)
+    return pa.Array.from_buffers(pa.string(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
 
 class _CutTokenizer(Tokenizer):
@@ -227,16 +164,19 @@ class _CutTokenizer(Tokenizer):
     @abstractmethod
     def _tokens(self, text: str) -> list[str]: ...
 
-    def tokenize(self, chunks):
+    def _pieces(self, chunks: Iterable[str]) -> Iterator[str]:
         carry = ""
         for chunk in chunks:
             text = carry + chunk
             cut = self._cut(text)
             carry = text[cut:]
-            if tokens := self._tokens(text[:cut]):
+            yield text[:cut]
+        yield carry
+
+    def tokenize(self, chunks):
+        for piece in self._pieces(chunks):
+            if tokens := self._tokens(piece):
                 yield tokens
-        if tokens := self._tokens(carry):
-            yield tokens
 
     def split(self, text):
         return self._tokens(text)
@@ -295,6 +235,7 @@ class BpeTokenizer(_CutTokenizer):
         self._itos = [""] * hf.get_vocab_size()
         for piece, i in hf.get_vocab().items():
             self._itos[i] = piece
+        self._pieces_arrow = pa.array(self._itos, pa.string())
 
     @classmethod
     def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":
@@ -312,7 +253,7 @@ class BpeTokenizer(_CutTokenizer):
     def _cut(self, text: str) -> int:
         return max(_last_match(self._SAFE_CUT, text), 0)
 
-    def _tokens(self, text: str) -> list[str]:
+    def _ids(self, text: str) -> np.ndarray:
         # Encoding pieces as a batch lets the Rust side use every core.
         pieces, i = [], 0
         while len(text) - i > self._PIECE:
@@ -324,8 +265,18 @@ class BpeTokenizer(_CutTokenizer):
         pieces.append(text[i:])
         # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which we do not need.
         encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        ids = [np.asarray(enc.ids, dtype=np.int32) for enc in encode(pieces, add_special_tokens=False)]
+        return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
+
+    def _tokens(self, text: str) -> list[str]:
         itos = self._itos
-        return [itos[i] for enc in encode(pieces, add_special_tokens=False) for i in enc.ids]
+        return [itos[i] for i in self._ids(text).tolist()]
+
+    def token_arrays(self, chunks):
+        for piece in self._pieces(chunks):
+            ids = self._ids(piece)
+            if len(ids):
+                yield pa.DictionaryArray.from_arrays(pa.array(ids), self._pieces_arrow)
 
 
     def detokenize(self, tokens):

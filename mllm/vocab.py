@@ -73,10 +73,15 @@ class Vocab:
 
     def encode_array(self, tokens: pa.Array | pa.ChunkedArray | list[str]) -> np.ndarray:
         """Ids of a whole column of tokens at once (Arrow's hash lookup, no Python loop)."""
-        if not isinstance(tokens, (pa.Array, pa.ChunkedArray)):
+        if isinstance(tokens, pa.ChunkedArray):
+            parts = [self.encode_array(chunk) for chunk in tokens.chunks]
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if not isinstance(tokens, pa.Array):
             tokens = pa.array(tokens, type=pa.string())
         if pa.types.is_dictionary(tokens.type):
-            tokens = tokens.cast(tokens.type.value_type)
+            # Look up each distinct token once, then spread the ids over the indices.
+            ids = self.encode_array(tokens.dictionary)
+            return ids[tokens.indices.to_numpy(zero_copy_only=False)]
         values = self._arrow if tokens.type == pa.string() else self._arrow.cast(tokens.type)
         ids = pc.fill_null(pc.index_in(tokens, value_set=values), self.unk_id)
         return np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int32)

@@ -160,6 +160,9 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
         del state
         script = Path(tmp, "text_generator.py")
         script.write_text(served_model.SCRIPT)
+        # MLflow files the logged model under the process's current experiment, which is otherwise
+        # the Default one, with its artifacts in ./mlruns of whatever folder this runs in.
+        mlflow.set_experiment(experiment_id=run.client.get_run(run.run_id).info.experiment_id)
         with warnings.catch_warnings():
             # "no input example": the signature says what goes in, and an example would make
             # MLflow generate text with the model here just to check it.

@@ -161,3 +161,48 @@ def test_the_training_key_digests_the_chosen_family_only(tmp_path: Path) -> None
     recipe["model"] = {"arch": "gpt", "n_embd": 32, "n_head": 4, "block_size": 64}
     path.write_text(yaml.safe_dump(recipe))
     assert "hidden_size" not in resolve(config_file=str(path)).model.model_dump()
+
+
+@pytest.mark.parametrize("case", ["folder", "utf16-without-bom"])
+def test_folder_and_utf16_without_bom_fail_with_one_line_and_leave_nothing(case: str, tmp_path: Path) -> None:
+    if case == "folder":
+        src = tmp_path / "books"
+        src.mkdir()
+        (src / "book.txt").write_text(make_text(200), encoding="utf-8")
+        needles = ["is a folder", "give the text file", str(src)]
+    else:
+        src = tmp_path / "corpus.txt"
+        src.write_bytes(make_text(200).encode("utf-16-le"))
+        needles = ["UTF-16", "iconv -f utf-16le -t utf-8"]
+    root = tmp_path / "storage"
+    out = cli("prepare", "--recipe", "smoke", "--source", str(src), "--storage", str(root))
+    _assert_one_line_error(out, *needles)
+    assert "binary" not in out.stderr and "not found" not in out.stderr
+    _no_outputs(root)
+
+
+def test_utf16_file_of_three_gutenberg_books_is_converted_and_keeps_every_book(tmp_path: Path) -> None:
+    import codecs
+    import hashlib
+    import json
+
+    import pyarrow.parquet as pq
+
+    bodies = [f"\r\nCHAPTER I\r\n\r\n{w} was here. " * 40 + f"\r\nThe end of {w}.\r\n" for w in ("Natasha", "Hamlet", "Ishmael")]
+    text = "".join(f"The Project Gutenberg eBook of {t}\r\n*** START OF THE PROJECT GUTENBERG EBOOK {t} ***\r\n{b}"
+                   f"*** END OF THE PROJECT GUTENBERG EBOOK {t} ***\r\nSection 1. Licence terms.\r\n"
+                   for t, b in zip(("WAR", "HAMLET", "MOBY"), bodies))
+    src = tmp_path / "books.txt"
+    src.write_bytes(codecs.BOM_UTF16_LE + text.encode("utf-16-le"))
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()  # a pinned data.sha256 is the file's, as sha256sum says
+    root = tmp_path / "storage"
+    out = cli("prepare", "--recipe", "smoke", "--source", str(src), "--storage", str(root), "--set", f"data.sha256={sha}")
+    assert out.returncode == 0, out.stderr
+    assert "UTF-16-LE: stored converted to UTF-8" in out.stdout + out.stderr
+    assert (root / "raw" / f"{sha}.txt").read_bytes() == text.encode("utf-8")
+    assert json.loads((root / "raw" / f"{sha}.json").read_text())["encoding"] == "utf-16-le"
+    (tokens,) = (root / "tokens").iterdir()
+    kept = "".join(t for row in pq.read_table(tokens / "part-0.parquet").column("tokens").to_pylist() for t in row)
+    for w in ("Natasha", "Hamlet", "Ishmael"):
+        assert kept.count(f"{w} was here.") == 40 and f"The end of {w}." in kept
+    assert "Gutenberg" not in kept and "Licence" not in kept and "CHAPTER I" in kept

@@ -34,3 +34,16 @@ def _imports(folder: str) -> set[str]:
 def test_imports_point_down_only() -> None:
     assert not _imports("mllm") & {"prefect", "mlflow", "tasks", "flows"}
     assert "flows" not in _imports("tasks")
+
+
+def test_the_data_tasks_hold_no_tokenizer_parquet_or_split_logic() -> None:
+    # The data work lives in mllm (corpus, tokens, splits); tasks/data.py only makes it a stage.
+    tree = ast.parse((ROOT / "tasks" / "data.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module)
+    assert not {m for m in imported if m.split(".")[0] in ("pyarrow", "numpy", "tokenizers", "codecs", "tempfile")}
+    assert not {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & {"np", "pa", "pq", "pc"}

@@ -1,0 +1,351 @@
+"""A corpus source: opening it, checking that it is text, copying it into storage as UTF-8, and
+reading it back as a stream of text with the Project Gutenberg headers and licences gone.
+
+One decoder (`TextDecoder`) serves both the download and every later read of the text, so a
+file is judged the same way everywhere: a byte order mark says which Unicode encoding it is in
+(UTF-8, UTF-16 or UTF-32, little or big endian); with none it must be UTF-8, and a file that is
+not gets a one-line UserError that says what it looks like (Latin-1, UTF-16 without a BOM,
+binary) and how to convert it.
+
+    info = download("https://.../pg2600.txt", dest=lambda sha: f"{root}/raw/{sha}.txt")
+    for chunk in strip_gutenberg(read_chunks(info.url)): ...
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Iterable, Iterator
+
+from mllm import UserError, storage
+from mllm.storage import filesystem
+
+BLOCK = 1 << 20
+
+# UTF-32 first: its little-endian BOM begins with UTF-16's.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
+         (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_BOM_MAX = 4
+
+
+class SourceUnreachable(UserError):
+    """The source could not be read for a reason that may pass (network): worth a retry."""
+
+    transient = True
+
+
+def describe(source: str) -> str:
+    """How to name a source to the user: a URL as given, a path made absolute."""
+    return source if "://" in source else os.path.abspath(source)
+
+
+def open_source(source: str) -> tuple[Any, str, Any]:
+    """Open a corpus for reading: (filesystem, path, binary file). A missing file or a folder is
+    a UserError; a network failure is SourceUnreachable, which a caller may retry."""
+    if not source:
+        raise UserError("no data source: pass --source URL (a path, file://, s3:// or https://)")
+    if "://" not in source:
+        if os.path.isdir(source):
+            raise UserError(f"source {describe(source)} is a folder: give the text file in it, "
+                            "e.g. --source path/to/book.txt")
+        if not os.path.isfile(source):
+            raise UserError(f"source file {describe(source)} not found: check the path")
+    try:
+        fs, path = storage.filesystem(source)
+        # (HTTP has no folders: isdir there would fetch and parse the page.)
+        if not source.startswith(("http://", "https://")) and fs.isdir(path):
+            raise UserError(f"source {source} is a folder: give the URL of a text file in it")
+        return fs, path, fs.open(path, "rb")
+    except UserError:
+        raise
+    except Exception as e:
+        # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
+        # FileNotFoundError too; its cause tells them from a real 404.
+        cause = e.__cause__ if isinstance(e, FileNotFoundError) else e
+        if isinstance(e, FileNotFoundError) and (cause is None or _is_http_status(cause)):
+            raise UserError(f"source {source} not found: check the URL or path") from None
+        raise SourceUnreachable(
+            f"cannot download {source} ({short(cause)}): pass a local copy with "
+            "--source path/to/file.txt (make run SOURCE=path/to/file.txt)"
+        ) from None
+
+
+class TextDecoder:
+    """Bytes of a text file to str, fed in blocks of any size, checking as it goes.
+
+    The encoding is decided by the first bytes: a BOM names it (and is dropped), no BOM means
+    UTF-8. Decoding is strict: a byte that does not belong is a UserError naming its offset in
+    the file, never a replacement character in the corpus.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.encoding: str | None = None  # known once the first bytes are in
+        self.bom = 0
+        self._head = b""
+        self._decoder: Any = None
+        self._offset = 0  # bytes handed to the decoder so far, to say where a bad byte is
+
+    def decode(self, block: bytes, final: bool = False) -> str:
+        if self._decoder is None:
+            self._head += block
+            if len(self._head) < _BOM_MAX and not final:
+                return ""
+            block, self._head = self._head, b""
+            self.encoding = "utf-8"
+            for bom, encoding in _BOMS:
+                if block.startswith(bom):
+                    self.encoding, self.bom, block = encoding, len(bom), block[len(bom):]
+                    break
+            self._decoder = codecs.getincrementaldecoder(self.encoding)("strict")
+        if self.encoding == "utf-8" and b"\x00" in block:
+            raise UserError(self._nul_message(block))
+        pending = len(self._decoder.getstate()[0])
+        try:
+            text = self._decoder.decode(block, final)
+        except UnicodeDecodeError as e:
+            where = self.bom + self._offset - pending + e.start
+            if final and e.end >= len(e.object) and e.reason.startswith(("unexpected end", "truncated")):
+                raise UserError(f"{self.name} ends in the middle of a character: the file is truncated, "
+                                "download it again") from None
+            if self.encoding != "utf-8":
+                raise UserError(f"{self.name} is not valid {self.encoding.upper()} text (its byte order mark "
+                                f"says so; bad data at offset {where}): convert it to UTF-8 first") from None
+            raise UserError(f"{self.name} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {where}): "
+                            "convert it, e.g. iconv -f latin1 -t utf-8 in.txt > out.txt") from None
+        self._offset += len(block)
+        if "\x00" in text:
+            raise UserError(f"{self.name} looks binary (it holds NUL characters): give a plain-text file")
+        return text
+
+    @property
+    def source_encoding(self) -> str:
+        """The file's encoding as found: utf-8, utf-8-sig (with a BOM), utf-16-le, ..."""
+        if self.encoding == "utf-8" and self.bom:
+            return "utf-8-sig"
+        return self.encoding or "utf-8"
+
+    def _nul_message(self, block: bytes) -> str:
+        # ASCII text in UTF-16 without a BOM: every other byte is NUL, the odd ones in little
+        # endian, the even ones in big endian.
+        sample = block[:1 << 16]
+        half = len(sample) // 2
+        even, odd = sample[0::2].count(0), sample[1::2].count(0)
+        if (self.bom + self._offset) % 2:  # this block starts at an odd offset in the file
+            even, odd = odd, even
+        if half >= 2 and max(even, odd) >= 0.4 * half and min(even, odd) <= 0.05 * half:
+            enc = "utf-16le" if odd > even else "utf-16be"
+            return (f"{self.name} looks like UTF-16 text without a byte order mark (NUL every other byte): "
+                    f"convert it, e.g. iconv -f {enc} -t utf-8 in.txt > out.txt")
+        return f"{self.name} looks binary (it holds NUL bytes): give a plain-text file"
+
+
+@dataclass
+class Downloaded:
+    source: str
+    url: str  # where the UTF-8 copy now is
+    sha256: str  # of the source's own bytes (what sha256sum prints for it)
+    bytes: int  # of the source
+    encoding: str  # the source's: utf-8, or the one its byte order mark named (utf-8-sig, utf-16-le, ...)
+
+    @property
+    def converted(self) -> bool:
+        return self.encoding != "utf-8"
+
+
+def download(source: str, dest: Callable[[str], str], sha256: str | None = None,
+             progress: Callable[[int, int | None], None] | None = None) -> Downloaded:
+    """Copy `source` to `dest(sha256)` as UTF-8 text, after checking all of it.
+
+    `sha256` pins the source: the digest of its bytes exactly as they are at the source (what
+    `sha256sum file` prints), before any conversion, so a user can compute it without mllm. The
+    copy is named after that same digest. A UTF-16 or UTF-32 file (with a byte order mark) is
+    stored converted to UTF-8, and a UTF-8 BOM is dropped: every later stage reads plain UTF-8.
+    Nothing is written to `dest` unless the whole source passed the checks.
+    """
+    fs, path, src = open_source(source)
+    size = _size(fs, path)
+    digest = hashlib.sha256()
+    decoder = TextDecoder(source)
+    n = 0
+    chars = False  # any text at all after a BOM
+    tmp = tempfile.NamedTemporaryFile(prefix="mllm-download-", suffix=".txt", delete=False)
+    try:
+        with src, tmp:
+            while True:
+                try:
+                    block = src.read(BLOCK)
+                except Exception as e:
+                    raise SourceUnreachable(f"download of {source} broke off ({short(e)}): try again") from None
+                text = decoder.decode(block, final=not block)
+                chars = chars or bool(text)
+                # Strictly decoded UTF-8 encodes back to the same bytes; anything else is converted.
+                tmp.write(text.encode("utf-8"))
+                if not block:
+                    break
+                digest.update(block)
+                n += len(block)
+                if progress:
+                    progress(n, size)
+        if n == 0 or not chars:
+            raise UserError(f"{source} is empty: give a file with text in it")
+        sha = digest.hexdigest()
+        if sha256 and sha != sha256:
+            raise UserError(f"{source} has sha256 {sha}, not the pinned {sha256}: the source changed; "
+                            "update data.sha256 or remove it")
+        url = dest(sha)
+        if not storage.exists(url):
+            with open(tmp.name, "rb") as f, storage.atomic_open(url) as out:
+                shutil.copyfileobj(f, out, BLOCK)
+        return Downloaded(source=describe(source), url=url, sha256=sha, bytes=n, encoding=decoder.source_encoding)
+    finally:
+        if os.path.exists(tmp.name):
+            os.remove(tmp.name)
+
+
+def _size(fs: Any, path: str) -> int | None:
+    try:
+        return int(fs.size(path))
+    except Exception:  # a server that does not say; progress then just counts
+        return None
+
+
+def _is_http_status(e: BaseException) -> bool:
+    """An answer from the server (404, 403, ...), as opposed to no answer at all."""
+    return type(e).__name__ == "ClientResponseError" or getattr(e, "status", None) is not None
+
+
+def short(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return msg[:200]
+
+
+# -----------------------------------------------------------------------------
+# reading
+
+
+def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines.
+
+    The bytes are checked as the download checked them (mllm.corpus.TextDecoder): a byte order
+    mark chooses the encoding and is dropped, and anything that is not text is a UserError.
+    """
+    fs, path = filesystem(url)
+    decoder = TextDecoder(url)
+    cr = False  # a chunk ended in "\r": it may be the first half of a "\r\n"
+    try:
+        f = fs.open(path, "rb")
+    except (FileNotFoundError, IsADirectoryError):
+        raise UserError(f"no text file at {url}: check the path or URL") from None
+    with f:
+        while True:
+            data = f.read(chunk_chars)
+            final = not data
+            text = decoder.decode(data, final)
+            if cr:
+                text = "\r" + text
+            cr = not final and text.endswith("\r")
+            if cr:
+                text = text[:-1]
+            if "\r" in text:  # most texts have none: two copies of each chunk saved
+                text = text.replace("\r\n", "\n").replace("\r", "\n")
+            if text:
+                yield text
+            if final:
+                return
+
+
+# -----------------------------------------------------------------------------
+# Project Gutenberg header and footer
+
+# Marker lines are short; bounding them lets the stream move on past a long line at once
+# instead of waiting for its end to see whether it is a marker.
+_START = re.compile(r"^\*\*\*[ \t]{0,8}START OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}(?:\n|\Z)", re.M)
+_END = re.compile(r"^\*\*\*[ \t]{0,8}END OF\b[^\n]{0,300}?\*\*\*[ \t\r]{0,8}$", re.M)
+_MARKER_MAX = 340  # longer than any line the two patterns match
+# The START line of a Gutenberg book is near the top (the licence header is a few kB); text with
+# no START line there is not a Gutenberg book and passes through unchanged, without our holding
+# the whole corpus in memory looking for one.
+_HEADER_CHARS = 100_000
+
+
+def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
+    """Keep only the books' text: drop each Project Gutenberg header (through its START line) and
+    licence (from its END line up to the next book's START line).
+
+    A file of several books one after the other keeps every book's body. Text with no START line
+    near its top is not from Gutenberg and passes through unchanged; a book with no END line
+    keeps everything after its START.
+    """
+    it = iter(chunks)
+    head, scanned = "", 0
+    for chunk in it:
+        head += chunk
+        start = _START.search(head, scanned)
+        if start and start.group().endswith("\n") and start.start() < _HEADER_CHARS:
+            break
+        if len(head) >= _HEADER_CHARS + _MARKER_MAX:
+            yield head
+            yield from it
+            return
+        scanned = head.rfind("\n") + 1  # the complete lines have no START: skip them next time
+    else:
+        start = _START.search(head, scanned)  # the last line may be a START with no newline
+        if not start or start.start() >= _HEADER_CHARS:
+            if head:
+                yield head
+            return
+    rest: str | None = head[start.end():]
+    while rest is not None:
+        rest = yield from _through(_END, rest, it, keep=True)
+        if rest is None:
+            return
+        # Licence and the next book's header: dropped up to its START line, if there is one.
+        rest = yield from _through(_START, rest, it, keep=False)
+
+
+def _find(marker: re.Pattern, buf: str, at_line_start: bool, endpos: int) -> re.Match | None:
+    pos = 0 if at_line_start else buf.find("\n") + 1
+    if pos == 0 and not at_line_start:
+        return None
+    return marker.search(buf, pos, endpos)
+
+
+def _through(marker: re.Pattern, buf: str, it: Iterator[str], keep: bool) -> Generator[str, None, str | None]:
+    """Pass on (keep) or drop the text up to the first `marker` line; return the text after that
+    line, or None when the stream ended first. `buf` begins at the start of a line.
+
+    Only complete lines are searched, and the last one is held back (it may be a marker still
+    arriving), so memory stays at one chunk plus one marker line.
+    """
+    at_line_start = True
+    while True:
+        chunk = next(it, None)
+        if chunk is None:
+            found = _find(marker, buf, at_line_start, len(buf))
+            if found:
+                if keep and found.start():
+                    yield buf[:found.start()]
+                return buf[found.end():]
+            if keep and buf:
+                yield buf
+            return None
+        buf += chunk
+        cut = buf.rfind("\n") + 1
+        found = _find(marker, buf, at_line_start, cut)
+        if found:
+            if keep and found.start():
+                yield buf[:found.start()]
+            return buf[found.end():]
+        if cut:
+            at_line_start = True
+        if len(buf) - cut > _MARKER_MAX:
+            cut, at_line_start = len(buf), False  # too long to be a marker: let it go now
+        if keep and cut:
+            yield buf[:cut]
+        buf = buf[cut:]

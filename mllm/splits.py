@@ -1,0 +1,127 @@
+"""Train/val/test splits: which tokens go where, and the arrays training reads.
+
+Each split is written twice: a flat int32 `.npy` that training memory-maps, and a Parquet file
+(`token_id: int32`) for anything else that reads columns. Both are filled row group by row
+group, so memory stays bounded whatever the corpus's size.
+
+    plan = split_plan(n_tokens, cfg)
+    parts = write_splits(tokens_folder, vocab, tokenizer, plan, out_folder)
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mllm import UserError, storage
+from mllm.config import SplitConfig
+from mllm.text import Tokenizer
+from mllm.tokens import token_batches
+from mllm.vocab import Vocab
+
+NAMES = ("train", "val", "test")
+ROW_GROUP_IDS = 1 << 20  # token ids per row group of a split's Parquet file
+
+Plan = list[tuple[int, int, str]]  # segments (start, end, split name) covering the tokens in order
+
+
+@dataclass
+class WrittenSplit:
+    name: str
+    n_tokens: int
+    n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
+
+
+def split_plan(n: int, cfg: SplitConfig) -> Plan:
+    """Segments (start, end, split) that cover the n tokens in order.
+
+    Contiguous: train, then val, then test. Otherwise the text is cut into blocks of
+    `shuffle_chunk` tokens and a seeded permutation picks which blocks go to val and test, so
+    each split still holds runs of running text.
+    """
+    if cfg.contiguous:
+        n_val, n_test = int(n * cfg.val_fraction), int(n * cfg.test_fraction)
+        n_train = n - n_val - n_test
+        plan = [(0, n_train, "train"), (n_train, n_train + n_val, "val"), (n_train + n_val, n, "test")]
+    else:
+        n_blocks = -(-n // cfg.shuffle_chunk)
+        order = np.random.default_rng(cfg.seed).permutation(n_blocks)
+        n_val = round(n_blocks * cfg.val_fraction)
+        n_test = round(n_blocks * cfg.test_fraction)
+        owner = np.full(n_blocks, 0)
+        owner[order[:n_val]] = 1
+        owner[order[n_val:n_val + n_test]] = 2
+        plan = [(b * cfg.shuffle_chunk, min(n, (b + 1) * cfg.shuffle_chunk), NAMES[owner[b]])
+                for b in range(n_blocks)]
+    plan = [seg for seg in plan if seg[1] > seg[0]]
+    sizes = plan_sizes(plan)
+    if sizes["train"] < 2 or sizes["val"] < 2 or (cfg.test_fraction and sizes["test"] < 2):
+        raise UserError(
+            f"the corpus has only {n} tokens: too few for a {cfg.val_fraction:g} validation"
+            f"{f' and {cfg.test_fraction:g} test' if cfg.test_fraction else ''} split; give a longer text"
+            f"{'' if cfg.contiguous else ' or a smaller split.shuffle_chunk'}"
+        )
+    return plan
+
+
+def plan_sizes(plan: Plan) -> dict[str, int]:
+    sizes = dict.fromkeys(NAMES, 0)
+    for start, end, name in plan:
+        sizes[name] += end - start
+    return sizes
+
+
+def bytes_per_token(vocab: Vocab, tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes of the text each vocabulary entry stands for, indexed by id."""
+    # Word tokens stand for a word and the space after it.
+    extra = 1 if tokenizer.kind == "word" else 0
+    return np.array([len(tokenizer.detokenize([t]).encode("utf-8")) + extra for t in vocab.itos],
+                    dtype=np.int64)
+
+
+def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
+                 out: str) -> list[WrittenSplit]:
+    """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`."""
+    sizes = plan_sizes(plan)
+    names = [s for s in NAMES if sizes[s]]
+    token_bytes = bytes_per_token(vocab, tokenizer)
+    fs, path = storage.filesystem(out)
+    written = []
+    with tempfile.TemporaryDirectory(prefix="mllm-split-") as tmp:
+        # The .npy files fill out of order (segments interleave): local memory maps, copied to
+        # storage once complete.
+        arrays = {s: np.lib.format.open_memmap(os.path.join(tmp, f"{s}.npy"), mode="w+",
+                                               dtype=np.int32, shape=(sizes[s],)) for s in names}
+        filled = dict.fromkeys(names, 0)
+        segments = iter(plan)
+        _, end, name = next(segments)
+        pos = 0
+        for flat in token_batches(tokens_folder):
+            ids = vocab.encode_array(flat)
+            while len(ids):
+                if pos == end:
+                    _, end, name = next(segments)
+                take = min(len(ids), end - pos)
+                arrays[name][filled[name]:filled[name] + take] = ids[:take]
+                filled[name] += take
+                pos += take
+                ids = ids[take:]
+        for s in names:
+            arr = arrays.pop(s)
+            arr.flush()
+            fs.put(os.path.join(tmp, f"{s}.npy"), f"{path}/{s}.npy")
+            n_bytes = 0
+            schema = pa.schema([("token_id", pa.int32())])
+            with fs.open(f"{path}/{s}.parquet", "wb") as f, pq.ParquetWriter(f, schema, compression="zstd") as w:
+                for i in range(0, len(arr), ROW_GROUP_IDS):
+                    ids = np.asarray(arr[i:i + ROW_GROUP_IDS])
+                    w.write_table(pa.table({"token_id": pa.array(ids, pa.int32())}, schema=schema))
+                    n_bytes += int(token_bytes[ids].sum())
+            written.append(WrittenSplit(s, sizes[s], n_bytes))
+            del arr
+    return written
