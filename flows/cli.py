@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import sys
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from flows.terminal import console, flows_module, progress, user_errors
 from mllm import UserError
 from mllm.config import METHODS, recipe_dict, recipe_names, resolve
 from mllm.redact import scrub
-from mllm.storage import hide_credentials, unreachable
+from mllm.storage import hide_credentials
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A reproducible training pipeline for small language models.")
-console = Console(stderr=True)
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[str], typer.Option("--source", "-s", help="Corpus: a path, file://, s3:// or https:// URL.")]
@@ -27,112 +21,11 @@ Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root 
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {scrub(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
 def _without_credentials(source: str | None, sets: list[str] | None) -> tuple[str | None, list[str]]:
     """The source and overrides with any user:password taken out of URLs (kept in memory for the
     download): the flow's parameters, which Prefect stores, never hold one."""
     sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
     return (hide_credentials(source) if source else None), sets
-
-
-@contextlib.contextmanager
-def _user_errors() -> Iterator[None]:
-    """A user's mistake ends the command with one line and exit status 2, never a traceback."""
-    try:
-        yield
-    except UserError as e:
-        _fail(str(e))
-    except Exception as e:
-        message = unreachable(e)
-        if message is None:
-            raise
-        _fail(message)
-    except KeyboardInterrupt:
-        _fail("interrupted: outputs already finished are kept; run the same command to continue")
-
-
-class _QuietAfterUserError(logging.Filter):
-    """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
-    failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
-    from the console from the first of them on. Prefect's run record keeps them all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failed = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.failed:
-            return False
-        exc = record.exc_info[1] if record.exc_info else None
-        names = {c.__name__ for c in _subclasses(UserError)}
-        message = record.getMessage()
-        if " - Retry " in message:
-            return True  # a passing failure that a retry may mend: the user wants to see it
-        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
-                f"{n}:" in message or f"{n}(" in message for n in names):
-            self.failed = True
-            return False
-        return True
-
-
-def _subclasses(cls: type) -> list[type]:
-    return [cls, *(s for sub in cls.__subclasses__() for s in _subclasses(sub))]
-
-
-_quiet = _QuietAfterUserError()
-
-
-def _flows():
-    """The flows module, imported on first use (Prefect takes seconds to import)."""
-    from flows import pipeline
-    from prefect.logging.handlers import APILogHandler
-
-    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
-    for handler in {h for n in names for h in logging.getLogger(n).handlers}:
-        if not isinstance(handler, APILogHandler) and _quiet not in handler.filters:
-            handler.addFilter(_quiet)
-    # A flow that fails within a second can race its own heartbeat thread against the shutdown
-    # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
-    logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
-    return pipeline
-
-
-@contextlib.contextmanager
-def _progress() -> Iterator[None]:
-    """Progress bars for download, tokenization and training, fed by the tasks' hook."""
-    import tasks
-
-    if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
-        yield
-        return
-    bars: dict[str, Any] = {}
-    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, transient=False)
-
-    def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
-        if stage not in bars:
-            bars[stage] = progress.add_task(stage, total=total, info="")
-        info = ""
-        if stage == "train":
-            loss = f.get("train_loss")
-            info = f"step {int(completed)}/{int(total or 0)}" + (f" loss {loss:.4f}" if loss is not None else "") \
-                + f" {f.get('tokens_per_s', 0):,.0f} tok/s"
-        elif stage == "download":
-            info = f"{completed / 1e6:.1f} MB"
-        elif stage == "tokenize":
-            info = f"{int(completed):,} tokens"
-        progress.update(bars[stage], completed=completed, total=total, info=info)
-
-    tasks.progress_hook = hook
-    try:
-        with progress:
-            yield
-    finally:
-        tasks.progress_hook = None
 
 
 Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
@@ -148,14 +41,14 @@ Force = Annotated[bool, typer.Option("--force", help="Train even if the champion
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
-    with _user_errors():
+    with user_errors():
         source, set_ = _without_credentials(source, set_)
         _resolve(recipe, set_, source, storage)
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
-        fl = _flows()
+        fl = flows_module()
         root = fl.storage_root(storage)
-        with _progress():
+        with progress():
             result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags,
                                  train_on=train_on, force=force)
         c = result.champion
@@ -198,9 +91,9 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
 def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
     """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
     return the last one's result."""
-    fl = _flows()
+    fl = flows_module()
     root = fl.storage_root(storage)
-    with _progress():
+    with progress():
         data = fl.with_results(fl.prepare, root)(cfg, root)
         if last == "prepare":
             return data
@@ -214,7 +107,7 @@ def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) ->
 def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
             set_: Sets = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
-    with _user_errors():
+    with user_errors():
         data = _run_stages(_resolve(recipe, set_, source, storage), storage, "prepare")
         s = data.splits
         typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
@@ -226,7 +119,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
 def train(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
           set_: Sets = None, train_on: TrainOn = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
-    with _user_errors():
+    with user_errors():
         from flows.launch import training_pool
 
         trained = _run_stages(_resolve(recipe, set_, source, storage), storage, "train", training_pool(recipe, train_on))
@@ -239,7 +132,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
              set_: Sets = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
-    with _user_errors():
+    with user_errors():
         evaluation, _ = _run_stages(_resolve(recipe, set_, source, storage), storage, "evaluate")
         typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
                    f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
@@ -262,7 +155,7 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
     """Generate text from a checkpoint, an MLflow run's model, or a registered model.
 
     Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
-    with _user_errors():
+    with user_errors():
         if sum(x is not None for x in (checkpoint, run, model)) != 1:
             raise UserError("give exactly one of --checkpoint URL, --run RUN_ID or --model NAME@champion")
         if method is not None and method not in METHODS:
@@ -281,7 +174,7 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
         params = {k: v for k, v in dict(given, method=method).items() if v is not None}
         from flows import runs
 
-        storage_root = _flows().storage_root
+        storage_root = flows_module().storage_root
 
         root = storage_root(storage)
         typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params))
@@ -293,10 +186,10 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
               json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
               storage: Storage = None) -> None:
     """Recent training runs in MLflow: id, recipe, commit, val loss, status."""
-    with _user_errors():
+    with user_errors():
         from flows import runs
 
-        storage_root = _flows().storage_root
+        storage_root = flows_module().storage_root
 
         rows = runs.list_runs(storage_root(storage), limit, recipe)
         if json_:
@@ -314,10 +207,10 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
 def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to reproduce.")],
               storage: Storage = None) -> None:
     """Re-run a run at its git commit with its recorded config and data, and compare metrics."""
-    with _user_errors():
+    with user_errors():
         from flows import runs
 
-        storage_root = _flows().storage_root
+        storage_root = flows_module().storage_root
 
         result = runs.reproduce(storage_root(storage), run_id)
         typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']}")
@@ -354,7 +247,7 @@ def schedule(ctx: typer.Context,
              delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    with _user_errors():
+    with user_errors():
         if recipe is None:
             raise UserError("give --recipe NAME (and --cron or --interval), or use `mllm-pipeline schedule list`")
         from flows import schedule as sched
@@ -374,7 +267,7 @@ def schedule(ctx: typer.Context,
 @schedule_app.command("list")
 def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
     """The scheduled recipes: schedule, paused or not, next and last run."""
-    with _user_errors():
+    with user_errors():
         from flows import schedule as sched
 
         rows = sched.list_schedules()
@@ -402,10 +295,10 @@ def stack_up(home: StackHome = None, storage: Storage = None,
              prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
              mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000) -> None:
     """Start the stack (MLflow's artifacts go to the storage root) and print its URLs."""
-    with _user_errors():
+    with user_errors():
         from flows import stack
 
-        root = _flows().storage_root(storage)
+        root = flows_module().storage_root(storage)
         folder = stack.stack_home(home)
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
@@ -418,7 +311,7 @@ def stack_up(home: StackHome = None, storage: Storage = None,
 @stack_app.command("down")
 def stack_down(home: StackHome = None) -> None:
     """Stop what `stack up` started, and only that."""
-    with _user_errors():
+    with user_errors():
         from flows import stack
 
         stopped = stack.down(stack.stack_home(home))

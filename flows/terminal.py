@@ -1,0 +1,121 @@
+"""What the CLI shows on the terminal: a user's mistake as one `error:` line with exit status 2,
+Prefect's own lines about such a failure kept off the terminal, and progress bars."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Any, Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from mllm import UserError
+from mllm.redact import scrub
+from mllm.storage import unreachable
+
+console = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {scrub(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """A user's mistake ends the command with one line and exit status 2, never a traceback."""
+    try:
+        yield
+    except UserError as e:
+        fail(str(e))
+    except Exception as e:
+        message = unreachable(e)
+        if message is None:
+            raise
+        fail(message)
+    except KeyboardInterrupt:
+        fail("interrupted: outputs already finished are kept; run the same command to continue")
+
+
+class _QuietAfterUserError(logging.Filter):
+    """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
+    failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
+    from the console from the first of them on. Prefect's run record keeps them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.failed:
+            return False
+        exc = record.exc_info[1] if record.exc_info else None
+        names = {c.__name__ for c in _subclasses(UserError)}
+        message = record.getMessage()
+        if " - Retry " in message:
+            return True  # a passing failure that a retry may mend: the user wants to see it
+        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
+                f"{n}:" in message or f"{n}(" in message for n in names):
+            self.failed = True
+            return False
+        return True
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [cls, *(s for sub in cls.__subclasses__() for s in _subclasses(sub))]
+
+
+_quiet = _QuietAfterUserError()
+
+
+def flows_module():
+    """The flows module, imported on first use (Prefect takes seconds to import)."""
+    from flows import pipeline
+    from prefect.logging.handlers import APILogHandler
+
+    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
+    for handler in {h for n in names for h in logging.getLogger(n).handlers}:
+        if not isinstance(handler, APILogHandler) and _quiet not in handler.filters:
+            handler.addFilter(_quiet)
+    # A flow that fails within a second can race its own heartbeat thread against the shutdown
+    # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
+    logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
+    return pipeline
+
+
+@contextlib.contextmanager
+def progress() -> Iterator[None]:
+    """Progress bars for download, tokenization and training, fed by the tasks' hook."""
+    import tasks
+
+    if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
+        yield
+        return
+    bars: dict[str, Any] = {}
+    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                        TimeRemainingColumn(), console=console, transient=False)
+
+    def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
+        if stage not in bars:
+            bars[stage] = progress.add_task(stage, total=total, info="")
+        info = ""
+        if stage == "train":
+            loss = f.get("train_loss")
+            info = f"step {int(completed)}/{int(total or 0)}" + (f" loss {loss:.4f}" if loss is not None else "") \
+                + f" {f.get('tokens_per_s', 0):,.0f} tok/s"
+        elif stage == "download":
+            info = f"{completed / 1e6:.1f} MB"
+        elif stage == "tokenize":
+            info = f"{int(completed):,} tokens"
+        progress.update(bars[stage], completed=completed, total=total, info=info)
+
+    tasks.progress_hook = hook
+    try:
+        with progress:
+            yield
+    finally:
+        tasks.progress_hook = None
