@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from benchmarks.common import OUT, REPO, corpus, header, load, parse_args, save, table
+from tasks.embeddings import pca_picture
 from mllm.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
     split_paragraphs
 from mllm.text import read_chunks, strip_gutenberg
@@ -81,29 +82,8 @@ def softmax_estimate(cfg: CbowConfig, ids, offsets, batch_size: int, epochs: flo
     return {"model": f"mllm, full softmax (estimate from {steps} steps)", "seconds": seconds}
 
 
-def pca_picture(vectors: WordVectors, path: str | Path, n: int = 150, title: str = "") -> None:
-    """The first `n` candidate tokens (the most frequent, in a Vocab's order) on their top two
-    principal components, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [i for i, t in enumerate(vectors.tokens) if t in vectors][:n]
-    x = vectors.unit[rows] - vectors.unit[rows].mean(axis=0)
-    _, _, vt = np.linalg.svd(x, full_matrices=False)
-    xy = x @ vt[:2].T
-    fig, ax = plt.subplots(figsize=(12, 12))
-    ax.scatter(xy[:, 0], xy[:, 1], s=4, alpha=0.4)
-    for (px, py), i in zip(xy, rows):
-        ax.annotate(vectors.tokens[i], (px, py), fontsize=8)
-    ax.set_title(title or f"{n} most frequent words, first two principal components")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-
-
 def recipe(name: str) -> dict:
-    return yaml.safe_load((REPO / "benchmarks" / "recipes" / f"{name}.yaml").read_text())
+    return yaml.safe_load((REPO / "mllm" / "recipes" / f"{name}.yaml").read_text())
 
 
 def paragraphs_of(path: Path) -> list[list[str]]:
@@ -113,7 +93,7 @@ def paragraphs_of(path: Path) -> list[list[str]]:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0],
-                      lambda p: p.add_argument("--recipe", default="cbow", help="benchmarks/recipes/<name>.yaml"))
+                      lambda p: p.add_argument("--recipe", default="cbow", help="mllm/recipes/<name>.yaml"))
     path = corpus("warandpeace")
     try:
         import gensim

@@ -58,7 +58,7 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
             typer.echo(f"mlflow run: {result.mlflow_run_id}")
             return
         t, e = result.trained, result.evaluation
-        typer.echo(f"val loss {e.loss:.4f} ({e.bits_per_byte:.3f} bits/byte) after {t.steps} steps")
+        typer.echo(f"{fl.describe(e)} after {t.steps} steps")
         typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
         typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
         typer.echo(f"mlflow run: {result.mlflow_run_id}")
@@ -134,15 +134,15 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with user_errors():
         evaluation, _ = _run_stages(_resolve(recipe, set_, source, storage), storage, "evaluate")
-        typer.echo(f"val loss {evaluation.loss:.4f}, {evaluation.bits_per_token:.4f} bits/token, "
-                   f"{evaluation.bits_per_byte:.4f} bits/byte; report {evaluation.report}")
+        typer.echo(f"{flows_module().describe(evaluation)}; report {evaluation.report}")
 
 
 @app.command()
 def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
            run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
            model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
-           prompt: Annotated[str, typer.Option(help="Text to continue.")] = "The ",
+           prompt: Annotated[str, typer.Option(
+               help="Text to continue; for word embeddings (cbow), the words whose neighbours to list.")] = "The ",
            method: Annotated[Optional[str], typer.Option(
                help=f"{', '.join(METHODS)} (default: the run's first sample method).")] = None,
            max_new_tokens: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
@@ -151,6 +151,8 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            top_p: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
            beam_width: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            seed: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           neighbours: Annotated[Optional[int], typer.Option(
+               help="Word embeddings: neighbours per word (default: the run's own).")] = None,
            storage: Storage = None) -> None:
     """Generate text from a checkpoint, an MLflow run's model, or a registered model.
 
@@ -167,6 +169,12 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             from mllm.sample import sample_text, with_defaults
 
             loaded = load_checkpoint(checkpoint)
+            if loaded.config.model.arch == "cbow":
+                from tasks.embeddings import neighbours_of
+
+                lines = neighbours_of(loaded, prompt.split(), neighbours or loaded.config.sample.neighbours)
+                typer.echo("\n".join(lines))
+                return
             method = method or loaded.config.sample.methods[0]
             typer.echo(sample_text(loaded, prompt, method, **with_defaults(loaded, **given)))
             return
@@ -177,7 +185,7 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
         storage_root = flows_module().storage_root
 
         root = storage_root(storage)
-        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params))
+        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params, neighbours))
 
 
 @app.command("runs")

@@ -139,7 +139,7 @@ def decision_table(r: PipelineResult) -> str:
         rows.append(("champion", f"{c.name} v{c.version} (run `{c.run_id}`)"))
     else:
         rows.append(("this model", f"{c.name} v{c.version}, val loss {_f(c.val_loss)}, "
-                                   f"{r.evaluation.bits_per_byte:.4f} bits/byte"))
+                                   f"{describe(r.evaluation)}"))
         if c.previous:
             measured = (f"{c.champion_score.bits_per_byte:.4f} bits/byte on this split" if c.champion_score
                         else f"val loss {_f(c.previous.val_loss)} on the same split")
@@ -162,8 +162,7 @@ def summary(r: PipelineResult) -> str:
         + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| train loss | {_f(t.train_loss)} |",
-        f"| val loss | {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
-        f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token) |",
+        f"| evaluation | {describe(e)} |",
         f"| outputs | `{t.run_dir}` |",
         f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.name} v{r.champion.version}, "
         f"{'now champion' if r.champion.promoted else 'champion kept'} ({r.champion.reason}) |",
@@ -172,8 +171,17 @@ def summary(r: PipelineResult) -> str:
         "",
     ]
     for method, texts in r.samples.items():
-        lines += [f"**{method}**", "", "```", texts[0].strip(), "```", ""]
+        lines += [f"**{method}**", "", "```", "\n".join(texts) if method == "neighbours" else texts[0].strip(),
+                  "```", ""]
     return "\n".join(lines)
+
+
+def describe(e: Evaluation) -> str:
+    """An evaluation in one line: a language model's loss and bits, or the family's headline."""
+    if e.bits_per_byte is not None:
+        return (f"val loss {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
+                f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token)")
+    return f"{e.headline} {e.score:.4f} ({'higher' if e.higher_is_better else 'lower'} is better), val loss {e.loss:.4f}"
 
 
 def _f(x: float | None) -> str:

@@ -69,7 +69,9 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
     return uri
 
 
-def generate(root: str, uri: str, prompt: str, params: dict[str, Any]) -> str:
+def generate(root: str, uri: str, prompt: str, params: dict[str, Any], neighbours: int | None = None) -> str:
+    """The registered model's answer: a continuation of the prompt, or for word embeddings (a
+    model whose parameters take `k`) a line of neighbours per word of the prompt."""
     import mlflow.pyfunc
 
     tracking_uri(root)
@@ -77,6 +79,11 @@ def generate(root: str, uri: str, prompt: str, params: dict[str, Any]) -> str:
         model = mlflow.pyfunc.load_model(uri)
     except MlflowException as e:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
+    schema = model.metadata.get_params_schema()
+    if schema is not None and "k" in {p.name for p in schema.params}:
+        words = prompt.split()
+        answers = model.predict(words, params={"k": neighbours} if neighbours else None)
+        return "\n".join(f"{w}: {a}" for w, a in zip(words, answers))
     return model.predict([prompt], params=params)[0]
 
 

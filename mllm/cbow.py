@@ -16,106 +16,19 @@ from __future__ import annotations
 
 import io
 import math
-import re
-from typing import Iterable, Iterator, Literal
+from typing import Iterable
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 
 from mllm import UserError, storage
-from mllm.text import Tokenizer
+from mllm.config import CbowConfig
+from mllm.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
 from mllm.vocab import Vocab
 
 PAD_ID = 0  # <unk>'s id stands in for a missing context word; the mask keeps it out of the mean
-
-
-class CbowConfig(BaseModel):
-    """The `model:` section of a CBOW recipe."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    arch: Literal["cbow"] = "cbow"
-    vocab_size: int = Field(0, ge=0, description="0: the vocabulary's size, set when the model is built")
-    n_embd: int = Field(300, ge=1)
-    # nn.Embedding's max_norm: a looked-up row longer than this is scaled back onto the ball.
-    max_norm: float | None = Field(1.0, gt=0)
-    context: int = Field(4, ge=1, description="words on each side of the centre word")
-    objective: Literal["softmax", "negative"] = "softmax"
-    n_negative: int = Field(5, ge=1, description="noise words per sample (objective: negative)")
-    noise_power: float = Field(0.75, ge=0, description="noise distribution: unigram counts ** this")
-    # <unk> is never a centre word nor a context word: predicting "some rare word" teaches nothing.
-    skip_unk: bool = True
-
-
-# -----------------------------------------------------------------------------
-# text: torchtext's basic_english and paragraphs
-
-# torchtext.data.utils._patterns / _replacements, applied in this order after lower-casing, then
-# split on whitespace: ' . , ( ) ! ? become tokens of their own; " ; : and <br /> disappear.
-_BASIC_ENGLISH = [(re.compile(p), r) for p, r in [
-    (r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "),
-    (r"\(", " ( "), (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "),
-    (r"\:", " "), (r"\s+", " "),
-]]
-
-
-def basic_english(text: str, lower: bool = True) -> list[str]:
-    """torchtext's get_tokenizer("basic_english"), rule for rule."""
-    if lower:
-        text = text.lower()
-    for pattern, replacement in _BASIC_ENGLISH:
-        text = pattern.sub(replacement, text)
-    return text.split()
-
-
-def split_paragraphs(chunks: Iterable[str]) -> Iterator[str]:
-    """Paragraphs of a text stream: blocks of non-blank lines, the same for any chunking.
-
-    Works on the raw text (before any normalisation that would merge lines): a line holding only
-    whitespace ends a paragraph; CRLF and CR count as line ends.
-    """
-    lines: list[str] = []
-    carry = ""
-    for chunk in chunks:
-        text = carry + chunk
-        # A chunk ending in "\r" may be half of a "\r\n": wait for the next one.
-        end = max(text.rfind("\n"), text.rfind("\r", 0, len(text) - 1)) + 1
-        carry = text[end:]
-        # Only \n and \r end a line (str.splitlines would also split at form feeds and the like).
-        for line in text[:end].replace("\r\n", "\n").replace("\r", "\n").split("\n")[:-1]:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "\n".join(lines)
-                lines = []
-    if carry.strip():
-        lines.append(carry)
-    if lines:
-        yield "\n".join(lines)
-
-
-class BasicEnglishTokenizer(Tokenizer):
-    """basic_english as an mllm tokenizer: `tokenize` yields one token list per paragraph, so the
-    stream's pieces are the paragraphs CBOW's contexts must not cross (empty ones are dropped).
-
-    normalize=False keeps the case (torchtext always lower-cases).
-    """
-
-    kind = "basic_english"
-
-    def tokenize(self, chunks):
-        for paragraph in split_paragraphs(chunks):
-            if tokens := basic_english(paragraph, self.normalize):
-                yield tokens
-
-    def split(self, text):
-        return basic_english(text, self.normalize)
-
-    def detokenize(self, tokens):
-        return " ".join(tokens)
 
 
 # -----------------------------------------------------------------------------

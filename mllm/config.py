@@ -12,7 +12,7 @@ import types
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -26,7 +26,8 @@ class _Section(BaseModel):
 
 
 class TokenizerConfig(_Section):
-    kind: Literal["char", "word", "bpe"] = "char"
+    # basic_english: torchtext's rules, one token list per paragraph (what CBOW trains on).
+    kind: Literal["char", "word", "bpe", "basic_english"] = "char"
     # char: keep only [A-Za-z0-9 \-.;,\n?!], newline runs -> one space, space runs -> one space.
     # False keeps every character as it is (the "raw" mode).
     normalize: bool = True
@@ -65,8 +66,15 @@ class DataConfig(_Section):
     split: SplitConfig = SplitConfig()
 
 
+# A language model's headline metric, the one that decides the champion: validation bits per
+# byte, which compares across tokenizers (lower is better).
+LM_HEADLINE = ("bits_per_byte", False)
+
+
 class RecurrentConfig(_Section):
     """A recurrent language model: embedding, stacked LSTM/GRU/RNN layers, a linear head."""
+
+    HEADLINE: ClassVar[tuple[str, bool]] = LM_HEADLINE
 
     arch: Literal["lstm", "gru", "rnn"] = "lstm"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
@@ -87,6 +95,8 @@ class RecurrentConfig(_Section):
 class GPTConfig(_Section):
     """A decoder-only transformer (nanoGPT's): learned positions, pre-LayerNorm blocks."""
 
+    HEADLINE: ClassVar[tuple[str, bool]] = LM_HEADLINE
+
     arch: Literal["gpt"] = "gpt"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
     n_embd: int = Field(128, ge=1)
@@ -104,16 +114,34 @@ class GPTConfig(_Section):
         return self
 
 
+class CbowConfig(_Section):
+    """The `model:` section of a CBOW recipe."""
+
+    HEADLINE: ClassVar[tuple[str, bool]] = ("wordsim353_spearman", True)  # higher is better
+
+    arch: Literal["cbow"] = "cbow"
+    vocab_size: int = Field(0, ge=0, description="0: the vocabulary's size, set when the model is built")
+    n_embd: int = Field(300, ge=1)
+    # nn.Embedding's max_norm: a looked-up row longer than this is scaled back onto the ball.
+    max_norm: float | None = Field(1.0, gt=0)
+    context: int = Field(4, ge=1, description="words on each side of the centre word")
+    objective: Literal["softmax", "negative"] = "softmax"
+    n_negative: int = Field(5, ge=1, description="noise words per sample (objective: negative)")
+    noise_power: float = Field(0.75, ge=0, description="noise distribution: unigram counts ** this")
+    # <unk> is never a centre word nor a context word: predicting "some rare word" teaches nothing.
+    skip_unk: bool = True
+
+
 # The model families, told apart by `arch`: a family's section holds its own fields only, so a
 # field of another family is refused and the training key digests only what the model uses.
-FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig}
-ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig], Field(discriminator="arch")]
+FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig}
+ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig, CbowConfig], Field(discriminator="arch")]
 
 
 _MODEL = TypeAdapter(ModelConfig)
 
 
-def model_config(**fields: Any) -> RecurrentConfig | GPTConfig:
+def model_config(**fields: Any) -> RecurrentConfig | GPTConfig | CbowConfig:
     """The section of the family that `arch` names (default lstm), built from its fields."""
     return _MODEL.validate_python({"arch": "lstm", **fields})
 
@@ -142,7 +170,7 @@ class TrainConfig(_Section):
     optimizer: Literal["adam", "adamw"] = "adamw"
     lr: float = Field(1e-3, gt=0)
     min_lr: float = Field(1e-4, ge=0)
-    lr_schedule: Literal["constant", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # linear: to 0, as word2vec
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -182,6 +210,9 @@ class SampleConfig(_Section):
     top_p: float = Field(0.9, gt=0, le=1)
     beam_width: int = Field(4, ge=1)
     seed: int = 1337
+    # Word embeddings: the nearest neighbours of these words are the family's "sample".
+    probes: list[str] = []
+    neighbours: int = Field(10, ge=1)
 
 
 class TrainPaths(_Section):
@@ -195,6 +226,8 @@ class TrainPaths(_Section):
     val_ids: str
     vocab: str
     tokenizer: str | None = None  # BPE: the trained tokenizer's JSON
+    train_offsets: str | None = None  # CBOW: where each paragraph starts in the ids
+    val_offsets: str | None = None
     checkpoint_dir: str
 
 
@@ -205,6 +238,15 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig(max_steps=1000)
     sample: SampleConfig = SampleConfig()
     paths: TrainPaths | None = None
+
+    @model_validator(mode="after")
+    def _family(self) -> "RunConfig":
+        if isinstance(self.model, CbowConfig):
+            if self.data.tokenizer.kind != "basic_english":
+                raise ValueError("model.arch cbow learns from paragraphs: set data.tokenizer.kind=basic_english")
+            if self.train.sampling != "epoch":
+                raise ValueError("model.arch cbow draws every centre word once an epoch: set train.sampling=epoch")
+        return self
 
     @model_validator(mode="after")
     def _window(self) -> "RunConfig":

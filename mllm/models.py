@@ -1,7 +1,9 @@
-"""One entry point from a ModelConfig to a model: every model shares the same forward contract.
+"""One entry point from a model config to a model: every model shares the same forward contract.
 
-forward(idx [B, T], targets [B, T] | None, state) -> (logits [B, T, V], loss | None, state), where
-state is a recurrent model's hidden state or a GPT's KV cache (None: zeros / no cache).
+forward(*batch) -> (output, loss | None, state), the batch's last tensor being the target. The
+language models take (idx [B, T], targets [B, T] | None, state) and return logits [B, T, V] and
+state, a recurrent model's hidden state or a GPT's KV cache (None: zeros / no cache); CBOW takes
+(context, mask, negatives, centre) and returns no state.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from mllm import UserError
+from mllm.cbow import CBOW
 from mllm.config import ModelConfig
 from mllm.gpt import GPT
 from mllm.rnn import RecurrentLM
@@ -18,6 +21,8 @@ from mllm.rnn import RecurrentLM
 def build_model(cfg: ModelConfig) -> nn.Module:
     if cfg.vocab_size <= 0:
         raise UserError("model.vocab_size is 0: set it to the vocabulary's size before building the model")
+    if cfg.arch == "cbow":
+        return CBOW(cfg)
     return GPT(cfg) if cfg.arch == "gpt" else RecurrentLM(cfg)
 
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from mllm import UserError, storage
 from mllm.config import SplitConfig
 from mllm.text import Tokenizer
-from mllm.tokens import token_batches
+from mllm.tokens import piece_starts, token_batches
 from mllm.vocab import Vocab
 
 NAMES = ("train", "val", "test")
@@ -84,9 +84,24 @@ def bytes_per_token(vocab: Vocab, tokenizer: Tokenizer) -> np.ndarray:
                     dtype=np.int64)
 
 
+def split_offsets(plan: Plan, starts: np.ndarray) -> dict[str, np.ndarray]:
+    """Each split's piece boundaries in its own coordinates: 0, where a piece (paragraph) starts
+    inside it, where a segment of the plan ends, and its length. CBOW's contexts stay inside them."""
+    bounds: dict[str, list] = {}
+    filled: dict[str, int] = {}
+    for start, end, name in plan:
+        at = filled.get(name, 0)
+        inside = starts[(starts > start) & (starts < end)]
+        bounds.setdefault(name, [np.zeros(1, np.int64)]).append(at + inside - start)
+        bounds[name].append(np.array([at + end - start], np.int64))
+        filled[name] = at + end - start
+    return {name: np.unique(np.concatenate(parts)) for name, parts in bounds.items()}
+
+
 def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
                  out: str) -> list[WrittenSplit]:
-    """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`."""
+    """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`,
+    with the split's piece boundaries in `out/<split>.offsets.npy` (see `split_offsets`)."""
     sizes = plan_sizes(plan)
     names = [s for s in NAMES if sizes[s]]
     token_bytes = bytes_per_token(vocab, tokenizer)
@@ -111,10 +126,13 @@ def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: P
                 filled[name] += take
                 pos += take
                 ids = ids[take:]
+        offsets = split_offsets(plan, piece_starts(tokens_folder))
         for s in names:
             arr = arrays.pop(s)
             arr.flush()
             fs.put(os.path.join(tmp, f"{s}.npy"), f"{path}/{s}.npy")
+            np.save(os.path.join(tmp, f"{s}.offsets.npy"), offsets[s])
+            fs.put(os.path.join(tmp, f"{s}.offsets.npy"), f"{path}/{s}.offsets.npy")
             n_bytes = 0
             schema = pa.schema([("token_id", pa.int32())])
             with fs.open(f"{path}/{s}.parquet", "wb") as f, pq.ParquetWriter(f, schema, compression="zstd") as w:

@@ -286,7 +286,75 @@ class BpeTokenizer(_CutTokenizer):
         return {"bpe_vocab_size": self.vocab_size, "hf_tokenizer": json.loads(self.hf.to_str())}
 
 
-_KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BpeTokenizer}
+# --- basic_english: torchtext's rules, paragraph by paragraph (CBOW) ---
+
+# torchtext.data.utils._patterns / _replacements, applied in this order after lower-casing, then
+# split on whitespace: ' . , ( ) ! ? become tokens of their own; " ; : and <br /> disappear.
+_BASIC_ENGLISH = [(re.compile(p), r) for p, r in [
+    (r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "),
+    (r"\(", " ( "), (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "),
+    (r"\:", " "), (r"\s+", " "),
+]]
+
+
+def basic_english(text: str, lower: bool = True) -> list[str]:
+    """torchtext's get_tokenizer("basic_english"), rule for rule."""
+    if lower:
+        text = text.lower()
+    for pattern, replacement in _BASIC_ENGLISH:
+        text = pattern.sub(replacement, text)
+    return text.split()
+
+
+def split_paragraphs(chunks: Iterable[str]) -> Iterator[str]:
+    """Paragraphs of a text stream: blocks of non-blank lines, the same for any chunking.
+
+    Works on the raw text (before any normalisation that would merge lines): a line holding only
+    whitespace ends a paragraph; CRLF and CR count as line ends.
+    """
+    lines: list[str] = []
+    carry = ""
+    for chunk in chunks:
+        text = carry + chunk
+        # A chunk ending in "\r" may be half of a "\r\n": wait for the next one.
+        end = max(text.rfind("\n"), text.rfind("\r", 0, len(text) - 1)) + 1
+        carry = text[end:]
+        # Only \n and \r end a line (str.splitlines would also split at form feeds and the like).
+        for line in text[:end].replace("\r\n", "\n").replace("\r", "\n").split("\n")[:-1]:
+            if line.strip():
+                lines.append(line)
+            elif lines:
+                yield "\n".join(lines)
+                lines = []
+    if carry.strip():
+        lines.append(carry)
+    if lines:
+        yield "\n".join(lines)
+
+
+class BasicEnglishTokenizer(Tokenizer):
+    """basic_english as an mllm tokenizer: `tokenize` yields one token list per paragraph, so the
+    stream's pieces are the paragraphs CBOW's contexts must not cross (empty ones are dropped).
+
+    normalize=False keeps the case (torchtext always lower-cases).
+    """
+
+    kind = "basic_english"
+
+    def tokenize(self, chunks):
+        for paragraph in split_paragraphs(chunks):
+            if tokens := basic_english(paragraph, self.normalize):
+                yield tokens
+
+    def split(self, text):
+        return basic_english(text, self.normalize)
+
+    def detokenize(self, tokens):
+        return " ".join(tokens)
+
+
+_KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BpeTokenizer,
+          "basic_english": BasicEnglishTokenizer}
 
 
 def build_tokenizer(cfg: TokenizerConfig,

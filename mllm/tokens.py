@@ -111,6 +111,20 @@ def token_batches(folder: str) -> Iterator[pa.ChunkedArray]:
             yield pc.list_flatten(pf.read_row_group(i, columns=["tokens"]).column("tokens"))
 
 
+def piece_starts(folder: str) -> np.ndarray:
+    """Where each piece (a row: a chunk of text, or a paragraph for basic_english) starts in the
+    flat token sequence, read from the list lengths alone."""
+    fs, path = storage.filesystem(folder)
+    lengths = []
+    with fs.open(f"{path}/{FILE}", "rb") as f:
+        pf = pq.ParquetFile(f, read_dictionary=[_COLUMN])
+        for i in range(pf.num_row_groups):
+            column = pf.read_row_group(i, columns=["tokens"]).column("tokens")
+            lengths.append(pc.list_value_length(column).to_numpy(zero_copy_only=False))
+    lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+
 def count_tokens(folder: str) -> dict[str, int]:
     """How often each distinct token occurs in the dataset."""
     counts: dict[str, int] = {}

@@ -25,7 +25,8 @@ import torch.distributed as tdist
 
 from mllm import UserError, storage
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
-from mllm.config import RunConfig, TrainConfig, apply_overrides, load_file, validate
+from mllm.cbow import CbowBatches, load_offsets
+from mllm.config import CbowConfig, RunConfig, TrainConfig, apply_overrides, load_file, validate
 from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
 from mllm.models import build_model, resolve_device
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
@@ -75,7 +76,10 @@ def _distributed(device: torch.device) -> tuple[_Dist, torch.device]:
     return d, device
 
 
-def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, np.ndarray, np.ndarray]:
+Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and paragraph offsets (CBOW)
+
+
+def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split]:
     p = cfg.paths
     if p is None:
         raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
@@ -95,20 +99,25 @@ def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, np.ndarray, np
         raise UserError(f"model.vocab_size {vocab_size} is below the vocabulary's {len(vocab)}: "
                         "set it to 0 (taken from the vocabulary)")
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
-    ids = {}
-    for what, url in (("train", p.train_ids), ("validation", p.val_ids)):
-        ids[what] = load_ids(url)
-        top = int(ids[what].max()) if len(ids[what]) else 0
+    splits = {}
+    for what, url, offsets in (("train", p.train_ids, p.train_offsets), ("validation", p.val_ids, p.val_offsets)):
+        ids = load_ids(url)
+        top = int(ids.max()) if len(ids) else 0
         if top >= vocab_size:
             raise UserError(f"{what} ids at {url} hold id {top} but the vocabulary has {len(vocab)} tokens: "
                             "they were made with another vocabulary; re-run the split stage")
-    return cfg, vocab, tokenizer, ids["train"], ids["validation"]
+        if isinstance(cfg.model, CbowConfig) and offsets is None:
+            raise UserError(f"a CBOW run needs paths.{'train' if what == 'train' else 'val'}_offsets: the "
+                            "paragraph offsets the split stage wrote beside the ids")
+        splits[what] = (ids, load_offsets(offsets, len(ids)) if offsets else None)
+    return cfg, vocab, tokenizer, splits["train"], splits["validation"]
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
     """The multiplier of train.lr at each step: linear warmup, then constant or cosine to min_lr."""
-    if t.lr_schedule == "cosine" and total_steps is None:
-        raise UserError("lr_schedule cosine needs max_steps or epochs to know where to end: set one, or use constant")
+    if t.lr_schedule != "constant" and total_steps is None:
+        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps or epochs to know where to end: set one, "
+                        "or use constant")
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:
@@ -116,7 +125,7 @@ def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]
         if t.lr_schedule == "constant":
             return 1.0
         ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
-        coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))
+        coeff = 1.0 - ratio if t.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
         return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
 
     return factor
@@ -138,18 +147,42 @@ def _autocast(t: TrainConfig, device: torch.device):
     return contextlib.nullcontext
 
 
+def _batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None, d: "_Dist"):
+    """The family's training batches: windows of text for a language model, paragraph-bound
+    contexts for CBOW. Each is resumable exactly (state_dict, rng_state)."""
+    t = cfg.train
+    if isinstance(cfg.model, CbowConfig):
+        return CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed, d.rank, d.world_size)
+    if t.sampling == "epoch":
+        return EpochWindows(ids, t.window, t.batch_size, t.stride, t.seed, d.rank, d.world_size)
+    return RandomWindows(ids, t.window, t.batch_size, t.seed, d.rank, d.world_size)
+
+
+def _val_batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None) -> list[tuple]:
+    """The fixed validation batches scored at every eval, so that evals compare like with like."""
+    t = cfg.train
+    if isinstance(cfg.model, CbowConfig):
+        batches = CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed)
+        return batches.eval_batches(t.eval_batches * t.batch_size, seed=t.seed)
+    starts = eval_starts(ids, t.window, t.eval_batches * t.batch_size, t.seed)
+    return [windows(ids, starts[i:i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
+
+
+def _samples(batch: tuple) -> int:
+    """What a batch teaches: its targets (tokens of a window, centre words)."""
+    return batch[-1].numel()
+
+
 @torch.no_grad()
-def _val_loss(model, ids, starts, window, batch_size, device, autocast, d: _Dist) -> float:
-    """Mean loss over the fixed validation windows, each rank scoring its share."""
+def _val_loss(model, batches: list[tuple], device, autocast, d: _Dist) -> float:
+    """Mean loss over the fixed validation batches, each rank scoring its share."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    mine = starts[d.rank::d.world_size]
-    for i in range(0, len(mine), batch_size):
-        x, y = windows(ids, mine[i:i + batch_size], window)
+    for batch in batches[d.rank::d.world_size]:
         with autocast():
-            _, loss, _ = model(x.to(device), y.to(device))
-        total[0] += loss.double() * y.numel()
-        total[1] += y.numel()
+            _, loss, _ = model(*(x.to(device) for x in batch))
+        total[0] += loss.double() * _samples(batch)
+        total[1] += _samples(batch)
     if d.world_size > 1:
         tdist.all_reduce(total)
     model.train()
@@ -200,26 +233,23 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
     Under DDP only rank 0 calls them and writes checkpoints.
     """
-    cfg, vocab, tokenizer, train_ids, val_ids = _inputs(cfg)
+    cfg, vocab, tokenizer, train, val = _inputs(cfg)
     t = cfg.train
     d, device = _distributed(resolve_device(t.device))
     try:
-        return _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_progress, resume)
+        return _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, resume)
     finally:
         if d.owns_group:
             tdist.destroy_process_group()
 
 
-def _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_progress, resume) -> TrainResult:
+def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, resume) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
     torch.manual_seed(t.seed + d.rank)
-    if t.sampling == "epoch":
-        batches = EpochWindows(train_ids, t.window, t.batch_size, t.stride, t.seed, d.rank, d.world_size)
-    else:
-        batches = RandomWindows(train_ids, t.window, t.batch_size, t.seed, d.rank, d.world_size)
-    val_starts = eval_starts(val_ids, t.window, t.eval_batches * t.batch_size, t.seed)
+    batches = _batches(cfg, *train, d)
+    val_batches = _val_batches(cfg, *val)
     if t.max_steps is not None:
         total_steps, end_reason = t.max_steps, "max_steps"
     elif t.epochs is not None:
@@ -259,7 +289,8 @@ def _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_pr
         model = DDP(compiled, device_ids=[d.local_rank] if device.type == "cuda" else None)
     autocast = _autocast(t, device)
     pin = device.type == "cuda"
-    tokens_per_step = t.batch_size * t.window * t.grad_accum * d.world_size
+    per_sample = 1 if isinstance(cfg.model, CbowConfig) else t.window  # a centre word, or a window
+    tokens_per_step = t.batch_size * per_sample * t.grad_accum * d.world_size
 
     def limit_reason(step: int, elapsed: float) -> str | None:
         if total_steps is not None and step >= total_steps:
@@ -289,15 +320,15 @@ def _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_pr
     while stop is None:
         lr = scheduler.get_last_lr()[0]
         for micro in range(t.grad_accum):
-            x, y = batches.next()
+            batch = batches.next()
             if pin:
-                x, y = x.pin_memory(), y.pin_memory()
-            x, y = x.to(device, non_blocking=pin), y.to(device, non_blocking=pin)
+                batch = [x.pin_memory() for x in batch]
+            batch = [x.to(device, non_blocking=pin) for x in batch]
             if d.world_size > 1:
                 # Average gradients across ranks once per step, not after every micro-batch.
                 model.require_backward_grad_sync = micro == t.grad_accum - 1
             with autocast():
-                _, loss, _ = model(x, y)
+                _, loss, _ = model(*batch)
             (loss / t.grad_accum).backward()
             loss_sum += loss.detach()
             loss_count += 1
@@ -326,7 +357,7 @@ def _run(cfg, vocab, tokenizer, train_ids, val_ids, d, device, on_metrics, on_pr
             loss_count, mark, mark_step = 0, now, step
         improved = False
         if step % t.eval_interval == 0 or stop:
-            val = _val_loss(compiled, val_ids, val_starts, t.window, t.batch_size, device, autocast, d)
+            val = _val_loss(compiled, val_batches, device, autocast, d)
             improved = val < best
             best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
             metrics.update(val_loss=val, best_val_loss=best, evals_since_best=evals_since_best)

@@ -17,7 +17,6 @@ from pydantic import BaseModel
 
 from mllm import corpus, splits, storage, text, tokens as token_chunks
 from mllm.config import SplitConfig, TokenizerConfig, VocabConfig
-from mllm.corpus import SourceUnreachable, open_source  # noqa: F401  (the CLI checks a source early)
 from mllm.vocab import Vocab
 from tasks import report_progress
 from tasks.caching import code_digest, forget_exception, stage_cache, transient
@@ -52,6 +51,7 @@ class SplitPart(BaseModel):
     ids: str  # flat int32 .npy, memory-mapped by training
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
+    offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it
 
 
 class Splits(BaseModel):
@@ -154,7 +154,7 @@ def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
 
 
 def _split_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> str:
-    return storage.digest(["split", tokens.key, vocabulary.digest, cfg.model_dump(), code_digest(Vocab, splits)])
+    return storage.digest(["split", tokens.key, vocabulary.digest, cfg.model_dump(), code_digest(Vocab, splits, token_chunks)])
 
 
 @task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_split_key),
@@ -171,7 +171,8 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
     with storage.staged_dir(url) as out:
         written = splits.write_splits(tokens.url, vocab, tokenizer, plan, out)
         parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),
-                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes)
+                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes,
+                                   offsets=storage.join(url, f"{w.name}.offsets.npy"))
                  for w in written}
         result = Splits(key=key, url=url, **parts)
         _manifest(out, result)

@@ -25,11 +25,12 @@ from pydantic import BaseModel
 import mllm.sample
 import mllm.train
 from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, storage
-from mllm.config import RunConfig, TrainPaths
+from mllm.config import CbowConfig, RunConfig, TrainPaths
 from mllm.data import load_ids
 from mllm.sample import fit_prompt, sample_text, samples_text
 from mllm.vocab import Vocab
 import tasks
+from tasks import embeddings
 from tasks.caching import code_digest, forget_exception, io_error, stage_cache, transient
 from tasks.data import Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
@@ -70,14 +71,23 @@ class Trained(BaseModel):
 class Evaluation(BaseModel):
     split: str
     checkpoint: str
-    loss: float
-    perplexity: float
-    bits_per_token: float
-    bits_per_byte: float
-    tokens: int
-    unigram_bits_per_token: float
-    bigram_bits_per_token: float
+    loss: float  # held-out loss (nats per target)
+    tokens: int  # targets scored
     report: str  # URL of the markdown report
+    # The family's headline metric decides the champion (see mllm.config's HEADLINE).
+    headline: str = "bits_per_byte"
+    higher_is_better: bool = False
+    metrics: dict[str, float] = {}  # every measure, the headline among them
+    # Language models: comparable across tokenizers (bits per byte), and two baselines.
+    perplexity: float | None = None
+    bits_per_token: float | None = None
+    bits_per_byte: float | None = None
+    unigram_bits_per_token: float | None = None
+    bigram_bits_per_token: float | None = None
+
+    @property
+    def score(self) -> float:
+        return self.metrics[self.headline]
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
@@ -127,6 +137,7 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     """The config a training job runs: the run's tree with its input and output paths."""
     run_dir = storage.join(root, "runs", train_key(cfg, data))
     paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
+                       train_offsets=data.splits.train.offsets, val_offsets=data.splits.val.offsets,
                        vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
                        checkpoint_dir=storage.join(run_dir, "checkpoints"))
     job = cfg.model_copy(update={"paths": paths}, deep=True)  # never change the caller's config
@@ -225,12 +236,12 @@ def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str =
     # The checkpoint is named by the training key and its step count (a longer resumed
     # training makes a new one); the split by its digest.
     return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
-                           cfg.train.window, code_digest(mllm_evaluate)])
+                           cfg.train.window, cfg.sample.probes, code_digest(mllm_evaluate, embeddings)])
 
 
 def _generate_key(cfg: RunConfig, trained: Trained) -> str:
     return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(),
-                           code_digest(mllm.sample)])
+                           code_digest(mllm.sample, embeddings)])
 
 
 @task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
@@ -242,6 +253,9 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
         raise UserError(f"there is no {split} split: set data.split.test_fraction above 0 to make one")
     ckpt_url = _best(trained)
     loaded = checkpoint.load_checkpoint(ckpt_url)
+    report_url = storage.join(trained.run_dir, f"eval-{split}.md")
+    if isinstance(cfg.model, CbowConfig):
+        return _evaluate_embeddings(cfg, trained, loaded, part, split, ckpt_url, report_url)
     ids = load_ids(part.ids)
     scores = mllm_evaluate.evaluate(loaded.model, ids, window=cfg.train.window,
                                     batch_size=max(1, min(cfg.train.batch_size, 256)),
@@ -249,18 +263,36 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     train_ids = load_ids(data.splits.train.ids)
     unigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=1)
     bigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=2)
-    report_url = storage.join(trained.run_dir, f"eval-{split}.md")
     result = Evaluation(split=split, checkpoint=ckpt_url, loss=scores["loss"],
                         perplexity=scores["perplexity"], bits_per_token=scores["bits_per_token"],
                         bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"],
                         unigram_bits_per_token=unigram["bits_per_token"],
-                        bigram_bits_per_token=bigram["bits_per_token"], report=report_url)
+                        bigram_bits_per_token=bigram["bits_per_token"], report=report_url,
+                        metrics={k: scores[k] for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte")})
     storage.write_text(report_url, evaluation_report(cfg, trained, result))
     storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), result.model_dump(mode="json"))
     get_run_logger().info("%s: loss %.4f, %.3f bits/token, %.3f bits/byte (bigram baseline %.3f bits/token)",
                           split, result.loss, result.bits_per_token, result.bits_per_byte,
                           result.bigram_bits_per_token)
     return result
+
+
+def _evaluate_embeddings(cfg: RunConfig, trained: Trained, loaded: Any, part: Any, split: str, ckpt_url: str,
+                         report_url: str) -> Evaluation:
+    result = embeddings.evaluate(loaded, part, cfg, storage.join(trained.run_dir, "embeddings"))
+    headline, higher = type(cfg.model).HEADLINE
+    evaluation = Evaluation(split=split, checkpoint=ckpt_url, loss=result["metrics"]["val_loss"],
+                            tokens=result["n_samples"], report=report_url, headline=headline,
+                            higher_is_better=higher, metrics=result["metrics"])
+    storage.write_text(report_url, embeddings.report(cfg, ckpt_url, trained.steps, result))
+    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), evaluation.model_dump(mode="json"))
+    get_run_logger().info("%s: WordSim-353 Spearman %.4f (coverage %.2f), SimLex-999 %.4f, analogies %.4f, "
+                          "held-out loss %.4f", split, result["metrics"]["wordsim353_spearman"],
+                          result["metrics"]["wordsim353_coverage"], result["metrics"]["simlex999_spearman"],
+                          result["metrics"]["analogy_accuracy"], evaluation.loss)
+    for note in result["notes"]:
+        get_run_logger().warning("%s", note)
+    return evaluation
 
 
 def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> str:
@@ -319,6 +351,13 @@ def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     logger = get_run_logger()
     loaded = checkpoint.load_checkpoint(_best(trained))
     s = cfg.sample
+    if isinstance(cfg.model, CbowConfig):
+        known = [w for w in s.probes if w in embeddings.vectors(loaded)]
+        for word in sorted(set(s.probes) - set(known)):
+            logger.warning("probe word %r is not in the vocabulary: left out of the neighbours", word)
+        table = embeddings.neighbours_of(loaded, known, s.neighbours)
+        storage.write_text(trained.samples_url("neighbours"), samples_text(known, table))
+        return {"neighbours": table}
     prompts = []
     for prompt in s.prompts:
         fitted, missing = fit_prompt(loaded, prompt)

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 import mllm
 from mllm import storage
 from mllm.checkpoint import read_checkpoint
-from mllm.config import RunConfig
+from mllm.config import CbowConfig, RunConfig
 from mllm.redact import scrub
 from tasks import served_model
 from tasks.caching import forget_exception
@@ -54,6 +54,8 @@ class Champion(BaseModel):
     train_key: str | None = None
     splits_key: str | None = None
     raw_sha256: str | None = None
+    headline: str | None = None  # the family's headline metric, and its value for this version
+    score: float | None = None
 
 
 class ChampionScore(BaseModel):
@@ -98,10 +100,14 @@ def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha2
 
 
 def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | None,
-           champion_score: ChampionScore | None = None) -> tuple[bool, str]:
-    """(promoted, why): lower val loss than the champion's when both were measured on the same
-    split; else lower bits per byte than the champion scored on this run's split (comparable
-    across vocabularies)."""
+           champion_score: ChampionScore | None = None,
+           headline: tuple[str, float, bool] | None = None) -> tuple[bool, str]:
+    """(promoted, why). A language model: lower val loss than the champion's when both were
+    measured on the same split; else lower bits per byte than the champion scored on this run's
+    split (comparable across vocabularies). Another family (`headline` = its metric, value, and
+    whether higher is better): a better headline value than the champion's."""
+    if headline is not None:
+        return _decide_headline(*headline, champion)
     if not math.isfinite(val_loss):
         return False, f"val_loss {val_loss} is not finite"
     if champion is None:
@@ -117,6 +123,18 @@ def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | No
                     f"{champion.val_loss:.6g}")
 
 
+def _decide_headline(name: str, value: float, higher: bool, champion: Champion | None) -> tuple[bool, str]:
+    if not math.isfinite(value):
+        return False, f"{name} {value} is not finite"
+    if champion is None:
+        return True, "no champion yet"
+    if champion.score is None or champion.headline != name:
+        return True, f"champion v{champion.version} has no {name}"
+    better = value > champion.score if higher else value < champion.score
+    sign = (">" if better else "<=") if higher else ("<" if better else ">=")
+    return better, f"{name} {value:.6g} {sign} champion v{champion.version} {champion.score:.6g}"
+
+
 # --- reading the registry ----------------------------------------------------------------------
 
 def current_champion(client: MlflowClient, name: str) -> Champion | None:
@@ -130,7 +148,9 @@ def current_champion(client: MlflowClient, name: str) -> Champion | None:
         loss = metrics.get("best_val_loss", metrics.get("val_loss"))
     return Champion(name=name, version=str(mv.version), run_id=mv.run_id, checkpoint=mv.tags.get("checkpoint"),
                     val_loss=None if loss is None else float(loss), train_key=mv.tags.get("train.key"),
-                    splits_key=mv.tags.get("data.splits_key"), raw_sha256=mv.tags.get("data.raw_sha256"))
+                    splits_key=mv.tags.get("data.splits_key"), raw_sha256=mv.tags.get("data.raw_sha256"),
+                    headline=mv.tags.get("headline"),
+                    score=float(mv.tags["headline.value"]) if "headline.value" in mv.tags else None)
 
 
 def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str | None:
@@ -147,10 +167,13 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 
 def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_byte: float | None = None,
               version_tags: dict[str, str] | None = None, champion_score: ChampionScore | None = None,
-              model_name: str | None = None) -> Outcome:
-    """Log the checkpoint as a pyfunc TextGenerator, register a version under `model_name`
-    (default: the recipe), and move `champion` to it only if `decide` says it is better."""
+              model_name: str | None = None, headline: tuple[str, float, bool] | None = None) -> Outcome:
+    """Log the checkpoint as a pyfunc (a TextGenerator, or NearestWords for word embeddings),
+    register a version under `model_name` (default: the recipe), and move `champion` to it only
+    if `decide` says it is better (by `headline`, the family's metric, value and direction,
+    when the family is not a language model)."""
     name = model_name or run.cfg.recipe
+    served = served_model.NearestWords if isinstance(run.cfg.model, CbowConfig) else served_model.TextGenerator
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
         # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
         # needs, not the optimizer state that doubles or triples a checkpoint's size.
@@ -158,8 +181,8 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
         local = os.path.join(tmp, "checkpoint.pt")
         torch.save({k: v for k, v in state.items() if k not in TRAINING_ONLY}, local)
         del state
-        script = Path(tmp, "text_generator.py")
-        script.write_text(served_model.SCRIPT)
+        script = Path(tmp, "served_model_script.py")
+        script.write_text(served_model.script(served))
         # MLflow files the logged model under the process's current experiment, which is otherwise
         # the Default one, with its artifacts in ./mlruns of whatever folder this runs in.
         mlflow.set_experiment(experiment_id=run.client.get_run(run.run_id).info.experiment_id)
@@ -173,10 +196,12 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
                              signature=_signature(run.cfg), pip_requirements=_requirements(),
                              run_id=run.run_id)
     previous = current_champion(run.client, name)
-    registered = mlflow.register_model(info.model_uri, name, tags={
-        "val_loss": repr(float(val_loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
-        **(version_tags or {})})
-    promoted, reason = decide(float(val_loss), bits_per_byte, previous, champion_score)
+    tags = {"val_loss": repr(float(val_loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
+            **(version_tags or {})}
+    if headline is not None:
+        tags.update({"headline": headline[0], "headline.value": repr(float(headline[1]))})
+    registered = mlflow.register_model(info.model_uri, name, tags=tags)
+    promoted, reason = decide(float(val_loss), bits_per_byte, previous, champion_score, headline)
     if promoted:
         run.client.set_registered_model_alias(name, CHAMPION, registered.version)
     outcome = Outcome(name=name, version=str(registered.version), decision="promoted" if promoted else "kept",
@@ -196,6 +221,9 @@ def record_decision(run: RunTracker, outcome: Outcome) -> None:
 
 def _signature(cfg: RunConfig) -> ModelSignature:
     s = cfg.sample
+    if isinstance(cfg.model, CbowConfig):
+        return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                              params=ParamSchema([ParamSpec("k", "long", s.neighbours)]))
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts works too
         outputs=Schema([ColSpec("string")]),
@@ -250,11 +278,18 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
-    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss, "final_val_perplexity": e.perplexity,
-                      "final_val_bits_per_token": e.bits_per_token, "final_val_bits_per_byte": e.bits_per_byte,
-                      "baseline_unigram_bits_per_token": e.unigram_bits_per_token,
-                      "baseline_bigram_bits_per_token": e.bigram_bits_per_token}])
+    lm = e.bits_per_byte is not None
+    final = ({"final_val_loss": e.loss, "final_val_perplexity": e.perplexity,
+              "final_val_bits_per_token": e.bits_per_token, "final_val_bits_per_byte": e.bits_per_byte,
+              "baseline_unigram_bits_per_token": e.unigram_bits_per_token,
+              "baseline_bigram_bits_per_token": e.bigram_bits_per_token} if lm
+             else {"final_val_loss": e.loss, **{f"final_{k}": v for k, v in e.metrics.items() if k != "val_loss"}})
+    run.log_metrics([{"step": trained.steps, **final}])
     run.log_text(storage.read_text(e.report), "evaluation.md")
+    exports = storage.join(trained.run_dir, "embeddings")
+    for name in ("vectors.parquet", "vectors.w2v.txt", "pca.png"):
+        if storage.exists(storage.join(exports, name)):
+            run.log_file(storage.join(exports, name), f"embeddings/{name}")
     run.log_dict(e.model_dump(mode="json"), "evaluation.json")
     for method in samples:
         run.log_text(storage.read_text(trained.samples_url(method)), f"samples/{method}.txt")
@@ -265,6 +300,7 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
                   "train.key": trained.key})
     version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
     outcome = log_model(run, e.checkpoint, e.loss, e.bits_per_byte, version_tags=version_tags,
-                        champion_score=champion_score)
+                        champion_score=champion_score,
+                        headline=None if lm else (e.headline, e.score, e.higher_is_better))
     run.set_tags({"model_uri": outcome.model_uri, "model_version": f"{outcome.name}/{outcome.version}"})
     return outcome

@@ -53,10 +53,36 @@ def prompts(model_input: Any) -> list[str]:
     return [str(x)]
 
 
-# MLflow runs this script to build the model on load ("models from code"): no pickle.
-SCRIPT = (
-    "# An mllm checkpoint that continues prompts: see tasks/served_model.py.\n"
-    "import mlflow\n\n"
-    "from tasks.served_model import TextGenerator\n\n"
-    "mlflow.models.set_model(TextGenerator())\n"
-)
+class NearestWords(mlflow.pyfunc.PythonModel):
+    """A CBOW checkpoint as an MLflow model: words in, a line of nearest neighbours out.
+
+    `mlflow.pyfunc.load_model("models:/cbow@champion").predict(["king"], params={"k": 5})`.
+    """
+
+    def load_context(self, context) -> None:
+        from mllm.checkpoint import load_checkpoint
+        from mllm.wordsim import WordVectors
+
+        loaded = load_checkpoint(context.artifacts["checkpoint"])
+        self.k = loaded.config.sample.neighbours
+        self.words = WordVectors(loaded.vocab.itos, loaded.model.context_vectors().detach().numpy())
+
+    def predict(self, context, model_input: pd.DataFrame,
+                params: dict[str, Any] | None = None) -> list[str]:
+        from mllm import UserError
+        from mllm.wordsim import missing_word
+
+        k = int((params or {}).get("k") or self.k)
+        out = []
+        for word in prompts(model_input):
+            if word not in self.words:
+                raise UserError(missing_word(word, (t for t in self.words.tokens if t in self.words)))
+            out.append(" ".join(t for t, _ in self.words.neighbours(word, k)))
+        return out
+
+
+def script(cls: type) -> str:
+    """The file MLflow runs to build the model on load ("models from code"): no pickle."""
+    return (f"# An mllm checkpoint behind MLflow's pyfunc: see tasks/served_model.py.\n"
+            f"import mlflow\n\nfrom tasks.served_model import {cls.__name__}\n\n"
+            f"mlflow.models.set_model({cls.__name__}())\n")

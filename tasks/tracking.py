@@ -326,6 +326,14 @@ class RunTracker:
 
     # artifacts and inputs
 
+    def log_file(self, url: str, artifact_file: str) -> None:
+        """A file from storage (any fsspec URL) as an artifact."""
+        with tempfile.TemporaryDirectory(prefix="mllm-artifact-") as tmp:
+            local = os.path.join(tmp, os.path.basename(artifact_file))
+            with open(local, "wb") as f:
+                f.write(storage.read_bytes(url))
+            self.client.log_artifact(self.run_id, local, os.path.dirname(artifact_file) or None)
+
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, scrub(text), artifact_file)
 

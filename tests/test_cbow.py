@@ -377,7 +377,6 @@ def test_gensim_loads_the_exported_vectors(tmp_path):
 def test_the_draft_recipes_model_sections_are_valid(name):
     import yaml
 
-    # Beside the benchmark until the pipeline trains this family (then they move to mllm/recipes).
-    recipe = yaml.safe_load((Path(__file__).parents[1] / "benchmarks" / "recipes" / f"{name}.yaml").read_text())
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "mllm" / "recipes" / f"{name}.yaml").read_text())
     assert CbowConfig(**recipe["model"]).arch == "cbow"
     assert recipe["data"]["tokenizer"]["kind"] == BasicEnglishTokenizer.kind
