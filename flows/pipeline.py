@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mlflow.tracking import MlflowClient
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
@@ -22,7 +21,8 @@ from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
 from tasks.model import Evaluation, Prepared, Trained
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
-from tasks.tracking import RunTracker, log_data, tracking_uri
+from tasks.tracking import RunTracker, log_data
+from tasks.tracking import client as tracking_client
 
 
 @flow(name="prepare", log_prints=True)
@@ -89,9 +89,9 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
     data = with_results(prepare, root)(cfg, root)
     key = model_tasks.train_key(cfg, data)
-    client = MlflowClient(tracking_uri(root))
-    champion = current_champion(client, cfg.recipe)
-    skip = None if force else skip_reason(champion, version_trained_on(client, cfg.recipe, key), data.raw_sha256, key)
+    registry = tracking_client(root)
+    champion = current_champion(registry, cfg.recipe)
+    skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
     trained = evaluation = None
     samples: dict[str, list[str]] = {}
     where = {"train.pool": pool} if pool else {}

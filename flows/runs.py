@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError
 from tasks.provenance import version_changes
+from tasks import tracking
 from tasks.tracking import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.
@@ -25,7 +26,7 @@ COMPARED = ("final_val_loss", "final_val_bits_per_token", "final_val_bits_per_by
 
 
 def client(root: str) -> MlflowClient:
-    return MlflowClient(tracking_uri(root))
+    return tracking.client(root)
 
 
 def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dict[str, Any]]:

@@ -80,8 +80,14 @@ def tracking_uri(storage_root: str) -> str:
         os.makedirs(folder, exist_ok=True)
         uri = _derived_uri = f"sqlite:///{os.path.join(folder, 'mlflow.db')}"
     mlflow.set_tracking_uri(uri)
-    _create_store(uri)
     return uri
+
+
+def client(storage_root: str) -> MlflowClient:
+    """A client of the run's tracking store (see `tracking_uri`), the store created if new."""
+    uri = tracking_uri(storage_root)
+    _create_store(uri)
+    return MlflowClient(uri)
 
 
 _created: set[str] = set()
@@ -199,8 +205,8 @@ class RunTracker:
         self.storage_root = storage_root
         self.extra_tags = dict(tags or {})
         self.run_name = run_name
-        self.uri = tracking_uri(storage_root)
-        self.client = MlflowClient(self.uri)
+        self.client = client(storage_root)
+        self.uri = self.client.tracking_uri
         self.run_id: str | None = None
         self.experiment_id: str | None = None
 

@@ -206,3 +206,21 @@ def test_utf16_file_of_three_gutenberg_books_is_converted_and_keeps_every_book(t
     for w in ("Natasha", "Hamlet", "Ishmael"):
         assert kept.count(f"{w} was here.") == 40 and f"The end of {w}." in kept
     assert "Gutenberg" not in kept and "Licence" not in kept and "CHAPTER I" in kept
+
+
+def test_a_recipe_names_its_default_work_pool_outside_the_run_config(tmp_path: Path, monkeypatch) -> None:
+    """`pipeline: {pool: NAME}` in a recipe is where it trains by default, not what the run is."""
+    import yaml
+
+    from flows import launch
+    from mllm.config import recipe_dict, resolve
+
+    recipe = {**recipe_dict("smoke"), "pipeline": {"pool": "gpu"}}
+    path = tmp_path / "pooled.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert "pipeline" not in resolve(config_file=str(path)).to_dict()
+    monkeypatch.setattr(launch, "recipe_dict", lambda name: recipe)
+    assert launch.training_pool("smoke", None) == "gpu"
+    assert launch.training_pool("smoke", "local") == "local"  # --train-on wins
+    monkeypatch.setattr(launch, "recipe_dict", recipe_dict)
+    assert launch.training_pool("smoke", None) is None

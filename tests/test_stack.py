@@ -311,7 +311,7 @@ def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_pat
                          env={**os.environ, **stack_env.env, "PREFECT_HOME": str(tmp_path / "prefect")})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     with get_client(sync_client=True) as prefect:
-        for name in ("default", "smoke", "warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt"):
+        for name in ("default", "smoke", "warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "cbow"):
             d = prefect.read_deployment_by_name(f"pipeline/{name}")
             assert d.parameters["recipe"] == name and d.entrypoint == "flows.pipeline:pipeline"
             assert [s.active for s in d.schedules] == [False]  # paused until resumed
