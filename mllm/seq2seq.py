@@ -9,8 +9,10 @@ Two architectures, chosen by `arch`:
   ReLU feed-forward, post- or pre-LayerNorm blocks.
 
 Both are trained with teacher forcing: forward(src, tgt_in, tgt_out) -> (logits, loss, None), where
-tgt_in is <bos> y and tgt_out is y <eos>, padded with -1 (ignored by the loss). Decoding
-(mllm.translate) calls encode() once per source and then step() once per new target token.
+tgt_in is <bos> y padded with <pad> and tgt_out is y <eos> padded with -1 (ignored by the loss).
+Decoding (mllm.translate) calls encode() once per source, start() for a decoder state (the RNN's
+hidden state; the transformer's key/value cache) and step() once per new target token;
+reorder(state, index) keeps the rows a beam search picks.
 """
 
 from __future__ import annotations
@@ -189,12 +191,22 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # [B, h, T, d_head]
 
-    def forward(self, query, key, value, mask=None, key_pad=None):
+    def forward(self, query, key, value, mask=None, key_pad=None, cache: dict | None = None, static: bool = False):
         """query [B, Tq, d], key/value [B, Tk, d]; mask [Tq, Tk] additive; key_pad [B, Tk] True at padding.
 
+        With a `cache` (decoding token by token) the new keys and values are appended to the cached
+        ones; `static` ones (the encoder's, for cross-attention) are projected once and reused.
         Returns the output [B, Tq, d] and each head's weights [B, h, Tq, Tk].
         """
-        q, k, v = self._heads(self.q(query)), self._heads(self.k(key)), self._heads(self.v(value))
+        q = self._heads(self.q(query))
+        if cache is not None and static and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k, v = self._heads(self.k(key)), self._heads(self.v(value))
+            if cache is not None:
+                if "k" in cache:
+                    k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
         if mask is not None:
             scores = scores + mask
@@ -250,11 +262,14 @@ class DecoderLayer(_Block):
         self.drop = nn.Dropout(dropout)
         self.cross_weights = None
 
-    def forward(self, x, memory, mask, tgt_pad, src_pad):
-        x = self._sub(x, self.norm1, lambda h: self.self_attn(h, h, h, mask, tgt_pad)[0])
+    def forward(self, x, memory, mask, tgt_pad, src_pad, cache: dict | None = None):
+        """cache: {"self": {}, "cross": {}} of this layer when x is only the next position."""
+        self_cache, cross_cache = (cache["self"], cache["cross"]) if cache is not None else (None, None)
+        x = self._sub(x, self.norm1, lambda h: self.self_attn(h, h, h, mask, tgt_pad, self_cache)[0])
 
         def cross(h):
-            y, self.cross_weights = self.cross_attn(h, memory, memory, key_pad=src_pad)
+            y, self.cross_weights = self.cross_attn(h, memory, memory, key_pad=src_pad, cache=cross_cache,
+                                                    static=True)
             return y
 
         x = self._sub(x, self.norm2, cross)
@@ -285,12 +300,12 @@ class Seq2SeqTransformer(nn.Module):
         if cfg.tie_weights:
             self.head.weight = self.tgt_embedding.weight
 
-    def _embed(self, table, ids):
-        T = ids.size(1)
-        if T > self.pe.size(0):
-            raise ValueError(f"{T} positions exceed max_src_len/max_tgt_len + 1 = {self.pe.size(0)}")
+    def _embed(self, table, ids, start: int = 0):
+        end = start + ids.size(1)
+        if end > self.pe.size(0):
+            raise ValueError(f"{end} positions exceed max_src_len/max_tgt_len + 1 = {self.pe.size(0)}")
         # sqrt(d): the embeddings, initialised small, would otherwise drown under the positions.
-        return self.drop(table(ids) * math.sqrt(self.config.n_embd) + self.pe[:T])
+        return self.drop(table(ids) * math.sqrt(self.config.n_embd) + self.pe[start:end])
 
     def encode(self, src) -> dict:
         pad = src == PAD_ID
@@ -309,18 +324,27 @@ class Seq2SeqTransformer(nn.Module):
         return self.head(self.dec_norm(x)), self.decoder[-1].cross_weights
 
     def start(self, memory: dict):
-        return memory["outputs"].new_zeros(memory["outputs"].size(0), 0, dtype=torch.long)
+        """A key/value cache per decoder layer: each step then costs one position, not the prefix."""
+        return {"t": 0, "layers": [{"self": {}, "cross": {}} for _ in self.decoder]}
 
     def step(self, memory: dict, state, token):
-        """The state is the target so far; the decoder reruns over it (targets are short, the
-        encoder, the expensive part for long sources, still runs once)."""
-        state = torch.cat([state, token[:, None]], dim=1)
-        logits, weights = self.decode(memory, state)
-        return logits[:, -1], state, weights[:, :, -1].mean(dim=1)
+        """One target token [B] in -> (logits [B, V], new state, attention [B, S], heads averaged).
+
+        No causal mask: the one new position may see every cached one. Rows that finished early
+        feed <pad>; what they compute is never read.
+        """
+        x = self._embed(self.tgt_embedding, token[:, None], state["t"])
+        for layer, cache in zip(self.decoder, state["layers"]):
+            x = layer(x, memory["outputs"], None, None, memory["pad"], cache)
+        logits = self.head(self.dec_norm(x))[:, 0]
+        state["t"] += 1
+        return logits, state, self.decoder[-1].cross_weights[:, :, 0].mean(dim=1)
 
     @staticmethod
     def reorder(state, index):
-        return state[index]
+        layers = [{part: {name: t[index] for name, t in kv.items()} for part, kv in layer.items()}
+                  for layer in state["layers"]]
+        return {"t": state["t"], "layers": layers}
 
     def forward(self, src, tgt_in, tgt_out=None):
         logits, _ = self.decode(self.encode(src), tgt_in)
