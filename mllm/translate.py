@@ -182,17 +182,24 @@ def _sacrebleu():
     return sacrebleu
 
 
-def scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
-    """Exact match (a fraction), corpus BLEU and chrF (sacrebleu, 0-100)."""
+def scores(hypotheses: list[str], references: list[str], bleu_tokenize: str = "13a") -> dict[str, float]:
+    """Exact match (a fraction), corpus BLEU and chrF (sacrebleu, 0-100).
+
+    bleu_tokenize is sacrebleu's: "13a" (words, the WMT default) or "char", for targets of one
+    word (German numbers), where word 4-grams do not exist and word BLEU is 0 whatever the output.
+    """
     sb = _sacrebleu()
     exact = sum(h == r for h, r in zip(hypotheses, references)) / max(len(references), 1)
-    return {"exact_match": exact, "bleu": sb.corpus_bleu(hypotheses, [references]).score,
-            "chrf": sb.corpus_chrf(hypotheses, [references]).score}
+    try:
+        bleu = sb.corpus_bleu(hypotheses, [references], tokenize=bleu_tokenize).score
+    except (KeyError, ValueError, AttributeError):
+        raise UserError(f"unknown BLEU tokenization {bleu_tokenize!r}: use 13a, char, intl or none") from None
+    return {"exact_match": exact, "bleu": bleu, "chrf": sb.corpus_chrf(hypotheses, [references]).score}
 
 
 def evaluate(model, split: PairSplit, tgt_tokenizer, tgt_vocab, method: str = "greedy",
              beam_width: int = 4, batch_size: int = 128, limit: int | None = None,
-             table_rows: int = 5, **decode_kw) -> dict:
+             table_rows: int = 5, bleu_tokenize: str = "13a", **decode_kw) -> dict:
     """Validation loss, exact match, BLEU and chrF of decoded hypotheses on the split's first pairs,
     and a table of (source, reference, hypothesis) for the first `table_rows`.
 
@@ -206,7 +213,8 @@ def evaluate(model, split: PairSplit, tgt_tokenizer, tgt_vocab, method: str = "g
     for src, _, _ in eval_batches(split, batch_size, n):
         for h in decode(model, src.to(dev), method, beam_width=beam_width, **decode_kw):
             hyps.append(tgt_tokenizer.detokenize(tgt_vocab.decode(h.ids)))
-    report = {"loss": validation_loss(model, split, batch_size, n), "pairs": n, **scores(hyps, refs)}
+    report = {"loss": validation_loss(model, split, batch_size, n), "pairs": n,
+              **scores(hyps, refs, bleu_tokenize)}
     report["table"] = [{"source": s, "reference": r, "hypothesis": h}
                        for s, r, h in zip(split.source[:table_rows], refs, hyps)]
     return report

@@ -295,6 +295,11 @@ def test_translate_names_unknown_tokens_and_evaluate_scores(tmp_path):
     assert 0 <= report["exact_match"] < 0.5 and 0 <= report["chrf"] < 50
     assert scores(["einundzwanzig", "zwei"], ["einundzwanzig", "drei"])["exact_match"] == 0.5
     assert scores(["einundzwanzig"], ["einundzwanzig"])["chrf"] == pytest.approx(100)
+    # One-word targets have no word 4-grams: word BLEU is 0 even when right, character BLEU is not.
+    assert scores(["einundzwanzig"], ["einundzwanzig"])["bleu"] == 0
+    assert scores(["einundzwanzig"], ["einundzwanzig"], "char")["bleu"] == pytest.approx(100)
+    with pytest.raises(UserError, match="BLEU tokenization"):
+        scores(["a"], ["a"], "words")
 
 
 def test_config_names_mistakes():
