@@ -74,14 +74,14 @@ def plot_attention(src_tokens: list[str], tgt_tokens: list[str], weights, path: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1 + 0.45 * len(src_tokens), 1 + 0.3 * len(tgt_tokens)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.6 * len(src_tokens)), max(3.0, 1.5 + 0.4 * len(tgt_tokens))))
     ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(src_tokens)), src_tokens, rotation=60, ha="right")
     ax.set_yticks(range(len(tgt_tokens)), tgt_tokens)
     ax.set_xlabel("source")
     ax.set_ylabel("target")
     if title:
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -123,7 +123,7 @@ def run(name: str, args, folder: Path) -> dict:
     [(src_tokens, tgt_tokens, text, weights)] = translate(model, [example], src_tok, src_vocab, tgt_tok, tgt_vocab)
     picture = OUT / f"seq2seq-attention-{name}.png"
     OUT.mkdir(parents=True, exist_ok=True)
-    plot_attention(src_tokens, tgt_tokens, weights, picture, f"{name}: {text}")
+    plot_attention(src_tokens, tgt_tokens, weights, picture, f"{name}:\n{example} -> {text}")
     row["example"], row["attention_png"] = f"{example} -> {text}", str(picture.relative_to(REPO))
     row["load_end"] = load()
     return row

@@ -236,11 +236,15 @@ def encode_sources(texts: list[str], src_tokenizer, src_vocab, max_src_len: int 
 
 def translate(model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, tgt_vocab,
               method: str = "greedy", **decode_kw) -> list[tuple[list[str], list[str], str, np.ndarray]]:
-    """(source tokens, target tokens, translation, attention [target, source]) for each text."""
+    """(source tokens, target tokens, translation, attention [target, source]) for each text.
+
+    Tokens come as text (a byte-level BPE piece "fÃ¼nf" as "fünf"), to label attention pictures.
+    """
     tokens = encode_sources(texts, src_tokenizer, src_vocab, model.config.max_src_len)
     src, _, _ = make_batch([src_vocab.encode(ts) for ts in tokens], [[] for _ in texts])
     out = []
     for ts, h in zip(tokens, decode(model, src.to(_device(model)), method, **decode_kw)):
         tgt_tokens = tgt_vocab.decode(h.ids)
-        out.append((ts, tgt_tokens, tgt_tokenizer.detokenize(tgt_tokens), h.attention))
+        out.append(([src_tokenizer.detokenize([t]) for t in ts], [tgt_tokenizer.detokenize([t]) for t in tgt_tokens],
+                    tgt_tokenizer.detokenize(tgt_tokens), h.attention))
     return out
