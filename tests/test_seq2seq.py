@@ -2,6 +2,7 @@
 
 import math
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -311,3 +312,12 @@ def test_config_names_mistakes():
         build_seq2seq(Seq2SeqConfig(arch="seq2seq-rnn"))
     with pytest.raises(ValueError, match="count"):
         NumbersConfig(count=11, max_number=9)
+
+
+def test_missing_optional_packages_are_one_line_errors(monkeypatch):
+    monkeypatch.setitem(sys.modules, "num2words", None)  # None in sys.modules: import raises ImportError
+    with pytest.raises(UserError, match=r"num2words: pip install 'mllm-pipeline\[seq2seq\]'"):
+        numbers_pairs(3, max_number=9)
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)
+    with pytest.raises(UserError, match="sacrebleu"):
+        scores(["a"], ["a"])
