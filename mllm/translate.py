@@ -79,8 +79,12 @@ def _step_by_step(model, src, max_len, sample, temperature, generator) -> list[H
 
 
 def _beam(model, src, max_len, K, alpha) -> list[Hypothesis]:
-    """Batched beam search. A source is done once K hypotheses have ended in <eos> among the top K
-    candidates of a step (Hugging Face's early stopping), so width 1 is exactly greedy."""
+    """Batched beam search with an exact stop: a source is done once its best ended hypothesis
+    beats anything a live beam can still reach. Log-probs only fall as a hypothesis grows, so a
+    live beam's sum S bounds its future sums, and S / (max_len + 1) ** alpha its normalised
+    score (S <= 0). With alpha 0 this stops as soon as the best candidate is <eos>, so width 1 is
+    exactly greedy. (Stopping at K ended hypotheses instead, Hugging Face's early stopping, lets
+    unlikely beams that end early crowd out the likely one still running.)"""
     B, S = src.shape
     dev = src.device
     memory = _expand(model.encode(src), K)
@@ -91,6 +95,7 @@ def _beam(model, src, max_len, K, alpha) -> list[Hypothesis]:
     hist = torch.zeros(B, K, 0, dtype=torch.long, device=dev)
     att = torch.zeros(B, K, 0, S, device=dev)
     finished: list[list[tuple[float, list[int], np.ndarray]]] = [[] for _ in range(B)]
+    best = [float("-inf")] * B  # best normalised score of an ended hypothesis
     done = [False] * B
     rows = torch.arange(B, device=dev)[:, None]
     for t in range(max_len + 1):
@@ -102,25 +107,27 @@ def _beam(model, src, max_len, K, alpha) -> list[Hypothesis]:
         is_eos = tok == EOS_ID
         for b, r in is_eos[:, :K].nonzero().tolist():
             if not done[b] and math.isfinite(top[b, r].item()):
-                p = parent[b, r].item()
-                finished[b].append((top[b, r].item() / (t + 1) ** alpha, hist[b, p].tolist(),
-                                    att[b, p].float().cpu().numpy()))
-        for b in range(B):
-            done[b] = done[b] or len(finished[b]) >= K
-        if all(done):
-            break
+                p, score = parent[b, r].item(), top[b, r].item() / (t + 1) ** alpha
+                finished[b].append((score, hist[b, p].tolist(), att[b, p].float().cpu().numpy()))
+                best[b] = max(best[b], score)
         # The live beams: the K best-ranked candidates that did not end.
         keep = (is_eos.long() * 2 * K + torch.arange(top.size(1), device=dev)).argsort(dim=1)[:, :K]
         scores, parent, tok = top.gather(1, keep), parent.gather(1, keep), tok.gather(1, keep)
         scores = scores.masked_fill(is_eos.gather(1, keep), float("-inf"))  # fewer than K alive
+        reach = scores.max(dim=1).values / ((max_len + 1) ** alpha if alpha > 0 else 1.0)
+        done = [d or best[b] >= reach[b].item() for b, d in enumerate(done)]
+        if all(done):
+            break
         state = model.reorder(state, (rows * K + parent).view(-1))
         hist = torch.cat([hist[rows, parent], tok[:, :, None]], dim=2)
         att = torch.cat([att[rows, parent], a.view(B, K, S)[rows, parent][:, :, None]], dim=2)
         token = tok.view(-1)
     out = []
     for b, n in enumerate(_src_lengths(src)):
-        hyps = finished[b] or [(scores[b, k].item() / max(hist.size(2), 1) ** alpha, hist[b, k].tolist(),
-                                att[b, k].float().cpu().numpy()) for k in range(K)]
+        hyps = finished[b]
+        if not done[b]:  # out of steps: the live beams compete too, cut at max_len
+            hyps = hyps + [(scores[b, k].item() / max(hist.size(2), 1) ** alpha, hist[b, k].tolist(),
+                            att[b, k].float().cpu().numpy()) for k in range(K) if math.isfinite(scores[b, k].item())]
         score, ids, w = max(hyps, key=lambda h: h[0])
         out.append(Hypothesis(ids[:max_len], score, w[:max_len, :n]))
     return out
@@ -138,6 +145,8 @@ def decode(model, src, method: str = "greedy", max_len: int | None = None, beam_
         raise UserError(f"unknown decoding method {method!r}: choose one of {', '.join(METHODS)}")
     if method == "beam" and beam_width < 1:
         raise UserError(f"beam_width is {beam_width}: give 1 or more")
+    if method == "beam" and length_penalty < 0:
+        raise UserError(f"length_penalty is {length_penalty}: give 0 (plain sums) or more")
     if method == "sample" and temperature <= 0:
         raise UserError(f"temperature is {temperature}: give a value > 0, or use greedy")
     max_len = model.config.max_tgt_len if max_len is None else max_len

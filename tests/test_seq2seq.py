@@ -167,6 +167,40 @@ def test_beam_width_one_is_greedy(arch):
         assert [h.score for h in greedy] == pytest.approx([h.score for h in beam], abs=1e-4)
 
 
+class Scripted(nn.Module):
+    """Says 5 5 5 5 5 5 <eos> almost surely. Its second choice, 6, is then surely followed by <eos>:
+    a beam search meets a cheap ended hypothesis at every step while the likely one runs on."""
+
+    config = Seq2SeqConfig(arch="seq2seq-rnn", max_tgt_len=8)
+
+    def encode(self, src):
+        return {"pad": src == PAD_ID}
+
+    def start(self, memory):
+        return torch.zeros(memory["pad"].size(0), dtype=torch.long)  # the step each row is at
+
+    def step(self, memory, state, token):
+        logits = torch.full((len(state), 8), -20.0)
+        running = (state < 6) & (token != 6)
+        logits[:, EOS_ID] = torch.where(running, -5.0, 10.0)
+        logits[:, 5] = torch.where(running, 10.0, -20.0)
+        logits[:, 6] = torch.where(running, 6.0, -20.0)
+        return logits, state + 1, torch.ones(len(state), memory["pad"].size(1))
+
+    @staticmethod
+    def reorder(state, index):
+        return state[index]
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_beam_keeps_searching_while_a_live_beam_can_win(length_penalty):
+    # Stopping at K ended hypotheses (Hugging Face's early stopping) would return [6] here.
+    src, _, _ = make_batch([[4, 5], [6]], [[], []])
+    hyps = decode(Scripted(), src, "beam", beam_width=4, length_penalty=length_penalty)
+    assert [h.ids for h in hyps] == [[5] * 6, [5] * 6]
+    assert [h.ids for h in decode(Scripted(), src, "greedy")] == [[5] * 6, [5] * 6]
+
+
 def test_sampling_is_seeded():
     model = small("seq2seq-transformer")
     src, _, _ = make_batch([[4, 5, 6], [7, 8]], [[], []])
