@@ -123,7 +123,7 @@ def run(name: str, args, folder: Path) -> dict:
     [(src_tokens, tgt_tokens, text, weights)] = translate(model, [example], src_tok, src_vocab, tgt_tok, tgt_vocab)
     picture = OUT / f"seq2seq-attention-{name}.png"
     OUT.mkdir(parents=True, exist_ok=True)
-    plot_attention(src_tokens, tgt_tokens, weights, picture, f"{name}:\n{example} -> {text}")
+    plot_attention(src_tokens, tgt_tokens, weights, picture, f"{name}\n{example}\n-> {text}")
     row["example"], row["attention_png"] = f"{example} -> {text}", str(picture.relative_to(REPO))
     row["load_end"] = load()
     return row

@@ -28,7 +28,7 @@ METHODS = ("greedy", "beam", "sample")
 @dataclass
 class Hypothesis:
     ids: list[int]  # target token ids, without <eos>
-    score: float  # sum of log-probs (beam: divided by length ** length_penalty)
+    score: float  # sum of log-probs, <eos> included (beam: / (tokens + 1) ** length_penalty)
     attention: np.ndarray  # [len(ids), source length without padding]
 
 
@@ -42,9 +42,8 @@ def _src_lengths(src) -> list[int]:
 
 def _log_probs(logits):
     # <pad> and <bos> are never outputs; the model only learns they are unlikely.
-    logits = logits.float()
-    logits[:, [PAD_ID, BOS_ID]] = float("-inf")
-    return F.log_softmax(logits, dim=-1)
+    never = torch.tensor([PAD_ID, BOS_ID], device=logits.device)
+    return F.log_softmax(logits.float().index_fill(1, never, float("-inf")), dim=-1)
 
 
 def _step_by_step(model, src, max_len, sample, temperature, generator) -> list[Hypothesis]:
