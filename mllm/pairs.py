@@ -1,0 +1,343 @@
+"""Parallel text for sequence to sequence: TSV pairs, the numbers corpus, splits, batches.
+
+    pairs, bad = read_tsv("data/deu.txt")                 # source \t target [\t ignored ...]
+    summary = prepare_pairs(pairs, PairsConfig(), "runs/x/pairs", max_src_len=64, max_tgt_len=64)
+    train = load_split("runs/x/pairs/train.parquet")
+    batches = PairBatches(train, batch_size=32, seed=1)   # next() -> (src, tgt_in, tgt_out)
+
+prepare_pairs writes, under its folder: {train,val,test}.parquet (columns source, target: the
+text; src_ids, tgt_ids: list<int32> token ids, so Arrow hands over flat ids and offsets),
+src_vocab.json, tgt_vocab.json (the same vocabulary when shared), src_tokenizer.json,
+tgt_tokenizer.json and summary.json.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mllm import UserError, storage
+from mllm.seq2seq import BOS_ID, EOS_ID, PAD_ID, SPECIALS
+from mllm.text import _KINDS, BpeTokenizer, Tokenizer, tokenizer_from_json
+from mllm.vocab import UNK, Vocab
+
+SPLITS = ("train", "val", "test")
+
+
+class NumbersConfig(BaseModel):
+    """The offline corpus: `count` distinct numbers in [0, max_number], English -> German words."""
+
+    model_config = ConfigDict(extra="forbid")
+    count: int = Field(10_000, ge=2)
+    max_number: int = Field(9_999, ge=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _enough(self) -> "NumbersConfig":
+        if self.count > self.max_number + 1:
+            raise ValueError(f"count {self.count} exceeds the {self.max_number + 1} numbers in [0, max_number]")
+        return self
+
+
+class PairsConfig(BaseModel):
+    """The data section of a sequence-to-sequence run: where the pairs come from and how they become ids."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str | None = None  # a TSV file or URL; None: the numbers corpus
+    numbers: NumbersConfig = NumbersConfig()
+    src_tokenizer: Literal["char", "word", "bpe"] = "word"
+    tgt_tokenizer: Literal["char", "word", "bpe"] = "char"
+    # False keeps every character (the char tokenizer's normalisation would drop German's umlauts).
+    normalize: bool = False
+    bpe_vocab_size: int = Field(2000, ge=64)
+    shared_vocab: bool = False  # one vocabulary for both sides
+    min_freq: int = Field(1, ge=1)
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    test_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    seed: int = 1337
+
+    @model_validator(mode="after")
+    def _fractions(self) -> "PairsConfig":
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ValueError("val_fraction + test_fraction must leave some pairs for training")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and making pairs
+
+
+def parse_tsv(text: str) -> tuple[list[tuple[str, str]], int]:
+    """(source, target) pairs of tab-separated lines and the count of bad lines (one column, an
+    empty side). Columns after the second (Tatoeba/Anki's attribution) are ignored."""
+    pairs, bad = [], 0
+    for line in text.splitlines():
+        cols = line.split("\t")
+        if len(cols) < 2 or not cols[0].strip() or not cols[1].strip():
+            bad += 1
+            continue
+        pairs.append((cols[0].strip(), cols[1].strip()))
+    return pairs, bad
+
+
+def read_tsv(url: str) -> tuple[list[tuple[str, str]], int]:
+    storage.require(url, "parallel text")
+    try:
+        text = storage.read_bytes(url).decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"{url} is not UTF-8 text: convert it to UTF-8 tab-separated pairs") from None
+    pairs, bad = parse_tsv(text)
+    if not pairs:
+        raise UserError(f"{url} has no valid pair in {bad} lines: give lines of 'source<TAB>target'")
+    return pairs, bad
+
+
+def numbers_pairs(count: int, seed: int = 0, max_number: int = 9_999) -> list[tuple[str, str]]:
+    """`count` distinct numbers drawn with `seed`, as (English words, German words)."""
+    try:
+        from num2words import num2words
+    except ImportError:
+        raise UserError("the numbers corpus needs num2words: pip install 'mllm-pipeline[seq2seq]'") from None
+    if count > max_number + 1:
+        raise UserError(f"count {count} exceeds the {max_number + 1} numbers up to {max_number}: lower it")
+    numbers = random.Random(seed).sample(range(max_number + 1), count)
+    return [(num2words(n, lang="en"), num2words(n, lang="de")) for n in numbers]
+
+
+def write_numbers_tsv(url: str, count: int, seed: int = 0, max_number: int = 9_999) -> int:
+    """The numbers corpus as a TSV file, so it goes through the same stages as any parallel text."""
+    pairs = numbers_pairs(count, seed, max_number)
+    storage.write_text(url, "".join(f"{s}\t{t}\n" for s, t in pairs))
+    return len(pairs)
+
+
+def split_pairs(pairs: list[tuple[str, str]], val_fraction: float, test_fraction: float = 0.0,
+                seed: int = 1337) -> dict[str, list[tuple[str, str]]]:
+    """Shuffled pairs cut into train/val/test; every pair with the same source lands in one split,
+    so a held-out source (one sentence with several translations) is never seen in training."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for pair in pairs:
+        groups.setdefault(pair[0], []).append(pair)
+    sources = list(groups)
+    random.Random(seed).shuffle(sources)
+    n = len(pairs)
+    want = {"test": round(test_fraction * n), "val": round(val_fraction * n)}
+    out: dict[str, list[tuple[str, str]]] = {name: [] for name in SPLITS}
+    i = 0
+    for name in ("test", "val"):
+        while len(out[name]) < want[name] and i < len(sources):
+            out[name] += groups[sources[i]]
+            i += 1
+    for s in sources[i:]:
+        out["train"] += groups[s]
+    if not out["train"] or (val_fraction and not out["val"]):
+        raise UserError(f"{n} pairs ({len(groups)} distinct sources) are too few to split "
+                        f"{val_fraction}/{test_fraction}: give more pairs or change the fractions")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens and ids
+
+
+def _tokenizer(kind: str, cfg: PairsConfig, texts: list[str]) -> Tokenizer:
+    if kind == "bpe":
+        return BpeTokenizer.train(iter(texts), cfg.bpe_vocab_size, cfg.normalize)
+    return _KINDS[kind](normalize=cfg.normalize)
+
+
+def _vocab(counts: Counter, cfg: PairsConfig) -> Vocab:
+    return Vocab.build(counts, min_freq=cfg.min_freq, specials=SPECIALS)
+
+
+def check_vocab(vocab: Vocab, what: str) -> Vocab:
+    if vocab.itos[:4] != [UNK, *SPECIALS]:
+        raise UserError(f"the {what} vocabulary does not start {UNK} {' '.join(SPECIALS)}: "
+                        "build it with mllm.pairs.prepare_pairs")
+    return vocab
+
+
+def prepare_pairs(pairs: list[tuple[str, str]], cfg: PairsConfig, out_url: str,
+                  max_src_len: int, max_tgt_len: int, bad_lines: int = 0) -> dict:
+    """Split, tokenize, build the vocabularies on the training split, write ids; return the summary.
+
+    Pairs whose sides exceed max_src_len / max_tgt_len tokens are dropped and counted.
+    """
+    splits = split_pairs(pairs, cfg.val_fraction, cfg.test_fraction, cfg.seed)
+    train = splits["train"]
+    src_tok = _tokenizer(cfg.src_tokenizer, cfg, [s for s, _ in train])
+    tgt_tok = _tokenizer(cfg.tgt_tokenizer, cfg, [t for _, t in train])
+    tokens = {name: [(src_tok.split(s), tgt_tok.split(t)) for s, t in ps] for name, ps in splits.items()}
+    src_counts = Counter(tok for s, _ in tokens["train"] for tok in s)
+    tgt_counts = Counter(tok for _, t in tokens["train"] for tok in t)
+    if cfg.shared_vocab:
+        src_vocab = tgt_vocab = _vocab(src_counts + tgt_counts, cfg)
+    else:
+        src_vocab, tgt_vocab = _vocab(src_counts, cfg), _vocab(tgt_counts, cfg)
+    summary = {"pairs": len(pairs), "bad_lines": bad_lines, "too_long": 0,
+               "src_vocab_size": len(src_vocab), "tgt_vocab_size": len(tgt_vocab)}
+    for name in SPLITS:
+        keep = [i for i, (s, t) in enumerate(tokens[name]) if len(s) <= max_src_len and len(t) <= max_tgt_len]
+        summary["too_long"] += len(tokens[name]) - len(keep)
+        summary[f"{name}_pairs"] = len(keep)
+        table = pa.table({
+            "source": pa.array([splits[name][i][0] for i in keep], pa.string()),
+            "target": pa.array([splits[name][i][1] for i in keep], pa.string()),
+            "src_ids": pa.array([src_vocab.encode(tokens[name][i][0]) for i in keep], pa.list_(pa.int32())),
+            "tgt_ids": pa.array([tgt_vocab.encode(tokens[name][i][1]) for i in keep], pa.list_(pa.int32())),
+        })
+        with storage.atomic_open(storage.join(out_url, f"{name}.parquet")) as f:
+            pq.write_table(table, f)
+    if summary["train_pairs"] == 0:
+        raise UserError(f"every training pair is longer than max_src_len {max_src_len} / max_tgt_len "
+                        f"{max_tgt_len} tokens: raise them")
+    src_vocab.save(storage.join(out_url, "src_vocab.json"))
+    tgt_vocab.save(storage.join(out_url, "tgt_vocab.json"))
+    storage.write_text(storage.join(out_url, "src_tokenizer.json"), src_tok.to_json())
+    storage.write_text(storage.join(out_url, "tgt_tokenizer.json"), tgt_tok.to_json())
+    storage.write_json(storage.join(out_url, "summary.json"), summary)
+    return summary
+
+
+@dataclass
+class PairSplit:
+    """One split: the texts and, per side, flat token ids with offsets (pair i is ids[off[i]:off[i+1]])."""
+
+    source: list[str]
+    target: list[str]
+    src_ids: np.ndarray
+    src_offsets: np.ndarray
+    tgt_ids: np.ndarray
+    tgt_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def src(self, i: int) -> np.ndarray:
+        return self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]]
+
+    def tgt(self, i: int) -> np.ndarray:
+        return self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]]
+
+
+def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    arr = column.combine_chunks()
+    offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)
+    values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return values[offsets[0]:offsets[-1]], offsets - offsets[0]
+
+
+def load_split(url: str) -> PairSplit:
+    storage.require(url, "pairs split")
+    try:
+        table = pq.read_table(io.BytesIO(storage.read_bytes(url)))
+        src, tgt = _flat(table["src_ids"]), _flat(table["tgt_ids"])
+        return PairSplit(table["source"].to_pylist(), table["target"].to_pylist(), *src, *tgt)
+    except (pa.ArrowException, KeyError) as e:
+        raise UserError(f"{url} is not a pairs split ({e}): re-run prepare_pairs") from None
+
+
+def load_side(folder: str, side: Literal["src", "tgt"]) -> tuple[Tokenizer, Vocab]:
+    """The tokenizer and vocabulary prepare_pairs wrote for one side."""
+    vocab = check_vocab(Vocab.load(storage.join(folder, f"{side}_vocab.json")), side)
+    url = storage.join(folder, f"{side}_tokenizer.json")
+    storage.require(url, f"{side} tokenizer")
+    return tokenizer_from_json(storage.read_text(url), source=url), vocab
+
+
+def vocab_sizes(folder: str) -> dict[str, int]:
+    """{"src_vocab_size": ..., "tgt_vocab_size": ...}: the fields to set on Seq2SeqConfig."""
+    s = storage.read_json(storage.join(folder, "summary.json"))
+    return {"src_vocab_size": s["src_vocab_size"], "tgt_vocab_size": s["tgt_vocab_size"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+
+def make_batch(srcs: list, tgts: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """src [B, S] padded with <pad>; tgt_in = <bos> y padded with <pad>; tgt_out = y <eos> padded with -1."""
+    B, S, T = len(srcs), max(len(s) for s in srcs), max(len(t) for t in tgts) + 1
+    src = torch.full((B, max(S, 1)), PAD_ID, dtype=torch.long)
+    tgt_in = torch.full((B, T), PAD_ID, dtype=torch.long)
+    tgt_out = torch.full((B, T), -1, dtype=torch.long)
+    for b, (s, t) in enumerate(zip(srcs, tgts)):
+        src[b, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        t = torch.as_tensor(t, dtype=torch.long)
+        tgt_in[b, 0], tgt_in[b, 1:len(t) + 1] = BOS_ID, t
+        tgt_out[b, :len(t)], tgt_out[b, len(t)] = t, EOS_ID
+    return src, tgt_in, tgt_out
+
+
+def batch_of(split: PairSplit, index) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return make_batch([split.src(i) for i in index], [split.tgt(i) for i in index])
+
+
+class PairBatches:
+    """Shuffled passes over the pairs, resumable exactly: the protocol of mllm.data.EpochWindows.
+
+    An epoch's order depends only on (seed, epoch), so (epoch, batch) is the whole state. Under DDP
+    the order is padded to a multiple of the world size and dealt out like DistributedSampler.
+    """
+
+    def __init__(self, split: PairSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        if len(split) == 0:
+            raise UserError("the training split has no pairs: give more pairs or lower val_fraction")
+        self.split, self.batch_size, self.seed = split, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.per_rank = math.ceil(len(split) / world_size)
+        self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
+        self.position = (0, 0)
+        self._order_epoch, self._order = -1, None
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.split))
+            order = np.resize(order, self.per_rank * self.world_size)
+            self._order, self._order_epoch = order[self.rank::self.world_size], epoch
+        return self._order
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        epoch, batch = self.position
+        picked = self._order_of(epoch)[batch * self.batch_size:(batch + 1) * self.batch_size]
+        batch += 1
+        self.position = (epoch + 1, 0) if batch == self.batches_per_epoch else (epoch, batch)
+        return batch_of(self.split, picked)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.position[0], "batch": self.position[1]}
+
+    def rng_state(self) -> None:
+        return None
+
+    def load_state_dict(self, state: dict[str, int], rng_state: torch.Tensor | None = None) -> None:
+        self.position = (int(state.get("epoch", 0)), int(state.get("batch", 0)))
+
+    @property
+    def epoch(self) -> float:
+        return self.position[0] + self.position[1] / self.batches_per_epoch
+
+
+def eval_batches(split: PairSplit, batch_size: int, limit: int | None = None):
+    """The split in order (the first `limit` pairs), batch by batch: validation is the same every time."""
+    n = len(split) if limit is None else min(limit, len(split))
+    for start in range(0, n, batch_size):
+        yield batch_of(split, range(start, min(start + batch_size, n)))
+
+
+def read_pairs(cfg: PairsConfig) -> tuple[list[tuple[str, str]], int]:
+    """The pairs a config names: its TSV source, or the numbers corpus when it names none."""
+    if cfg.source:
+        return read_tsv(cfg.source)
+    n = cfg.numbers
+    return numbers_pairs(n.count, n.seed, n.max_number), 0
