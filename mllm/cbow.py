@@ -15,7 +15,6 @@ embeddings and predicts the centre word, by a full softmax or by negative sampli
 from __future__ import annotations
 
 import io
-import math
 from typing import Iterable
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from mllm import UserError, storage
 from mllm.config import CbowConfig
+from mllm.data import EpochOrder
 from mllm.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
 from mllm.vocab import Vocab
 
@@ -158,20 +158,18 @@ def make_batch(ids, offsets, centres, context: int, skip_unk: bool, noise_cdf: n
             torch.from_numpy(centre))
 
 
-class CbowBatches:
+class CbowBatches(EpochOrder):
     """Shuffled passes over every sample (centre position), like mllm.data.EpochWindows.
 
-    An epoch's order depends only on (seed, epoch) and a batch's noise words only on (seed,
-    epoch, batch, rank), so the position (epoch, batch) is the whole state. Under DDP the order
-    is padded to a multiple of the world size and dealt out like torch's DistributedSampler.
+    A batch's noise words depend only on (seed, epoch, batch, rank), so the position (epoch,
+    batch) stays the whole state.
     """
 
     def __init__(self, ids: np.ndarray, offsets: np.ndarray, context: int, batch_size: int, seed: int,
                  noise: np.ndarray | None = None, n_negative: int = 0, skip_unk: bool = True,
                  rank: int = 0, world_size: int = 1):
         self.ids, self.offsets = ids, check_offsets(offsets, len(ids))
-        self.context, self.batch_size, self.seed, self.skip_unk = context, batch_size, seed, skip_unk
-        self.rank, self.world_size = rank, world_size
+        self.context, self.skip_unk = context, skip_unk
         self.n_negative = n_negative if noise is not None else 0
         self.noise_cdf = None if noise is None else np.cumsum(noise)
         self.centres = sample_centres(ids, self.offsets, context, skip_unk)
@@ -179,10 +177,7 @@ class CbowBatches:
             raise UserError("the training text has no CBOW sample (no paragraph with two known "
                             "words): use more text or lower vocab.min_freq")
         self.num_samples = len(self.centres)
-        self.per_rank = math.ceil(self.num_samples / world_size)
-        self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
-        self.position = (0, 0)  # (epoch, batch within it) of the next batch
-        self._order_epoch, self._order = -1, None
+        super().__init__(self.num_samples, batch_size, seed, rank, world_size)
 
     @classmethod
     def from_config(cls, cfg: CbowConfig, ids, offsets, batch_size: int, seed: int,
@@ -194,36 +189,11 @@ class CbowBatches:
         return cls(ids, offsets, cfg.context, batch_size, seed, noise, cfg.n_negative, cfg.skip_unk,
                    rank, world_size)
 
-    def _order_of(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-            order = np.resize(order, self.per_rank * self.world_size)
-            self._order, self._order_epoch = order[self.rank::self.world_size], epoch
-        return self._order
-
     def next(self):
         epoch, batch = self.position
-        picked = self._order_of(epoch)[batch * self.batch_size:(batch + 1) * self.batch_size]
         rng = np.random.default_rng([self.seed, epoch, batch, self.rank, 1])
-        out = make_batch(self.ids, self.offsets, self.centres[picked], self.context, self.skip_unk,
-                         self.noise_cdf, self.n_negative, rng)
-        batch += 1
-        self.position = (epoch + 1, 0) if batch == self.batches_per_epoch else (epoch, batch)
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position[0], "batch": self.position[1]}
-
-    def rng_state(self) -> None:
-        return None
-
-    def load_state_dict(self, state: dict[str, int], rng_state: torch.Tensor | None = None) -> None:
-        self.position = (int(state.get("epoch", 0)), int(state.get("batch", 0)))
-
-    @property
-    def epoch(self) -> float:
-        """Epochs done so far, with the fraction of the current one."""
-        return self.position[0] + self.position[1] / self.batches_per_epoch
+        return make_batch(self.ids, self.offsets, self.centres[self.take()], self.context, self.skip_unk,
+                          self.noise_cdf, self.n_negative, rng)
 
     def eval_batches(self, count: int | None = None, seed: int = 0) -> list[tuple]:
         """Fixed batches (centres and noise words) to score the same way at every eval."""

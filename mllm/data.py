@@ -88,38 +88,36 @@ class RandomWindows:
         return None
 
 
-class EpochWindows:
-    """Shuffled passes over every window start at `stride` (all of them with stride 1).
+class EpochOrder:
+    """Shuffled passes over `n` items, a batch of indices at a time, resumable exactly.
 
     An epoch's order depends only on (seed, epoch), so the position (epoch, batch) is the whole
     state. Under DDP the order is padded to a multiple of the world size and dealt out like
-    torch's DistributedSampler, so every rank takes as many batches per epoch.
+    torch's DistributedSampler, so every rank takes as many batches per epoch. The batchers of
+    every family (windows of text, CBOW centre words, sentence pairs) build on it.
     """
 
-    def __init__(self, ids: np.ndarray, window: int, batch_size: int, stride: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
-        _check_length(ids, window, "train")
-        self.ids, self.window, self.batch_size, self.stride, self.seed = ids, window, batch_size, stride, seed
-        self.rank, self.world_size = rank, world_size
-        self.num_windows = (len(ids) - window - 1) // stride + 1
-        self.per_rank = math.ceil(self.num_windows / world_size)
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.n, self.batch_size, self.seed, self.rank, self.world_size = n, batch_size, seed, rank, world_size
+        self.per_rank = math.ceil(n / world_size)
         self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
         self.position = (0, 0)  # (epoch, batch within it) of the next batch
         self._order_epoch, self._order = -1, None
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
             order = np.resize(order, self.per_rank * self.world_size)
             self._order, self._order_epoch = order[self.rank::self.world_size], epoch
         return self._order
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self) -> np.ndarray:
+        """The next batch's item indices; the position moves past them."""
         epoch, batch = self.position
         picked = self._order_of(epoch)[batch * self.batch_size:(batch + 1) * self.batch_size]
         batch += 1
         self.position = (epoch + 1, 0) if batch == self.batches_per_epoch else (epoch, batch)
-        return windows(self.ids, picked * self.stride, self.window)
+        return picked
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.position[0], "batch": self.position[1]}
@@ -134,6 +132,20 @@ class EpochWindows:
     def epoch(self) -> float:
         """Epochs done so far, with the fraction of the current one."""
         return self.position[0] + self.position[1] / self.batches_per_epoch
+
+
+class EpochWindows(EpochOrder):
+    """Shuffled passes over every window start at `stride` (all of them with stride 1)."""
+
+    def __init__(self, ids: np.ndarray, window: int, batch_size: int, stride: int, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        _check_length(ids, window, "train")
+        self.ids, self.window, self.stride = ids, window, stride
+        self.num_windows = (len(ids) - window - 1) // stride + 1
+        super().__init__(self.num_windows, batch_size, seed, rank, world_size)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return windows(self.ids, self.take() * self.stride, self.window)
 
 
 def eval_starts(ids: np.ndarray, window: int, count: int, seed: int) -> np.ndarray:

@@ -14,7 +14,6 @@ tgt_tokenizer.json and summary.json.
 from __future__ import annotations
 
 import io
-import math
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mllm import UserError, storage
+from mllm.data import EpochOrder
 from mllm.seq2seq import BOS_ID, EOS_ID, PAD_ID, SPECIALS
 from mllm.text import _KINDS, BpeTokenizer, Tokenizer, tokenizer_from_json
 from mllm.vocab import UNK, Vocab
@@ -283,49 +283,17 @@ def batch_of(split: PairSplit, index) -> tuple[torch.Tensor, torch.Tensor, torch
     return make_batch([split.src(i) for i in index], [split.tgt(i) for i in index])
 
 
-class PairBatches:
-    """Shuffled passes over the pairs, resumable exactly: the protocol of mllm.data.EpochWindows.
-
-    An epoch's order depends only on (seed, epoch), so (epoch, batch) is the whole state. Under DDP
-    the order is padded to a multiple of the world size and dealt out like DistributedSampler.
-    """
+class PairBatches(EpochOrder):
+    """Shuffled passes over the pairs, resumable exactly (see mllm.data.EpochOrder)."""
 
     def __init__(self, split: PairSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
         if len(split) == 0:
             raise UserError("the training split has no pairs: give more pairs or lower val_fraction")
-        self.split, self.batch_size, self.seed = split, batch_size, seed
-        self.rank, self.world_size = rank, world_size
-        self.per_rank = math.ceil(len(split) / world_size)
-        self.batches_per_epoch = math.ceil(self.per_rank / batch_size)
-        self.position = (0, 0)
-        self._order_epoch, self._order = -1, None
-
-    def _order_of(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.split))
-            order = np.resize(order, self.per_rank * self.world_size)
-            self._order, self._order_epoch = order[self.rank::self.world_size], epoch
-        return self._order
+        self.split = split
+        super().__init__(len(split), batch_size, seed, rank, world_size)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        epoch, batch = self.position
-        picked = self._order_of(epoch)[batch * self.batch_size:(batch + 1) * self.batch_size]
-        batch += 1
-        self.position = (epoch + 1, 0) if batch == self.batches_per_epoch else (epoch, batch)
-        return batch_of(self.split, picked)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position[0], "batch": self.position[1]}
-
-    def rng_state(self) -> None:
-        return None
-
-    def load_state_dict(self, state: dict[str, int], rng_state: torch.Tensor | None = None) -> None:
-        self.position = (int(state.get("epoch", 0)), int(state.get("batch", 0)))
-
-    @property
-    def epoch(self) -> float:
-        return self.position[0] + self.position[1] / self.batches_per_epoch
+        return batch_of(self.split, self.take())
 
 
 def eval_batches(split: PairSplit, batch_size: int, limit: int | None = None):
