@@ -27,6 +27,7 @@ from mllm import UserError, storage
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
 from mllm.cbow import CbowBatches, load_offsets
 from mllm.config import CbowConfig, RunConfig, TrainConfig, apply_overrides, load_file, validate
+from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
 from mllm.models import build_model, resolve_device
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
@@ -47,33 +48,6 @@ class TrainResult:
     elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
     stop_reason: str  # max_steps | epochs | max_minutes | early_stopping
     resumed_from_step: int
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    owns_group: bool = False
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-
-def _distributed(device: torch.device) -> tuple[_Dist, torch.device]:
-    """Join the process group when started under torchrun (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist(), device
-    d = _Dist(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
-    if device.type == "cuda":
-        device = torch.device("cuda", d.local_rank)
-        torch.cuda.set_device(device)
-    if not tdist.is_initialized():
-        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        d.owns_group = True
-    return d, device
 
 
 Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and paragraph offsets (CBOW)
@@ -147,7 +121,7 @@ def _autocast(t: TrainConfig, device: torch.device):
     return contextlib.nullcontext
 
 
-def _batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None, d: "_Dist"):
+def _batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None, d: Dist):
     """The family's training batches: windows of text for a language model, paragraph-bound
     contexts for CBOW. Each is resumable exactly (state_dict, rng_state)."""
     t = cfg.train
@@ -174,7 +148,7 @@ def _samples(batch: tuple) -> int:
 
 
 @torch.no_grad()
-def _val_loss(model, batches: list[tuple], device, autocast, d: _Dist) -> float:
+def _val_loss(model, batches: list[tuple], device, autocast, d: Dist) -> float:
     """Mean loss over the fixed validation batches, each rank scoring its share."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -187,35 +161,6 @@ def _val_loss(model, batches: list[tuple], device, autocast, d: _Dist) -> float:
         tdist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()
-
-
-def _gather(obj, d: _Dist) -> list:
-    if d.world_size == 1:
-        return [obj]
-    out = [None] * d.world_size
-    tdist.all_gather_object(out, obj)
-    return out
-
-
-def _rng_state(batches, device: torch.device, d: _Dist) -> dict:
-    # Every rank's own dropout RNG, so a DDP run resumes exactly too (only rank 0 writes).
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    states = _gather((torch.get_rng_state(), cuda), d)
-    rng = {"cpu": [s[0] for s in states]}
-    if cuda is not None:
-        rng["cuda"] = [s[1] for s in states]
-    if batches.rng_state() is not None:
-        rng["data"] = batches.rng_state()
-    return rng
-
-
-def _set_rng_state(rng: dict, batches, data_state: dict, device: torch.device, d: _Dist) -> None:
-    if d.rank < len(rng.get("cpu", [])):
-        torch.set_rng_state(rng["cpu"][d.rank].cpu())
-    if device.type == "cuda" and d.rank < len(rng.get("cuda", [])):
-        torch.cuda.set_rng_state(rng["cuda"][d.rank].cpu(), device)
-    data = rng.get("data")
-    batches.load_state_dict(data_state, data.cpu() if data is not None else None)
 
 
 def _check_model(saved: dict, cfg: RunConfig, url: str) -> None:
@@ -235,7 +180,7 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     """
     cfg, vocab, tokenizer, train, val = _inputs(cfg)
     t = cfg.train
-    d, device = _distributed(resolve_device(t.device))
+    d, device = join(resolve_device(t.device))
     try:
         return _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, resume)
     finally:
@@ -273,10 +218,10 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
         metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
         elapsed_before = metrics.get("elapsed_s", 0.0)
         # Last: building the model and optimizer above drew from the RNG.
-        _set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
+        set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
         del state
     resumed_from = step
-    if len(set(_gather(step, d))) > 1:
+    if len(set(gather(step, d))) > 1:
         raise UserError(f"the ranks found different checkpoints in {cfg.paths.checkpoint_dir}: "
                         "it must be storage that every rank reads (a shared folder or object storage)")
     best = metrics.get("best_val_loss", math.inf)
@@ -302,7 +247,7 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
         return None
 
     def save(url: str) -> None:
-        rng = _rng_state(batches, device, d)  # a collective: every rank takes part
+        rng = rng_state(batches, device, d)  # a collective: every rank takes part
         if not d.master:
             return
         save_checkpoint(url, {
