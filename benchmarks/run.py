@@ -15,7 +15,7 @@ import time
 
 from benchmarks.common import REPO, hms
 
-BENCHMARKS = ("train_speed", "generate_speed", "data_stages", "tracking_overhead")
+BENCHMARKS = ("vs_nanogpt", "train_speed", "generate_speed", "data_stages", "tracking_overhead")
 
 
 def main() -> int:
