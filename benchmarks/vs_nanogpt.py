@@ -1,6 +1,6 @@
 """mllm against nanoGPT, side by side in one run: training tokens/s and generation tokens/s.
 
-    python -m benchmarks.vs_nanogpt [--quick] [--threads N] [--only train|generate] [--compile]
+    python -m benchmarks.vs_nanogpt [--quick] [--threads N] [--only train|generate] [--variants ...]
 
 The anchor is karpathy/nanoGPT as kept in ../shared/anchors/nanoGPT (see its README); without it
 this benchmark says so and exits 0. On a shared machine an absolute speed means little, so every
@@ -12,7 +12,7 @@ Training: War and Peace with the reference char normalisation, 90/10, GPT 4 laye
 subprocess of its own train.py on the same ids written as it expects them (data/<dataset>/
 train.bin, val.bin as uint16 and meta.pkl); mllm as a subprocess of `python -m mllm.train`. Both
 print one line per step; the figure is the median step time after a warm-up (first steps, and
-for --compile the compilation), and the last column compares the mean training loss of the last
+for train.compile the compilation), and the last column compares the mean training loss of the last
 50 steps, which should agree within seed noise (the two do not draw the same batches).
 
 Generation: `generate` of nanoGPT's model.py (imported by path, here only), which recomputes the
@@ -93,7 +93,7 @@ def train_nanogpt(workdir: Path, steps: int, threads: int) -> tuple[list[float],
     return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows]
 
 
-def train_mllm(paths: dict, folder: Path, steps: int, threads: int, compile: bool) -> tuple[list[float], list[float]]:
+def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict) -> tuple[list[float], list[float]]:
     """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule."""
     n = len(list(folder.glob("mllm-*")))
     cfg = run_config(None, paths, folder / f"mllm-{n}", {
@@ -104,7 +104,7 @@ def train_mllm(paths: dict, folder: Path, steps: int, threads: int, compile: boo
         "train.lr_schedule": "cosine", "train.warmup_steps": 100, "train.weight_decay": 0.1,
         "train.beta2": 0.99, "train.grad_clip": 1.0, "train.max_steps": steps, "train.log_interval": 1,
         "train.eval_interval": 10 * steps, "train.checkpoint_interval": 10 * steps, "train.eval_batches": 2,
-        "train.device": "cpu", "train.compile": compile,
+        "train.device": "cpu", **extra,
     })
     config = folder / f"mllm-{n}.yaml"
     config.write_text(cfg.to_yaml(paths=True))
@@ -117,13 +117,18 @@ def train_mllm(paths: dict, folder: Path, steps: int, threads: int, compile: boo
     return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows]
 
 
+# Options of mllm's trainer measured as contenders of their own (--variants).
+VARIANTS = {"compile": {"train.compile": True}, "bf16": {"train.dtype": "bfloat16"},
+            "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"}}
+
+
 def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, warmup: int, repeats: int,
-                compile: bool) -> list[dict]:
+                variants: list[str]) -> list[dict]:
     workdir = nanogpt_data(paths, folder / "nanogpt")
     contenders = {"nanoGPT": lambda n: train_nanogpt(workdir, steps, n),
-                  "mllm": lambda n: train_mllm(paths, folder, steps, n, False)}
-    if compile:
-        contenders["mllm compile"] = lambda n: train_mllm(paths, folder, steps, n, True)
+                  "mllm": lambda n: train_mllm(paths, folder, steps, n, {})}
+    for v in variants:
+        contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, steps, n, VARIANTS[v])
     rows = []
     for threads in threads_list:
         got = {name: {"step_s": [], "loss": [], "first_s": [], "load": []} for name in contenders}
@@ -138,12 +143,15 @@ def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, 
                 print(f"  train, {threads} threads, {name} (run {rep + 1}): "
                       f"{SHAPE['batch_size'] * SHAPE['block_size'] / g['step_s'][-1]:,.0f} tokens/s, "
                       f"loss (last 50) {g['loss'][-1]:.3f}, load {g['load'][-1]}", flush=True)
-        base = median(got["nanoGPT"]["step_s"])
         for name, g in got.items():
             s = median(g["step_s"])
+            # Ratio within each round, then the median: the load drifts between rounds far more
+            # than within one, so pooling the rounds first would mix loads into the ratio.
+            ratio = median([a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])])
             rows.append({"what": "train", "contender": name, "threads": threads, "s_per_step": s,
                          "tokens_per_s": SHAPE["batch_size"] * SHAPE["block_size"] / s,
-                         "ratio": base / s, "warmup_s": median(g["first_s"]),
+                         "ratio": ratio, "ratios": [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])],
+                         "warmup_s": median(g["first_s"]),
                          "loss_last50": median(g["loss"]), "load": max(g["load"])})
     return rows
 
@@ -203,20 +211,22 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
                         times[name].append(time.perf_counter() - t0)
                         loads.append(load())
             base = median(times["nanoGPT"])
+            ratio = median([a / b for a, b in zip(times["nanoGPT"], times["mllm"])])  # per round, as in training
             for name, ts in times.items():
                 rows.append({"what": f"generate {shape_name}", "contender": name, "threads": threads,
-                             "tokens_per_s": new_tokens / median(ts), "ratio": base / median(ts),
+                             "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
                              "load": max(loads)})
             print(f"  generate {shape_name}, {threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
-                  f"mllm {new_tokens / median(times['mllm']):,.0f} ({base / median(times['mllm']):.1f}x), "
-                  f"load {max(loads)}", flush=True)
+                  f"mllm {new_tokens / median(times['mllm']):,.0f} ({ratio:.1f}x), load {max(loads)}", flush=True)
     return rows
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--only", choices=("train", "generate")),
-        p.add_argument("--compile", action="store_true", help="also train mllm with train.compile=true"),
+        p.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                       help="also train mllm with these options (compile: train.compile=true, "
+                            "bf16: train.dtype=bfloat16, autocast on the CPU)"),
         p.add_argument("--steps", type=int, help="training steps per run (default 300, quick 120)"),
         p.add_argument("--repeats", type=int, help="runs of each contender (default 2, quick 1)"),
     ))
@@ -233,7 +243,7 @@ def main() -> None:
         if args.only in (None, "train"):
             steps = args.steps or (120 if q else 300)
             rows += bench_train(paths, folder, threads_list, steps, warmup=20, repeats=repeats,
-                                compile=args.compile)
+                                variants=args.variants)
         if args.only in (None, "generate"):
             ids = np.load(paths["train_ids"])
             prompt = [int(i) for i in ids[1000:1004]]
