@@ -138,6 +138,8 @@ def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, 
     from mllm.config import RunConfig, TrainPaths, apply_overrides, recipe_dict, validate
 
     data = recipe_dict(recipe) if recipe else RunConfig().to_dict()
+    if overrides.get("model.arch", data["model"]["arch"]) != data["model"]["arch"]:
+        data["model"] = {}  # another family: none of the recipe's model fields apply
     data = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
     data["paths"] = TrainPaths(train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"],
                                checkpoint_dir=str(checkpoint_dir)).model_dump()

@@ -15,7 +15,7 @@ import time
 
 from benchmarks.common import REPO, hms
 
-BENCHMARKS = ("train_speed", "generate_speed", "data_stages", "tracking_overhead", "orchestration")
+BENCHMARKS = ("vs_nanogpt", "train_speed", "generate_speed", "data_stages", "tracking_overhead", "orchestration")
 
 
 def main() -> int:

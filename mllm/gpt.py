@@ -20,38 +20,42 @@ class KVCache:
     """Keys and values of every layer for the tokens seen so far, up to `capacity` (block_size).
 
     Preallocated so a generation step writes in place instead of concatenating; allocated on first
-    use so it takes the dtype the model computes in (bfloat16 under autocast).
+    use so it takes the dtype the model computes in (bfloat16 under autocast). One tensor per
+    layer rather than one for all: a decoding step is a few hundred tiny ops, and indexing a
+    layer out of a stacked tensor would add two more per layer.
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, head_dim: int, capacity: int):
-        self.shape = (n_layer, batch_size, n_head, capacity, head_dim)
-        self.k = self.v = None
+        self.n_layer, self.shape = n_layer, (batch_size, n_head, capacity, head_dim)
+        self.k: list[torch.Tensor] | None = None
+        self.v: list[torch.Tensor] | None = None
         self.length = 0
 
     @property
     def capacity(self) -> int:
-        return self.shape[3]
+        return self.shape[2]
 
     def append(self, layer: int, k, v):
         """Store the new tokens' k, v ([B, nh, T, hs]) for `layer`; return the layer's keys and values so far."""
         if self.k is None:
-            self.k = torch.zeros(self.shape, dtype=k.dtype, device=k.device)
-            self.v = torch.zeros(self.shape, dtype=v.dtype, device=v.device)
+            self.k = [k.new_zeros(self.shape) for _ in range(self.n_layer)]
+            self.v = [v.new_zeros(self.shape) for _ in range(self.n_layer)]
         start, end = self.length, self.length + k.size(2)
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} positions; {end} asked for (crop or reset it)")
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        if layer == self.shape[0] - 1:
+        keys, values = self.k[layer], self.v[layer]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        if layer == self.n_layer - 1:
             self.length = end  # every layer has now seen the new tokens
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return keys[:, :, :end], values[:, :, :end]
 
     def reorder(self, index):
         """Keep batch rows `index` (beam search: each surviving beam takes its parent's cache)."""
         if self.k is not None:
-            self.k = self.k[:, index]
-            self.v = self.v[:, index]
-        self.shape = (self.shape[0], len(index), *self.shape[2:])
+            self.k = [t[index] for t in self.k]
+            self.v = [t[index] for t in self.v]
+        self.shape = (len(index), *self.shape[1:])
 
 
 class CausalSelfAttention(nn.Module):
@@ -64,8 +68,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # One view and one permute for q, k and v together (the same strides as split + 3 views
+        # + 3 transposes): fewer ops matter when generating, where each one touches a single token.
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.append(layer, k, v)
@@ -78,8 +83,8 @@ class CausalSelfAttention(nn.Module):
             causal = False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_dropout(y) if self.training else y
 
 
 class MLP(nn.Module):
@@ -91,7 +96,8 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        y = self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(y) if self.training else y
 
 
 class Block(nn.Module):
@@ -140,7 +146,9 @@ class GPT(nn.Module):
         if past + T > self.config.block_size:
             raise ValueError(f"{past + T} positions exceed block_size {self.config.block_size}: crop the context")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        if self.training:
+            x = self.transformer.drop(x)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, state, layer)
         logits = self.lm_head(self.transformer.ln_f(x))

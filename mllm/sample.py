@@ -129,7 +129,7 @@ def _beam_search(ctx: _Context, seq, max_new_tokens: int, width: int, eos_id: in
     return max([best, *finished], key=lambda f: f[0])[1]
 
 
-@torch.no_grad()
+@torch.inference_mode()  # no_grad still counts tensor versions: per-op overhead that decoding feels
 def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "greedy",
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              beam_width: int = 4, seed: int | None = None, use_cache: bool = True,
@@ -162,6 +162,14 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
     ctx = _Context(model, use_cache)
     was_training = model.training
     model.eval()  # dropout off, or the same seed would not give the same text
+    threads = torch.get_num_threads()
+    # A cached step on the CPU is a few hundred ops on one token each, too small to share out:
+    # every op that forks and joins the thread pool waits for its slowest thread, and on a shared
+    # machine that one is often descheduled. Measured (benchmarks/vs_nanogpt.py), two threads were
+    # at best even with one and under load many times slower, so the cached path takes one.
+    one_thread = use_cache and device.type == "cpu" and threads > 1
+    if one_thread:
+        torch.set_num_threads(1)
     try:
         if method == "beam":
             return _beam_search(ctx, seq, max_new_tokens, beam_width, eos_id) if max_new_tokens else []
@@ -169,13 +177,16 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
         out, new = [], seq.size(1)
         for _ in range(max_new_tokens):
             token = next_token(ctx(seq, new), method, temperature, top_k, top_p, generator)
-            if token.item() == eos_id:
+            token_id = token.item()
+            if token_id == eos_id:
                 break
             seq, new = torch.cat([seq, token], dim=1), 1
-            out.append(token.item())
+            out.append(token_id)
         return out
     finally:
         model.train(was_training)
+        if one_thread:
+            torch.set_num_threads(threads)
 
 
 def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:

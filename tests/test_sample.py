@@ -189,6 +189,31 @@ def test_generate_restores_training_mode_and_turns_dropout_off():
     assert generate(model, PROMPT, 8) == a == generate(model.eval(), PROMPT, 8)
 
 
+def test_cached_generation_runs_on_one_thread_and_restores_the_count():
+    model = tiny("gpt")
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return x
+
+    model.transformer.ln_f = torch.nn.Sequential(Spy(), model.transformer.ln_f)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cached = generate(model, PROMPT, 6)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        assert generate(model, PROMPT, 6, use_cache=False) == cached
+        assert set(seen) == {2}  # recomputing is big enough to share out: the caller's count
+        with pytest.raises(UserError):
+            generate(model, PROMPT, 6, method="top-k", top_k=0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_arguments_are_user_errors():
     model = tiny("gpt")
     for kw, words in [(dict(method="nucleus"), "unknown sampling method"), (dict(method="top-k"), "top_k"),

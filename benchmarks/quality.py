@@ -1,0 +1,206 @@
+"""Which CPU recipe learns War and Peace best in a fixed wall time, with nanoGPT as the reference.
+
+    python -m benchmarks.quality [--minutes 10] [--threads 2] [--only NAME ...]
+
+Every candidate (GPT and LSTM variants, trained by `python -m mllm.train --config` with a paths
+section) and nanoGPT's CPU configuration (anchors README, trained by nanoGPT's own train.py) get
+the same training time, one after the other, on the same ids: War and Peace with the reference
+char normalisation, 90/10. A cosine schedule must know its length, so each contender is first
+timed for a few steps and its step count set to fill the budget; the budget is also a hard stop.
+Then every model is scored on the whole validation split by `mllm.evaluate.evaluate` (nanoGPT's
+checkpoint through a thin adapter), so the figures compare like with like: validation loss and
+bits per character (the normalised text is ASCII, so a character is a byte of it), and a sample.
+Without ../shared/anchors/nanoGPT the reference row is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+from benchmarks.vs_nanogpt import ANCHOR, _env, _nanogpt_model_module, nanogpt_data
+
+GPT_BASE = {"model.arch": "gpt", "model.bias": False, "model.dropout": 0.0, "train.sampling": "random",
+            "train.optimizer": "adamw", "train.weight_decay": 0.1, "train.beta2": 0.99, "train.grad_clip": 1.0,
+            "train.lr_schedule": "cosine"}
+LSTM_BASE = {"model.arch": "lstm", "model.n_embd": 32, "model.dropout": 0.0, "train.sampling": "random",
+             "train.optimizer": "adam", "train.grad_clip": 1.0, "train.lr_schedule": "cosine"}
+
+CANDIDATES = {
+    # The recipe `make run` trained before this benchmark existed.
+    "lstm 2x256, batch 64x64, lr 3e-3": {**LSTM_BASE, "model.n_layer": 2, "model.hidden_size": 256,
+                                         "train.batch_size": 64, "train.window": 64, "train.lr": 3e-3,
+                                         "train.min_lr": 3e-4, "train.warmup_steps": 50},
+    "lstm 1x512, batch 64x64, lr 3e-3": {**LSTM_BASE, "model.n_layer": 1, "model.hidden_size": 512,
+                                         "train.batch_size": 64, "train.window": 64, "train.lr": 3e-3,
+                                         "train.min_lr": 3e-4, "train.warmup_steps": 50},
+    # nanoGPT's CPU size, trained by mllm with nanoGPT's hyperparameters.
+    "gpt 4x4x128, batch 12x64, lr 1e-3": {**GPT_BASE, "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
+                                          "model.block_size": 64, "train.batch_size": 12, "train.window": 64,
+                                          "train.lr": 1e-3, "train.min_lr": 1e-4, "train.warmup_steps": 100},
+    # The same network with more tokens per step and a higher rate: a CPU does a batch of 32
+    # in well under 3x the time of 12, so a fixed wall time sees more text.
+    "gpt 4x4x128, batch 32x64, lr 2e-3": {**GPT_BASE, "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
+                                          "model.block_size": 64, "train.batch_size": 32, "train.window": 64,
+                                          "train.lr": 2e-3, "train.min_lr": 2e-4, "train.warmup_steps": 100},
+}
+
+
+def _mllm_run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> tuple[str, Path]:
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = run_config(None, paths, folder / slug, {**overrides, "train.device": "cpu"})
+    config = folder / f"{slug}.yaml"
+    config.write_text(cfg.to_yaml(paths=True))
+    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
+                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{name}: mllm.train failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return out.stdout, folder / slug
+
+
+def _step_s(stdout: str, tokens_per_step: int) -> float:
+    rates = [float(r.replace(",", "")) for r in re.findall(r", ([\d,]+) tok/s$", stdout, re.M)]
+    return tokens_per_step / median(rates[len(rates) // 3:])  # past the warm-up
+
+
+def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: float, threads: int) -> dict:
+    tokens = overrides["train.batch_size"] * overrides["train.window"]
+    probe, _ = _mllm_run(paths, folder / "probe", name, {
+        **overrides, "train.max_steps": 30, "train.log_interval": 1, "train.eval_interval": 10**6,
+        "train.eval_batches": 1}, threads)
+    steps = max(10, int(0.97 * 60 * minutes / _step_s(probe, tokens)))
+    t0 = time.perf_counter()
+    stdout, ckpt = _mllm_run(paths, folder, name, {
+        **overrides, "train.max_steps": steps, "train.max_minutes": minutes, "train.log_interval": 50,
+        "train.eval_interval": max(1, steps // 4), "train.eval_batches": 20,
+        "train.checkpoint_interval": 10**6}, threads)
+    done = re.search(r"^done: (\d+) steps \((\w+).*?, ([\d.]+)s; checkpoint", stdout, re.M)
+    from mllm.checkpoint import load_checkpoint
+
+    return {"model": load_checkpoint(str(ckpt / "last.pt")).model, "steps": int(done.group(1)),
+            "planned_steps": steps, "stop": done.group(2), "train_s": float(done.group(3)),
+            "wall_s": time.perf_counter() - t0, "tokens_per_step": tokens}
+
+
+class _NanoAdapter(torch.nn.Module):
+    """nanoGPT's GPT with mllm's forward signature, for mllm.evaluate and mllm.sample."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.config = type("Config", (), {"arch": "gpt", "block_size": model.config.block_size,
+                                          "vocab_size": model.config.vocab_size})()
+
+    def forward(self, idx, targets=None, state=None):
+        if targets is None:  # nanoGPT then returns the last position only
+            targets = torch.zeros_like(idx)
+        logits, loss = self.model(idx, targets)
+        return logits, loss, state
+
+
+NANOGPT_SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12)
+
+
+def train_nanogpt(paths: dict, folder: Path, minutes: float, threads: int) -> dict:
+    """nanoGPT's README CPU command, its iteration count set to fill the budget."""
+    workdir = nanogpt_data(paths, folder / "nanogpt")
+
+    def run(iters: int, eval_interval: int, timeout: float | None) -> str:
+        cmd = [sys.executable, str(ANCHOR / "train.py"), str(ANCHOR / "config" / "train_shakespeare_char.py"),
+               "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--dataset=wp",
+               *[f"--{k}={v}" for k, v in NANOGPT_SHAPE.items()], f"--max_iters={iters}",
+               f"--lr_decay_iters={iters}", "--dropout=0.0", f"--eval_interval={eval_interval}",
+               "--always_save_checkpoint=True", f"--out_dir={workdir / 'out'}"]
+        try:
+            out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True,
+                                 timeout=timeout)
+            return out.stdout
+        except subprocess.TimeoutExpired as e:  # the budget's hard stop: its last checkpoint counts
+            return e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+
+    probe = run(30, 10**6, None)
+    iter_s = median([float(t) / 1000 for t in re.findall(r"time ([\d.]+)ms", probe)][10:])
+    iters = max(40, int(0.97 * 60 * minutes / iter_s) // 4 * 4)
+    t0 = time.perf_counter()
+    stdout = run(iters, iters // 4, 60 * minutes * 1.5 + 60)
+    wall = time.perf_counter() - t0
+    times = [float(t) / 1000 for t in re.findall(r"time ([\d.]+)ms", stdout)]
+    nano = _nanogpt_model_module()
+    state = torch.load(workdir / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
+    model = nano.GPT(nano.GPTConfig(**state["model_args"]))
+    model.load_state_dict(state["model"])
+    return {"model": _NanoAdapter(model), "steps": int(state["iter_num"]), "planned_steps": iters,
+            "stop": "max_steps", "train_s": sum(times), "wall_s": wall,
+            "tokens_per_step": NANOGPT_SHAPE["batch_size"] * NANOGPT_SHAPE["block_size"]}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: (
+        p.add_argument("--minutes", type=float, default=10.0, help="training time per contender"),
+        p.add_argument("--only", nargs="+", choices=[*CANDIDATES, "nanoGPT"], help="run only these"),
+        p.add_argument("--val-tokens", type=int, help="score only the first N validation tokens"),
+    ))
+    m = header("quality", args.quick)
+    wp = corpus("warandpeace")
+    threads = args.threads or torch.get_num_threads()
+    names = args.only or [*CANDIDATES, "nanoGPT"]
+    if "nanoGPT" in names and not (ANCHOR / "train.py").is_file():
+        print(f"nanoGPT not found at {ANCHOR}: its reference row is left out")
+        names = [n for n in names if n != "nanoGPT"]
+    from mllm.evaluate import evaluate
+    from mllm.sample import generate
+    from mllm.vocab import Vocab
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-quality-") as tmp:
+        folder = Path(tmp)
+        paths = token_ids(wp, folder / "wp")
+        vocab = Vocab.load(paths["vocab"])
+        val = np.load(paths["val_ids"])[:args.val_tokens]
+        prompt = vocab.encode(list("The "))
+        for name in names:
+            print(f"{name}: training for {args.minutes} min on {threads} threads", flush=True)
+            if name == "nanoGPT":
+                got = train_nanogpt(paths, folder, args.minutes, threads)
+            else:
+                got = train_mllm(paths, folder, name, CANDIDATES[name], args.minutes, threads)
+            model = got.pop("model")
+            window = getattr(model.config, "block_size", 64) if model.config.arch == "gpt" else 64
+            t0 = time.perf_counter()
+            score = evaluate(model, val, window, 64)
+            text = "".join(vocab.decode(generate(model, prompt, 200, method="top-p", top_p=0.9,
+                                                 temperature=0.8, seed=1, use_cache=name != "nanoGPT")))
+            row = {"contender": name, **got, "tokens_seen": got["steps"] * got["tokens_per_step"],
+                   "val_loss": score["loss"], "bits_per_char": score["bits_per_token"],
+                   "eval_s": time.perf_counter() - t0, "load": load(), "sample": "The " + text}
+            rows.append(row)
+            print(f"  {row['steps']} steps in {row['train_s']:.0f} s of training ({row['stop']}), "
+                  f"val loss {row['val_loss']:.4f}, {row['bits_per_char']:.3f} bits/char, load {row['load']}\n"
+                  f"  sample: {row['sample']!r}", flush=True)
+    ref = next((r["val_loss"] for r in rows if r["contender"] == "nanoGPT"), None)
+    for r in rows:
+        r["vs_nanogpt"] = None if ref is None else r["val_loss"] - ref
+    print()
+    print(table(rows, [("contender", "contender"), ("steps", "steps"), ("tokens_seen", "tokens seen"),
+                       ("train_s", "training s"), ("val_loss", "val loss"), ("bits_per_char", "bits/char"),
+                       ("vs_nanogpt", "val loss - nanoGPT's"), ("load", "load avg")]))
+    print("\nsamples (top-p 0.9, temperature 0.8, seed 1):")
+    for r in rows:
+        print(f"- {r['contender']}: {r['sample']!r}")
+    save("quality", {"machine": m, "minutes": args.minutes, "threads": threads,
+                     "val_tokens": len(val), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""mllm against nanoGPT, side by side in one run: training tokens/s and generation tokens/s.
+
+    python -m benchmarks.vs_nanogpt [--quick] [--threads N] [--only train|generate] [--variants ...]
+
+The anchor is karpathy/nanoGPT as kept in ../shared/anchors/nanoGPT (see its README); without it
+this benchmark says so and exits 0. On a shared machine an absolute speed means little, so every
+figure here is a ratio of two measurements taken in the same run, alternating the contenders
+(A B A B ...) at the same torch thread count, with the load average next to it.
+
+Training: War and Peace with the reference char normalisation, 90/10, GPT 4 layers, 4 heads,
+128 wide, block 64, batch 12, dropout 0 (nanoGPT's CPU size, anchors README). nanoGPT runs as a
+subprocess of its own train.py on the same ids written as it expects them (data/<dataset>/
+train.bin, val.bin as uint16 and meta.pkl); mllm as a subprocess of `python -m mllm.train`. Both
+print one line per step; the figure is the median step time after a warm-up (first steps, and
+for train.compile the compilation), and the last column compares the mean training loss of the last
+50 steps, which should agree within seed noise (the two do not draw the same batches).
+
+Generation: `generate` of nanoGPT's model.py (imported by path, here only), which recomputes the
+whole context per token, against `mllm.sample.generate` with its KV cache: 500 new tokens after
+a 4-token prompt, top-k 200, temperature 0.8, random weights (the same weights in both), at
+4/4/128 block 64 and 6/6/384 block 256.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+
+ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
+
+SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0)
+GENERATE_SHAPES = {"4/4/128 block 64": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+                   "6/6/384 block 256": dict(n_layer=6, n_head=6, n_embd=384, block_size=256)}
+
+
+def anchor_or_exit() -> Path:
+    if not (ANCHOR / "train.py").is_file() or not (ANCHOR / "model.py").is_file():
+        print(f"skipped: nanoGPT not found at {ANCHOR} (the anchors folder lies beside the repo, in ../shared)")
+        raise SystemExit(0)
+    return ANCHOR
+
+
+def nanogpt_data(paths: dict, folder: Path) -> Path:
+    """A working folder for nanoGPT's train.py: data/wp/{train,val}.bin, meta.pkl, configurator.py."""
+    from mllm.vocab import Vocab
+
+    data = folder / "data" / "wp"
+    data.mkdir(parents=True)
+    for split in ("train", "val"):
+        np.load(paths[f"{split}_ids"]).astype(np.uint16).tofile(data / f"{split}.bin")
+    itos = Vocab.load(paths["vocab"]).itos
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(itos), "itos": dict(enumerate(itos)),
+                     "stoi": {s: i for i, s in enumerate(itos)}}, f)
+    # train.py exec()s configurator.py from its working directory.
+    shutil.copy(ANCHOR / "configurator.py", folder / "configurator.py")
+    return folder
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def train_nanogpt(workdir: Path, steps: int, threads: int) -> tuple[list[float], list[float]]:
+    """Per-step seconds and losses of nanoGPT's own train.py (its README's CPU command)."""
+    cmd = [sys.executable, str(ANCHOR / "train.py"), str(ANCHOR / "config" / "train_shakespeare_char.py"),
+           "--device=cpu", "--compile=False", "--eval_iters=2", "--log_interval=1", "--dataset=wp",
+           f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}",
+           f"--n_layer={SHAPE['n_layer']}", f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}",
+           f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0",
+           f"--eval_interval={10 * steps}", f"--out_dir={workdir / 'out'}"]
+    out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"nanoGPT train.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    rows = re.findall(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", out.stdout, re.M)
+    return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows]
+
+
+def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict) -> tuple[list[float], list[float]]:
+    """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule."""
+    n = len(list(folder.glob("mllm-*")))
+    cfg = run_config(None, paths, folder / f"mllm-{n}", {
+        "model.arch": "gpt", "model.n_layer": SHAPE["n_layer"], "model.n_head": SHAPE["n_head"],
+        "model.n_embd": SHAPE["n_embd"], "model.block_size": SHAPE["block_size"], "model.dropout": 0.0,
+        "model.bias": False, "train.batch_size": SHAPE["batch_size"], "train.window": SHAPE["block_size"],
+        "train.sampling": "random", "train.optimizer": "adamw", "train.lr": 1e-3, "train.min_lr": 1e-4,
+        "train.lr_schedule": "cosine", "train.warmup_steps": 100, "train.weight_decay": 0.1,
+        "train.beta2": 0.99, "train.grad_clip": 1.0, "train.max_steps": steps, "train.log_interval": 1,
+        "train.eval_interval": 10 * steps, "train.checkpoint_interval": 10 * steps, "train.eval_batches": 2,
+        "train.device": "cpu", **extra,
+    })
+    config = folder / f"mllm-{n}.yaml"
+    config.write_text(cfg.to_yaml(paths=True))
+    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
+                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"mllm.train failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", out.stdout, re.M)
+    tokens = SHAPE["batch_size"] * SHAPE["block_size"]
+    return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows]
+
+
+# Options of mllm's trainer measured as contenders of their own (--variants).
+VARIANTS = {"compile": {"train.compile": True}, "bf16": {"train.dtype": "bfloat16"},
+            "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"}}
+
+
+def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, warmup: int, repeats: int,
+                variants: list[str]) -> list[dict]:
+    workdir = nanogpt_data(paths, folder / "nanogpt")
+    contenders = {"nanoGPT": lambda n: train_nanogpt(workdir, steps, n),
+                  "mllm": lambda n: train_mllm(paths, folder, steps, n, {})}
+    for v in variants:
+        contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, steps, n, VARIANTS[v])
+    rows = []
+    for threads in threads_list:
+        got = {name: {"step_s": [], "loss": [], "first_s": [], "load": []} for name in contenders}
+        for rep in range(repeats):
+            for name, run in contenders.items():  # A B A B: a burst of load hits both
+                step_s, losses = run(threads)
+                g = got[name]
+                g["step_s"].append(median(step_s[warmup:]))
+                g["first_s"].append(sum(step_s[:warmup]))
+                g["loss"].append(float(np.mean(losses[-50:])))
+                g["load"].append(load())
+                print(f"  train, {threads} threads, {name} (run {rep + 1}): "
+                      f"{SHAPE['batch_size'] * SHAPE['block_size'] / g['step_s'][-1]:,.0f} tokens/s, "
+                      f"loss (last 50) {g['loss'][-1]:.3f}, load {g['load'][-1]}", flush=True)
+        for name, g in got.items():
+            s = median(g["step_s"])
+            # Ratio within each round, then the median: the load drifts between rounds far more
+            # than within one, so pooling the rounds first would mix loads into the ratio.
+            ratio = median([a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])])
+            rows.append({"what": "train", "contender": name, "threads": threads, "s_per_step": s,
+                         "tokens_per_s": SHAPE["batch_size"] * SHAPE["block_size"] / s,
+                         "ratio": ratio, "ratios": [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])],
+                         "warmup_s": median(g["first_s"]),
+                         "loss_last50": median(g["loss"]), "load": max(g["load"])})
+    return rows
+
+
+def _nanogpt_model_module():
+    spec = importlib.util.spec_from_file_location("nanogpt_model", ANCHOR / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def threads_set(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int,
+                   repeats: int) -> list[dict]:
+    from mllm.config import GPTConfig
+    from mllm.models import build_model
+    from mllm.sample import generate
+
+    nano = _nanogpt_model_module()
+    rows = []
+    for shape_name, shape in GENERATE_SHAPES.items():
+        torch.manual_seed(1337)
+        ours = build_model(GPTConfig(vocab_size=vocab_size, dropout=0.0, bias=False, **shape)).eval()
+        theirs = nano.GPT(nano.GPTConfig(vocab_size=vocab_size, dropout=0.0, bias=False, **shape)).eval()
+        # The same weights, so both run the same arithmetic; nanoGPT's causal-mask buffer (only
+        # present without SDPA) is its own.
+        missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+        assert not unexpected and all(k.endswith("attn.bias") for k in missing), (missing, unexpected)
+        idx = torch.tensor([prompt])
+
+        def run_theirs():
+            torch.manual_seed(1)
+            theirs.generate(idx, new_tokens, temperature=0.8, top_k=200)
+
+        def run_ours():
+            generate(ours, prompt, new_tokens, method="top-k", temperature=0.8, top_k=200, seed=1)
+
+        for threads in threads_list:
+            with threads_set(threads):
+                generate(ours, prompt, 16, method="top-k", temperature=0.8, top_k=200, seed=1)  # warm-up
+                theirs.generate(idx, 16, temperature=0.8, top_k=200)
+                times = {"nanoGPT": [], "mllm": []}
+                loads = []
+                for _ in range(repeats):
+                    for name, fn in (("nanoGPT", run_theirs), ("mllm", run_ours)):
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+                        loads.append(load())
+            base = median(times["nanoGPT"])
+            ratio = median([a / b for a, b in zip(times["nanoGPT"], times["mllm"])])  # per round, as in training
+            for name, ts in times.items():
+                rows.append({"what": f"generate {shape_name}", "contender": name, "threads": threads,
+                             "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
+                             "load": max(loads)})
+            print(f"  generate {shape_name}, {threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
+                  f"mllm {new_tokens / median(times['mllm']):,.0f} ({ratio:.1f}x), load {max(loads)}", flush=True)
+    return rows
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: (
+        p.add_argument("--only", choices=("train", "generate")),
+        p.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                       help="also train mllm with these options (compile: train.compile=true, "
+                            "bf16: train.dtype=bfloat16, autocast on the CPU)"),
+        p.add_argument("--steps", type=int, help="training steps per run (default 300, quick 120)"),
+        p.add_argument("--repeats", type=int, help="runs of each contender (default 2, quick 1)"),
+    ))
+    m = header("vs_nanogpt", args.quick)
+    anchor_or_exit()
+    wp = corpus("warandpeace")
+    q = args.quick
+    threads_list = [args.threads] if args.threads else sorted({torch.get_num_threads(), 1}, reverse=True)
+    repeats = args.repeats or (1 if q else 2)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-nanogpt-") as tmp:
+        folder = Path(tmp)
+        paths = token_ids(wp, folder / "wp")
+        if args.only in (None, "train"):
+            steps = args.steps or (120 if q else 300)
+            rows += bench_train(paths, folder, threads_list, steps, warmup=20, repeats=repeats,
+                                variants=args.variants)
+        if args.only in (None, "generate"):
+            ids = np.load(paths["train_ids"])
+            prompt = [int(i) for i in ids[1000:1004]]
+            rows += bench_generate(paths["vocab_size"], prompt, threads_list, 200 if q else 500, repeats)
+    print()
+    print(table(rows, [("what", "what"), ("contender", "contender"), ("threads", "threads"),
+                       ("tokens_per_s", "tokens/s"), ("ratio", "x nanoGPT"), ("warmup_s", "warm-up s"),
+                       ("loss_last50", "loss, last 50 steps"), ("load", "load avg (max)")]))
+    save("vs_nanogpt", {"machine": m, "quick": q, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
