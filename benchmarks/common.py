@@ -8,6 +8,7 @@ another job on the same two cores halves a throughput without anything else chan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,6 +45,19 @@ def corpus(name: str) -> Path:
         print(f"skipped: {name} corpus not found at {path} (benchmarks read ../shared/data beside the repo)")
         raise SystemExit(0)
     return path
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """torch's intra-op threads set to `n` inside the block, the caller's count restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def load() -> float:

@@ -20,7 +20,6 @@ torch's thread count and again at one thread (see the comment in main).
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import corpus, header, load, median, parse_args, save, table, token_ids
+from benchmarks.common import corpus, header, load, median, parse_args, save, table, threads, token_ids
 from mllm.config import model_config
 from mllm.data import load_ids, windows
 from mllm.models import build_model
@@ -43,14 +42,6 @@ MODELS = {
 }
 
 
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def brief_training(model: torch.nn.Module, ids: np.ndarray, steps: int, window: int = 64,

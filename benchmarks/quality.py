@@ -15,8 +15,6 @@ Without ../shared/anchors/nanoGPT the reference row is left out.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 import subprocess
 import sys

@@ -23,7 +23,6 @@ a 4-token prompt, top-k 200, temperature 0.8, random weights (the same weights i
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import pickle
@@ -38,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+from benchmarks.common import (REPO, corpus, header, load, median, parse_args, run_config, save, table, threads,
+                               token_ids)
 
 ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
 
@@ -130,17 +130,17 @@ def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, 
     for v in variants:
         contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, steps, n, VARIANTS[v])
     rows = []
-    for threads in threads_list:
+    for n_threads in threads_list:
         got = {name: {"step_s": [], "loss": [], "first_s": [], "load": []} for name in contenders}
         for rep in range(repeats):
             for name, run in contenders.items():  # A B A B: a burst of load hits both
-                step_s, losses = run(threads)
+                step_s, losses = run(n_threads)
                 g = got[name]
                 g["step_s"].append(median(step_s[warmup:]))
                 g["first_s"].append(sum(step_s[:warmup]))
                 g["loss"].append(float(np.mean(losses[-50:])))
                 g["load"].append(load())
-                print(f"  train, {threads} threads, {name} (run {rep + 1}): "
+                print(f"  train, {n_threads} threads, {name} (run {rep + 1}): "
                       f"{SHAPE['batch_size'] * SHAPE['block_size'] / g['step_s'][-1]:,.0f} tokens/s, "
                       f"loss (last 50) {g['loss'][-1]:.3f}, load {g['load'][-1]}", flush=True)
         for name, g in got.items():
@@ -148,7 +148,7 @@ def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, 
             # Ratio within each round, then the median: the load drifts between rounds far more
             # than within one, so pooling the rounds first would mix loads into the ratio.
             ratio = median([a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])])
-            rows.append({"what": "train", "contender": name, "threads": threads, "s_per_step": s,
+            rows.append({"what": "train", "contender": name, "threads": n_threads, "s_per_step": s,
                          "tokens_per_s": SHAPE["batch_size"] * SHAPE["block_size"] / s,
                          "ratio": ratio, "ratios": [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])],
                          "warmup_s": median(g["first_s"]),
@@ -163,14 +163,6 @@ def _nanogpt_model_module():
     return module
 
 
-@contextlib.contextmanager
-def threads_set(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int,
@@ -198,8 +190,8 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
         def run_ours():
             generate(ours, prompt, new_tokens, method="top-k", temperature=0.8, top_k=200, seed=1)
 
-        for threads in threads_list:
-            with threads_set(threads):
+        for n_threads in threads_list:
+            with threads(n_threads):
                 generate(ours, prompt, 16, method="top-k", temperature=0.8, top_k=200, seed=1)  # warm-up
                 theirs.generate(idx, 16, temperature=0.8, top_k=200)
                 times = {"nanoGPT": [], "mllm": []}
@@ -213,10 +205,10 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
             base = median(times["nanoGPT"])
             ratio = median([a / b for a, b in zip(times["nanoGPT"], times["mllm"])])  # per round, as in training
             for name, ts in times.items():
-                rows.append({"what": f"generate {shape_name}", "contender": name, "threads": threads,
+                rows.append({"what": f"generate {shape_name}", "contender": name, "threads": n_threads,
                              "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
                              "load": max(loads)})
-            print(f"  generate {shape_name}, {threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
+            print(f"  generate {shape_name}, {n_threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
                   f"mllm {new_tokens / median(times['mllm']):,.0f} ({ratio:.1f}x), load {max(loads)}", flush=True)
     return rows
 
