@@ -258,7 +258,7 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
         return _evaluate_embeddings(cfg, trained, loaded, part, split, ckpt_url, report_url)
     ids = load_ids(part.ids)
     scores = mllm_evaluate.evaluate(loaded.model, ids, window=cfg.train.window,
-                                    batch_size=eval_rows(cfg.train.window, data.vocab.size),
+                                    batch_size=max(1, min(cfg.train.batch_size, 256)),
                                     n_bytes=part.n_bytes)
     train_ids = load_ids(data.splits.train.ids)
     unigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=1)
@@ -275,13 +275,6 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
                           split, result.loss, result.bits_per_token, result.bits_per_byte,
                           result.bigram_bits_per_token)
     return result
-
-
-def eval_rows(window: int, vocab_size: int) -> int:
-    """Windows per evaluation batch: as many as keep the logits near 2**24 numbers (64 MB), at
-    most 1,024. Scoring a whole split is no training step: the training batch size says nothing
-    about what fits, and small batches made evaluating a small model take longer than training it."""
-    return max(1, min(1024, (1 << 24) // max(1, window * vocab_size)))
 
 
 def _evaluate_embeddings(cfg: RunConfig, trained: Trained, loaded: Any, part: Any, split: str, ckpt_url: str,
@@ -321,8 +314,7 @@ def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: st
     ids = load_ids(part.ids)
     if loaded.vocab.itos != ours.itos:
         ids = loaded.vocab.encode_array(ours.itos)[np.asarray(ids, dtype=np.int64)]
-    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window, batch_size=eval_rows(window, len(loaded.vocab)),
-                                    n_bytes=part.n_bytes)
+    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window, batch_size=64, n_bytes=part.n_bytes)
     get_run_logger().info("champion %s on this %s split: loss %.4f, %.4f bits/byte", checkpoint_url, split,
                           scores["loss"], scores["bits_per_byte"])
     return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
