@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
-from benchmarks.vs_nanogpt import ANCHOR, _env, _nanogpt_model_module, nanogpt_data
+from benchmarks.common import corpus, header, load, median, parse_args, run_config, save, table, token_ids
+from benchmarks.vs_nanogpt import ANCHOR, _env, _nanogpt_model_module, nanogpt_data, run_mllm_train
 
 GPT_BASE = {"model.arch": "gpt", "model.bias": False, "model.dropout": 0.0, "train.sampling": "random",
             "train.optimizer": "adamw", "train.weight_decay": 0.1, "train.beta2": 0.99, "train.grad_clip": 1.0,
@@ -58,13 +58,7 @@ def _mllm_run(paths: dict, folder: Path, name: str, overrides: dict, threads: in
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     folder.mkdir(parents=True, exist_ok=True)
     cfg = run_config(None, paths, folder / slug, {**overrides, "train.device": "cpu"})
-    config = folder / f"{slug}.yaml"
-    config.write_text(cfg.to_yaml(paths=True))
-    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
-                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"{name}: mllm.train failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return out.stdout, folder / slug
+    return run_mllm_train(cfg, folder / f"{slug}.yaml", threads, f"{name}: mllm.train"), folder / slug
 
 
 def _step_s(stdout: str, tokens_per_step: int) -> float:

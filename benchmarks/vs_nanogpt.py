@@ -93,6 +93,16 @@ def train_nanogpt(workdir: Path, steps: int, threads: int) -> tuple[list[float],
     return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows]
 
 
+def run_mllm_train(cfg, config: Path, threads: int, what: str = "mllm.train") -> str:
+    """`python -m mllm.train` on `cfg` (saved to `config`) from scratch with `threads`: its stdout."""
+    config.write_text(cfg.to_yaml(paths=True))
+    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
+                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{what} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    return out.stdout
+
+
 def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict) -> tuple[list[float], list[float]]:
     """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule."""
     n = len(list(folder.glob("mllm-*")))
@@ -106,13 +116,8 @@ def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict)
         "train.eval_interval": 10 * steps, "train.checkpoint_interval": 10 * steps, "train.eval_batches": 2,
         "train.device": "cpu", **extra,
     })
-    config = folder / f"mllm-{n}.yaml"
-    config.write_text(cfg.to_yaml(paths=True))
-    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
-                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"mllm.train failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", out.stdout, re.M)
+    stdout = run_mllm_train(cfg, folder / f"mllm-{n}.yaml", threads)
+    rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", stdout, re.M)
     tokens = SHAPE["batch_size"] * SHAPE["block_size"]
     return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows]
 
