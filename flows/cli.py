@@ -59,7 +59,12 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
             return
         t, e = result.trained, result.evaluation
         typer.echo(f"{fl.describe(e)} after {t.steps} steps")
-        typer.echo(f"sample ({next(iter(result.samples))}): {next(iter(result.samples.values()))[0][:200]!r}")
+        method, texts = next(iter(result.samples.items()))
+        if result.data.source_side is not None:  # a translation per prompt
+            shown = "; ".join(texts) or "none (no sample prompt fits the source vocabulary)"
+            typer.echo(f"translations ({method}): {shown}")
+        else:
+            typer.echo(f"sample ({method}): {texts[0][:200]!r}")
         typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
         typer.echo(f"mlflow run: {result.mlflow_run_id}")
         typer.echo(f"outputs: {t.run_dir}")
@@ -77,7 +82,8 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
     preflight(storage_root(storage))
     from mllm.corpus import open_source
 
-    open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
+    if cfg.data.source or cfg.data.pairs is None:  # (parallel text with no source: the numbers corpus)
+        open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
     return cfg
 
 
@@ -141,10 +147,14 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
 def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
            run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
            model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
-           prompt: Annotated[str, typer.Option(
-               help="Text to continue; for word embeddings (cbow), the words whose neighbours to list.")] = "The ",
+           prompt: Annotated[Optional[str], typer.Option(
+               help="Text to continue [\"The \"]; for word embeddings (cbow), the words whose neighbours to list; "
+                    "for a seq2seq model, the sentence to translate [the run's prompts].")] = None,
+           prompt_file: Annotated[Optional[str], typer.Option(
+               help="Seq2seq: a text file of sentences to translate, one a line.")] = None,
            method: Annotated[Optional[str], typer.Option(
-               help=f"{', '.join(METHODS)} (default: the run's first sample method).")] = None,
+               help=f"{', '.join(METHODS)} (seq2seq: greedy, beam, temperature; default: the run's first "
+                    "sample method).")] = None,
            max_new_tokens: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            temperature: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
            top_k: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
@@ -154,7 +164,8 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            neighbours: Annotated[Optional[int], typer.Option(
                help="Word embeddings: neighbours per word (default: the run's own).")] = None,
            storage: Storage = None) -> None:
-    """Generate text from a checkpoint, an MLflow run's model, or a registered model.
+    """Generate text from a checkpoint, an MLflow run's model, or a registered model; a seq2seq
+    model translates, one line per sentence.
 
     Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
     with user_errors():
@@ -162,6 +173,9 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             raise UserError("give exactly one of --checkpoint URL, --run RUN_ID or --model NAME@champion")
         if method is not None and method not in METHODS:
             raise UserError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
+        if prompt is not None and prompt_file is not None:
+            raise UserError("give --prompt or --prompt-file, not both")
+        lines = _prompt_lines(prompt_file) if prompt_file else None
         given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      beam_width=beam_width, seed=seed)
         if checkpoint:
@@ -172,11 +186,20 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             if loaded.config.model.arch == "cbow":
                 from tasks.embeddings import neighbours_of
 
-                lines = neighbours_of(loaded, prompt.split(), neighbours or loaded.config.sample.neighbours)
-                typer.echo("\n".join(lines))
+                words = lines or (prompt or "").split()
+                typer.echo("\n".join(neighbours_of(loaded, words, neighbours or loaded.config.sample.neighbours)))
                 return
+            if loaded.src_vocab is not None:
+                from mllm.translate import translate_texts
+
+                texts = lines or ([prompt] if prompt is not None else loaded.config.sample.prompts)
+                typer.echo("\n".join(translate_texts(loaded, texts, method, **given)))
+                return
+            if lines:
+                raise UserError("--prompt-file is for seq2seq models: give a language model one --prompt")
             method = method or loaded.config.sample.methods[0]
-            typer.echo(sample_text(loaded, prompt, method, **with_defaults(loaded, **given)))
+            typer.echo(sample_text(loaded, "The " if prompt is None else prompt, method,
+                                   **with_defaults(loaded, **given)))
             return
         # The served model's signature holds the run's own sample section as its defaults.
         params = {k: v for k, v in dict(given, method=method).items() if v is not None}
@@ -185,7 +208,17 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
         storage_root = flows_module().storage_root
 
         root = storage_root(storage)
-        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params, neighbours))
+        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params, neighbours, lines))
+
+
+def _prompt_lines(path: str) -> list[str]:
+    from mllm import storage as store
+
+    store.require(path, "prompt file")
+    lines = [line.strip() for line in store.read_text(path).splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"prompt file {path} has no line of text: give one sentence a line")
+    return lines
 
 
 @app.command("runs")

@@ -27,8 +27,15 @@ from tasks.tracking import client as tracking_client
 
 @flow(name="prepare", log_prints=True)
 def prepare(cfg: RunConfig, root: str) -> Prepared:
-    """The data stages: download, tokenize, build the vocabulary, split."""
+    """The data stages: download, tokenize, build the vocabulary, split; for parallel text,
+    download (or make the numbers corpus) and prepare the pairs."""
     d = cfg.data
+    if d.pairs is not None:
+        source = d.source or data_tasks.numbers_corpus(d.pairs.numbers, root)
+        raw = data_tasks.download(source, d.sha256, root)
+        pairs = data_tasks.prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
+        return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
+                        tokens=pairs.tokens, vocab=pairs.vocab, splits=pairs.splits, source_side=pairs.source_side)
     raw = data_tasks.download(d.source, d.sha256, root)
     tokens = data_tasks.tokenize(raw, d.tokenizer, root)
     vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
@@ -115,7 +122,8 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     """Register the challenger; it becomes champion only if it beats the champion on the same
     validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
     score = None
-    if champion and champion.checkpoint and champion.splits_key != data.splits.key:
+    language_model = evaluation.bits_per_byte is not None  # other families decide by their headline
+    if language_model and champion and champion.checkpoint and champion.splits_key != data.splits.key:
         scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, data, cfg.train.window)
     return log_outcome(run_id, cfg, root, trained, evaluation, samples, data, score)
@@ -170,9 +178,13 @@ def summary(r: PipelineResult) -> str:
         "## Samples",
         "",
     ]
+    translations = r.data.source_side is not None
     for method, texts in r.samples.items():
-        lines += [f"**{method}**", "", "```", "\n".join(texts) if method == "neighbours" else texts[0].strip(),
-                  "```", ""]
+        if translations:
+            shown = "\n".join(texts) or "(no prompt fits the source vocabulary)"
+        else:
+            shown = "\n".join(texts) if method == "neighbours" else texts[0].strip()
+        lines += [f"**{method}**", "", "```", shown, "```", ""]
     return "\n".join(lines)
 
 

@@ -70,9 +70,11 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
     return uri
 
 
-def generate(root: str, uri: str, prompt: str, params: dict[str, Any], neighbours: int | None = None) -> str:
-    """The registered model's answer: a continuation of the prompt, or for word embeddings (a
-    model whose parameters take `k`) a line of neighbours per word of the prompt."""
+def generate(root: str, uri: str, prompt: str | None, params: dict[str, Any], neighbours: int | None = None,
+             lines: list[str] | None = None) -> str:
+    """The registered model's answer: a continuation of the prompt; for word embeddings (a
+    model whose parameters take `k`) a line of neighbours per word of the prompt; for a seq2seq
+    model (parameters without max_new_tokens) a translation per line of `lines` or the prompt."""
     import mlflow.pyfunc
 
     tracking_uri(root)
@@ -81,11 +83,18 @@ def generate(root: str, uri: str, prompt: str, params: dict[str, Any], neighbour
     except MlflowException as e:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
     schema = model.metadata.get_params_schema()
-    if schema is not None and "k" in {p.name for p in schema.params}:
-        words = prompt.split()
+    names = {p.name for p in schema.params} if schema is not None else set()
+    if "k" in names:
+        words = lines or (prompt or "").split()
         answers = model.predict(words, params={"k": neighbours} if neighbours else None)
         return "\n".join(f"{w}: {a}" for w, a in zip(words, answers))
-    return model.predict([prompt], params=params)[0]
+    if "method" in names and "max_new_tokens" not in names:  # a Translator
+        texts = lines or [prompt if prompt is not None else ""]
+        known = {k: v for k, v in params.items() if k in names}
+        return "\n".join(model.predict(texts, params=known or None))
+    if lines:
+        raise UserError("--prompt-file is for seq2seq models: give a language model one --prompt")
+    return model.predict(["The " if prompt is None else prompt], params=params)[0]
 
 
 # --- reproduce ----------------------------------------------------------------------------

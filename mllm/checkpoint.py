@@ -2,7 +2,8 @@
 
 A checkpoint holds only what the safe unpickler accepts: the model, optimizer and scheduler
 state_dicts, the step, the RNG states (ByteTensors), the run config as a plain dict, the
-vocabulary and tokenizer as JSON strings, metrics (floats) and the data position (ints). So it
+vocabulary and tokenizer as JSON strings (a sequence-to-sequence model's target side, and its
+source side as src_vocab and src_tokenizer), metrics (floats) and the data position (ints). So it
 carries everything needed to resume training or to sample, and nothing that runs code on load.
 """
 
@@ -33,6 +34,9 @@ class Loaded:
     tokenizer: Tokenizer
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # Sequence to sequence: the source side's (vocab and tokenizer are the target side's).
+    src_vocab: Vocab | None = None
+    src_tokenizer: Tokenizer | None = None
 
 
 def save_checkpoint(url: str, state: dict[str, Any]) -> None:
@@ -86,6 +90,8 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
         config = RunConfig.model_validate(state["config"])
         ckpt_vocab = Vocab.from_json(state["vocab"])
         tokenizer = tokenizer_from_json(state["tokenizer"])
+        src_vocab = Vocab.from_json(state["src_vocab"]) if "src_vocab" in state else None
+        src_tokenizer = tokenizer_from_json(state["src_tokenizer"]) if "src_tokenizer" in state else None
     except (ValueError, KeyError, TypeError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise UserError(f"checkpoint {url} has an unreadable config, vocabulary or tokenizer ({reason})") from None
@@ -98,4 +104,4 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
         ) from None
     model.to(device).eval()
     metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
-    return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics)
+    return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics, src_vocab, src_tokenizer)

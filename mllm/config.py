@@ -58,12 +58,44 @@ class SplitConfig(_Section):
         return self
 
 
+class NumbersConfig(_Section):
+    """The offline parallel corpus: `count` distinct numbers in [0, max_number] written out in
+    English words, paired with the same number in `language` (num2words)."""
+
+    count: int = Field(10_000, ge=2)
+    max_number: int = Field(9_999, ge=1)
+    seed: int = 0
+    language: Literal["de", "fr"] = "de"
+
+    @model_validator(mode="after")
+    def _enough(self) -> "NumbersConfig":
+        if self.count > self.max_number + 1:
+            raise ValueError(f"count {self.count} exceeds the {self.max_number + 1} numbers in [0, max_number]")
+        return self
+
+
+class PairsConfig(_Section):
+    """Parallel text for the sequence-to-sequence family: `data.source` is a TSV file of pairs
+    (source, target; more columns are ignored), or empty with `numbers` set. `data.tokenizer`
+    cuts the source side, `target_tokenizer` the target side; `data.vocab` and `data.split`
+    (val/test fraction and seed) apply as for a corpus."""
+
+    numbers: NumbersConfig | None = None
+    # False keeps every character: the char tokenizer's normalisation would drop German's umlauts.
+    target_tokenizer: TokenizerConfig = TokenizerConfig(kind="char", normalize=False)
+    shared_vocab: bool = False  # one vocabulary for both sides
+    # sacrebleu's BLEU tokenization: 13a (words, the WMT default), or char for one-word targets
+    # (a German number), where word 4-grams do not exist and word BLEU is 0 whatever the output.
+    bleu_tokenize: Literal["13a", "char", "intl", "none"] = "13a"
+
+
 class DataConfig(_Section):
     source: str = ""
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     tokenizer: TokenizerConfig = TokenizerConfig()
     vocab: VocabConfig = VocabConfig()
     split: SplitConfig = SplitConfig()
+    pairs: PairsConfig | None = None  # the seq2seq family: parallel text instead of a corpus
 
 
 # A language model's headline metric, the one that decides the champion: validation bits per
@@ -132,16 +164,48 @@ class CbowConfig(_Section):
     skip_unk: bool = True
 
 
+class Seq2SeqConfig(_Section):
+    """An encoder-decoder with attention (mllm.seq2seq): Bahdanau's RNN or a transformer."""
+
+    HEADLINE: ClassVar[tuple[str, bool]] = ("chrf", True)  # chrF on the held-out pairs, higher is better
+
+    arch: Literal["seq2seq-rnn", "seq2seq-transformer"] = "seq2seq-transformer"
+    # 0: taken from the vocabularies when training starts.
+    src_vocab_size: int = Field(0, ge=0)
+    tgt_vocab_size: int = Field(0, ge=0)
+    n_embd: int = Field(128, ge=2)  # embedding size (rnn); model width (transformer)
+    hidden_size: int = Field(256, ge=1)  # rnn: encoder per direction and decoder
+    n_layer: int = Field(2, ge=1)  # rnn: encoder layers; transformer: encoder and decoder layers
+    cell: Literal["gru", "lstm"] = "gru"  # rnn encoder; the decoder is a GRU either way
+    n_head: int = Field(4, ge=1)
+    d_ff: int = Field(0, ge=0)  # transformer feed-forward width; 0 means 4 * n_embd
+    norm: Literal["pre", "post"] = "post"
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    max_src_len: int = Field(64, ge=1)  # tokens, without <eos>; longer pairs are left out
+    max_tgt_len: int = Field(64, ge=1)
+    tie_weights: bool = False  # transformer: the output layer reuses the target embedding
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "Seq2SeqConfig":
+        if self.arch == "seq2seq-transformer":
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd {self.n_embd} must be a multiple of n_head {self.n_head}")
+            if self.n_embd % 2:
+                raise ValueError(f"n_embd {self.n_embd} must be even for sinusoidal positions")
+        return self
+
+
 # The model families, told apart by `arch`: a family's section holds its own fields only, so a
 # field of another family is refused and the training key digests only what the model uses.
-FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig}
-ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig, CbowConfig], Field(discriminator="arch")]
+FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig,
+                                        "sequence-to-sequence": Seq2SeqConfig}
+ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig, CbowConfig, Seq2SeqConfig], Field(discriminator="arch")]
 
 
 _MODEL = TypeAdapter(ModelConfig)
 
 
-def model_config(**fields: Any) -> RecurrentConfig | GPTConfig | CbowConfig:
+def model_config(**fields: Any) -> RecurrentConfig | GPTConfig | CbowConfig | Seq2SeqConfig:
     """The section of the family that `arch` names (default lstm), built from its fields."""
     return _MODEL.validate_python({"arch": "lstm", **fields})
 
@@ -228,6 +292,10 @@ class TrainPaths(_Section):
     tokenizer: str | None = None  # BPE: the trained tokenizer's JSON
     train_offsets: str | None = None  # CBOW: where each paragraph starts in the ids
     val_offsets: str | None = None
+    # Sequence to sequence: train_ids and val_ids are the pairs' Parquet files, vocab and
+    # tokenizer the target side's, these the source side's.
+    src_vocab: str | None = None
+    src_tokenizer: str | None = None
     checkpoint_dir: str
 
 
@@ -246,6 +314,27 @@ class RunConfig(_Section):
                 raise ValueError("model.arch cbow learns from paragraphs: set data.tokenizer.kind=basic_english")
             if self.train.sampling != "epoch":
                 raise ValueError("model.arch cbow draws every centre word once an epoch: set train.sampling=epoch")
+        seq2seq = isinstance(self.model, Seq2SeqConfig)
+        if seq2seq and self.data.pairs is None:
+            raise ValueError(f"model.arch {self.model.arch} learns from pairs: add a data.pairs section "
+                             "(see recipe seq2seq-smoke)")
+        if not seq2seq and self.data.pairs is not None:
+            raise ValueError(f"data.pairs is parallel text for the seq2seq archs, not for {self.model.arch}: "
+                             "remove it")
+        if seq2seq:
+            if not self.data.source and self.data.pairs.numbers is None:
+                raise ValueError("no parallel text: set data.source to a TSV file of pairs, or "
+                                 "data.pairs.numbers for the numbers corpus")
+            if self.data.source and self.data.pairs.numbers is not None:
+                raise ValueError("data.source and data.pairs.numbers are both set: give one (a TSV file of "
+                                 "pairs, or the numbers corpus)")
+            if bad := [m for m in self.sample.methods if m not in ("greedy", "beam", "temperature")]:
+                raise ValueError(f"sample.methods {', '.join(bad)}: a seq2seq model translates with greedy, "
+                                 "beam or temperature")
+            for side, tok in (("data.tokenizer", self.data.tokenizer), ("data.pairs.target_tokenizer",
+                                                                          self.data.pairs.target_tokenizer)):
+                if tok.kind == "basic_english":
+                    raise ValueError(f"{side}.kind basic_english is for CBOW paragraphs: use char, word or bpe")
         return self
 
     @model_validator(mode="after")
@@ -381,6 +470,8 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     data.pop(LAUNCH_SECTION, None)
     if source:
         data.setdefault("data", {})["source"] = source
+        if isinstance(data["data"].get("pairs"), dict):
+            data["data"]["pairs"].pop("numbers", None)  # a TSV source replaces the numbers corpus
     data = apply_overrides(data, list(overrides))
     cfg = validate(data, where if not overrides else f"{where} with --set")
     # A password in the source URL stays in this process's memory, out of the config that is

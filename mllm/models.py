@@ -3,7 +3,8 @@
 forward(*batch) -> (output, loss | None, state), the batch's last tensor being the target. The
 language models take (idx [B, T], targets [B, T] | None, state) and return logits [B, T, V] and
 state, a recurrent model's hidden state or a GPT's KV cache (None: zeros / no cache); CBOW takes
-(context, mask, negatives, centre) and returns no state.
+(context, mask, negatives, centre) and returns no state; an encoder-decoder (mllm.seq2seq) takes
+(src, tgt_in, tgt_out) and returns no state.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import torch.nn as nn
 
 from mllm import UserError
 from mllm.cbow import CBOW
-from mllm.config import ModelConfig
+from mllm.config import ModelConfig, Seq2SeqConfig
 from mllm.gpt import GPT
 from mllm.rnn import RecurrentLM
+from mllm.seq2seq import build_seq2seq
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
+    if isinstance(cfg, Seq2SeqConfig):
+        return build_seq2seq(cfg)
     if cfg.vocab_size <= 0:
         raise UserError("model.vocab_size is 0: set it to the vocabulary's size before building the model")
     if cfg.arch == "cbow":

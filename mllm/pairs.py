@@ -1,7 +1,7 @@
 """Parallel text for sequence to sequence: TSV pairs, the numbers corpus, splits, batches.
 
-    pairs, bad = read_tsv("data/deu.txt")                 # source \t target [\t ignored ...]
-    summary = prepare_pairs(pairs, PairsConfig(), "runs/x/pairs", max_src_len=64, max_tgt_len=64)
+    pairs, bad = read_pairs(cfg.data)                     # data.source's TSV, or the numbers corpus
+    summary = prepare_pairs(pairs, cfg.data, "runs/x/pairs", max_src_len=64, max_tgt_len=64)
     train = load_split("runs/x/pairs/train.parquet")
     batches = PairBatches(train, batch_size=32, seed=1)   # next() -> (src, tgt_in, tgt_out)
 
@@ -23,54 +23,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mllm import UserError, storage
+from mllm.config import DataConfig, TokenizerConfig
 from mllm.data import EpochOrder
 from mllm.seq2seq import BOS_ID, EOS_ID, PAD_ID, SPECIALS
-from mllm.text import _KINDS, BpeTokenizer, Tokenizer, tokenizer_from_json
+from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.vocab import UNK, Vocab
 
 SPLITS = ("train", "val", "test")
-
-
-class NumbersConfig(BaseModel):
-    """The offline corpus: `count` distinct numbers in [0, max_number], English -> German words."""
-
-    model_config = ConfigDict(extra="forbid")
-    count: int = Field(10_000, ge=2)
-    max_number: int = Field(9_999, ge=1)
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _enough(self) -> "NumbersConfig":
-        if self.count > self.max_number + 1:
-            raise ValueError(f"count {self.count} exceeds the {self.max_number + 1} numbers in [0, max_number]")
-        return self
-
-
-class PairsConfig(BaseModel):
-    """The data section of a sequence-to-sequence run: where the pairs come from and how they become ids."""
-
-    model_config = ConfigDict(extra="forbid")
-    source: str | None = None  # a TSV file or URL; None: the numbers corpus
-    numbers: NumbersConfig = NumbersConfig()
-    src_tokenizer: Literal["char", "word", "bpe"] = "word"
-    tgt_tokenizer: Literal["char", "word", "bpe"] = "char"
-    # False keeps every character (the char tokenizer's normalisation would drop German's umlauts).
-    normalize: bool = False
-    bpe_vocab_size: int = Field(2000, ge=64)
-    shared_vocab: bool = False  # one vocabulary for both sides
-    min_freq: int = Field(1, ge=1)
-    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
-    test_fraction: float = Field(0.0, ge=0.0, lt=1.0)
-    seed: int = 1337
-
-    @model_validator(mode="after")
-    def _fractions(self) -> "PairsConfig":
-        if self.val_fraction + self.test_fraction >= 1.0:
-            raise ValueError("val_fraction + test_fraction must leave some pairs for training")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,20 +51,24 @@ def parse_tsv(text: str) -> tuple[list[tuple[str, str]], int]:
     return pairs, bad
 
 
-def read_tsv(url: str) -> tuple[list[tuple[str, str]], int]:
+def read_tsv(url: str, name: str | None = None) -> tuple[list[tuple[str, str]], int]:
+    """The pairs of a TSV file and its count of bad lines; `name` is how errors call the file
+    (the source the user gave, when `url` is the pipeline's copy of it)."""
+    name = name or url
     storage.require(url, "parallel text")
     try:
         text = storage.read_bytes(url).decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise UserError(f"{url} is not UTF-8 text: convert it to UTF-8 tab-separated pairs") from None
+        raise UserError(f"{name} is not UTF-8 text: convert it to UTF-8 tab-separated pairs") from None
     pairs, bad = parse_tsv(text)
     if not pairs:
-        raise UserError(f"{url} has no valid pair in {bad} lines: give lines of 'source<TAB>target'")
+        raise UserError(f"{name} has no valid pair in {bad} lines: give lines of 'source<TAB>target' "
+                        "(a TSV of parallel text)")
     return pairs, bad
 
 
-def numbers_pairs(count: int, seed: int = 0, max_number: int = 9_999) -> list[tuple[str, str]]:
-    """`count` distinct numbers drawn with `seed`, as (English words, German words)."""
+def numbers_pairs(count: int, seed: int = 0, max_number: int = 9_999, language: str = "de") -> list[tuple[str, str]]:
+    """`count` distinct numbers drawn with `seed`, as (English words, the same in `language`)."""
     try:
         from num2words import num2words
     except ImportError:
@@ -111,12 +76,12 @@ def numbers_pairs(count: int, seed: int = 0, max_number: int = 9_999) -> list[tu
     if count > max_number + 1:
         raise UserError(f"count {count} exceeds the {max_number + 1} numbers up to {max_number}: lower it")
     numbers = random.Random(seed).sample(range(max_number + 1), count)
-    return [(num2words(n, lang="en"), num2words(n, lang="de")) for n in numbers]
+    return [(num2words(n, lang="en"), num2words(n, lang=language)) for n in numbers]
 
 
-def write_numbers_tsv(url: str, count: int, seed: int = 0, max_number: int = 9_999) -> int:
+def write_numbers_tsv(url: str, count: int, seed: int = 0, max_number: int = 9_999, language: str = "de") -> int:
     """The numbers corpus as a TSV file, so it goes through the same stages as any parallel text."""
-    pairs = numbers_pairs(count, seed, max_number)
+    pairs = numbers_pairs(count, seed, max_number, language)
     storage.write_text(url, "".join(f"{s}\t{t}\n" for s, t in pairs))
     return len(pairs)
 
@@ -150,14 +115,12 @@ def split_pairs(pairs: list[tuple[str, str]], val_fraction: float, test_fraction
 # tokens and ids
 
 
-def _tokenizer(kind: str, cfg: PairsConfig, texts: list[str]) -> Tokenizer:
-    if kind == "bpe":
-        return BpeTokenizer.train(iter(texts), cfg.bpe_vocab_size, cfg.normalize)
-    return _KINDS[kind](normalize=cfg.normalize)
+def _tokenizer(cfg: TokenizerConfig, texts: list[str]) -> Tokenizer:
+    return build_tokenizer(cfg, lambda: iter(texts))
 
 
-def _vocab(counts: Counter, cfg: PairsConfig) -> Vocab:
-    return Vocab.build(counts, min_freq=cfg.min_freq, specials=SPECIALS)
+def _vocab(counts: Counter, data: DataConfig) -> Vocab:
+    return Vocab.build(counts, min_freq=data.vocab.min_freq, max_size=data.vocab.max_size, specials=SPECIALS)
 
 
 def check_vocab(vocab: Vocab, what: str) -> Vocab:
@@ -167,29 +130,36 @@ def check_vocab(vocab: Vocab, what: str) -> Vocab:
     return vocab
 
 
-def prepare_pairs(pairs: list[tuple[str, str]], cfg: PairsConfig, out_url: str,
+def prepare_pairs(pairs: list[tuple[str, str]], data: DataConfig, out_url: str,
                   max_src_len: int, max_tgt_len: int, bad_lines: int = 0) -> dict:
-    """Split, tokenize, build the vocabularies on the training split, write ids; return the summary.
+    """Split, tokenize (data.tokenizer the source side, data.pairs.target_tokenizer the target),
+    build the vocabularies on the training split, write ids; return the summary.
 
     Pairs whose sides exceed max_src_len / max_tgt_len tokens are dropped and counted.
     """
-    splits = split_pairs(pairs, cfg.val_fraction, cfg.test_fraction, cfg.seed)
+    if data.pairs is None:
+        raise UserError("data.pairs is not set: parallel text needs a data.pairs section")
+    cfg = data.pairs
+    splits = split_pairs(pairs, data.split.val_fraction, data.split.test_fraction, data.split.seed)
     train = splits["train"]
-    src_tok = _tokenizer(cfg.src_tokenizer, cfg, [s for s, _ in train])
-    tgt_tok = _tokenizer(cfg.tgt_tokenizer, cfg, [t for _, t in train])
+    src_tok = _tokenizer(data.tokenizer, [s for s, _ in train])
+    tgt_tok = _tokenizer(cfg.target_tokenizer, [t for _, t in train])
     tokens = {name: [(src_tok.split(s), tgt_tok.split(t)) for s, t in ps] for name, ps in splits.items()}
     src_counts = Counter(tok for s, _ in tokens["train"] for tok in s)
     tgt_counts = Counter(tok for _, t in tokens["train"] for tok in t)
     if cfg.shared_vocab:
-        src_vocab = tgt_vocab = _vocab(src_counts + tgt_counts, cfg)
+        src_vocab = tgt_vocab = _vocab(src_counts + tgt_counts, data)
     else:
-        src_vocab, tgt_vocab = _vocab(src_counts, cfg), _vocab(tgt_counts, cfg)
+        src_vocab, tgt_vocab = _vocab(src_counts, data), _vocab(tgt_counts, data)
     summary = {"pairs": len(pairs), "bad_lines": bad_lines, "too_long": 0,
                "src_vocab_size": len(src_vocab), "tgt_vocab_size": len(tgt_vocab)}
     for name in SPLITS:
         keep = [i for i, (s, t) in enumerate(tokens[name]) if len(s) <= max_src_len and len(t) <= max_tgt_len]
         summary["too_long"] += len(tokens[name]) - len(keep)
         summary[f"{name}_pairs"] = len(keep)
+        summary[f"{name}_src_tokens"] = sum(len(tokens[name][i][0]) for i in keep)
+        summary[f"{name}_tgt_tokens"] = sum(len(tokens[name][i][1]) for i in keep)
+        summary[f"{name}_tgt_bytes"] = sum(len(splits[name][i][1].encode()) for i in keep)
         table = pa.table({
             "source": pa.array([splits[name][i][0] for i in keep], pa.string()),
             "target": pa.array([splits[name][i][1] for i in keep], pa.string()),
@@ -303,9 +273,9 @@ def eval_batches(split: PairSplit, batch_size: int, limit: int | None = None):
         yield batch_of(split, range(start, min(start + batch_size, n)))
 
 
-def read_pairs(cfg: PairsConfig) -> tuple[list[tuple[str, str]], int]:
+def read_pairs(data: DataConfig) -> tuple[list[tuple[str, str]], int]:
     """The pairs a config names: its TSV source, or the numbers corpus when it names none."""
-    if cfg.source:
-        return read_tsv(cfg.source)
-    n = cfg.numbers
-    return numbers_pairs(n.count, n.seed, n.max_number), 0
+    if data.source:
+        return read_tsv(data.source)
+    n = data.pairs.numbers
+    return numbers_pairs(n.count, n.seed, n.max_number, n.language), 0

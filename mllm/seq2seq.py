@@ -23,42 +23,12 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from mllm.config import Seq2SeqConfig
 
 # Every vocabulary of this family starts <unk>, <pad>, <bos>, <eos> (mllm.pairs builds it so).
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
-
-
-class Seq2SeqConfig(BaseModel):
-    """The model section of a sequence-to-sequence run (one member of the model.arch union)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    arch: Literal["seq2seq-rnn", "seq2seq-transformer"] = "seq2seq-transformer"
-    # Set from the vocabularies by the data stage; 0 means "not yet known".
-    src_vocab_size: int = Field(0, ge=0)
-    tgt_vocab_size: int = Field(0, ge=0)
-    n_embd: int = Field(128, ge=2)  # embedding size (rnn); model width (transformer)
-    hidden_size: int = Field(256, ge=1)  # rnn: encoder per direction and decoder
-    n_layer: int = Field(2, ge=1)  # rnn: encoder layers; transformer: encoder and decoder layers
-    cell: Literal["gru", "lstm"] = "gru"  # rnn encoder; the decoder is a GRU either way
-    n_head: int = Field(4, ge=1)
-    d_ff: int = Field(0, ge=0)  # transformer feed-forward width; 0 means 4 * n_embd
-    norm: Literal["pre", "post"] = "post"
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
-    max_src_len: int = Field(64, ge=1)  # tokens, without <eos>
-    max_tgt_len: int = Field(64, ge=1)
-    tie_weights: bool = False  # transformer: the output layer reuses the target embedding
-
-    @model_validator(mode="after")
-    def _shapes(self) -> "Seq2SeqConfig":
-        if self.arch == "seq2seq-transformer":
-            if self.n_embd % self.n_head:
-                raise ValueError(f"n_embd {self.n_embd} must be a multiple of n_head {self.n_head}")
-            if self.n_embd % 2:
-                raise ValueError(f"n_embd {self.n_embd} must be even for sinusoidal positions")
-        return self
 
 
 def build_seq2seq(cfg: Seq2SeqConfig) -> nn.Module:

@@ -26,10 +26,11 @@ import torch.distributed as tdist
 from mllm import UserError, storage
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
 from mllm.cbow import CbowBatches, load_offsets
-from mllm.config import CbowConfig, RunConfig, TrainConfig, apply_overrides, load_file, validate
+from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainConfig, apply_overrides, load_file, validate
 from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
 from mllm.models import build_model, resolve_device
+from mllm.pairs import PairBatches, check_vocab as check_pair_vocab, eval_batches, load_split
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.vocab import Vocab
 
@@ -53,10 +54,14 @@ class TrainResult:
 Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and paragraph offsets (CBOW)
 
 
-def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split]:
+def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
+    """The config with its vocabulary sizes set, the vocabulary and tokenizer, the train and
+    validation data, and what else a checkpoint must carry to be used alone."""
     p = cfg.paths
     if p is None:
         raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
+    if isinstance(cfg.model, Seq2SeqConfig):
+        return _pair_inputs(cfg)
     storage.require(p.train_ids, "train ids (paths.train_ids)")
     storage.require(p.val_ids, "validation ids (paths.val_ids)")
     storage.require(p.vocab, "vocabulary (paths.vocab)")
@@ -84,7 +89,44 @@ def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split]:
             raise UserError(f"a CBOW run needs paths.{'train' if what == 'train' else 'val'}_offsets: the "
                             "paragraph offsets the split stage wrote beside the ids")
         splits[what] = (ids, load_offsets(offsets, len(ids)) if offsets else None)
-    return cfg, vocab, tokenizer, splits["train"], splits["validation"]
+    return cfg, vocab, tokenizer, splits["train"], splits["validation"], {}
+
+
+def _side(vocab_url: str | None, tokenizer_url: str | None, side: str) -> tuple[Vocab, Tokenizer]:
+    prefix = "src_" if side == "source" else ""
+    if not vocab_url or not tokenizer_url:
+        raise UserError(f"a seq2seq run needs paths.{prefix}vocab and paths.{prefix}tokenizer: the {side} side's "
+                        "files that mllm.pairs.prepare_pairs wrote")
+    storage.require(vocab_url, f"{side} vocabulary (paths.{prefix}vocab)")
+    storage.require(tokenizer_url, f"{side} tokenizer (paths.{prefix}tokenizer)")
+    vocab = check_pair_vocab(Vocab.load(vocab_url), side)
+    return vocab, tokenizer_from_json(storage.read_text(tokenizer_url), tokenizer_url)
+
+
+def _pair_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
+    """A seq2seq run's inputs: the pairs' Parquet splits and both sides' vocabularies."""
+    p, m = cfg.paths, cfg.model
+    vocab, tokenizer = _side(p.vocab, p.tokenizer, "target")
+    src_vocab, src_tokenizer = _side(p.src_vocab, p.src_tokenizer, "source")
+    sizes = {"src_vocab_size": m.src_vocab_size or len(src_vocab), "tgt_vocab_size": m.tgt_vocab_size or len(vocab)}
+    for field, have in (("src_vocab_size", len(src_vocab)), ("tgt_vocab_size", len(vocab))):
+        if sizes[field] < have:
+            raise UserError(f"model.{field} {sizes[field]} is below the vocabulary's {have}: set it to 0 "
+                            "(taken from the vocabulary)")
+    cfg = cfg.model_copy(update={"model": m.model_copy(update=sizes)})
+    splits = {}
+    for what, url in (("train", p.train_ids), ("validation", p.val_ids)):
+        split = load_split(url)
+        for side, ids, size in (("source", split.src_ids, sizes["src_vocab_size"]),
+                                ("target", split.tgt_ids, sizes["tgt_vocab_size"])):
+            if len(ids) and int(ids.max()) >= size:
+                raise UserError(f"{what} pairs at {url} hold {side} id {int(ids.max())} but the {side} vocabulary "
+                                f"has {size} tokens: they were made with another vocabulary; prepare the pairs again")
+        splits[what] = (split, None)
+    if len(splits["validation"][0]) == 0:
+        raise UserError(f"the validation pairs at {p.val_ids} are empty: give more pairs or raise data.split.val_fraction")
+    return cfg, vocab, tokenizer, splits["train"], splits["validation"], {
+        "src_vocab": src_vocab.to_json(), "src_tokenizer": src_tokenizer.to_json()}
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
@@ -130,6 +172,8 @@ def _batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None, d: Dis
     t = cfg.train
     if isinstance(cfg.model, CbowConfig):
         return CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed, d.rank, d.world_size)
+    if isinstance(cfg.model, Seq2SeqConfig):  # `ids` is the training PairSplit
+        return PairBatches(ids, t.batch_size, t.seed, d.rank, d.world_size)
     if t.sampling == "epoch":
         return EpochWindows(ids, t.window, t.batch_size, t.stride, t.seed, d.rank, d.world_size)
     return RandomWindows(ids, t.window, t.batch_size, t.seed, d.rank, d.world_size)
@@ -141,13 +185,16 @@ def _val_batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None) ->
     if isinstance(cfg.model, CbowConfig):
         batches = CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed)
         return batches.eval_batches(t.eval_batches * t.batch_size, seed=t.seed)
+    if isinstance(cfg.model, Seq2SeqConfig):  # the first pairs of the validation split
+        return list(eval_batches(ids, t.batch_size, t.eval_batches * t.batch_size))
     starts = eval_starts(ids, t.window, t.eval_batches * t.batch_size, t.seed)
     return [windows(ids, starts[i:i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
 
 
 def _samples(batch: tuple) -> int:
-    """What a batch teaches: its targets (tokens of a window, centre words)."""
-    return batch[-1].numel()
+    """What a batch teaches: its targets (tokens of a window, centre words, target tokens of
+    pairs, whose padding is -1)."""
+    return int((batch[-1] >= 0).sum())
 
 
 @torch.no_grad()
@@ -181,17 +228,17 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
     Under DDP only rank 0 calls them and writes checkpoints.
     """
-    cfg, vocab, tokenizer, train, val = _inputs(cfg)
+    cfg, vocab, tokenizer, train, val, carry = _inputs(cfg)
     t = cfg.train
     d, device = join(resolve_device(t.device))
     try:
-        return _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, resume)
+        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume)
     finally:
         if d.owns_group:
             tdist.destroy_process_group()
 
 
-def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, resume) -> TrainResult:
+def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
@@ -237,8 +284,6 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
         model = DDP(compiled, device_ids=[d.local_rank] if device.type == "cuda" else None)
     autocast = _autocast(t, device)
     pin = device.type == "cuda"
-    per_sample = 1 if isinstance(cfg.model, CbowConfig) else t.window  # a centre word, or a window
-    tokens_per_step = t.batch_size * per_sample * t.grad_accum * d.world_size
 
     def limit_reason(step: int, elapsed: float) -> str | None:
         if total_steps is not None and step >= total_steps:
@@ -258,17 +303,18 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
             "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
             "config": cfg.to_dict(), "vocab": vocab.to_json(), "vocab_digest": vocab.digest,
             "tokenizer": tokenizer.to_json(), "metrics": {k: float(v) for k, v in metrics.items()},
-            "data_state": batches.state_dict(),
+            "data_state": batches.state_dict(), **carry,
         })
 
     t0 = time.perf_counter()
     stop = limit_reason(step, elapsed_before)
     loss_sum = torch.zeros((), device=device)
-    loss_count, tokens_run, mark, mark_step = 0, 0, t0, step
+    loss_count, tokens_run, mark, tokens_mark = 0, 0, t0, 0
     while stop is None:
         lr = scheduler.get_last_lr()[0]
         for micro in range(t.grad_accum):
             batch = batches.next()
+            tokens_run += _samples(batch) * d.world_size  # each rank's batch is as large, near enough
             if pin:
                 batch = [x.pin_memory() for x in batch]
             batch = [x.to(device, non_blocking=pin) for x in batch]
@@ -285,7 +331,6 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        tokens_run += tokens_per_step
 
         elapsed = elapsed_before + time.perf_counter() - t0
         if t.max_minutes is not None and d.world_size > 1:
@@ -298,11 +343,11 @@ def _run(cfg, vocab, tokenizer, train, val, d, device, on_metrics, on_progress, 
         if step % t.log_interval == 0 or stop:
             now = time.perf_counter()
             metrics["train_loss"] = (loss_sum / loss_count).item()
-            metrics["tokens_per_s"] = (step - mark_step) * tokens_per_step / max(now - mark, 1e-9)
+            metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(now - mark, 1e-9)
             records.append({"step": step, "train_loss": metrics["train_loss"], "lr": lr,
                             "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"]})
             loss_sum.zero_()
-            loss_count, mark, mark_step = 0, now, step
+            loss_count, mark, tokens_mark = 0, now, tokens_run
         improved = False
         if step % t.eval_interval == 0 or stop:
             val = _val_loss(compiled, val_batches, device, autocast, d)

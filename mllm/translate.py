@@ -256,3 +256,26 @@ def translate(model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, 
         out.append(([src_tokenizer.detokenize([t]) for t in ts], [tgt_tokenizer.detokenize([t]) for t in tgt_tokens],
                     tgt_tokenizer.detokenize(tgt_tokens), h.attention))
     return out
+
+
+# The sample section's method names, and what decode calls them.
+SAMPLE_METHODS = {"greedy": "greedy", "beam": "beam", "temperature": "sample"}
+
+
+def translate_texts(loaded, texts: list[str], method: str | None = None, beam_width: int | None = None,
+                    temperature: float | None = None, seed: int | None = None, **_ignored) -> list[str]:
+    """Translations of `texts` by a loaded seq2seq checkpoint (mllm.checkpoint.Loaded).
+
+    `method` is a sample-section name (greedy, beam, temperature); what is left unset takes the
+    run's own sample section. Options of the language models' sampling (top_k, ...) are ignored.
+    """
+    if loaded.src_vocab is None or loaded.src_tokenizer is None:
+        raise UserError("this checkpoint is not a sequence-to-sequence model: it has no source vocabulary")
+    s = loaded.config.sample
+    method = method or s.methods[0]
+    if method not in SAMPLE_METHODS:
+        raise UserError(f"a seq2seq model translates with {', '.join(SAMPLE_METHODS)}, not {method!r}")
+    out = translate(loaded.model, texts, loaded.src_tokenizer, loaded.src_vocab, loaded.tokenizer, loaded.vocab,
+                    SAMPLE_METHODS[method], beam_width=beam_width or s.beam_width,
+                    temperature=temperature or s.temperature, seed=s.seed if seed is None else seed)
+    return [text for _, _, text, _ in out]

@@ -15,8 +15,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import corpus, splits, storage, text, tokens as token_chunks
-from mllm.config import SplitConfig, TokenizerConfig, VocabConfig
+from mllm import corpus, pairs as parallel, splits, storage, text, tokens as token_chunks
+from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
 from tasks import report_progress
 from tasks.caching import code_digest, forget_exception, stage_cache, transient
@@ -48,7 +48,7 @@ class Vocabulary(BaseModel):
 
 class SplitPart(BaseModel):
     parquet: str
-    ids: str  # flat int32 .npy, memory-mapped by training
+    ids: str  # flat int32 .npy, memory-mapped by training; parallel text: the pairs' Parquet
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
     offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it
@@ -60,6 +60,27 @@ class Splits(BaseModel):
     train: SplitPart
     val: SplitPart
     test: SplitPart | None = None
+
+
+class SourceSide(BaseModel):
+    """Parallel text: the source side's vocabulary and tokenizer (the target side's are the
+    run's `vocab` and `tokens.tokenizer`, what the model writes)."""
+
+    vocab: Vocabulary
+    tokenizer: str
+
+
+class Pairs(BaseModel):
+    """Parallel text, prepared: the same hand-over as a corpus's stages, plus the source side.
+    `tokens` counts both sides' tokens of the kept pairs; each split part counts target tokens."""
+
+    tokens: Tokens
+    vocab: Vocabulary
+    splits: Splits
+    source_side: SourceSide
+    pairs: int
+    bad_lines: int
+    too_long: int
 
 
 # --- download ---------------------------------------------------------------------------------
@@ -177,4 +198,76 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
         result = Splits(key=key, url=url, **parts)
         _manifest(out, result)
     get_run_logger().info("split: %s", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written))
+    return result
+
+
+# --- parallel text (the seq2seq family) -----------------------------------------------------
+
+
+@task(name="numbers-corpus", on_failure=[forget_exception])
+def numbers_corpus(cfg: NumbersConfig, root: str) -> str:
+    """Write the numbers corpus (English words -> the same number in cfg.language) as a TSV file
+    under the storage root, once per config: from there it is a source like any other."""
+    key = storage.digest(["numbers", cfg.model_dump(), code_digest(parallel), _num2words_version()])
+    url = storage.join(root, "numbers", f"{key}.tsv")
+    if not storage.exists(url):
+        n = parallel.write_numbers_tsv(url, cfg.count, cfg.seed, cfg.max_number, cfg.language)
+        get_run_logger().info("numbers corpus: %d pairs in [0, %d], seed %d, en -> %s", n, cfg.max_number,
+                              cfg.seed, cfg.language)
+    return url
+
+
+def _num2words_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("num2words")
+    except PackageNotFoundError:
+        return "absent"
+
+
+def _pairs_key(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> str:
+    what = cfg.model_dump(include={"tokenizer", "vocab", "split", "pairs"}, exclude={"pairs": {"numbers"}})
+    return storage.digest(["pairs", raw.sha256, what, max_src_len, max_tgt_len,
+                           code_digest(parallel, text, Vocab)])
+
+
+@task(name="prepare-pairs", on_failure=[forget_exception], cache_key_fn=stage_cache(_pairs_key),
+      retries=1, retry_condition_fn=transient)
+def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> Pairs:
+    """Split the pairs (identical sources on one side), tokenize both sides, build the
+    vocabularies on the training pairs, and write each split as Parquet (texts and ids)."""
+    key = _pairs_key(raw, cfg, max_src_len, max_tgt_len, root)
+    url = storage.join(root, "pairs", key)
+    if done := _finished(url, Pairs):
+        return done
+    logger = get_run_logger()
+    found, bad = parallel.read_tsv(raw.url, name=raw.source)
+    with storage.staged_dir(url) as out:
+        s = parallel.prepare_pairs(found, cfg, out, max_src_len, max_tgt_len, bad)
+        src_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "src_vocab.json")), "source")
+        tgt_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "tgt_vocab.json")), "target")
+        parts = {name: SplitPart(parquet=storage.join(url, f"{name}.parquet"), ids=storage.join(url, f"{name}.parquet"),
+                                 n_tokens=s[f"{name}_tgt_tokens"], n_bytes=s[f"{name}_tgt_bytes"])
+                 for name in parallel.SPLITS if s[f"{name}_pairs"] or name != "test"}
+        kept = sum(s[f"{name}_pairs"] for name in parallel.SPLITS)
+        result = Pairs(
+            tokens=Tokens(key=key, url=url, tokenizer=storage.join(url, "tgt_tokenizer.json"),
+                          n_tokens=sum(s[f"{n}_src_tokens"] + s[f"{n}_tgt_tokens"] for n in parallel.SPLITS),
+                          n_chunks=kept, raw_sha256=raw.sha256),
+            vocab=Vocabulary(key=key, url=storage.join(url, "tgt_vocab.json"), digest=tgt_vocab.digest,
+                             size=len(tgt_vocab)),
+            splits=Splits(key=key, url=url, **parts),
+            source_side=SourceSide(vocab=Vocabulary(key=key, url=storage.join(url, "src_vocab.json"),
+                                                    digest=src_vocab.digest, size=len(src_vocab)),
+                                   tokenizer=storage.join(url, "src_tokenizer.json")),
+            pairs=s["pairs"], bad_lines=bad, too_long=s["too_long"])
+        _manifest(out, result)
+    if bad:
+        logger.warning("%s: %d bad lines left out (one column, or an empty side)", raw.source, bad)
+    if s["too_long"]:
+        logger.warning("%d pairs longer than max_src_len %d / max_tgt_len %d tokens left out", s["too_long"],
+                       max_src_len, max_tgt_len)
+    logger.info("pairs: train %d, val %d, test %d; vocabularies: source %d, target %d", s["train_pairs"],
+                s["val_pairs"], s["test_pairs"], len(src_vocab), len(tgt_vocab))
     return result

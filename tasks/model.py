@@ -24,15 +24,15 @@ from pydantic import BaseModel
 
 import mllm.sample
 import mllm.train
-from mllm import UserError, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, storage
-from mllm.config import CbowConfig, RunConfig, TrainPaths
+from mllm import UserError, cbow, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, seq2seq, storage
+from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainPaths
 from mllm.data import load_ids
 from mllm.sample import fit_prompt, sample_text, samples_text
 from mllm.vocab import Vocab
 import tasks
-from tasks import embeddings
+from tasks import embeddings, translation
 from tasks.caching import code_digest, forget_exception, io_error, stage_cache, transient
-from tasks.data import Splits, Tokens, Vocabulary
+from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
 from tasks.registry import ChampionScore
 from tasks.tracking import RunTracker
@@ -47,6 +47,7 @@ class Prepared(BaseModel):
     tokens: Tokens
     vocab: Vocabulary
     splits: Splits
+    source_side: SourceSide | None = None  # parallel text: the source side; vocab is the target's
 
 
 class Trained(BaseModel):
@@ -99,7 +100,7 @@ def train_key(cfg: RunConfig, data: Prepared) -> str:
 def training_code() -> dict[str, str]:
     """The training code this process runs: the digest that goes into every training key, and
     its commit. A worker compares the caller's with its own before it trains."""
-    return {"digest": code_digest(models, rnn, gpt, mllm.train), "commit": code_git_info()["commit"] or "unknown"}
+    return {"digest": code_digest(models, rnn, gpt, cbow, seq2seq, mllm.train), "commit": code_git_info()["commit"] or "unknown"}
 
 
 def check_training_code(caller: dict[str, str]) -> None:
@@ -136,12 +137,17 @@ def parse_progress(line: str) -> dict[str, Any] | None:
 def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
     """The config a training job runs: the run's tree with its input and output paths."""
     run_dir = storage.join(root, "runs", train_key(cfg, data))
+    src = data.source_side
     paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
                        train_offsets=data.splits.train.offsets, val_offsets=data.splits.val.offsets,
                        vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
+                       src_vocab=src.vocab.url if src else None, src_tokenizer=src.tokenizer if src else None,
                        checkpoint_dir=storage.join(run_dir, "checkpoints"))
     job = cfg.model_copy(update={"paths": paths}, deep=True)  # never change the caller's config
-    job.model.vocab_size = data.vocab.size
+    if src:
+        job.model.src_vocab_size, job.model.tgt_vocab_size = src.vocab.size, data.vocab.size
+    else:
+        job.model.vocab_size = data.vocab.size
     return job, run_dir
 
 
@@ -236,12 +242,12 @@ def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str =
     # The checkpoint is named by the training key and its step count (a longer resumed
     # training makes a new one); the split by its digest.
     return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
-                           cfg.train.window, cfg.sample.probes, code_digest(mllm_evaluate, embeddings)])
+                           cfg.train.window, cfg.sample.probes, code_digest(mllm_evaluate, embeddings, translation)])
 
 
 def _generate_key(cfg: RunConfig, trained: Trained) -> str:
     return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(),
-                           code_digest(mllm.sample, embeddings)])
+                           code_digest(mllm.sample, embeddings, translation)])
 
 
 @task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
@@ -256,6 +262,8 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     report_url = storage.join(trained.run_dir, f"eval-{split}.md")
     if isinstance(cfg.model, CbowConfig):
         return _evaluate_embeddings(cfg, trained, loaded, part, split, ckpt_url, report_url)
+    if isinstance(cfg.model, Seq2SeqConfig):
+        return _evaluate_translation(cfg, trained, loaded, part, split, ckpt_url, report_url)
     ids = load_ids(part.ids)
     scores = mllm_evaluate.evaluate(loaded.model, ids, window=cfg.train.window,
                                     batch_size=max(1, min(cfg.train.batch_size, 256)),
@@ -295,6 +303,20 @@ def _evaluate_embeddings(cfg: RunConfig, trained: Trained, loaded: Any, part: An
     return evaluation
 
 
+def _evaluate_translation(cfg: RunConfig, trained: Trained, loaded: Any, part: Any, split: str, ckpt_url: str,
+                          report_url: str) -> Evaluation:
+    result = translation.evaluate(loaded, part, cfg, storage.join(trained.run_dir, "attention"))
+    headline, higher = type(cfg.model).HEADLINE
+    m = result["metrics"]
+    evaluation = Evaluation(split=split, checkpoint=ckpt_url, loss=m["val_loss"], tokens=result["n_targets"],
+                            report=report_url, headline=headline, higher_is_better=higher, metrics=m)
+    storage.write_text(report_url, translation.report(cfg, ckpt_url, trained.steps, result))
+    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), evaluation.model_dump(mode="json"))
+    get_run_logger().info("%s: %d pairs, exact match %.2f%%, BLEU %.2f, chrF %.2f, loss %.4f", split, result["pairs"],
+                          100 * m["exact_match"], m["bleu"], m["chrf"], m["val_loss"])
+    return evaluation
+
+
 def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> str:
     return storage.digest(["score", checkpoint_url, data.splits.key, split, window, code_digest(mllm_evaluate)])
 
@@ -319,6 +341,24 @@ def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: st
                           scores["loss"], scores["bits_per_byte"])
     return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
                  bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"])
+
+
+def _translate_prompts(cfg: RunConfig, trained: Trained, loaded: Any) -> dict[str, list[str]]:
+    """A seq2seq model's samples: "prompt -> translation" for the recipe's prompts and each
+    method; a prompt with words the source vocabulary lacks is left out with a warning."""
+    logger = get_run_logger()
+    prompts, left_out = translation.usable_prompts(loaded, cfg.sample.prompts)
+    for prompt, missing in left_out.items():
+        logger.warning("sample prompt %r: the source vocabulary lacks %s; left out", prompt,
+                       " ".join(repr(t) for t in missing[:20]) or "every token")
+    samples: dict[str, list[str]] = {}
+    for method in cfg.sample.methods:
+        out = translation.translations(loaded, prompts, method, cfg.sample) if prompts else []
+        samples[method] = [f"{p} -> {t}" for p, t in zip(prompts, out)]
+        storage.write_text(trained.samples_url(method), samples_text(prompts, samples[method]))
+    if prompts:
+        logger.info("translations (%s): %s", cfg.sample.methods[0], samples[cfg.sample.methods[0]][0])
+    return samples
 
 
 def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
@@ -358,6 +398,8 @@ def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
         table = embeddings.neighbours_of(loaded, known, s.neighbours)
         storage.write_text(trained.samples_url("neighbours"), samples_text(known, table))
         return {"neighbours": table}
+    if isinstance(cfg.model, Seq2SeqConfig):
+        return _translate_prompts(cfg, trained, loaded)
     prompts = []
     for prompt in s.prompts:
         fitted, missing = fit_prompt(loaded, prompt)

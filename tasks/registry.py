@@ -30,7 +30,7 @@ from pydantic import BaseModel
 import mllm
 from mllm import storage
 from mllm.checkpoint import read_checkpoint
-from mllm.config import CbowConfig, RunConfig
+from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig
 from mllm.redact import scrub
 from tasks import served_model
 from tasks.caching import forget_exception
@@ -173,7 +173,8 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
     if `decide` says it is better (by `headline`, the family's metric, value and direction,
     when the family is not a language model)."""
     name = model_name or run.cfg.recipe
-    served = served_model.NearestWords if isinstance(run.cfg.model, CbowConfig) else served_model.TextGenerator
+    served = (served_model.NearestWords if isinstance(run.cfg.model, CbowConfig)
+              else served_model.Translator if isinstance(run.cfg.model, Seq2SeqConfig) else served_model.TextGenerator)
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
         # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
         # needs, not the optimizer state that doubles or triples a checkpoint's size.
@@ -224,6 +225,12 @@ def _signature(cfg: RunConfig) -> ModelSignature:
     if isinstance(cfg.model, CbowConfig):
         return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
                               params=ParamSchema([ParamSpec("k", "long", s.neighbours)]))
+    if isinstance(cfg.model, Seq2SeqConfig):
+        return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                              params=ParamSchema([ParamSpec("method", "string", s.methods[0]),
+                                                  ParamSpec("beam_width", "long", s.beam_width),
+                                                  ParamSpec("temperature", "double", s.temperature),
+                                                  ParamSpec("seed", "long", s.seed)]))
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts works too
         outputs=Schema([ColSpec("string")]),
@@ -290,6 +297,10 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     for name in ("vectors.parquet", "vectors.w2v.txt", "pca.png"):
         if storage.exists(storage.join(exports, name)):
             run.log_file(storage.join(exports, name), f"embeddings/{name}")
+    attention = storage.join(trained.run_dir, "attention")
+    for i in range(1, 10):
+        if storage.exists(storage.join(attention, f"attention-{i}.png")):
+            run.log_file(storage.join(attention, f"attention-{i}.png"), f"attention/attention-{i}.png")
     run.log_dict(e.model_dump(mode="json"), "evaluation.json")
     for method in samples:
         run.log_text(storage.read_text(trained.samples_url(method)), f"samples/{method}.txt")

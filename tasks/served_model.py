@@ -81,6 +81,27 @@ class NearestWords(mlflow.pyfunc.PythonModel):
         return out
 
 
+class Translator(mlflow.pyfunc.PythonModel):
+    """A sequence-to-sequence checkpoint as an MLflow model: sentences in, translations out.
+
+    `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["twenty-one"], params={"method": "beam"})`.
+    """
+
+    def load_context(self, context) -> None:
+        import torch
+
+        from mllm.checkpoint import load_checkpoint
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.loaded = load_checkpoint(context.artifacts["checkpoint"], device=device)
+
+    def predict(self, context, model_input: pd.DataFrame,
+                params: dict[str, Any] | None = None) -> list[str]:
+        from mllm.translate import translate_texts
+
+        return translate_texts(self.loaded, prompts(model_input), **(params or {}))
+
+
 def script(cls: type) -> str:
     """The file MLflow runs to build the model on load ("models from code"): no pickle."""
     return (f"# An mllm checkpoint behind MLflow's pyfunc: see tasks/served_model.py.\n"

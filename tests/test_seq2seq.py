@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 
 from mllm import UserError
-from mllm.pairs import (PairBatches, PairsConfig, PairSplit, NumbersConfig, load_side, load_split, make_batch,
-                        numbers_pairs, parse_tsv, prepare_pairs, read_pairs, read_tsv, split_pairs,
-                        vocab_sizes)
+from mllm.config import DataConfig, NumbersConfig, Seq2SeqConfig
+from mllm.pairs import (PairBatches, PairSplit, load_side, load_split, make_batch, numbers_pairs, parse_tsv,
+                        prepare_pairs, read_pairs, read_tsv, split_pairs, vocab_sizes)
 from mllm.seq2seq import (BOS_ID, EOS_ID, PAD_ID, DecoderLayer, EncoderLayer, MultiHeadAttention,
-                          Seq2SeqConfig, build_seq2seq, causal_mask, sinusoidal_positions)
+                          build_seq2seq, causal_mask, sinusoidal_positions)
 from mllm.translate import decode, evaluate, scores, translate
 
 ARCHS = ["seq2seq-rnn", "seq2seq-transformer"]
@@ -267,11 +267,18 @@ def test_split_keeps_identical_sources_together():
     assert len(splits["val"]) == 24 and len(splits["test"]) == 12
 
 
+def pairs_data(numbers=None, target="char", shared_vocab=False, val_fraction=0.1) -> DataConfig:
+    """A data section for parallel text: word source side, `target` tokens on the other."""
+    return DataConfig(tokenizer={"kind": "word", "normalize": False}, split={"val_fraction": val_fraction},
+                      pairs={"numbers": numbers, "shared_vocab": shared_vocab,
+                             "target_tokenizer": {"kind": target, "normalize": False}})
+
+
 def test_numbers_corpus_and_held_out_numbers(tmp_path):
     pairs = numbers_pairs(300, seed=2, max_number=999)
     assert ("twenty-one", "einundzwanzig") in numbers_pairs(1000, max_number=999)
     assert len({s for s, _ in pairs}) == 300 and pairs == numbers_pairs(300, seed=2, max_number=999)
-    cfg = PairsConfig(numbers=NumbersConfig(count=300, max_number=999, seed=2), val_fraction=0.2)
+    cfg = pairs_data(numbers={"count": 300, "max_number": 999, "seed": 2}, val_fraction=0.2)
     pairs, bad = read_pairs(cfg)
     summary = prepare_pairs(pairs, cfg, str(tmp_path), 20, 40, bad)
     train, val = load_split(str(tmp_path / "train.parquet")), load_split(str(tmp_path / "val.parquet"))
@@ -286,7 +293,7 @@ def test_numbers_corpus_and_held_out_numbers(tmp_path):
 def test_prepare_shared_vocab_and_length_limit(tmp_path):
     pairs = [("a b", "x y"), ("b c", "y z"), ("a b c d e f", "x"), ("c", "z")] * 5
     pairs = [(f"{s} {i}", t) for i, (s, t) in enumerate(pairs)]
-    cfg = PairsConfig(src_tokenizer="word", tgt_tokenizer="word", shared_vocab=True, val_fraction=0.2)
+    cfg = pairs_data(target="word", shared_vocab=True, val_fraction=0.2)
     summary = prepare_pairs(pairs, cfg, str(tmp_path), max_src_len=4, max_tgt_len=4, bad_lines=2)
     assert summary["too_long"] == 5 and summary["bad_lines"] == 2
     assert (tmp_path / "src_vocab.json").read_text() == (tmp_path / "tgt_vocab.json").read_text()
@@ -315,7 +322,7 @@ def test_batches_resume_exactly_and_cover_an_epoch():
 
 
 def test_translate_names_unknown_tokens_and_evaluate_scores(tmp_path):
-    cfg = PairsConfig(numbers=NumbersConfig(count=200, max_number=999), src_tokenizer="word")
+    cfg = pairs_data(numbers={"count": 200, "max_number": 999})
     prepare_pairs(read_pairs(cfg)[0], cfg, str(tmp_path), max_src_len=20, max_tgt_len=40)
     src_tok, src_vocab = load_side(str(tmp_path), "src")
     tgt_tok, tgt_vocab = load_side(str(tmp_path), "tgt")
