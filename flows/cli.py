@@ -116,6 +116,12 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
     with user_errors():
         data = _run_stages(_resolve(recipe, set_, source, storage), storage, "prepare")
         s = data.splits
+        if data.source_side is not None:
+            typer.echo(f"{data.tokens.n_chunks:,} pairs, vocabularies: source {data.source_side.vocab.size}, "
+                       f"target {data.vocab.size}; target tokens: train {s.train.n_tokens:,} / val "
+                       f"{s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
+            typer.echo(f"pairs: {s.url}")
+            return
         typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
                    f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
         typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {s.url}")

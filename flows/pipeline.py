@@ -122,10 +122,13 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     """Register the challenger; it becomes champion only if it beats the champion on the same
     validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
     score = None
-    language_model = evaluation.bits_per_byte is not None  # other families decide by their headline
-    if language_model and champion and champion.checkpoint and champion.splits_key != data.splits.key:
-        scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
-        score = scorer(champion.checkpoint, data, cfg.train.window)
+    if champion and champion.checkpoint and champion.splits_key != data.splits.key:
+        if evaluation.bits_per_byte is not None:  # a language model
+            scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
+            score = scorer(champion.checkpoint, data, cfg.train.window)
+        elif data.source_side is not None:  # translations; word embeddings score on fixed word sets
+            scorer = model_tasks.score_translator.with_options(result_storage=result_storage(root))
+            score = scorer(champion.checkpoint, data, cfg.data.pairs.bleu_tokenize)
     return log_outcome(run_id, cfg, root, trained, evaluation, samples, data, score)
 
 
@@ -149,8 +152,10 @@ def decision_table(r: PipelineResult) -> str:
         rows.append(("this model", f"{c.name} v{c.version}, val loss {_f(c.val_loss)}, "
                                    f"{describe(r.evaluation)}"))
         if c.previous:
-            measured = (f"{c.champion_score.bits_per_byte:.4f} bits/byte on this split" if c.champion_score
-                        else f"val loss {_f(c.previous.val_loss)} on the same split")
+            cs = c.champion_score
+            measured = (f"val loss {_f(c.previous.val_loss)} on the same split" if cs is None
+                        else f"{cs.bits_per_byte:.4f} bits/byte on this split" if cs.bits_per_byte is not None
+                        else f"{cs.headline} {cs.value:.4f} on this split")
             rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
     return "\n".join([f"# {r.recipe}: {r.decision}", "", "| | |", "|---|---|",
                       *[f"| {k} | {v} |" for k, v in rows], ""])

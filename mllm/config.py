@@ -372,7 +372,8 @@ def validate(data: dict[str, Any], where: str) -> RunConfig:
             family, section = family_of(arch)
             others = [name for name, s in FAMILIES.items() if loc[-1] in s.model_fields]
             fields = ", ".join(f for f in section.model_fields if f != "arch")
-            msg = (f"a field of the {' and '.join(others)} family, not of arch {arch}" if others
+            kinds = f"{' and '.join(others)} famil{'ies' if len(others) > 1 else 'y'}"
+            msg = (f"a field of the {kinds}, not of arch {arch}" if others
                    else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"
         elif first["type"] == "extra_forbidden":
             msg = "unknown field (check its spelling against a recipe)"

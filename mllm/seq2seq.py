@@ -18,7 +18,6 @@ reorder(state, index) keeps the rows a beam search picks.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn as nn

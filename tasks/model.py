@@ -361,6 +361,26 @@ def _translate_prompts(cfg: RunConfig, trained: Trained, loaded: Any) -> dict[st
     return samples
 
 
+def _translator_key(checkpoint_url: str, data: Prepared, bleu_tokenize: str, split: str = "val") -> str:
+    return storage.digest(["score-translator", checkpoint_url, data.splits.key, split, bleu_tokenize,
+                           code_digest(translation)])
+
+
+@task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_translator_key),
+      retries=1, retry_condition_fn=transient)
+def score_translator(checkpoint_url: str, data: Prepared, bleu_tokenize: str, split: str = "val") -> ChampionScore:
+    """Score another run's seq2seq checkpoint (the champion's) on this run's held-out pairs: their
+    texts go through the checkpoint's own tokenizers and vocabularies (an unknown word becomes
+    <unk>), so a champion trained on other pairs or tokens translates exactly the same sentences."""
+    part = getattr(data.splits, split)
+    loaded = checkpoint.load_checkpoint(checkpoint_url)
+    m = translation.score_texts(loaded, part, bleu_tokenize)
+    get_run_logger().info("champion %s on this %s split: chrF %.4f, exact match %.4f", checkpoint_url, split,
+                          m["chrf"], m["exact_match"])
+    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=m["val_loss"],
+                         tokens=m["targets"], headline="chrf", value=m["chrf"])
+
+
 def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
     return "\n".join([
         f"# Evaluation of {cfg.recipe} on the {e.split} split",

@@ -59,14 +59,17 @@ class Champion(BaseModel):
 
 
 class ChampionScore(BaseModel):
-    """The champion's checkpoint scored on a challenger's validation split."""
+    """The champion's checkpoint scored on a challenger's validation split: bits per byte for a
+    language model; another family's headline metric (`headline`, `value`) otherwise."""
 
     checkpoint: str
     split: str
     splits_key: str
     loss: float
-    bits_per_byte: float
+    bits_per_byte: float | None = None
     tokens: int
+    headline: str | None = None
+    value: float | None = None
 
 
 class Outcome(BaseModel):
@@ -107,7 +110,7 @@ def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | No
     split (comparable across vocabularies). Another family (`headline` = its metric, value, and
     whether higher is better): a better headline value than the champion's."""
     if headline is not None:
-        return _decide_headline(*headline, champion)
+        return _decide_headline(*headline, champion, champion_score)
     if not math.isfinite(val_loss):
         return False, f"val_loss {val_loss} is not finite"
     if champion is None:
@@ -123,11 +126,18 @@ def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | No
                     f"{champion.val_loss:.6g}")
 
 
-def _decide_headline(name: str, value: float, higher: bool, champion: Champion | None) -> tuple[bool, str]:
+def _decide_headline(name: str, value: float, higher: bool, champion: Champion | None,
+                     champion_score: ChampionScore | None = None) -> tuple[bool, str]:
     if not math.isfinite(value):
         return False, f"{name} {value} is not finite"
     if champion is None:
         return True, "no champion yet"
+    if champion_score is not None and champion_score.headline == name and champion_score.value is not None:
+        theirs = champion_score.value
+        better = value > theirs if higher else value < theirs
+        sign = (">" if better else "<=") if higher else ("<" if better else ">=")
+        return better, (f"{name} {value:.6g} {sign} {theirs:.6g} for champion v{champion.version}, both on this "
+                        "run's validation split")
     if champion.score is None or champion.headline != name:
         return True, f"champion v{champion.version} has no {name}"
     better = value > champion.score if higher else value < champion.score

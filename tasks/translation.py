@@ -8,11 +8,12 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import numpy as np
 import torch
 
 from mllm import UserError, storage
 from mllm.checkpoint import Loaded
-from mllm.pairs import eval_batches, load_split
+from mllm.pairs import PairSplit, eval_batches, load_split
 from mllm.translate import decode, evaluate as score_pairs, translate_texts
 
 HEATMAPS = 3  # held-out pairs drawn as attention pictures
@@ -44,6 +45,26 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
     n_targets = int(sum(len(split.tgt(i)) + 1 for i in range(len(split))))  # each with its <eos>
     return {"metrics": metrics, "table": report["table"], "pairs": report["pairs"], "n_targets": n_targets,
             "pictures": pictures}
+
+
+def score_texts(loaded: Loaded, part: Any, bleu_tokenize: str) -> dict[str, float]:
+    """Exact match, BLEU, chrF and loss of `loaded` on a split's texts, encoded with the
+    checkpoint's own tokenizers and vocabularies (an unknown token becomes <unk>, a source longer
+    than the model's max_src_len is cut), whatever ids the split itself holds."""
+    split = load_split(part.parquet)
+    m = loaded.config.model
+    src = [loaded.src_vocab.encode(loaded.src_tokenizer.split(t))[:m.max_src_len] for t in split.source]
+    tgt = [loaded.vocab.encode(loaded.tokenizer.split(t))[:m.max_tgt_len] for t in split.target]
+    ours = PairSplit(split.source, split.target, *_flat(src), *_flat(tgt))
+    report = score_pairs(loaded.model, ours, loaded.tokenizer, loaded.vocab, batch_size=256, table_rows=0,
+                         bleu_tokenize=bleu_tokenize)
+    return {"val_loss": report["loss"], "exact_match": report["exact_match"], "bleu": report["bleu"],
+            "chrf": report["chrf"], "targets": int(sum(len(t) + 1 for t in tgt))}
+
+
+def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.asarray([i for s in seqs for i in s], dtype=np.int64),
+            np.cumsum([0] + [len(s) for s in seqs], dtype=np.int64))
 
 
 def report(cfg: Any, checkpoint: str, steps: int, result: dict[str, Any]) -> str:

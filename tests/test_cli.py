@@ -137,7 +137,7 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
 
 def test_a_field_of_another_model_family_is_refused_in_one_line(tmp_path: Path) -> None:
     out = cli("run", "--recipe", "smoke", "--set", "model.n_head=8", "--storage", str(tmp_path / "s"))
-    _assert_one_line_error(out, "model.n_head: a field of the gpt family, not of arch lstm")
+    _assert_one_line_error(out, "model.n_head: a field of the gpt and sequence-to-sequence families, not of arch lstm")
     _no_outputs(tmp_path / "s")
 
 

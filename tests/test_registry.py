@@ -29,6 +29,18 @@ def test_another_split_compares_bits_per_byte_of_the_champion_scored_on_this_spl
     assert not decide(0.1, 2.2, CHAMP, score)[0]
 
 
+def test_a_headline_family_compares_its_metric_and_on_another_split_the_champions_rescore() -> None:
+    champ = CHAMP.model_copy(update={"headline": "chrf", "score": 90.0})
+    assert decide(0.5, None, champ, headline=("chrf", 91.0, True)) == (True, "chrf 91 > champion v3 90")
+    assert not decide(0.1, None, champ, headline=("chrf", 90.0, True))[0]  # a tie keeps the champion
+    # Scored on this run's held-out pairs the champion reaches only 80: 85 beats it there.
+    rescored = ChampionScore(checkpoint="mem://c.pt", split="val", splits_key="s2", loss=1.0, tokens=10,
+                             headline="chrf", value=80.0)
+    promoted, why = decide(0.5, None, champ, rescored, headline=("chrf", 85.0, True))
+    assert promoted and why == "chrf 85 > 80 for champion v3, both on this run's validation split"
+    assert not decide(0.5, None, champ, rescored, headline=("chrf", 79.0, True))[0]
+
+
 def test_skip_only_when_a_version_was_trained_on_the_same_key() -> None:
     assert skip_reason(None, "3", "ab" * 32, "k") is None
     assert skip_reason(CHAMP, None, "ab" * 32, "k") is None
