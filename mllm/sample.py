@@ -235,7 +235,8 @@ def samples_text(prompts: list[str], texts: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mllm.sample",
-                                description="Continue a prompt with a trained checkpoint.")
+                                description="Continue a prompt with a trained checkpoint (a seq2seq "
+                                            "checkpoint translates it: greedy, beam or temperature).")
     p.add_argument("--checkpoint", required=True, help="URL or path of a checkpoint (best.pt / last.pt)")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--method", choices=METHODS, default="greedy")
@@ -253,6 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         from mllm.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(args.checkpoint, device=args.device)
+        if loaded.src_vocab is not None:  # an encoder-decoder: the prompt is a sentence to translate
+            from mllm.translate import translate_texts
+
+            print(translate_texts(loaded, [args.prompt], args.method, beam_width=args.beam_width,
+                                  temperature=args.temperature, seed=args.seed)[0])
+            return 0
         options = with_defaults(loaded, **{k: getattr(args, k) for k in OPTIONS})
         text = sample_text(loaded, args.prompt, args.method, use_cache=not args.no_cache, **options)
     except UserError as e:

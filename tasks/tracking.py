@@ -380,6 +380,8 @@ def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
         if part is not None:
             context = {"train": "training", "val": "validation", "test": "testing"}[split]
             run.log_dataset(split, part.ids, f"{data.splits.key}-{split}", context, part.n_tokens)
-    run.log_text(storage.read_text(data.vocab.url), "vocab.json")
+    run.log_text(storage.read_text(data.vocab.url), "vocab.json")  # parallel text: the target side's
+    if getattr(data, "source_side", None) is not None:
+        run.log_text(storage.read_text(data.source_side.vocab.url), "src_vocab.json")
     run.set_tags({"data.raw_sha256": data.raw_sha256, "data.vocab_digest": data.vocab.digest,
                   "data.splits": data.splits.url})

@@ -46,6 +46,7 @@ def test_seq2seq_smoke_trains_scores_draws_attention_and_registers_a_translator(
     assert run.data.metrics["final_chrf"] == pytest.approx(e.score)
     assert run.data.metrics["final_exact_match"] == pytest.approx(e.metrics["exact_match"])
     assert [m.step for m in client.get_metric_history(r.mlflow_run_id, "val_loss")] == [20, 40]
+    assert {"vocab.json", "src_vocab.json"} <= {a.path for a in client.list_artifacts(r.mlflow_run_id)}
     pictures = {a.path for a in client.list_artifacts(r.mlflow_run_id, "attention")}
     assert pictures == {f"attention/attention-{i}.png" for i in (1, 2, 3)}
     png = mlflow.artifacts.download_artifacts(run_id=r.mlflow_run_id, artifact_path="attention/attention-1.png",
