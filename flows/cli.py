@@ -8,7 +8,7 @@ import typer
 
 from flows.terminal import console, flows_module, progress, user_errors
 from mllm import UserError
-from mllm.config import METHODS, recipe_dict, recipe_names, resolve
+from mllm.config import METHODS, recipe_names, resolve
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 
@@ -266,13 +266,21 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 
 @app.command()
 def recipes() -> None:
-    """List the shipped recipes."""
+    """List the shipped recipes: model, tokens, size and training length."""
+    rows = [("recipe", "arch", "tokens", "size", "length")]
     for name in recipe_names():
-        d = recipe_dict(name)
-        m, t = d.get("model", {}), d.get("train", {})
-        length = f"{t['epochs']} epochs" if "epochs" in t else f"{t.get('max_steps')} steps"
-        typer.echo(f"{name:18} {m.get('arch', '?'):5} {d.get('data', {}).get('tokenizer', {}).get('kind', 'char'):5} "
-                   f"{m.get('n_layer')} layers, {length}")
+        cfg = resolve(name)
+        m, t, d = cfg.model, cfg.train, cfg.data
+        size = (f"{m.n_layer}x{m.n_head}x{m.n_embd}" if m.arch == "gpt"
+                else f"{m.n_embd} wide" if m.arch == "cbow"
+                else f"{m.n_layer} layers, {m.n_embd} wide" if d.pairs is not None
+                else f"{m.n_layer}x{m.hidden_size}")
+        tokens = d.tokenizer.kind + (f" -> {d.pairs.target_tokenizer.kind}" if d.pairs is not None else "")
+        length = f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
+        rows.append((name, m.arch, tokens, size, length))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 schedule_app = typer.Typer(invoke_without_command=True, help=(

@@ -72,8 +72,12 @@ def test_help_lists_every_command() -> None:
 def test_recipes_lists_the_shipped_recipes() -> None:
     out = cli("recipes")
     assert out.returncode == 0
-    for name in ("warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "smoke", "default"):
-        assert name in out.stdout
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
+    for name in ("warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "smoke", "default", "cbow",
+                 "seq2seq-numbers-rnn", "seq2seq-numbers-transformer", "seq2seq-smoke"):
+        assert name in lines
+    assert lines["shakespeare-gpt"][1:] == ["gpt", "char", "6x6x384", "5000", "steps"]
+    assert lines["seq2seq-numbers-transformer"][1:4] == ["seq2seq-transformer", "word", "->"]
 
 
 def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
