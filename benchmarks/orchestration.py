@@ -9,8 +9,9 @@ Prefect's temporary server, and again with a running stack (`mllm-pipeline stack
 server and an MLflow server over HTTP). The parts come from the timestamps of the run's own log
 lines:
 
-- start-up: the process start to Prefect's first line (imports, config, the preflight checks);
-- server: starting Prefect's temporary server, to the pipeline's first flow run;
+- start-up: the process start to the pipeline's first flow run: imports, config, the preflight
+  checks, and Prefect's temporary server, which the CLI starts in the background while it
+  imports torch, MLflow and the flows;
 - data: the data stages (the `prepare` flow);
 - tracking set-up and training: from the data to the end of the `train` flow;
 - evaluate and sample: the `evaluate` flow; registry: the model, the champion, the artifacts;
@@ -33,8 +34,7 @@ from benchmarks.common import REPO, corpus, header, load, parse_args, save, tabl
 _LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \| \w+ +\| (.*)$")
 _SKIPPED = r"Task run 'log-skipped-\w+' - Finished"
 EVENTS = {  # the log line (a regex) that closes each part: the first after the last part's end
-    "start-up": r"Starting temporary server|Beginning flow run .* for flow 'pipeline'",
-    "server": r"Beginning flow run .* for flow 'pipeline'",
+    "start-up": r"Beginning flow run .* for flow 'pipeline'",
     "data": r"Flow run '[^']+' - Finished in state",  # the prepare flow's end
     "tracking set-up and training": rf"Beginning subflow run .* for flow 'evaluate'|{_SKIPPED}",
     "evaluate and sample": rf"Flow run '[^']+' - Finished in state|{_SKIPPED}",

@@ -17,3 +17,10 @@ QUIET_ENV = {
 
 for _name, _value in QUIET_ENV.items():
     os.environ.setdefault(_name, _value)
+
+# An empty PREFECT_API_URL names no server, and is taken as unset: Prefect would start its
+# temporary server for the flows but aim its events client at the empty URL, logging an error
+# line for every event of the run.
+if not os.environ.get("PREFECT_API_URL", "x").strip():
+    del os.environ["PREFECT_API_URL"]
+

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from flows.terminal import console, flows_module, progress, user_errors
+from flows.terminal import console, flow_session, flows_module, progress, user_errors
 from mllm import UserError
 from mllm.config import METHODS, recipe_names, resolve
 from mllm.redact import scrub
@@ -46,11 +46,9 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         _resolve(recipe, set_, source, storage)
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
-        fl = flows_module()
-        root = fl.storage_root(storage)
-        with progress():
-            result = fl.pipeline(recipe=recipe, source=source, storage_url=root, overrides=set_ or [], tags=tags,
-                                 train_on=train_on, force=force)
+        with flow_session() as fl, progress():
+            result = fl.pipeline(recipe=recipe, source=source, storage_url=fl.storage_root(storage),
+                                 overrides=set_ or [], tags=tags, train_on=train_on, force=force)
         c = result.champion
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
@@ -97,9 +95,8 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
 def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
     """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
     return the last one's result."""
-    fl = flows_module()
-    root = fl.storage_root(storage)
-    with progress():
+    with flow_session() as fl, progress():
+        root = fl.storage_root(storage)
         data = fl.with_results(fl.prepare, root)(cfg, root)
         if last == "prepare":
             return data

@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
@@ -85,6 +86,59 @@ def flows_module():
     # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
     logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
     return pipeline
+
+
+@contextlib.contextmanager
+def flow_session() -> Iterator[Any]:
+    """The flows module, for a command about to run flows in this process.
+
+    When no PREFECT_API_URL names a server, Prefect's temporary server is started first, in the
+    background, so that its start-up (a process importing Prefect's server and opening its
+    database) runs on the other core while this one imports torch, MLflow and the flows; Prefect
+    would start it only at the first flow run, after those imports. With that server, which ends
+    with this process, flow runs send no heartbeats: nothing could ever read them, and stopping
+    each run's heartbeat thread costs up to a second."""
+    waiting = _start_temporary_server()
+    fl = flows_module()
+    if waiting is None:
+        yield fl
+        return
+    waiting()
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield fl
+
+
+def _start_temporary_server() -> Callable[[], None] | None:
+    """Start Prefect's own temporary server (the one its client would start on first use) in a
+    thread; return what waits for it to answer, re-raising a failure to start. None when a
+    server is named: there is nothing to start."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return None
+    # Imported here, not in the thread: two threads importing Prefect's modules at once can see
+    # each other's half-initialised modules.
+    from prefect.server.api.server import SubprocessASGIServer
+
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            SubprocessASGIServer().start()
+        except BaseException as e:  # handed to the caller's thread
+            failure.append(e)
+
+    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failure:
+            raise failure[0]
+
+    return wait
 
 
 @contextlib.contextmanager
