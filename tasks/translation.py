@@ -6,6 +6,7 @@ translations of the recipe's prompts."""
 from __future__ import annotations
 
 import io
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -113,14 +114,18 @@ def plot_attention(src_tokens: list[str], tgt_tokens: list[str], weights, out, t
 
     if isinstance(weights, torch.Tensor):
         weights = weights.numpy()
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.6 * len(src_tokens)), max(3.0, 1.5 + 0.4 * len(tgt_tokens))))
+    width = max(5.0, 1.5 + 0.6 * len(src_tokens))
+    fig, ax = plt.subplots(figsize=(width, max(3.0, 1.5 + 0.4 * len(tgt_tokens))))
     ax.imshow(weights, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(src_tokens)), src_tokens, rotation=60, ha="right")
     ax.set_yticks(range(len(tgt_tokens)), tgt_tokens)
     ax.set_xlabel("source")
     ax.set_ylabel("target")
     if title:
-        ax.set_title(title, fontsize=9)
+        # Wrapped to the figure's width (about 10 characters an inch at this size): a long
+        # sentence would otherwise run off the picture.
+        lines = [textwrap.fill(line, int(width * 10)) for line in title.splitlines()]
+        ax.set_title("\n".join(lines), fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100, format="png")
     plt.close(fig)

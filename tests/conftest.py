@@ -18,7 +18,6 @@ _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
 os.environ.update({
     **QUIET_ENV,
     "PREFECT_HOME": str(_HOME / "prefect"),
-    "PREFECT_API_URL": "",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
     "XDG_CONFIG_HOME": str(_HOME / "config"),
@@ -30,7 +29,9 @@ os.environ.update({
     # Tiny test models run 30x slower when two threads contend for two busy cores.
     "OMP_NUM_THREADS": "1",
 })
-os.environ.pop("MLLM_STORAGE", None)
+# No server named: Prefect's temporary one (a test that needs a server starts its own).
+for _name in ("MLLM_STORAGE", "PREFECT_API_URL"):
+    os.environ.pop(_name, None)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
