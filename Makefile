@@ -39,7 +39,7 @@ run: $(VENV)/.installed
 		$(if $(STORAGE),--storage "$(STORAGE)") $(foreach s,$(SET),--set "$(s)")
 
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.run
