@@ -1,6 +1,7 @@
 """Generation tokens/s: GPT with and without its KV cache, LSTM with carried state or recomputed.
 
     python -m benchmarks.generate_speed [--quick] [--threads N] [--new-tokens 500]
+    python -m benchmarks.generate_speed --matvec     # why a second thread does not help decoding
 
 `mllm.sample.generate` continues a 4-token prompt by 500 tokens, greedy and top-p (p 0.9,
 temperature 0.8), for:
@@ -69,10 +70,53 @@ def timed(model, prompt: list[int], n: int, method: str, use_cache: bool, repeat
     return median(times), out
 
 
+# The products one decoded token of the 6/6/384 GPT makes (rows x columns of the weight), and a
+# 64 MB one well past the L3 cache, each times one vector.
+MATVEC_SHAPES = [(1152, 384), (384, 384), (1536, 384), (384, 1536), (4096, 4096)]
+
+
+def matvec(m: dict) -> None:
+    """A batch of one, as cached decoding multiplies: one thread against two, and the product
+    split in half across two Python threads by hand."""
+    import torch.nn.functional as F
+    from concurrent.futures import ThreadPoolExecutor
+
+    def per_call(fn, n: int) -> float:
+        for _ in range(5):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    rows = []
+    pool = ThreadPoolExecutor(2)
+    with torch.inference_mode():
+        for shape in MATVEC_SHAPES:
+            w, x = torch.randn(*shape), torch.randn(1, shape[1])
+            halves = [w[: shape[0] // 2].contiguous(), w[shape[0] // 2:].contiguous()]
+            n = 30 if w.numel() > 10**6 * 4 else 300
+            row = {"shape": f"{shape[0]}x{shape[1]}", "mb": w.numel() * 4 / 1e6}
+            for t in (1, 2):
+                with threads(t):
+                    row[f"us_{t}"] = per_call(lambda: F.linear(x, w), n)
+            with threads(1):
+                row["us_split"] = per_call(lambda: torch.cat(list(pool.map(lambda h: F.linear(x, h), halves)), 1), n)
+            row["gb_s_1"] = row["mb"] / row["us_1"] * 1e3
+            rows.append(row)
+    print(table(rows, [("shape", "weight"), ("mb", "MB"), ("us_1", "1 thread, us"), ("gb_s_1", "GB/s"),
+                       ("us_2", "2 threads, us"), ("us_split", "halves on 2 Python threads, us")]))
+    save("generate_matvec", {"machine": m, "rows": rows})
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0],
-                      lambda p: p.add_argument("--new-tokens", type=int, default=500))
+    args = parse_args(__doc__.splitlines()[0], lambda p: (
+        p.add_argument("--new-tokens", type=int, default=500),
+        p.add_argument("--matvec", action="store_true", help="only time the matrix-vector products of decoding")))
     m = header("generate_speed", args.quick)
+    if args.matvec:
+        matvec(m)
+        return
     wp = corpus("warandpeace")
     q, n = args.quick, args.new_tokens
     repeats, train_steps = (1, 20) if q else (3, 60)
