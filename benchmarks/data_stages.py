@@ -156,7 +156,7 @@ def in_process(source: Path, tmp: Path) -> tuple[list[dict], float]:
     from prefect import flow
 
     from flows.pipeline import prepare, with_results
-    from mllm.config import resolve
+    from mllm.resolve import resolve
 
     @flow(name="bench-warm-up")
     def warm_up() -> None:

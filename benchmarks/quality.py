@@ -73,7 +73,7 @@ def _mllm_run(paths: dict, folder: Path, name: str, overrides: dict, threads: in
 
 def _tokens_per_step(overrides: dict) -> int:
     if "recipe" in overrides:
-        from mllm.config import resolve
+        from mllm.resolve import resolve
 
         train = resolve(overrides["recipe"]).train
         return train.batch_size * train.window

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from benchmarks.common import OUT, REPO, header, load, parse_args, save, table
 from mllm.checkpoint import load_checkpoint
-from mllm.config import TrainPaths, resolve
+from mllm.config import TrainPaths
+from mllm.resolve import resolve
 from mllm.pairs import load_split, prepare_pairs, read_pairs
 from mllm.train import train
 from mllm.translate import evaluate, translate

@@ -8,7 +8,8 @@ import typer
 
 from flows.terminal import console, flow_session, flows_module, progress, user_errors
 from mllm import UserError
-from mllm.config import METHODS, recipe_names, resolve
+from mllm.config import METHODS
+from mllm.resolve import recipe_names, resolve
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm import UserError
-from mllm.config import LAUNCH_SECTION, recipe_dict
+from mllm.resolve import LAUNCH_SECTION, recipe_dict
 from mllm.redact import strip_userinfo
 
 

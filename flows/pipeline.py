@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
-from mllm.config import RunConfig, recipe_names, resolve
+from mllm.config import RunConfig
+from mllm.resolve import recipe_names, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage

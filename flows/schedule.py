@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.utilities.callables import parameter_schema
 
 from mllm import UserError
-from mllm.config import resolve
+from mllm.resolve import resolve
 
 FLOW = "pipeline"
 ENTRYPOINT = "flows.pipeline:pipeline"

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as tdist
 
 from mllm import UserError, storage
+from mllm.cbow import CbowBatches
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
-from mllm.cbow import CbowBatches, load_offsets
-from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainConfig, apply_overrides, load_file, validate
+from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainConfig, validate
+from mllm.data import EpochWindows, RandomWindows, eval_starts, windows
 from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
-from mllm.data import EpochWindows, RandomWindows, eval_starts, load_ids, windows
+from mllm.inputs import load_inputs
 from mllm.models import build_model, resolve_device
-from mllm.pairs import PairBatches, check_vocab as check_pair_vocab, eval_batches, load_split
-from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
-from mllm.vocab import Vocab
+from mllm.pairs import PairBatches, eval_batches
+from mllm.resolve import apply_overrides, load_file
 
 Records = list[dict]
 
@@ -49,84 +49,6 @@ class TrainResult:
     elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
     stop_reason: str  # max_steps | epochs | max_minutes | early_stopping
     resumed_from_step: int
-
-
-Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and paragraph offsets (CBOW)
-
-
-def _inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
-    """The config with its vocabulary sizes set, the vocabulary and tokenizer, the train and
-    validation data, and what else a checkpoint must carry to be used alone."""
-    p = cfg.paths
-    if p is None:
-        raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
-    if isinstance(cfg.model, Seq2SeqConfig):
-        return _pair_inputs(cfg)
-    storage.require(p.train_ids, "train ids (paths.train_ids)")
-    storage.require(p.val_ids, "validation ids (paths.val_ids)")
-    storage.require(p.vocab, "vocabulary (paths.vocab)")
-    vocab = Vocab.load(p.vocab)
-    if p.tokenizer:
-        storage.require(p.tokenizer, "tokenizer (paths.tokenizer)")
-        tokenizer = tokenizer_from_json(storage.read_text(p.tokenizer), p.tokenizer)
-    elif cfg.data.tokenizer.kind == "bpe":
-        raise UserError("a BPE run needs paths.tokenizer: the JSON of the tokenizer its ids were made with")
-    else:
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
-    vocab_size = cfg.model.vocab_size or len(vocab)
-    if vocab_size < len(vocab):
-        raise UserError(f"model.vocab_size {vocab_size} is below the vocabulary's {len(vocab)}: "
-                        "set it to 0 (taken from the vocabulary)")
-    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
-    splits = {}
-    for what, url, offsets in (("train", p.train_ids, p.train_offsets), ("validation", p.val_ids, p.val_offsets)):
-        ids = load_ids(url)
-        top = int(ids.max()) if len(ids) else 0
-        if top >= vocab_size:
-            raise UserError(f"{what} ids at {url} hold id {top} but the vocabulary has {len(vocab)} tokens: "
-                            "they were made with another vocabulary; re-run the split stage")
-        if isinstance(cfg.model, CbowConfig) and offsets is None:
-            raise UserError(f"a CBOW run needs paths.{'train' if what == 'train' else 'val'}_offsets: the "
-                            "paragraph offsets the split stage wrote beside the ids")
-        splits[what] = (ids, load_offsets(offsets, len(ids)) if offsets else None)
-    return cfg, vocab, tokenizer, splits["train"], splits["validation"], {}
-
-
-def _side(vocab_url: str | None, tokenizer_url: str | None, side: str) -> tuple[Vocab, Tokenizer]:
-    prefix = "src_" if side == "source" else ""
-    if not vocab_url or not tokenizer_url:
-        raise UserError(f"a seq2seq run needs paths.{prefix}vocab and paths.{prefix}tokenizer: the {side} side's "
-                        "files that mllm.pairs.prepare_pairs wrote")
-    storage.require(vocab_url, f"{side} vocabulary (paths.{prefix}vocab)")
-    storage.require(tokenizer_url, f"{side} tokenizer (paths.{prefix}tokenizer)")
-    vocab = check_pair_vocab(Vocab.load(vocab_url), side)
-    return vocab, tokenizer_from_json(storage.read_text(tokenizer_url), tokenizer_url)
-
-
-def _pair_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
-    """A seq2seq run's inputs: the pairs' Parquet splits and both sides' vocabularies."""
-    p, m = cfg.paths, cfg.model
-    vocab, tokenizer = _side(p.vocab, p.tokenizer, "target")
-    src_vocab, src_tokenizer = _side(p.src_vocab, p.src_tokenizer, "source")
-    sizes = {"src_vocab_size": m.src_vocab_size or len(src_vocab), "tgt_vocab_size": m.tgt_vocab_size or len(vocab)}
-    for field, have in (("src_vocab_size", len(src_vocab)), ("tgt_vocab_size", len(vocab))):
-        if sizes[field] < have:
-            raise UserError(f"model.{field} {sizes[field]} is below the vocabulary's {have}: set it to 0 "
-                            "(taken from the vocabulary)")
-    cfg = cfg.model_copy(update={"model": m.model_copy(update=sizes)})
-    splits = {}
-    for what, url in (("train", p.train_ids), ("validation", p.val_ids)):
-        split = load_split(url)
-        for side, ids, size in (("source", split.src_ids, sizes["src_vocab_size"]),
-                                ("target", split.tgt_ids, sizes["tgt_vocab_size"])):
-            if len(ids) and int(ids.max()) >= size:
-                raise UserError(f"{what} pairs at {url} hold {side} id {int(ids.max())} but the {side} vocabulary "
-                                f"has {size} tokens: they were made with another vocabulary; prepare the pairs again")
-        splits[what] = (split, None)
-    if len(splits["validation"][0]) == 0:
-        raise UserError(f"the validation pairs at {p.val_ids} are empty: give more pairs or raise data.split.val_fraction")
-    return cfg, vocab, tokenizer, splits["train"], splits["validation"], {
-        "src_vocab": src_vocab.to_json(), "src_tokenizer": src_tokenizer.to_json()}
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
@@ -228,7 +150,7 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
     Under DDP only rank 0 calls them and writes checkpoints.
     """
-    cfg, vocab, tokenizer, train, val, carry = _inputs(cfg)
+    cfg, vocab, tokenizer, train, val, carry = load_inputs(cfg)
     t = cfg.train
     d, device = join(resolve_device(t.device))
     try:

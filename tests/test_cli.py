@@ -155,7 +155,8 @@ def test_the_training_key_digests_the_chosen_family_only(tmp_path: Path) -> None
     import yaml
 
     from mllm import UserError
-    from mllm.config import RecurrentConfig, recipe_dict, resolve
+    from mllm.config import RecurrentConfig
+    from mllm.resolve import recipe_dict, resolve
 
     recipe = recipe_dict("smoke")
     key_fields = resolve("smoke").model.model_dump()
@@ -221,7 +222,7 @@ def test_a_recipe_names_its_default_work_pool_outside_the_run_config(tmp_path: P
     import yaml
 
     from flows import launch
-    from mllm.config import recipe_dict, resolve
+    from mllm.resolve import recipe_dict, resolve
 
     recipe = {**recipe_dict("smoke"), "pipeline": {"pool": "gpu"}}
     path = tmp_path / "pooled.yaml"

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_text
 from flows.pipeline import pipeline
-from mllm.config import resolve
+from mllm.resolve import resolve
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401 (fixtures)
 from tasks.tracking import flatten
 

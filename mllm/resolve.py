@@ -1,0 +1,117 @@
+"""From a recipe or a config file, plus `--source` and `--set key=value`, to the RunConfig.
+
+Recipes are the YAML files in `mllm/recipes/`; a config file is the same tree (a run's own
+`config.yaml`). Overrides are parsed as YAML except in text fields, so a value is what a user
+means: `train.lr=3e-4` a float, `data.sha256=0123...` text.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel
+
+from mllm import UserError, storage
+from mllm.config import RunConfig, validate
+
+# A recipe's section for the orchestration layer (flows/): read there, never by mllm.
+LAUNCH_SECTION = "pipeline"
+
+
+def recipe_names() -> list[str]:
+    folder = resources.files("mllm") / "recipes"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def recipe_dict(name: str) -> dict[str, Any]:
+    path = resources.files("mllm") / "recipes" / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown recipe {name!r}: choose one of {', '.join(recipe_names())}")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.setdefault("recipe", name)
+    return data
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} not found: give the path of a YAML file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold a mapping of sections (data, model, train)")
+    return data
+
+
+def _text_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
+    """Dotted names of the fields that hold free text (a source URL, a sha256, a device)."""
+    model = model or RunConfig
+    names = set()
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if typing.get_origin(ann) is Annotated:
+            ann = typing.get_args(ann)[0]
+        union = typing.get_origin(ann) in (typing.Union, types.UnionType)
+        inner = [a for a in typing.get_args(ann) if a is not type(None)] if union else []
+        if ann is str or inner == [str]:
+            names.add(prefix + name)
+        for t in [ann, *inner]:
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                names |= _text_fields(t, f"{prefix}{name}.")
+    return names
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides. Values are parsed as YAML (3e-4, true, [a, b], null),
+    except for text fields, which take the value as written (a sha256 of digits stays text)."""
+    text = _text_fields()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise UserError(f"malformed override {item!r}: write it as section.field=value, e.g. train.lr=3e-4")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        if key in text and not isinstance(value, str) and value is not None:
+            value = raw.strip()
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {item!r}: {part} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def resolve(recipe: str | None = None, config_file: str | None = None,
+            overrides: list[str] = (), source: str | None = None) -> RunConfig:
+    """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
+    if config_file:
+        data, where = load_file(config_file), str(config_file)
+    else:
+        data, where = recipe_dict(recipe or "default"), f"recipe {recipe or 'default'}"
+    # How the pipeline launches a recipe (its default work pool) is not what the run is.
+    data.pop(LAUNCH_SECTION, None)
+    if source:
+        data.setdefault("data", {})["source"] = source
+        if isinstance(data["data"].get("pairs"), dict):
+            data["data"]["pairs"].pop("numbers", None)  # a TSV source replaces the numbers corpus
+    data = apply_overrides(data, list(overrides))
+    cfg = validate(data, where if not overrides else f"{where} with --set")
+    # A password in the source URL stays in this process's memory, out of the config that is
+    # logged, stored with every checkpoint and sent to MLflow.
+    cfg.data.source = storage.hide_credentials(cfg.data.source)
+    return cfg
