@@ -23,4 +23,3 @@ for _name, _value in QUIET_ENV.items():
 # line for every event of the run.
 if not os.environ.get("PREFECT_API_URL", "x").strip():
     del os.environ["PREFECT_API_URL"]
-
