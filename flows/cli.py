@@ -44,7 +44,7 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with user_errors():
         source, set_ = _without_credentials(source, set_)
-        _resolve(recipe, set_, source, storage)
+        cfg = _resolve(recipe, set_, source, storage)
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
@@ -57,13 +57,10 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
             typer.echo(f"mlflow run: {result.mlflow_run_id}")
             return
         t, e = result.trained, result.evaluation
-        typer.echo(f"{fl.describe(e)} after {t.steps} steps")
+        typer.echo(f"{fl.describe(e, cfg)} after {t.steps} steps")
         method, texts = next(iter(result.samples.items()))
-        if result.data.source_side is not None:  # a translation per prompt
-            shown = "; ".join(texts) or "none (no sample prompt fits the source vocabulary)"
-            typer.echo(f"translations ({method}): {shown}")
-        else:
-            typer.echo(f"sample ({method}): {texts[0][:200]!r}")
+        shown = "; ".join(x.strip().replace("\n", "; ") for x in texts) or "none (no sample prompt fits the vocabulary)"
+        typer.echo(f"sample ({method}): {shown[:200]}")
         typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
         typer.echo(f"mlflow run: {result.mlflow_run_id}")
         typer.echo(f"outputs: {t.run_dir}")
@@ -80,8 +77,10 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
     cfg = resolve(recipe, overrides=sets or [], source=source)
     preflight(storage_root(storage))
     from mllm.corpus import open_source
+    from mllm.family import family_of
 
-    if cfg.data.source or cfg.data.pairs is None:  # (parallel text with no source: the numbers corpus)
+    # (Data made from the config has no source to open; parallel text may be made too: numbers.)
+    if cfg.data.source or family_of(cfg).data == "corpus":
         open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
     return cfg
 
@@ -112,17 +111,12 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
             set_: Sets = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with user_errors():
-        data = _run_stages(_resolve(recipe, set_, source, storage), storage, "prepare")
-        s = data.splits
-        if data.source_side is not None:
-            typer.echo(f"{data.tokens.n_chunks:,} pairs, vocabularies: source {data.source_side.vocab.size}, "
-                       f"target {data.vocab.size}; target tokens: train {s.train.n_tokens:,} / val "
-                       f"{s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
-            typer.echo(f"pairs: {s.url}")
-            return
-        typer.echo(f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, "
-                   f"train {s.train.n_tokens:,} / val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
-        typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {s.url}")
+        from mllm.family import family_of
+
+        cfg = _resolve(recipe, set_, source, storage)
+        data = _run_stages(cfg, storage, "prepare")
+        typer.echo(family_of(cfg).describe_data(data))
+        typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {data.splits.url}")
 
 
 @app.command()
@@ -143,8 +137,9 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
              set_: Sets = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with user_errors():
-        evaluation, _ = _run_stages(_resolve(recipe, set_, source, storage), storage, "evaluate")
-        typer.echo(f"{flows_module().describe(evaluation)}; report {evaluation.report}")
+        cfg = _resolve(recipe, set_, source, storage)
+        evaluation, _ = _run_stages(cfg, storage, "evaluate")
+        typer.echo(f"{flows_module().describe(evaluation, cfg)}; report {evaluation.report}")
 
 
 @app.command()
@@ -152,13 +147,14 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
            model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
            prompt: Annotated[Optional[str], typer.Option(
-               help="Text to continue [\"The \"]; for word embeddings (cbow), the words whose neighbours to list; "
-                    "for a seq2seq model, the sentence to translate [the run's prompts].")] = None,
+               help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
+                    "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
+                    "own prompts.")] = None,
            prompt_file: Annotated[Optional[str], typer.Option(
-               help="Seq2seq: a text file of sentences to translate, one a line.")] = None,
+               help="A text file of prompts, one a line: an answer a line.")] = None,
            method: Annotated[Optional[str], typer.Option(
-               help=f"{', '.join(METHODS)} (seq2seq: greedy, beam, temperature; default: the run's first "
-                    "sample method).")] = None,
+               help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
+                    "first sample method.")] = None,
            max_new_tokens: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            temperature: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
            top_k: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
@@ -166,10 +162,11 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            beam_width: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            seed: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            neighbours: Annotated[Optional[int], typer.Option(
-               help="Word embeddings: neighbours per word (default: the run's own).")] = None,
+               help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
+           device: Annotated[str, typer.Option(help="--checkpoint: cpu, cuda, cuda:N or mps.")] = "cpu",
            storage: Storage = None) -> None:
-    """Generate text from a checkpoint, an MLflow run's model, or a registered model; a seq2seq
-    model translates, one line per sentence.
+    """Sample from a checkpoint, an MLflow run's model or a registered model, as its family
+    samples: continue a prompt, list neighbours, translate, or predict the next element.
 
     Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
     with user_errors():
@@ -179,40 +176,19 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             raise UserError(f"unknown method {method!r}: choose {', '.join(METHODS)}")
         if prompt is not None and prompt_file is not None:
             raise UserError("give --prompt or --prompt-file, not both")
-        lines = _prompt_lines(prompt_file) if prompt_file else None
-        given = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                     beam_width=beam_width, seed=seed)
+        prompts = _prompt_lines(prompt_file) if prompt_file else None if prompt is None else [prompt]
+        options = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                       top_p=top_p, beam_width=beam_width, seed=seed, neighbours=neighbours)
         if checkpoint:
             from mllm.checkpoint import load_checkpoint
-            from mllm.sample import sample_text, with_defaults
+            from mllm.sample import answer
 
-            loaded = load_checkpoint(checkpoint)
-            if loaded.config.model.arch == "cbow":
-                from tasks.embeddings import neighbours_of
-
-                words = lines or (prompt or "").split()
-                typer.echo("\n".join(neighbours_of(loaded, words, neighbours or loaded.config.sample.neighbours)))
-                return
-            if loaded.src_vocab is not None:
-                from mllm.translate import translate_texts
-
-                texts = lines or ([prompt] if prompt is not None else loaded.config.sample.prompts)
-                typer.echo("\n".join(translate_texts(loaded, texts, method, **given)))
-                return
-            if lines:
-                raise UserError("--prompt-file is for seq2seq models: give a language model one --prompt")
-            method = method or loaded.config.sample.methods[0]
-            typer.echo(sample_text(loaded, "The " if prompt is None else prompt, method,
-                                   **with_defaults(loaded, **given)))
+            typer.echo("\n".join(answer(load_checkpoint(checkpoint, device=device), prompts, **options)))
             return
-        # The served model's signature holds the run's own sample section as its defaults.
-        params = {k: v for k, v in dict(given, method=method).items() if v is not None}
         from flows import runs
 
-        storage_root = flows_module().storage_root
-
-        root = storage_root(storage)
-        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompt, params, neighbours, lines))
+        root = flows_module().storage_root(storage)
+        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompts, options))
 
 
 def _prompt_lines(path: str) -> list[str]:
@@ -265,15 +241,13 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 @app.command()
 def recipes() -> None:
     """List the shipped recipes: model, tokens, size and training length."""
+    from mllm.family import family_of
+
     rows = [("recipe", "arch", "tokens", "size", "length")]
     for name in recipe_names():
         cfg = resolve(name)
-        m, t, d = cfg.model, cfg.train, cfg.data
-        size = (f"{m.n_layer}x{m.n_head}x{m.n_embd}" if m.arch == "gpt"
-                else f"{m.n_embd} wide" if m.arch == "cbow"
-                else f"{m.n_layer} layers, {m.n_embd} wide" if d.pairs is not None
-                else f"{m.n_layer}x{m.hidden_size}")
-        tokens = d.tokenizer.kind + (f" -> {d.pairs.target_tokenizer.kind}" if d.pairs is not None else "")
+        m, t, family = cfg.model, cfg.train, family_of(cfg)
+        size, tokens = family.size(m), family.tokens(cfg.data)
         length = f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
         rows.append((name, m.arch, tokens, size, length))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -16,11 +16,12 @@ from flows import dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
 from mllm.config import RunConfig
+from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
-from tasks.model import Evaluation, Prepared, Trained
+from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
 from tasks.tracking import RunTracker, log_data
 from tasks.tracking import client as tracking_client
@@ -29,9 +30,14 @@ from tasks.tracking import client as tracking_client
 @flow(name="prepare", log_prints=True)
 def prepare(cfg: RunConfig, root: str) -> Prepared:
     """The data stages: download, tokenize, build the vocabulary, split; for parallel text,
-    download (or make the numbers corpus) and prepare the pairs."""
-    d = cfg.data
-    if d.pairs is not None:
+    download (or make the numbers corpus) and prepare the pairs; for a family that makes its own
+    data, make it."""
+    d, kind = cfg.data, family_of(cfg).data
+    if kind == "generated":
+        made = data_tasks.generate_data(d, family_of(cfg).name, root)
+        return Prepared(raw_sha256=made.sha256, raw_url=made.splits.url, raw_bytes=made.bytes, source=made.source,
+                        tokens=made.tokens, vocab=made.vocab, splits=made.splits)
+    if kind == "pairs":
         source = d.source or data_tasks.numbers_corpus(d.pairs.numbers, root)
         raw = data_tasks.download(source, d.sha256, root)
         pairs = data_tasks.prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
@@ -124,12 +130,8 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
     score = None
     if champion and champion.checkpoint and champion.splits_key != data.splits.key:
-        if evaluation.bits_per_byte is not None:  # a language model
-            scorer = model_tasks.score_checkpoint.with_options(result_storage=result_storage(root))
-            score = scorer(champion.checkpoint, data, cfg.train.window)
-        elif data.source_side is not None:  # translations; word embeddings score on fixed word sets
-            scorer = model_tasks.score_translator.with_options(result_storage=result_storage(root))
-            score = scorer(champion.checkpoint, data, cfg.data.pairs.bleu_tokenize)
+        scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
+        score = scorer(champion.checkpoint, cfg, data)
     return log_outcome(run_id, cfg, root, trained, evaluation, samples, data, score)
 
 
@@ -145,17 +147,16 @@ def publish(result: PipelineResult) -> None:
 
 def decision_table(r: PipelineResult) -> str:
     c = r.champion
+    cfg = resolve(r.recipe)
     rows = [("decision", f"**{r.decision}**"), ("reason", r.reason), ("corpus sha256", r.data.raw_sha256[:16]),
             ("MLflow run", f"`{r.mlflow_run_id}`")]
     if r.decision == "skipped":
         rows.append(("champion", f"{c.name} v{c.version} (run `{c.run_id}`)"))
     else:
-        rows.append(("this model", f"{c.name} v{c.version}, val loss {_f(c.val_loss)}, "
-                                   f"{describe(r.evaluation)}"))
+        rows.append(("this model", f"{c.name} v{c.version}, {describe(r.evaluation, cfg)}"))
         if c.previous:
             cs = c.champion_score
-            measured = (f"val loss {_f(c.previous.val_loss)} on the same split" if cs is None
-                        else f"{cs.bits_per_byte:.4f} bits/byte on this split" if cs.bits_per_byte is not None
+            measured = (f"{c.previous.headline} {_f(c.previous.score)} on the same split" if cs is None
                         else f"{cs.headline} {cs.value:.4f} on this split")
             rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
     return "\n".join([f"# {r.recipe}: {r.decision}", "", "| | |", "|---|---|",
@@ -164,6 +165,7 @@ def decision_table(r: PipelineResult) -> str:
 
 def summary(r: PipelineResult) -> str:
     d, t, e = r.data, r.trained, r.evaluation
+    cfg = resolve(r.recipe)
     lines = [
         f"# {r.recipe}",
         "",
@@ -176,7 +178,7 @@ def summary(r: PipelineResult) -> str:
         + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| train loss | {_f(t.train_loss)} |",
-        f"| evaluation | {describe(e)} |",
+        f"| evaluation | {describe(e, cfg)} |",
         f"| outputs | `{t.run_dir}` |",
         f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.name} v{r.champion.version}, "
         f"{'now champion' if r.champion.promoted else 'champion kept'} ({r.champion.reason}) |",
@@ -184,22 +186,10 @@ def summary(r: PipelineResult) -> str:
         "## Samples",
         "",
     ]
-    translations = r.data.source_side is not None
     for method, texts in r.samples.items():
-        if translations:
-            shown = "\n".join(texts) or "(no prompt fits the source vocabulary)"
-        else:
-            shown = "\n".join(texts) if method == "neighbours" else texts[0].strip()
+        shown = "\n".join(t.strip() for t in texts) or "(no prompt fits the vocabulary)"
         lines += [f"**{method}**", "", "```", shown, "```", ""]
     return "\n".join(lines)
-
-
-def describe(e: Evaluation) -> str:
-    """An evaluation in one line: a language model's loss and bits, or the family's headline."""
-    if e.bits_per_byte is not None:
-        return (f"val loss {e.loss:.4f} ({e.bits_per_token:.3f} bits/token, {e.bits_per_byte:.3f} bits/byte; "
-                f"bigram baseline {e.bigram_bits_per_token:.3f} bits/token)")
-    return f"{e.headline} {e.score:.4f} ({'higher' if e.higher_is_better else 'lower'} is better), val loss {e.loss:.4f}"
 
 
 def _f(x: float | None) -> str:

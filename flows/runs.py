@@ -70,11 +70,9 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
     return uri
 
 
-def generate(root: str, uri: str, prompt: str | None, params: dict[str, Any], neighbours: int | None = None,
-             lines: list[str] | None = None) -> str:
-    """The registered model's answer: a continuation of the prompt; for word embeddings (a
-    model whose parameters take `k`) a line of neighbours per word of the prompt; for a seq2seq
-    model (parameters without max_new_tokens) a translation per line of `lines` or the prompt."""
+def generate(root: str, uri: str, prompts: list[str] | None, options: dict[str, Any]) -> str:
+    """The registered model's answers, a line each (a word's neighbours take a line of their
+    own), for `prompts` or, when None, the run's own prompts; the options its signature takes."""
     import mlflow.pyfunc
 
     tracking_uri(root)
@@ -84,17 +82,11 @@ def generate(root: str, uri: str, prompt: str | None, params: dict[str, Any], ne
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
     schema = model.metadata.get_params_schema()
     names = {p.name for p in schema.params} if schema is not None else set()
-    if "k" in names:
-        words = lines or (prompt or "").split()
-        answers = model.predict(words, params={"k": neighbours} if neighbours else None)
-        return "\n".join(f"{w}: {a}" for w, a in zip(words, answers))
-    if "method" in names and "max_new_tokens" not in names:  # a Translator
-        texts = lines or [prompt if prompt is not None else ""]
-        known = {k: v for k, v in params.items() if k in names}
-        return "\n".join(model.predict(texts, params=known or None))
-    if lines:
-        raise UserError("--prompt-file is for seq2seq models: give a language model one --prompt")
-    return model.predict(["The " if prompt is None else prompt], params=params)[0]
+    params = {k: v for k, v in options.items() if v is not None and k in names}
+    if prompts is None:
+        loaded = getattr(model.unwrap_python_model(), "loaded", None)
+        prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
+    return "\n".join(model.predict(prompts, params=params or None))
 
 
 # --- reproduce ----------------------------------------------------------------------------

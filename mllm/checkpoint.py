@@ -37,6 +37,7 @@ class Loaded:
     # Sequence to sequence: the source side's (vocab and tokenizer are the target side's).
     src_vocab: Vocab | None = None
     src_tokenizer: Tokenizer | None = None
+    url: str = ""  # where it was read from
 
 
 def save_checkpoint(url: str, state: dict[str, Any]) -> None:
@@ -104,4 +105,4 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
         ) from None
     model.to(device).eval()
     metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
-    return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics, src_vocab, src_tokenizer)
+    return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics, src_vocab, src_tokenizer, url)

@@ -9,10 +9,10 @@ the config stored in each checkpoint are this same tree, dumped with `to_dict()`
 from __future__ import annotations
 
 import typing
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
 
 from mllm import UserError
 
@@ -86,6 +86,29 @@ class PairsConfig(_Section):
     bleu_tokenize: Literal["13a", "char", "intl", "none"] = "13a"
 
 
+class SequencesConfig(_Section):
+    """Generated sequences of the numbers 0..numbers-1 (the seeds' parts IV and V), no corpus:
+    `count` predicts the next number of `length` consecutive ones at every position;
+    `remember-first` reads the same inputs and must answer the first element at every position
+    (the seed's figure); `remember-first-random` asks the same of `count` random sequences, where
+    the first element cannot be worked out from the current one and its position. The consecutive
+    tasks have only numbers - length distinct sequences: as in the seed, the model is trained and
+    scored on all of them."""
+
+    task: Literal["count", "remember-first", "remember-first-random"] = "count"
+    length: int = Field(10, ge=2, le=4096)
+    numbers: int = Field(128, ge=4, le=1_000_000)
+    count: int = Field(2000, ge=2, description="remember-first-random: how many sequences to draw")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _room(self) -> "SequencesConfig":
+        if self.task != "remember-first-random" and self.length >= self.numbers:
+            raise ValueError(f"length {self.length} leaves no sequence of consecutive numbers below {self.numbers}: "
+                             "lower length or raise numbers")
+        return self
+
+
 class DataConfig(_Section):
     source: str = ""
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
@@ -93,17 +116,11 @@ class DataConfig(_Section):
     vocab: VocabConfig = VocabConfig()
     split: SplitConfig = SplitConfig()
     pairs: PairsConfig | None = None  # the seq2seq family: parallel text instead of a corpus
-
-
-# A language model's headline metric, the one that decides the champion: validation bits per
-# byte, which compares across tokenizers (lower is better).
-LM_HEADLINE = ("bits_per_byte", False)
+    sequences: SequencesConfig | None = None  # the sequence experiments: data made from this section
 
 
 class RecurrentConfig(_Section):
     """A recurrent language model: embedding, stacked LSTM/GRU/RNN layers, a linear head."""
-
-    HEADLINE: ClassVar[tuple[str, bool]] = LM_HEADLINE
 
     arch: Literal["lstm", "gru", "rnn"] = "lstm"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
@@ -123,8 +140,6 @@ class RecurrentConfig(_Section):
 
 class GPTConfig(_Section):
     """A decoder-only transformer (nanoGPT's): learned positions, pre-LayerNorm blocks."""
-
-    HEADLINE: ClassVar[tuple[str, bool]] = LM_HEADLINE
 
     arch: Literal["gpt"] = "gpt"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
@@ -146,8 +161,6 @@ class GPTConfig(_Section):
 class CbowConfig(_Section):
     """The `model:` section of a CBOW recipe."""
 
-    HEADLINE: ClassVar[tuple[str, bool]] = ("wordsim353_spearman", True)  # higher is better
-
     arch: Literal["cbow"] = "cbow"
     vocab_size: int = Field(0, ge=0, description="0: the vocabulary's size, set when the model is built")
     n_embd: int = Field(300, ge=1)
@@ -163,8 +176,6 @@ class CbowConfig(_Section):
 
 class Seq2SeqConfig(_Section):
     """An encoder-decoder with attention (mllm.seq2seq): Bahdanau's RNN or a transformer."""
-
-    HEADLINE: ClassVar[tuple[str, bool]] = ("chrf", True)  # chrF on the held-out pairs, higher is better
 
     arch: Literal["seq2seq-rnn", "seq2seq-transformer"] = "seq2seq-transformer"
     # 0: taken from the vocabularies when training starts.
@@ -192,30 +203,60 @@ class Seq2SeqConfig(_Section):
         return self
 
 
-# The model families, told apart by `arch`: a family's section holds its own fields only, so a
-# field of another family is refused and the training key digests only what the model uses.
-FAMILIES: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig,
-                                        "sequence-to-sequence": Seq2SeqConfig}
-ModelConfig = Annotated[Union[RecurrentConfig, GPTConfig, CbowConfig, Seq2SeqConfig], Field(discriminator="arch")]
+class SequenceModelConfig(_Section):
+    """A sequence experiment's network (the seeds' parts IV and V): one-hot inputs of the numbers,
+    one recurrent layer of 32, a linear read-out at every position. `family: sequences` tells it
+    from a recurrent language model of the same arch."""
+
+    family: Literal["sequences"] = "sequences"
+    arch: Literal["rnn", "lstm", "gru"] = "lstm"
+    from_scratch: bool = False  # the RNN and LSTM cells written out in mllm/lm/rnn.py
+    hidden_size: int = Field(32, ge=1)
+    n_layer: int = Field(1, ge=1)
+    vocab_size: int = Field(0, ge=0)  # 0: the vocabulary's size (the numbers and <unk>)
+
+    @model_validator(mode="after")
+    def _cells(self) -> "SequenceModelConfig":
+        if self.from_scratch and self.arch == "gru":
+            raise ValueError("from_scratch cells exist for lstm and rnn, not gru")
+        return self
+
+
+# The model sections, told apart by `arch` (and `family` where two share an arch name): a
+# section holds its own fields only, so a field of another section is refused and the training
+# key digests only what the model uses. mllm.family maps each section to its family.
+SECTIONS: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig,
+                                       "sequence-to-sequence": Seq2SeqConfig, "sequences": SequenceModelConfig}
+
+
+def _section_tag(value: Any) -> str | None:
+    get = value.get if isinstance(value, dict) else lambda k, d=None: getattr(value, k, d)
+    if get("family") is not None:
+        return str(get("family"))
+    arch = get("arch", "lstm")
+    return next((tag for tag, section in SECTIONS.items() if tag != "sequences"
+                 and arch in typing.get_args(section.model_fields["arch"].annotation)), str(arch))
+
+
+ModelConfig = Annotated[Union[tuple(Annotated[section, Tag(tag)] for tag, section in SECTIONS.items())],
+                        Discriminator(_section_tag)]
 
 
 _MODEL = TypeAdapter(ModelConfig)
 
 
-def model_config(**fields: Any) -> RecurrentConfig | GPTConfig | CbowConfig | Seq2SeqConfig:
-    """The section of the family that `arch` names (default lstm), built from its fields."""
+def model_config(**fields: Any) -> Any:
+    """The model section that `arch` (default lstm) and `family` name, built from its fields."""
     return _MODEL.validate_python({"arch": "lstm", **fields})
 
 
-def family_of(arch: str) -> tuple[str, type[_Section]] | None:
-    for name, section in FAMILIES.items():
-        if arch in typing.get_args(section.model_fields["arch"].annotation):
-            return name, section
-    return None
+def section_of(tag: str) -> type[_Section] | None:
+    return SECTIONS.get(tag)
 
 
 def archs() -> list[str]:
-    return [a for section in FAMILIES.values() for a in typing.get_args(section.model_fields["arch"].annotation)]
+    return list(dict.fromkeys(a for section in SECTIONS.values()
+                              for a in typing.get_args(section.model_fields["arch"].annotation)))
 
 
 class TrainConfig(_Section):
@@ -306,41 +347,17 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _family(self) -> "RunConfig":
-        if isinstance(self.model, CbowConfig):
-            if self.data.tokenizer.kind != "basic_english":
-                raise ValueError("model.arch cbow learns from paragraphs: set data.tokenizer.kind=basic_english")
-            if self.train.sampling != "epoch":
-                raise ValueError("model.arch cbow draws every centre word once an epoch: set train.sampling=epoch")
-        seq2seq = isinstance(self.model, Seq2SeqConfig)
-        if seq2seq and self.data.pairs is None:
-            raise ValueError(f"model.arch {self.model.arch} learns from pairs: add a data.pairs section "
-                             "(see recipe seq2seq-smoke)")
-        if not seq2seq and self.data.pairs is not None:
-            raise ValueError(f"data.pairs is parallel text for the seq2seq archs, not for {self.model.arch}: "
-                             "remove it")
-        if seq2seq:
-            if not self.data.source and self.data.pairs.numbers is None:
-                raise ValueError("no parallel text: set data.source to a TSV file of pairs, or "
-                                 "data.pairs.numbers for the numbers corpus")
-            if self.data.source and self.data.pairs.numbers is not None:
-                raise ValueError("data.source and data.pairs.numbers are both set: give one (a TSV file of "
-                                 "pairs, or the numbers corpus)")
-            if bad := [m for m in self.sample.methods if m not in ("greedy", "beam", "temperature")]:
-                raise ValueError(f"sample.methods {', '.join(bad)}: a seq2seq model translates with greedy, "
-                                 "beam or temperature")
-            for side, tok in (("data.tokenizer", self.data.tokenizer), ("data.pairs.target_tokenizer",
-                                                                          self.data.pairs.target_tokenizer)):
-                if tok.kind == "basic_english":
-                    raise ValueError(f"{side}.kind basic_english is for CBOW paragraphs: use char, word or bpe")
-        return self
+        from mllm.family import family_of  # the families import this module
 
-    @model_validator(mode="after")
-    def _window(self) -> "RunConfig":
-        if isinstance(self.model, GPTConfig) and self.train.window > self.model.block_size:
-            raise ValueError(
-                f"train.window ({self.train.window}) exceeds model.block_size "
-                f"({self.model.block_size}): GPT has no position embedding beyond it"
-            )
+        family = family_of(self.model)
+        for section, kind in (("pairs", "pairs"), ("sequences", "generated")):
+            if getattr(self.data, section) is not None and family.data != kind:
+                raise ValueError(f"data.{section} is data for another family than the {family.name} "
+                                 f"(model.arch {self.model.arch}): remove it")
+        if family.data == "generated" and self.data.sequences is None:
+            raise ValueError(f"the {family.name} family makes its data: add a data.sequences section "
+                             "(see recipe count-rnn)")
+        family.check(self)
         return self
 
     def to_dict(self, paths: bool = False) -> dict[str, Any]:
@@ -360,15 +377,17 @@ def validate(data: dict[str, Any], where: str) -> RunConfig:
     except ValidationError as e:
         first = e.errors()[0]
         loc = list(first["loc"])
-        arch = None
-        if loc[:1] == ["model"] and len(loc) > 2 and family_of(str(loc[1])):
-            arch = str(loc.pop(1))  # pydantic names the union member by its tag: not a field
+        tag = None
+        if loc[:1] == ["model"] and len(loc) > 2 and section_of(str(loc[1])):
+            tag = str(loc.pop(1))  # pydantic names the union member by its tag: not a field
+        model = data.get("model") if isinstance(data, dict) else None
+        arch = model.get("arch", "lstm") if isinstance(model, dict) else "lstm"
         field = ".".join(str(p) for p in loc) or "config"
         msg = first["msg"]
-        if first["type"] == "extra_forbidden" and arch:
-            family, section = family_of(arch)
-            others = [name for name, s in FAMILIES.items() if loc[-1] in s.model_fields]
-            fields = ", ".join(f for f in section.model_fields if f != "arch")
+        if first["type"] == "extra_forbidden" and tag:
+            family, section = tag, section_of(tag)
+            others = [name for name, s in SECTIONS.items() if loc[-1] in s.model_fields]
+            fields = ", ".join(f for f in section.model_fields if f not in ("arch", "family"))
             kinds = f"{' and '.join(others)} famil{'ies' if len(others) > 1 else 'y'}"
             msg = (f"a field of the {kinds}, not of arch {arch}" if others
                    else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"

@@ -1,12 +1,5 @@
-"""Training data: token ids on disk, and the windows a model learns from.
-
-Two ways to draw batches, both resumable exactly from a checkpoint:
-- `RandomWindows` (nanoGPT's get_batch): each batch picks random window starts with a
-  torch.Generator whose state goes into the checkpoint.
-- `EpochWindows` (the reference LSTM recipe): every window start at `stride`, shuffled once per
-  epoch; the position (epoch, batch) goes into the checkpoint.
-Targets are the inputs shifted by one token. Under DDP each rank takes its share of every batch.
-"""
+"""Training data every family shares: token ids on disk, and the shuffled epoch order that each
+family's batcher builds on (resumable exactly from a checkpoint; dealt out across DDP ranks)."""
 
 from __future__ import annotations
 
@@ -36,56 +29,29 @@ def load_ids(url: str) -> np.ndarray:
     return ids
 
 
-def windows(ids: np.ndarray, starts: np.ndarray, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs ids[s:s+window] and targets ids[s+1:s+window+1] for each start, as int64."""
-    rows = np.asarray(ids[np.asarray(starts)[:, None] + np.arange(window + 1)], dtype=np.int64)
-    rows = torch.from_numpy(rows)
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+def check_offsets(offsets: np.ndarray, n_tokens: int, source: str = "paragraph offsets") -> np.ndarray:
+    offsets = np.asarray(offsets)
+    if (offsets.ndim != 1 or len(offsets) < 1 or not np.issubdtype(offsets.dtype, np.integer)
+            or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0)):
+        raise UserError(f"{source} do not describe paragraphs of {n_tokens} tokens (need 0 first, "
+                        f"{n_tokens} last, never decreasing): re-run the split stage")
+    return offsets.astype(np.int64, copy=False)
 
 
-def _check_length(ids: np.ndarray, window: int, what: str) -> None:
-    if len(ids) <= window:
-        raise UserError(
-            f"the {what} split has {len(ids)} tokens, too few for one window of {window}: "
-            "lower train.window or use more text"
-        )
+def save_array(url: str, array: np.ndarray) -> None:
+    """One .npy file (ids or offsets), written atomically to any storage URL."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+    storage.write_bytes(url, buf.getvalue())
 
 
-class RandomWindows:
-    """nanoGPT's get_batch: every batch draws `batch_size` random window starts."""
-
-    def __init__(self, ids: np.ndarray, window: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
-        _check_length(ids, window, "train")
-        self.ids, self.window, self.batch_size = ids, window, batch_size
-        self.rank, self.world_size = rank, world_size
-        self.generator = torch.Generator().manual_seed(seed)
-        self.batches = 0
-        self.batches_per_epoch = None
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every rank draws the global batch from the same generator and keeps its slice: rank 0's
-        # generator state, the one checkpointed, then resumes every rank.
-        n = self.batch_size * self.world_size
-        starts = torch.randint(len(self.ids) - self.window, (n,), generator=self.generator)
-        mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-        self.batches += 1
-        return windows(self.ids, mine.numpy(), self.window)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches}
-
-    def rng_state(self) -> torch.Tensor:
-        return self.generator.get_state()
-
-    def load_state_dict(self, state: dict[str, int], rng_state: torch.Tensor | None) -> None:
-        self.batches = int(state.get("batches", 0))
-        if rng_state is not None:
-            self.generator.set_state(rng_state)
-
-    @property
-    def epoch(self) -> float | None:
-        return None
+def load_offsets(url: str, n_tokens: int) -> np.ndarray:
+    storage.require(url, "paragraph offsets")
+    try:
+        offsets = np.load(io.BytesIO(storage.read_bytes(url)), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise UserError(f"{url} is not a .npy array of paragraph offsets ({e}): re-run the split stage") from None
+    return check_offsets(offsets, n_tokens, url)
 
 
 class EpochOrder:
@@ -132,26 +98,3 @@ class EpochOrder:
     def epoch(self) -> float:
         """Epochs done so far, with the fraction of the current one."""
         return self.position[0] + self.position[1] / self.batches_per_epoch
-
-
-class EpochWindows(EpochOrder):
-    """Shuffled passes over every window start at `stride` (all of them with stride 1)."""
-
-    def __init__(self, ids: np.ndarray, window: int, batch_size: int, stride: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
-        _check_length(ids, window, "train")
-        self.ids, self.window, self.stride = ids, window, stride
-        self.num_windows = (len(ids) - window - 1) // stride + 1
-        super().__init__(self.num_windows, batch_size, seed, rank, world_size)
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return windows(self.ids, self.take() * self.stride, self.window)
-
-
-def eval_starts(ids: np.ndarray, window: int, count: int, seed: int) -> np.ndarray:
-    """The fixed validation windows scored at every eval, so that evals compare like with like."""
-    _check_length(ids, window, "validation")
-    possible = len(ids) - window
-    if count >= possible:
-        return np.arange(possible)
-    return np.sort(np.random.default_rng(seed).choice(possible, size=count, replace=False))

@@ -1,9 +1,9 @@
-"""What a training job reads: the files its config's `paths` section names, checked and loaded.
+"""What a training job reads when its data is token ids: the files its config's `paths` section
+names (ids of each split, paragraph offsets where the split stage wrote them, one vocabulary and
+its tokenizer), checked and loaded. A family whose data is of another shape loads its own.
 
-A language model or CBOW run reads token ids (and CBOW's paragraph offsets), one vocabulary and
-its tokenizer; a seq2seq run reads the pairs' Parquet splits and both sides' vocabularies and
-tokenizers. Each mistake (a missing file, ids made with another vocabulary, a model narrower
-than its vocabulary) is one UserError that says how to fix it.
+Each mistake (a missing file, ids made with another vocabulary, a model narrower than its
+vocabulary) is one UserError that says how to fix it.
 """
 
 from __future__ import annotations
@@ -11,25 +11,28 @@ from __future__ import annotations
 import numpy as np
 
 from mllm import UserError, storage
-from mllm.cbow import load_offsets
-from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig
-from mllm.data import load_ids
-from mllm.pairs import check_vocab as check_pair_vocab
-from mllm.pairs import load_split
+from mllm.config import RunConfig
+from mllm.data import load_ids, load_offsets
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.vocab import Vocab
 
-Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and paragraph offsets (CBOW)
+Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and where each paragraph starts in them
 
 
-def load_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
+def load_inputs(cfg: RunConfig) -> tuple:
     """The config with its vocabulary sizes set, the vocabulary and tokenizer, the train and
-    validation data, and what else a checkpoint must carry to be used alone."""
-    p = cfg.paths
-    if p is None:
+    validation data, and what else a checkpoint must carry to be used alone: as the family of
+    the config's model reads them."""
+    from mllm.family import family_of
+
+    if cfg.paths is None:
         raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
-    if isinstance(cfg.model, Seq2SeqConfig):
-        return _pair_inputs(cfg)
+    return family_of(cfg).load_inputs(cfg)
+
+
+def load_token_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
+    """Token ids of the train and validation splits, their offsets when given, one vocabulary."""
+    p = cfg.paths
     storage.require(p.train_ids, "train ids (paths.train_ids)")
     storage.require(p.val_ids, "validation ids (paths.val_ids)")
     storage.require(p.vocab, "vocabulary (paths.vocab)")
@@ -53,45 +56,5 @@ def load_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Spl
         if top >= vocab_size:
             raise UserError(f"{what} ids at {url} hold id {top} but the vocabulary has {len(vocab)} tokens: "
                             "they were made with another vocabulary; re-run the split stage")
-        if isinstance(cfg.model, CbowConfig) and offsets is None:
-            raise UserError(f"a CBOW run needs paths.{'train' if what == 'train' else 'val'}_offsets: the "
-                            "paragraph offsets the split stage wrote beside the ids")
         splits[what] = (ids, load_offsets(offsets, len(ids)) if offsets else None)
     return cfg, vocab, tokenizer, splits["train"], splits["validation"], {}
-
-
-def _side(vocab_url: str | None, tokenizer_url: str | None, side: str) -> tuple[Vocab, Tokenizer]:
-    prefix = "src_" if side == "source" else ""
-    if not vocab_url or not tokenizer_url:
-        raise UserError(f"a seq2seq run needs paths.{prefix}vocab and paths.{prefix}tokenizer: the {side} side's "
-                        "files that mllm.pairs.prepare_pairs wrote")
-    storage.require(vocab_url, f"{side} vocabulary (paths.{prefix}vocab)")
-    storage.require(tokenizer_url, f"{side} tokenizer (paths.{prefix}tokenizer)")
-    vocab = check_pair_vocab(Vocab.load(vocab_url), side)
-    return vocab, tokenizer_from_json(storage.read_text(tokenizer_url), tokenizer_url)
-
-
-def _pair_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
-    """A seq2seq run's inputs: the pairs' Parquet splits and both sides' vocabularies."""
-    p, m = cfg.paths, cfg.model
-    vocab, tokenizer = _side(p.vocab, p.tokenizer, "target")
-    src_vocab, src_tokenizer = _side(p.src_vocab, p.src_tokenizer, "source")
-    sizes = {"src_vocab_size": m.src_vocab_size or len(src_vocab), "tgt_vocab_size": m.tgt_vocab_size or len(vocab)}
-    for field, have in (("src_vocab_size", len(src_vocab)), ("tgt_vocab_size", len(vocab))):
-        if sizes[field] < have:
-            raise UserError(f"model.{field} {sizes[field]} is below the vocabulary's {have}: set it to 0 "
-                            "(taken from the vocabulary)")
-    cfg = cfg.model_copy(update={"model": m.model_copy(update=sizes)})
-    splits = {}
-    for what, url in (("train", p.train_ids), ("validation", p.val_ids)):
-        split = load_split(url)
-        for side, ids, size in (("source", split.src_ids, sizes["src_vocab_size"]),
-                                ("target", split.tgt_ids, sizes["tgt_vocab_size"])):
-            if len(ids) and int(ids.max()) >= size:
-                raise UserError(f"{what} pairs at {url} hold {side} id {int(ids.max())} but the {side} vocabulary "
-                                f"has {size} tokens: they were made with another vocabulary; prepare the pairs again")
-        splits[what] = (split, None)
-    if len(splits["validation"][0]) == 0:
-        raise UserError(f"the validation pairs at {p.val_ids} are empty: give more pairs or raise data.split.val_fraction")
-    return cfg, vocab, tokenizer, splits["train"], splits["validation"], {
-        "src_vocab": src_vocab.to_json(), "src_tokenizer": src_tokenizer.to_json()}

@@ -1,10 +1,8 @@
-"""One entry point from a model config to a model: every model shares the same forward contract.
+"""One entry point from a model config to a model, and the device it runs on.
 
-forward(*batch) -> (output, loss | None, state), the batch's last tensor being the target. The
-language models take (idx [B, T], targets [B, T] | None, state) and return logits [B, T, V] and
-state, a recurrent model's hidden state or a GPT's KV cache (None: zeros / no cache); CBOW takes
-(context, mask, negatives, centre) and returns no state; an encoder-decoder (mllm.seq2seq) takes
-(src, tgt_in, tgt_out) and returns no state.
+Every family's model shares one forward contract: forward(*batch) -> (output, loss | None,
+state), the batch's last tensor being the target (padding -1). What the batch holds and what the
+state is belong to the family (mllm.family).
 """
 
 from __future__ import annotations
@@ -13,21 +11,13 @@ import torch
 import torch.nn as nn
 
 from mllm import UserError
-from mllm.cbow import CBOW
-from mllm.config import ModelConfig, Seq2SeqConfig
-from mllm.gpt import GPT
-from mllm.rnn import RecurrentLM
-from mllm.seq2seq import build_seq2seq
+from mllm.config import ModelConfig
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    if isinstance(cfg, Seq2SeqConfig):
-        return build_seq2seq(cfg)
-    if cfg.vocab_size <= 0:
-        raise UserError("model.vocab_size is 0: set it to the vocabulary's size before building the model")
-    if cfg.arch == "cbow":
-        return CBOW(cfg)
-    return GPT(cfg) if cfg.arch == "gpt" else RecurrentLM(cfg)
+    from mllm.family import family_of  # the families build their models with what this module offers
+
+    return family_of(cfg).build_model(cfg)
 
 
 def resolve_device(name: str) -> torch.device:

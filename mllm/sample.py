@@ -1,252 +1,55 @@
-"""Text from a trained model: greedy, temperature, top-k, top-p (nucleus) and beam search.
+"""Samples from a checkpoint of any family: `python -m mllm.sample`, and `answer`, the one entry
+point that the CLI, `mllm-pipeline runs` and the served model call too.
 
-    python -m mllm.sample --checkpoint runs/x/best.pt --prompt "The " --method top-p --seed 1
+    python -m mllm.sample --checkpoint runs/<key>/checkpoints/best.pt --prompt "The " --method top-p
 
-A recurrent model carries its hidden state token by token and a GPT its KV cache, so each new
-token costs one step; `use_cache=False` recomputes the whole context every step instead (the
-reference the cached paths are tested and benchmarked against).
-
-Past block_size a GPT keeps going: without the cache it sees the last block_size tokens; with the
-cache, which cannot slide under learned absolute positions, it refills a fresh cache from the last
-block_size // 2 tokens whenever the cache is full, so its context is between half and all of a
-block and the refill is paid once per block_size // 2 tokens.
+What a sample is belongs to the family (mllm.family): a language model continues the prompt, word
+embeddings list each word's nearest neighbours, a seq2seq model translates it, a sequence model
+predicts its next element. Options left out take the run's own `sample` section, so a command
+repeats the run's own samples unless told otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
-
-import torch
-import torch.nn.functional as F
+from typing import Any
 
 from mllm import UserError
 from mllm.config import METHODS
 
-if TYPE_CHECKING:
-    from mllm.checkpoint import Loaded
-
-# Below this temperature softmax(logits / T) is one-hot up to float rounding: take the argmax
-# rather than divide by (nearly) zero.
-MIN_TEMPERATURE = 1e-5
+OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed", "neighbours",
+           "use_cache")
 
 
-def filter_top_k(logits, k: int):
-    """Logits [B, V] with all but the k largest of each row set to -inf (exactly k kept, ties or not)."""
-    values, indices = torch.topk(logits, min(k, logits.size(-1)), dim=-1)
-    return torch.full_like(logits, float("-inf")).scatter(-1, indices, values)
+def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> list[str]:
+    """One answer per prompt (None: the run's own prompts) from a loaded checkpoint."""
+    from mllm.family import family_of
 
-
-def filter_top_p(logits, p: float):
-    """Logits [B, V] keeping, per row, the smallest set of most likely tokens whose mass reaches p."""
-    sorted_logits, indices = torch.sort(logits, dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already reach p; the first has 0 above it, so
-    # at least one token always survives.
-    above = probs.cumsum(dim=-1) - probs
-    sorted_logits = sorted_logits.masked_fill(above >= p, float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, indices, sorted_logits)
-
-
-def next_token(logits, method: str, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, generator: torch.Generator | None = None):
-    """Pick the next token [B, 1] from the last position's logits [B, V]."""
-    if method == "greedy" or temperature < MIN_TEMPERATURE:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
-    if method == "top-k":
-        logits = filter_top_k(logits, top_k)
-    elif method == "top-p":
-        logits = filter_top_p(logits, top_p)
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-
-
-class _Context:
-    """Feeds a growing sequence [B, t] to the model and returns the next token's logits [B, V]."""
-
-    def __init__(self, model, use_cache: bool):
-        self.model, self.use_cache = model, use_cache
-        self.block = model.config.block_size if model.config.arch == "gpt" else None
-        self.state = None
-
-    def __call__(self, seq, new: int):
-        """`new`: how many of seq's last tokens the model has not seen yet."""
-        if not self.use_cache:
-            logits, _, _ = self.model(seq if self.block is None else seq[:, -self.block:])
-            return logits[:, -1]
-        if self.block is not None and (self.state is None or self.state.length + new > self.block):
-            self.state = self.model.new_state(seq.size(0), seq.device)
-            new = min(seq.size(1), self.block, max(new, self.block // 2))
-        logits, _, self.state = self.model(seq[:, -new:], state=self.state)
-        return logits[:, -1]
-
-    def reorder(self, index):
-        """Row i of the state becomes the old row index[i] (beam search)."""
-        s = self.state
-        if s is None:
-            return
-        if hasattr(s, "reorder"):
-            s.reorder(index)
-        elif isinstance(s, tuple):
-            self.state = tuple(t[:, index] for t in s)  # (h, c) of an LSTM: [layers, B, H]
-        else:
-            self.state = s[:, index]
-
-
-def _beam_search(ctx: _Context, seq, max_new_tokens: int, width: int, eos_id: int | None) -> list[int]:
-    """Best continuation by the plain sum of token log-probs.
-
-    Without eos every hypothesis has the same length, so length normalisation would change
-    nothing; with eos, plain sums let the search stop exactly: a log-prob only falls as a
-    hypothesis grows, so once a finished one beats every live beam nothing can overtake it.
-    """
-    start = seq.size(1)
-    scores = torch.zeros(1, device=seq.device)
-    finished: list[tuple[float, list[int]]] = []
-    new = start
-    for _ in range(max_new_tokens):
-        logp = F.log_softmax(ctx(seq, new).float(), dim=-1)
-        V = logp.size(-1)
-        # With eos, twice the width: hypotheses that end leave the beam and must not empty it.
-        n = min((2 if eos_id is not None else 1) * width, logp.numel())
-        top, flat = (scores[:, None] + logp).view(-1).topk(n)
-        parent, token = flat // V, flat % V
-        if eos_id is not None:
-            ended = token == eos_id
-            finished += [(top[i].item(), seq[parent[i], start:].tolist()) for i in ended.nonzero()[:, 0]]
-            alive = (~ended).nonzero()[:, 0][:width]
-            if len(alive) == 0:
-                break
-            top, parent, token = top[alive], parent[alive], token[alive]
-        scores = top
-        seq = torch.cat([seq[parent], token[:, None]], dim=1)
-        ctx.reorder(parent)
-        new = 1
-        if finished and max(f[0] for f in finished) >= scores[0].item():
-            break
-    best = (scores[0].item(), seq[0, start:].tolist()) if seq.size(1) > start else (float("-inf"), [])
-    return max([best, *finished], key=lambda f: f[0])[1]
-
-
-@torch.inference_mode()  # no_grad still counts tensor versions: per-op overhead that decoding feels
-def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "greedy",
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             beam_width: int = 4, seed: int | None = None, use_cache: bool = True,
-             eos_id: int | None = None) -> list[int]:
-    """The new token ids after `prompt_ids` (stopping before `eos_id` if the model produces it).
-
-    temperature applies to every sampling method (temperature, top-k, top-p); top-k and top-p
-    filter after it. `seed` seeds a generator of its own, so the same seed gives the same tokens
-    whatever else uses the global RNG.
-    """
-    V = model.config.vocab_size
-    if method not in METHODS:
-        raise UserError(f"unknown sampling method {method!r}: choose one of {', '.join(METHODS)}")
-    if not prompt_ids:
-        raise UserError("the prompt is empty: give at least one token to continue from")
-    if bad := [i for i in prompt_ids if not 0 <= i < V]:
-        raise UserError(f"prompt ids {bad[:5]} lie outside the vocabulary (size {V}): encode with the model's vocab")
-    if max_new_tokens < 0:
-        raise UserError(f"max_new_tokens is {max_new_tokens}: give 0 or more")
-    if temperature < 0:
-        raise UserError(f"temperature is {temperature}: give a value >= 0 (0 picks the most likely token)")
-    if method == "top-k" and (top_k is None or top_k < 1):
-        raise UserError(f"top-k sampling needs top_k >= 1 (got {top_k}): e.g. top_k=40")
-    if method == "top-p" and (top_p is None or not 0 < top_p <= 1):
-        raise UserError(f"top-p sampling needs 0 < top_p <= 1 (got {top_p}): e.g. top_p=0.9")
-    if method == "beam" and beam_width < 1:
-        raise UserError(f"beam_width is {beam_width}: give 1 or more")
-    device = next(model.parameters()).device
-    seq = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    ctx = _Context(model, use_cache)
-    was_training = model.training
-    model.eval()  # dropout off, or the same seed would not give the same text
-    threads = torch.get_num_threads()
-    # A cached step on the CPU is a few hundred ops on one token each, too small to share out:
-    # every op that forks and joins the thread pool waits for its slowest thread, and on a shared
-    # machine that one is often descheduled. Measured (benchmarks/vs_nanogpt.py), two threads were
-    # at best even with one and under load many times slower, so the cached path takes one.
-    one_thread = use_cache and device.type == "cpu" and threads > 1
-    if one_thread:
-        torch.set_num_threads(1)
-    try:
-        if method == "beam":
-            return _beam_search(ctx, seq, max_new_tokens, beam_width, eos_id) if max_new_tokens else []
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        out, new = [], seq.size(1)
-        for _ in range(max_new_tokens):
-            token = next_token(ctx(seq, new), method, temperature, top_k, top_p, generator)
-            token_id = token.item()
-            if token_id == eos_id:
-                break
-            seq, new = torch.cat([seq, token], dim=1), 1
-            out.append(token_id)
-        return out
-    finally:
-        model.train(was_training)
-        if one_thread:
-            torch.set_num_threads(threads)
-
-
-def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
-    """The prompt and its continuation as text; keyword arguments go to `generate`."""
-    tokens = loaded.tokenizer.split(prompt)
-    missing = loaded.vocab.missing(tokens)
-    if missing:
-        what = {"char": "characters", "word": "words"}.get(loaded.config.data.tokenizer.kind, "tokens")
-        shown = " ".join(repr(t) for t in missing[:20]) + (" ..." if len(missing) > 20 else "")
-        raise UserError(f"the prompt has {what} the vocabulary lacks: {shown}; leave them out of the prompt")
-    ids = loaded.vocab.encode(tokens)
-    stoi = loaded.vocab.stoi
-    if not ids and "<bos>" in stoi:
-        ids = [stoi["<bos>"]]  # an empty prompt starts where every training document did
-    kw.setdefault("max_new_tokens", loaded.config.sample.max_new_tokens)
-    kw.setdefault("eos_id", stoi.get("<eos>"))
-    new = generate(loaded.model, ids, method=method, **kw)
-    return loaded.tokenizer.detokenize(tokens + loaded.vocab.decode(new))
-
-
-OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
-
-
-def with_defaults(loaded: "Loaded", **given) -> dict:
-    """Sampling options: those given (None: not given), else the checkpoint's own `sample`
-    section, so that a command repeats the run's own samples unless told otherwise."""
-    s = loaded.config.sample
-    return {**{k: getattr(s, k) for k in OPTIONS}, **{k: v for k, v in given.items() if v is not None}}
-
-
-def fit_prompt(loaded: "Loaded", prompt: str) -> tuple[str, list[str]]:
-    """A recipe's own prompt with the tokens the vocabulary lacks left out, and those tokens:
-    a corpus without a "P" still gets samples from a recipe that prompts "Prince Andrew "."""
-    tokens = loaded.tokenizer.split(prompt)
-    missing = loaded.vocab.missing(tokens)
-    if not missing:
-        return prompt, []
-    kept = [t for t in tokens if t not in set(missing)]
-    return loaded.tokenizer.detokenize(kept), missing
-
-
-def samples_text(prompts: list[str], texts: list[str]) -> str:
-    """One sampling method's samples as a file: each prompt, then its text."""
-    return "\n\n".join(f"--- prompt {p!r}\n{t}" for p, t in zip(prompts, texts)) + "\n"
+    family = family_of(loaded)
+    if unknown := sorted(set(options) - set(OPTIONS)):
+        raise UserError(f"unknown sample option {', '.join(unknown)}: the options are {', '.join(OPTIONS)}")
+    method = options.get("method")
+    if method is not None and family.methods and method not in family.methods:
+        raise UserError(f"a {family.name} model samples with {', '.join(family.methods)}, not {method!r}")
+    return family.sample(loaded, prompts, {k: v for k, v in options.items() if v is not None})
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mllm.sample",
-                                description="Continue a prompt with a trained checkpoint (a seq2seq "
-                                            "checkpoint translates it: greedy, beam or temperature).")
+                                description="Sample from a trained checkpoint of any family: continue a prompt, "
+                                            "list a word's neighbours, translate, or predict the next element.")
     p.add_argument("--checkpoint", required=True, help="URL or path of a checkpoint (best.pt / last.pt)")
-    p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--method", choices=METHODS, default="greedy")
-    # Unset options take the run's own `sample` section, so a command repeats the run's samples.
+    p.add_argument("--prompt", action="append",
+                   help="text to continue, words, a sentence or numbers (repeatable; default: the run's own prompts)")
+    p.add_argument("--method", choices=METHODS, help="default: the run's first sample method")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--beam-width", type=int)
     p.add_argument("--seed", type=int)
+    p.add_argument("--neighbours", type=int, help="word embeddings: neighbours per word")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     args = p.parse_args(argv)
@@ -254,18 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         from mllm.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(args.checkpoint, device=args.device)
-        if loaded.src_vocab is not None:  # an encoder-decoder: the prompt is a sentence to translate
-            from mllm.translate import translate_texts
-
-            print(translate_texts(loaded, [args.prompt], args.method, beam_width=args.beam_width,
-                                  temperature=args.temperature, seed=args.seed)[0])
-            return 0
-        options = with_defaults(loaded, **{k: getattr(args, k) for k in OPTIONS})
-        text = sample_text(loaded, args.prompt, args.method, use_cache=not args.no_cache, **options)
+        options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}
+        out = answer(loaded, args.prompt, use_cache=not args.no_cache, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(text)
+        return 2
+    print("\n".join(out))
     return 0
 
 

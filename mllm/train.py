@@ -19,19 +19,16 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as tdist
 
 from mllm import UserError, storage
-from mllm.cbow import CbowBatches
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
-from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainConfig, validate
-from mllm.data import EpochWindows, RandomWindows, eval_starts, windows
+from mllm.config import RunConfig, TrainConfig, validate
 from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
+from mllm.family import family_of
 from mllm.inputs import load_inputs
 from mllm.models import build_model, resolve_device
-from mllm.pairs import PairBatches, eval_batches
 from mllm.resolve import apply_overrides, load_file
 
 Records = list[dict]
@@ -69,11 +66,17 @@ def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]
     return factor
 
 
+def optim_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (weights, embeddings) only; biases and norm gains stay free
+    (nanoGPT). A model with other needs says so with an `optim_groups` method of its own."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    if hasattr(model, "optim_groups"):
-        groups = model.optim_groups(t.weight_decay)
-    else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": t.weight_decay}]
+    own = getattr(model, "optim_groups", None)
+    groups = own(t.weight_decay) if own else optim_groups(model, t.weight_decay)
     kind = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
     # Fused on CPU too: torch's default there is a Python loop over the parameters, a tenth of a
     # small GPT's step. The fused kernel computes the same update in another order, so weights
@@ -86,31 +89,6 @@ def _autocast(t: TrainConfig, device: torch.device):
     if bf16:
         return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
-
-
-def _batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None, d: Dist):
-    """The family's training batches: windows of text for a language model, paragraph-bound
-    contexts for CBOW. Each is resumable exactly (state_dict, rng_state)."""
-    t = cfg.train
-    if isinstance(cfg.model, CbowConfig):
-        return CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed, d.rank, d.world_size)
-    if isinstance(cfg.model, Seq2SeqConfig):  # `ids` is the training PairSplit
-        return PairBatches(ids, t.batch_size, t.seed, d.rank, d.world_size)
-    if t.sampling == "epoch":
-        return EpochWindows(ids, t.window, t.batch_size, t.stride, t.seed, d.rank, d.world_size)
-    return RandomWindows(ids, t.window, t.batch_size, t.seed, d.rank, d.world_size)
-
-
-def _val_batches(cfg: RunConfig, ids: np.ndarray, offsets: np.ndarray | None) -> list[tuple]:
-    """The fixed validation batches scored at every eval, so that evals compare like with like."""
-    t = cfg.train
-    if isinstance(cfg.model, CbowConfig):
-        batches = CbowBatches.from_config(cfg.model, ids, offsets, t.batch_size, t.seed)
-        return batches.eval_batches(t.eval_batches * t.batch_size, seed=t.seed)
-    if isinstance(cfg.model, Seq2SeqConfig):  # the first pairs of the validation split
-        return list(eval_batches(ids, t.batch_size, t.eval_batches * t.batch_size))
-    starts = eval_starts(ids, t.window, t.eval_batches * t.batch_size, t.seed)
-    return [windows(ids, starts[i:i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
 
 
 def _samples(batch: tuple) -> int:
@@ -165,8 +143,9 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
     torch.manual_seed(t.seed + d.rank)
-    batches = _batches(cfg, *train, d)
-    val_batches = _val_batches(cfg, *val)
+    family = family_of(cfg)
+    batches = family.train_batches(cfg, train, d.rank, d.world_size)
+    val_batches = family.val_batches(cfg, val)
     if t.max_steps is not None:
         total_steps, end_reason = t.max_steps, "max_steps"
     elif t.epochs is not None:
@@ -331,7 +310,7 @@ def _event_log(path: str | None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mllm.train",
-        description="Train a language model from token ids on disk (no Prefect, no MLflow). Writes "
+        description="Train a model of any family from its data on disk (no Prefect, no MLflow). Writes "
                     "{paths.checkpoint_dir}/last.pt (full state, resumable) and best.pt (best validation loss).",
     )
     parser.add_argument("--config", required=True, metavar="FILE.yaml",

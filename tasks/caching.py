@@ -29,6 +29,18 @@ def code_digest(*objects: Any) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def package_digest() -> str:
+    """Digest of every source file of the `mllm` package and its version: what the training,
+    evaluation and sample keys take, so that no change to the code a model runs (a batcher, a
+    loader, a decoder) leaves a model made by other code looking current."""
+    root = Path(mllm.__file__).parent
+    h = hashlib.sha256(mllm.__version__.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def stage_cache(key_fn: Callable[..., str]) -> Callable[[Any, dict[str, Any]], str]:
     """Turn a stage's key function into a Prefect cache_key_fn over the task's parameters."""
 

@@ -19,7 +19,7 @@ from mllm import corpus, pairs as parallel, splits, storage, text, tokens as tok
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
 from tasks import report_progress
-from tasks.caching import code_digest, forget_exception, stage_cache, transient
+from tasks.caching import code_digest, forget_exception, package_digest, stage_cache, transient
 
 
 class RawText(BaseModel):
@@ -270,4 +270,55 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
                        max_src_len, max_tgt_len)
     logger.info("pairs: train %d, val %d, test %d; vocabularies: source %d, target %d", s["train_pairs"],
                 s["val_pairs"], s["test_pairs"], len(src_vocab), len(tgt_vocab))
+    return result
+
+
+# --- generated data (a family that makes its own, such as the sequence experiments) ------------
+
+
+class Generated(BaseModel):
+    """Data a family made from its config, handed on as a corpus's stages hand theirs on."""
+
+    key: str
+    source: str  # what was made, in words
+    sha256: str  # of the files made
+    bytes: int
+    tokens: Tokens
+    vocab: Vocabulary
+    splits: Splits
+
+
+def _generated_key(cfg: DataConfig, family: str, root: str) -> str:
+    return storage.digest(["generated", family, cfg.model_dump(), package_digest()])
+
+
+@task(name="generate-data", on_failure=[forget_exception], cache_key_fn=stage_cache(_generated_key),
+      retries=1, retry_condition_fn=transient)
+def generate_data(cfg: DataConfig, family: str, root: str) -> Generated:
+    """Make the data of a family whose data is made from its config (no download)."""
+    from mllm.family import families
+
+    key = _generated_key(cfg, family, root)
+    url = storage.join(root, "generated", key)
+    if done := _finished(url, Generated):
+        return done
+    maker = next(f for f in families() if f.name == family)
+    with storage.staged_dir(url) as out:
+        made = maker.make_data(cfg, out)
+        files = [storage.join(out, made[name]["file"]) for name in ("train", "val")]
+        blobs = [storage.read_bytes(f) for f in files]
+        digest = storage.sha256_bytes(b"".join(blobs))
+        vocab = Vocab.load(storage.join(out, "vocab.json"))
+        parts = {name: SplitPart(parquet=storage.join(url, made[name]["file"]), ids=storage.join(url, made[name]["file"]),
+                                 n_tokens=made[name]["n_tokens"], n_bytes=len(blob))
+                 for name, blob in zip(("train", "val"), blobs)}
+        result = Generated(
+            key=key, source=made["source"], sha256=digest, bytes=sum(len(b) for b in blobs),
+            tokens=Tokens(key=key, url=url, tokenizer=storage.join(url, "tokenizer.json"), n_tokens=made["n_tokens"],
+                          n_chunks=made["sequences"], raw_sha256=digest),
+            vocab=Vocabulary(key=key, url=storage.join(url, "vocab.json"), digest=vocab.digest, size=len(vocab)),
+            splits=Splits(key=key, url=url, **parts))
+        _manifest(out, result)
+    get_run_logger().info("%s: %d sequences, train %d / val %d positions", made["source"], made["sequences"],
+                          made["train"]["n_tokens"], made["val"]["n_tokens"])
     return result

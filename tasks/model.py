@@ -18,20 +18,15 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-import mllm.sample
 import mllm.train
-from mllm import UserError, cbow, checkpoint, evaluate as mllm_evaluate, gpt, models, rnn, seq2seq, storage
-from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig, TrainPaths
-from mllm.data import load_ids
-from mllm.sample import fit_prompt, sample_text, samples_text
-from mllm.vocab import Vocab
+from mllm import UserError, checkpoint, storage
+from mllm.config import RunConfig, TrainPaths
+from mllm.family import family_of, samples_text
 import tasks
-from tasks import embeddings, translation
-from tasks.caching import code_digest, forget_exception, io_error, stage_cache, transient
+from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
 from tasks.registry import ChampionScore
@@ -70,21 +65,18 @@ class Trained(BaseModel):
 
 
 class Evaluation(BaseModel):
+    """A family's evaluation of the trained model on one split (mllm.family.Evaluation), with
+    where its report lives."""
+
     split: str
     checkpoint: str
     loss: float  # held-out loss (nats per target)
     tokens: int  # targets scored
     report: str  # URL of the markdown report
-    # The family's headline metric decides the champion (see mllm.config's HEADLINE).
-    headline: str = "bits_per_byte"
-    higher_is_better: bool = False
-    metrics: dict[str, float] = {}  # every measure, the headline among them
-    # Language models: comparable across tokenizers (bits per byte), and two baselines.
-    perplexity: float | None = None
-    bits_per_token: float | None = None
-    bits_per_byte: float | None = None
-    unigram_bits_per_token: float | None = None
-    bigram_bits_per_token: float | None = None
+    headline: str  # the family's headline metric, which decides the champion
+    higher_is_better: bool
+    metrics: dict[str, float]  # every measure, the headline among them
+    files: list[str] = []  # pictures and exports under the run folder, kept as artifacts
 
     @property
     def score(self) -> float:
@@ -100,7 +92,7 @@ def train_key(cfg: RunConfig, data: Prepared) -> str:
 def training_code() -> dict[str, str]:
     """The training code this process runs: the digest that goes into every training key, and
     its commit. A worker compares the caller's with its own before it trains."""
-    return {"digest": code_digest(models, rnn, gpt, cbow, seq2seq, mllm.train), "commit": code_git_info()["commit"] or "unknown"}
+    return {"digest": package_digest(), "commit": code_git_info()["commit"] or "unknown"}
 
 
 def check_training_code(caller: dict[str, str]) -> None:
@@ -138,16 +130,13 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     """The config a training job runs: the run's tree with its input and output paths."""
     run_dir = storage.join(root, "runs", train_key(cfg, data))
     src = data.source_side
+    # Vocabulary sizes stay 0 in the job's model section: training takes them from the files.
     paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
                        train_offsets=data.splits.train.offsets, val_offsets=data.splits.val.offsets,
                        vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
                        src_vocab=src.vocab.url if src else None, src_tokenizer=src.tokenizer if src else None,
                        checkpoint_dir=storage.join(run_dir, "checkpoints"))
     job = cfg.model_copy(update={"paths": paths}, deep=True)  # never change the caller's config
-    if src:
-        job.model.src_vocab_size, job.model.tgt_vocab_size = src.vocab.size, data.vocab.size
-    else:
-        job.model.vocab_size = data.vocab.size
     return job, run_dir
 
 
@@ -242,196 +231,82 @@ def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str =
     # The checkpoint is named by the training key and its step count (a longer resumed
     # training makes a new one); the split by its digest.
     return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
-                           cfg.train.window, cfg.sample.probes, code_digest(mllm_evaluate, embeddings, translation)])
+                           cfg.model_dump(include={"train", "sample", "data"}), package_digest()])
 
 
 def _generate_key(cfg: RunConfig, trained: Trained) -> str:
-    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(),
-                           code_digest(mllm.sample, embeddings, translation)])
+    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(), package_digest()])
 
 
 @task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
       retries=1, retry_condition_fn=transient)
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
-    """Score the best checkpoint on a whole split, beside unigram and bigram baselines."""
+    """Score the best checkpoint on a whole split, as its family scores it; the report and the
+    pictures and exports go beside the checkpoints."""
     part = getattr(data.splits, split)
     if part is None:
         raise UserError(f"there is no {split} split: set data.split.test_fraction above 0 to make one")
     ckpt_url = _best(trained)
     loaded = checkpoint.load_checkpoint(ckpt_url)
+    family = family_of(cfg)
+    e = family.evaluate(loaded, cfg, part, data.splits.train, trained.run_dir)
     report_url = storage.join(trained.run_dir, f"eval-{split}.md")
-    if isinstance(cfg.model, CbowConfig):
-        return _evaluate_embeddings(cfg, trained, loaded, part, split, ckpt_url, report_url)
-    if isinstance(cfg.model, Seq2SeqConfig):
-        return _evaluate_translation(cfg, trained, loaded, part, split, ckpt_url, report_url)
-    ids = load_ids(part.ids)
-    scores = mllm_evaluate.evaluate(loaded.model, ids, window=cfg.train.window,
-                                    batch_size=max(1, min(cfg.train.batch_size, 256)),
-                                    n_bytes=part.n_bytes)
-    train_ids = load_ids(data.splits.train.ids)
-    unigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=1)
-    bigram = mllm_evaluate.ngram_baseline(train_ids, ids, data.vocab.size, order=2)
-    result = Evaluation(split=split, checkpoint=ckpt_url, loss=scores["loss"],
-                        perplexity=scores["perplexity"], bits_per_token=scores["bits_per_token"],
-                        bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"],
-                        unigram_bits_per_token=unigram["bits_per_token"],
-                        bigram_bits_per_token=bigram["bits_per_token"], report=report_url,
-                        metrics={k: scores[k] for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte")})
-    storage.write_text(report_url, evaluation_report(cfg, trained, result))
+    storage.write_text(report_url, e.report)
+    result = Evaluation(split=split, checkpoint=ckpt_url, loss=e.loss, tokens=e.count, report=report_url,
+                        headline=e.headline, higher_is_better=e.higher_is_better, metrics=e.metrics, files=e.files)
     storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), result.model_dump(mode="json"))
-    get_run_logger().info("%s: loss %.4f, %.3f bits/token, %.3f bits/byte (bigram baseline %.3f bits/token)",
-                          split, result.loss, result.bits_per_token, result.bits_per_byte,
-                          result.bigram_bits_per_token)
+    logger = get_run_logger()
+    logger.info("%s: %s", split, family.describe(e))
+    for note in e.notes:
+        logger.warning("%s", note)
     return result
 
 
-def _evaluate_embeddings(cfg: RunConfig, trained: Trained, loaded: Any, part: Any, split: str, ckpt_url: str,
-                         report_url: str) -> Evaluation:
-    result = embeddings.evaluate(loaded, part, cfg, storage.join(trained.run_dir, "embeddings"))
-    headline, higher = type(cfg.model).HEADLINE
-    evaluation = Evaluation(split=split, checkpoint=ckpt_url, loss=result["metrics"]["val_loss"],
-                            tokens=result["n_samples"], report=report_url, headline=headline,
-                            higher_is_better=higher, metrics=result["metrics"])
-    storage.write_text(report_url, embeddings.report(cfg, ckpt_url, trained.steps, result))
-    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), evaluation.model_dump(mode="json"))
-    get_run_logger().info("%s: WordSim-353 Spearman %.4f (coverage %.2f), SimLex-999 %.4f, analogies %.4f, "
-                          "held-out loss %.4f", split, result["metrics"]["wordsim353_spearman"],
-                          result["metrics"]["wordsim353_coverage"], result["metrics"]["simlex999_spearman"],
-                          result["metrics"]["analogy_accuracy"], evaluation.loss)
-    for note in result["notes"]:
-        get_run_logger().warning("%s", note)
-    return evaluation
+def describe(e: Evaluation, cfg: RunConfig) -> str:
+    """An evaluation in one line, as its family puts it."""
+    from mllm.family import Evaluation as Scores
+
+    return family_of(cfg).describe(Scores(e.headline, e.higher_is_better, e.loss, e.tokens, e.metrics, ""))
 
 
-def _evaluate_translation(cfg: RunConfig, trained: Trained, loaded: Any, part: Any, split: str, ckpt_url: str,
-                          report_url: str) -> Evaluation:
-    result = translation.evaluate(loaded, part, cfg, storage.join(trained.run_dir, "attention"))
-    headline, higher = type(cfg.model).HEADLINE
-    m = result["metrics"]
-    evaluation = Evaluation(split=split, checkpoint=ckpt_url, loss=m["val_loss"], tokens=result["n_targets"],
-                            report=report_url, headline=headline, higher_is_better=higher, metrics=m)
-    storage.write_text(report_url, translation.report(cfg, ckpt_url, trained.steps, result))
-    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), evaluation.model_dump(mode="json"))
-    get_run_logger().info("%s: %d pairs, exact match %.2f%%, BLEU %.2f, chrF %.2f, loss %.4f", split, result["pairs"],
-                          100 * m["exact_match"], m["bleu"], m["chrf"], m["val_loss"])
-    return evaluation
-
-
-def _score_key(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> str:
-    return storage.digest(["score", checkpoint_url, data.splits.key, split, window, code_digest(mllm_evaluate)])
+def _score_key(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> str:
+    return storage.digest(["score", checkpoint_url, data.splits.key, split,
+                           cfg.model_dump(include={"train", "data"}), package_digest()])
 
 
 @task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_score_key),
       retries=1, retry_condition_fn=transient)
-def score_checkpoint(checkpoint_url: str, data: Prepared, window: int, split: str = "val") -> ChampionScore:
-    """Score another run's checkpoint (the champion's) on this run's split.
-
-    The split's tokens are mapped into the checkpoint's own vocabulary (a token it never saw
-    becomes <unk>), so a champion trained on other data is scored on exactly the same text. Bits
-    per byte compare across vocabularies; loss only within one.
-    """
+def score_champion(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> ChampionScore | None:
+    """Score another run's checkpoint (the champion's) on this run's split, as its family does
+    (None: the family's headline does not depend on the split)."""
     part = getattr(data.splits, split)
     loaded = checkpoint.load_checkpoint(checkpoint_url)
-    ours = Vocab.load(data.vocab.url)
-    ids = load_ids(part.ids)
-    if loaded.vocab.itos != ours.itos:
-        ids = loaded.vocab.encode_array(ours.itos)[np.asarray(ids, dtype=np.int64)]
-    scores = mllm_evaluate.evaluate(loaded.model, ids, window=window, batch_size=64, n_bytes=part.n_bytes)
-    get_run_logger().info("champion %s on this %s split: loss %.4f, %.4f bits/byte", checkpoint_url, split,
-                          scores["loss"], scores["bits_per_byte"])
-    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=scores["loss"],
-                 bits_per_byte=scores["bits_per_byte"], tokens=scores["tokens"])
-
-
-def _translate_prompts(cfg: RunConfig, trained: Trained, loaded: Any) -> dict[str, list[str]]:
-    """A seq2seq model's samples: "prompt -> translation" for the recipe's prompts and each
-    method; a prompt with words the source vocabulary lacks is left out with a warning."""
-    logger = get_run_logger()
-    prompts, left_out = translation.usable_prompts(loaded, cfg.sample.prompts)
-    for prompt, missing in left_out.items():
-        logger.warning("sample prompt %r: the source vocabulary lacks %s; left out", prompt,
-                       " ".join(repr(t) for t in missing[:20]) or "every token")
-    samples: dict[str, list[str]] = {}
-    for method in cfg.sample.methods:
-        out = translation.translations(loaded, prompts, method, cfg.sample) if prompts else []
-        samples[method] = [f"{p} -> {t}" for p, t in zip(prompts, out)]
-        storage.write_text(trained.samples_url(method), samples_text(prompts, samples[method]))
-    if prompts:
-        logger.info("translations (%s): %s", cfg.sample.methods[0], samples[cfg.sample.methods[0]][0])
-    return samples
-
-
-def _translator_key(checkpoint_url: str, data: Prepared, bleu_tokenize: str, split: str = "val") -> str:
-    return storage.digest(["score-translator", checkpoint_url, data.splits.key, split, bleu_tokenize,
-                           code_digest(translation)])
-
-
-@task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_translator_key),
-      retries=1, retry_condition_fn=transient)
-def score_translator(checkpoint_url: str, data: Prepared, bleu_tokenize: str, split: str = "val") -> ChampionScore:
-    """Score another run's seq2seq checkpoint (the champion's) on this run's held-out pairs: their
-    texts go through the checkpoint's own tokenizers and vocabularies (an unknown word becomes
-    <unk>), so a champion trained on other pairs or tokens translates exactly the same sentences."""
-    part = getattr(data.splits, split)
-    loaded = checkpoint.load_checkpoint(checkpoint_url)
-    m = translation.score_texts(loaded, part, bleu_tokenize)
-    get_run_logger().info("champion %s on this %s split: chrF %.4f, exact match %.4f", checkpoint_url, split,
-                          m["chrf"], m["exact_match"])
-    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=m["val_loss"],
-                         tokens=m["targets"], headline="chrf", value=m["chrf"])
-
-
-def evaluation_report(cfg: RunConfig, trained: Trained, e: Evaluation) -> str:
-    return "\n".join([
-        f"# Evaluation of {cfg.recipe} on the {e.split} split",
-        "",
-        f"Checkpoint: `{e.checkpoint}` after {trained.steps} steps ({trained.stop_reason}).",
-        "",
-        "| metric | model | unigram | bigram |",
-        "|---|---|---|---|",
-        f"| loss (nats/token) | {e.loss:.4f} | | |",
-        f"| perplexity | {e.perplexity:.3f} | | |",
-        f"| bits per token | {e.bits_per_token:.4f} | {e.unigram_bits_per_token:.4f} | {e.bigram_bits_per_token:.4f} |",
-        f"| bits per byte | {e.bits_per_byte:.4f} | | |",
-        "",
-        f"{e.tokens} tokens scored, each once.",
-        "",
-    ])
+    e = family_of(loaded).rescore(loaded, cfg, part, data.vocab.url)
+    if e is None:
+        return None
+    get_run_logger().info("champion %s on this %s split: %s %.4f, loss %.4f", checkpoint_url, split, e.headline,
+                          e.value, e.loss)
+    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=e.loss,
+                         tokens=e.count, headline=e.headline, value=e.value)
 
 
 @task(name="generate", on_failure=[forget_exception], cache_key_fn=stage_cache(_generate_key),
       retries=1, retry_condition_fn=transient)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
-    """One sample per prompt and sampling method, saved as `samples/<method>.txt`.
+    """The recipe's own samples, one file per method (`samples/<method>.txt`), as the family
+    samples: continuations, neighbours, translations or next elements.
 
-    The recipe's own prompts lose the tokens this corpus's vocabulary lacks (with a warning): a
-    recipe written for one text still samples on another, and a model never goes unregistered
-    because its sample prompt did not fit.
+    A recipe's prompt that this run's vocabulary cannot spell loses what it lacks (with a
+    warning) rather than the run losing its model.
     """
     logger = get_run_logger()
     loaded = checkpoint.load_checkpoint(_best(trained))
-    s = cfg.sample
-    if isinstance(cfg.model, CbowConfig):
-        known = [w for w in s.probes if w in embeddings.vectors(loaded)]
-        for word in sorted(set(s.probes) - set(known)):
-            logger.warning("probe word %r is not in the vocabulary: left out of the neighbours", word)
-        table = embeddings.neighbours_of(loaded, known, s.neighbours)
-        storage.write_text(trained.samples_url("neighbours"), samples_text(known, table))
-        return {"neighbours": table}
-    if isinstance(cfg.model, Seq2SeqConfig):
-        return _translate_prompts(cfg, trained, loaded)
-    prompts = []
-    for prompt in s.prompts:
-        fitted, missing = fit_prompt(loaded, prompt)
-        if missing:
-            logger.warning("sample prompt %r: the vocabulary lacks %s; sampling from %r instead", prompt,
-                           " ".join(repr(t) for t in missing[:20]), fitted)
-        prompts.append(fitted)
-    samples: dict[str, list[str]] = {}
-    for method in s.methods:
-        samples[method] = [sample_text(loaded, prompt, method, max_new_tokens=s.max_new_tokens,
-                                       temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                       beam_width=s.beam_width, seed=s.seed) for prompt in prompts]
-        storage.write_text(trained.samples_url(method), samples_text(prompts, samples[method]))
-    logger.info("samples (%s): %r", s.methods[0], samples[s.methods[0]][0][:120])
-    return samples
+    samples = family_of(cfg).run_samples(loaded, cfg)
+    for note in samples.notes:
+        logger.warning("%s", note)
+    for method, texts in samples.by_method.items():
+        storage.write_text(trained.samples_url(method), samples_text(samples.prompts, texts))
+    first = next(iter(samples.by_method.items()), None)
+    if first and first[1]:
+        logger.info("samples (%s): %r", first[0], first[1][0][:120])
+    return samples.by_method

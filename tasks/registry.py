@@ -30,7 +30,8 @@ from pydantic import BaseModel
 import mllm
 from mllm import storage
 from mllm.checkpoint import read_checkpoint
-from mllm.config import CbowConfig, RunConfig, Seq2SeqConfig
+from mllm.config import RunConfig
+from mllm.family import family_of
 from mllm.redact import scrub
 from tasks import served_model
 from tasks.caching import forget_exception
@@ -59,17 +60,16 @@ class Champion(BaseModel):
 
 
 class ChampionScore(BaseModel):
-    """The champion's checkpoint scored on a challenger's validation split: bits per byte for a
-    language model; another family's headline metric (`headline`, `value`) otherwise."""
+    """The champion's checkpoint scored on a challenger's validation split: its family's headline
+    metric (`headline`, `value`) and loss there."""
 
     checkpoint: str
     split: str
     splits_key: str
     loss: float
-    bits_per_byte: float | None = None
     tokens: int
-    headline: str | None = None
-    value: float | None = None
+    headline: str
+    value: float
 
 
 class Outcome(BaseModel):
@@ -102,47 +102,30 @@ def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha2
     return f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); force retrains"
 
 
-def decide(val_loss: float, bits_per_byte: float | None, champion: Champion | None,
-           champion_score: ChampionScore | None = None,
-           headline: tuple[str, float, bool] | None = None) -> tuple[bool, str]:
-    """(promoted, why). A language model: lower val loss than the champion's when both were
-    measured on the same split; else lower bits per byte than the champion scored on this run's
-    split (comparable across vocabularies). Another family (`headline` = its metric, value, and
-    whether higher is better): a better headline value than the champion's."""
-    if headline is not None:
-        return _decide_headline(*headline, champion, champion_score)
-    if not math.isfinite(val_loss):
-        return False, f"val_loss {val_loss} is not finite"
-    if champion is None:
-        return True, "no champion yet"
-    if champion_score is not None and bits_per_byte is not None:
-        better = bits_per_byte < champion_score.bits_per_byte
-        return better, (f"{bits_per_byte:.6g} {'<' if better else '>='} {champion_score.bits_per_byte:.6g} "
-                        f"bits/byte for champion v{champion.version}, both on this run's validation split")
-    if champion.val_loss is None:
-        return True, f"champion v{champion.version} has no val_loss"
-    better = val_loss < champion.val_loss
-    return better, (f"val_loss {val_loss:.6g} {'<' if better else '>='} champion v{champion.version} "
-                    f"{champion.val_loss:.6g}")
-
-
-def _decide_headline(name: str, value: float, higher: bool, champion: Champion | None,
-                     champion_score: ChampionScore | None = None) -> tuple[bool, str]:
+def decide(headline: str, value: float, higher_is_better: bool, champion: Champion | None,
+           champion_score: ChampionScore | None = None) -> tuple[bool, str]:
+    """(promoted, why): the challenger's headline value against the champion's, measured on this
+    run's validation split when `champion_score` is given (the champion's data differed), else
+    against the value recorded on the champion's version (the same split, or a headline that does
+    not depend on the split). A tie keeps the champion."""
     if not math.isfinite(value):
-        return False, f"{name} {value} is not finite"
+        return False, f"{headline} {value} is not finite"
     if champion is None:
         return True, "no champion yet"
-    if champion_score is not None and champion_score.headline == name and champion_score.value is not None:
-        theirs = champion_score.value
-        better = value > theirs if higher else value < theirs
-        sign = (">" if better else "<=") if higher else ("<" if better else ">=")
-        return better, (f"{name} {value:.6g} {sign} {theirs:.6g} for champion v{champion.version}, both on this "
-                        "run's validation split")
-    if champion.score is None or champion.headline != name:
-        return True, f"champion v{champion.version} has no {name}"
-    better = value > champion.score if higher else value < champion.score
-    sign = (">" if better else "<=") if higher else ("<" if better else ">=")
-    return better, f"{name} {value:.6g} {sign} champion v{champion.version} {champion.score:.6g}"
+
+    def beats(theirs: float) -> tuple[bool, str]:
+        better = value > theirs if higher_is_better else value < theirs
+        sign = (">" if better else "<=") if higher_is_better else ("<" if better else ">=")
+        return better, sign
+
+    if champion_score is not None and champion_score.headline == headline:
+        better, sign = beats(champion_score.value)
+        return better, (f"{headline} {value:.6g} {sign} {champion_score.value:.6g} for champion "
+                        f"v{champion.version}, both on this run's validation split")
+    if champion.score is None or champion.headline != headline:
+        return True, f"champion v{champion.version} has no {headline}"
+    better, sign = beats(champion.score)
+    return better, f"{headline} {value:.6g} {sign} champion v{champion.version} {champion.score:.6g}"
 
 
 # --- reading the registry ----------------------------------------------------------------------
@@ -175,16 +158,13 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 
 # --- registering -----------------------------------------------------------------------------
 
-def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_byte: float | None = None,
-              version_tags: dict[str, str] | None = None, champion_score: ChampionScore | None = None,
-              model_name: str | None = None, headline: tuple[str, float, bool] | None = None) -> Outcome:
-    """Log the checkpoint as a pyfunc (a TextGenerator, or NearestWords for word embeddings),
-    register a version under `model_name` (default: the recipe), and move `champion` to it only
-    if `decide` says it is better (by `headline`, the family's metric, value and direction,
-    when the family is not a language model)."""
+def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | None = None,
+              champion_score: ChampionScore | None = None, model_name: str | None = None) -> Outcome:
+    """Log the evaluated checkpoint as a pyfunc model (tasks/served_model.py), register a version
+    under `model_name` (default: the recipe), and move `champion` to it only if `decide` says its
+    headline metric beats the champion's."""
     name = model_name or run.cfg.recipe
-    served = (served_model.NearestWords if isinstance(run.cfg.model, CbowConfig)
-              else served_model.Translator if isinstance(run.cfg.model, Seq2SeqConfig) else served_model.TextGenerator)
+    checkpoint_url, e = evaluation.checkpoint, evaluation
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
         # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
         # needs, not the optimizer state that doubles or triples a checkpoint's size.
@@ -193,13 +173,13 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
         torch.save({k: v for k, v in state.items() if k not in TRAINING_ONLY}, local)
         del state
         script = Path(tmp, "served_model_script.py")
-        script.write_text(served_model.script(served))
+        script.write_text(served_model.script())
         # MLflow files the logged model under the process's current experiment, which is otherwise
         # the Default one, with its artifacts in ./mlruns of whatever folder this runs in.
         mlflow.set_experiment(experiment_id=run.client.get_run(run.run_id).info.experiment_id)
         with warnings.catch_warnings():
             # "no input example": the signature says what goes in, and an example would make
-            # MLflow generate text with the model here just to check it.
+            # MLflow run the model here just to check it.
             warnings.filterwarnings("ignore", message=".*input example", category=UserWarning)
             info = Model.log(artifact_path=None, name="model", flavor=mlflow.pyfunc,
                              flavor_name="pyfunc.ModelFromCode", python_model=str(script),
@@ -207,17 +187,15 @@ def log_model(run: RunTracker, checkpoint_url: str, val_loss: float, bits_per_by
                              signature=_signature(run.cfg), pip_requirements=_requirements(),
                              run_id=run.run_id)
     previous = current_champion(run.client, name)
-    tags = {"val_loss": repr(float(val_loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
-            **(version_tags or {})}
-    if headline is not None:
-        tags.update({"headline": headline[0], "headline.value": repr(float(headline[1]))})
+    tags = {"val_loss": repr(float(e.loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
+            "headline": e.headline, "headline.value": repr(float(e.score)), **(version_tags or {})}
     registered = mlflow.register_model(info.model_uri, name, tags=tags)
-    promoted, reason = decide(float(val_loss), bits_per_byte, previous, champion_score, headline)
+    promoted, reason = decide(e.headline, float(e.score), e.higher_is_better, previous, champion_score)
     if promoted:
         run.client.set_registered_model_alias(name, CHAMPION, registered.version)
     outcome = Outcome(name=name, version=str(registered.version), decision="promoted" if promoted else "kept",
                       reason=reason, promoted=promoted, run_id=run.run_id, model_uri=info.model_uri,
-                      val_loss=float(val_loss), previous=previous, champion_score=champion_score)
+                      val_loss=float(e.loss), previous=previous, champion_score=champion_score)
     run.client.set_model_version_tag(name, outcome.version, "champion.decision", f"{outcome.decision}: {reason}")
     record_decision(run, outcome)
     return outcome
@@ -231,29 +209,11 @@ def record_decision(run: RunTracker, outcome: Outcome) -> None:
 
 
 def _signature(cfg: RunConfig) -> ModelSignature:
-    s = cfg.sample
-    if isinstance(cfg.model, CbowConfig):
-        return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
-                              params=ParamSchema([ParamSpec("k", "long", s.neighbours)]))
-    if isinstance(cfg.model, Seq2SeqConfig):
-        return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
-                              params=ParamSchema([ParamSpec("method", "string", s.methods[0]),
-                                                  ParamSpec("beam_width", "long", s.beam_width),
-                                                  ParamSpec("temperature", "double", s.temperature),
-                                                  ParamSpec("seed", "long", s.seed)]))
-    return ModelSignature(
-        inputs=Schema([ColSpec("string")]),  # unnamed: a plain list of prompts works too
-        outputs=Schema([ColSpec("string")]),
-        params=ParamSchema([
-            ParamSpec("method", "string", s.methods[0]),
-            ParamSpec("max_new_tokens", "long", s.max_new_tokens),
-            ParamSpec("temperature", "double", s.temperature),
-            ParamSpec("top_k", "long", s.top_k),
-            ParamSpec("top_p", "double", s.top_p),
-            ParamSpec("beam_width", "long", s.beam_width),
-            ParamSpec("seed", "long", s.seed),
-        ]),
-    )
+    # Texts in (unnamed: a plain list works too), texts out; the parameters are the family's,
+    # with the run's own sample section as their defaults.
+    params = [ParamSpec(name, kind, default) for name, kind, default in family_of(cfg).served_params(cfg.sample)]
+    return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
+                          params=ParamSchema(params))
 
 
 def _model_code(tmp: str) -> list[str]:
@@ -295,22 +255,12 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
-    lm = e.bits_per_byte is not None
-    final = ({"final_val_loss": e.loss, "final_val_perplexity": e.perplexity,
-              "final_val_bits_per_token": e.bits_per_token, "final_val_bits_per_byte": e.bits_per_byte,
-              "baseline_unigram_bits_per_token": e.unigram_bits_per_token,
-              "baseline_bigram_bits_per_token": e.bigram_bits_per_token} if lm
-             else {"final_val_loss": e.loss, **{f"final_{k}": v for k, v in e.metrics.items() if k != "val_loss"}})
-    run.log_metrics([{"step": trained.steps, **final}])
+    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss,
+                      **{f"final_{k}": v for k, v in e.metrics.items() if k != "val_loss"}}])
     run.log_text(storage.read_text(e.report), "evaluation.md")
-    exports = storage.join(trained.run_dir, "embeddings")
-    for name in ("vectors.parquet", "vectors.w2v.txt", "pca.png"):
-        if storage.exists(storage.join(exports, name)):
-            run.log_file(storage.join(exports, name), f"embeddings/{name}")
-    attention = storage.join(trained.run_dir, "attention")
-    for i in range(1, 10):
-        if storage.exists(storage.join(attention, f"attention-{i}.png")):
-            run.log_file(storage.join(attention, f"attention-{i}.png"), f"attention/attention-{i}.png")
+    for name in e.files:
+        if storage.exists(storage.join(trained.run_dir, name)):
+            run.log_file(storage.join(trained.run_dir, name), name)
     run.log_dict(e.model_dump(mode="json"), "evaluation.json")
     for method in samples:
         run.log_text(storage.read_text(trained.samples_url(method)), f"samples/{method}.txt")
@@ -320,8 +270,6 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
                   "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step,
                   "train.key": trained.key})
     version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
-    outcome = log_model(run, e.checkpoint, e.loss, e.bits_per_byte, version_tags=version_tags,
-                        champion_score=champion_score,
-                        headline=None if lm else (e.headline, e.score, e.higher_is_better))
+    outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score)
     run.set_tags({"model_uri": outcome.model_uri, "model_version": f"{outcome.name}/{outcome.version}"})
     return outcome

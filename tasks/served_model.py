@@ -13,10 +13,13 @@ import mlflow.pyfunc
 import pandas as pd
 
 
-class TextGenerator(mlflow.pyfunc.PythonModel):
-    """A checkpoint as an MLflow model: prompts in, prompt + continuation out.
+class ServedModel(mlflow.pyfunc.PythonModel):
+    """A checkpoint of any family as an MLflow model: texts in, its family's answers out (a
+    continuation, a word's neighbours, a translation, the next element), through
+    `mllm.sample.answer`, as the CLI and `python -m mllm.sample` give them.
 
-    `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["The "], params={...})`.
+    `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["The "], params={...})`; the
+    parameters and their defaults (the run's own sample section) are in the model's signature.
     """
 
     def load_context(self, context) -> None:
@@ -29,11 +32,9 @@ class TextGenerator(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame,
                 params: dict[str, Any] | None = None) -> list[str]:
-        from mllm.sample import sample_text
+        from mllm.sample import answer
 
-        p = dict(params or {})
-        method = p.pop("method", None) or self.loaded.config.sample.methods[0]
-        return [sample_text(self.loaded, prompt, method, **p) for prompt in prompts(model_input)]
+        return answer(self.loaded, prompts(model_input), **(params or {}))
 
 
 def prompts(model_input: Any) -> list[str]:
@@ -53,57 +54,8 @@ def prompts(model_input: Any) -> list[str]:
     return [str(x)]
 
 
-class NearestWords(mlflow.pyfunc.PythonModel):
-    """A CBOW checkpoint as an MLflow model: words in, a line of nearest neighbours out.
-
-    `mlflow.pyfunc.load_model("models:/cbow@champion").predict(["king"], params={"k": 5})`.
-    """
-
-    def load_context(self, context) -> None:
-        from mllm.checkpoint import load_checkpoint
-        from mllm.wordsim import WordVectors
-
-        loaded = load_checkpoint(context.artifacts["checkpoint"])
-        self.k = loaded.config.sample.neighbours
-        self.words = WordVectors(loaded.vocab.itos, loaded.model.context_vectors().detach().numpy())
-
-    def predict(self, context, model_input: pd.DataFrame,
-                params: dict[str, Any] | None = None) -> list[str]:
-        from mllm import UserError
-        from mllm.wordsim import missing_word
-
-        k = int((params or {}).get("k") or self.k)
-        out = []
-        for word in prompts(model_input):
-            if word not in self.words:
-                raise UserError(missing_word(word, (t for t in self.words.tokens if t in self.words)))
-            out.append(" ".join(t for t, _ in self.words.neighbours(word, k)))
-        return out
-
-
-class Translator(mlflow.pyfunc.PythonModel):
-    """A sequence-to-sequence checkpoint as an MLflow model: sentences in, translations out.
-
-    `mlflow.pyfunc.load_model("models:/NAME@champion").predict(["twenty-one"], params={"method": "beam"})`.
-    """
-
-    def load_context(self, context) -> None:
-        import torch
-
-        from mllm.checkpoint import load_checkpoint
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.loaded = load_checkpoint(context.artifacts["checkpoint"], device=device)
-
-    def predict(self, context, model_input: pd.DataFrame,
-                params: dict[str, Any] | None = None) -> list[str]:
-        from mllm.translate import translate_texts
-
-        return translate_texts(self.loaded, prompts(model_input), **(params or {}))
-
-
-def script(cls: type) -> str:
+def script() -> str:
     """The file MLflow runs to build the model on load ("models from code"): no pickle."""
-    return (f"# An mllm checkpoint behind MLflow's pyfunc: see tasks/served_model.py.\n"
-            f"import mlflow\n\nfrom tasks.served_model import {cls.__name__}\n\n"
-            f"mlflow.models.set_model({cls.__name__}())\n")
+    return ("# An mllm checkpoint behind MLflow's pyfunc: see tasks/served_model.py.\n"
+            "import mlflow\n\nfrom tasks.served_model import ServedModel\n\n"
+            "mlflow.models.set_model(ServedModel())\n")

@@ -16,11 +16,12 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from mllm import UserError
-from mllm.cbow import (CBOW, PAD_ID, BasicEnglishTokenizer, CbowBatches, CbowConfig, basic_english,
-                       check_offsets, contexts, load_offsets, noise_distribution, paragraph_ids,
-                       sample_centres, save_array, split_by_paragraph, split_paragraphs)
+from mllm.embeddings.cbow import (CBOW, PAD_ID, BasicEnglishTokenizer, CbowBatches, CbowConfig, basic_english,
+                       contexts, noise_distribution, paragraph_ids, sample_centres, split_by_paragraph,
+                       split_paragraphs)
+from mllm.data import check_offsets, load_offsets, save_array
 from mllm.vocab import Vocab
-from mllm.wordsim import (HEADLINE, METRICS, WordVectors, evaluate_cbow, evaluate_loss, load_analogies, load_pairs, missing_word, neighbours_table, rank,
+from mllm.embeddings.wordsim import (HEADLINE, METRICS, WordVectors, evaluate_cbow, evaluate_loss, load_analogies, load_pairs, missing_word, neighbours_table, rank,
                           read_parquet, spearman, write_parquet, write_word2vec)
 
 # -----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ FAST = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interv
 def _paragraphs(n: int, seed: int = 3) -> str:
     """Made-up paragraphs of English-like words and the words of WordSim-353's first pairs, so
     that the headline metric has pairs to score."""
-    from mllm.wordsim import load_pairs
+    from mllm.embeddings.wordsim import load_pairs
 
     rng = random.Random(seed)
     words = sorted({w for a, b, _ in load_pairs("wordsim353")[:40] for w in (a, b)})

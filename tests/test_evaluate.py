@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import model_config
-from mllm.evaluate import evaluate, ngram_baseline
+from mllm.lm.evaluate import evaluate, ngram_baseline
 from mllm.models import build_model
 
 

@@ -5,15 +5,15 @@ import torch
 import torch.nn as nn
 
 from mllm import UserError
-from mllm.config import family_of, model_config
-from mllm.gpt import GPT
+from mllm.config import model_config
+from mllm.lm.gpt import GPT
 from mllm.models import build_model
-from mllm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
+from mllm.lm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
 
 
 def cfg(**kw):
     base = dict(vocab_size=11, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=24, dropout=0.0)
-    fields = family_of(kw.get("arch", "lstm"))[1].model_fields  # the sizes of arch's own family
+    fields = type(model_config(arch=kw.get("arch", "lstm"))).model_fields  # the sizes of arch's own family
     return model_config(**{k: v for k, v in base.items() if k in fields and k not in kw}, **kw)
 
 

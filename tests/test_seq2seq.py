@@ -11,11 +11,11 @@ import torch.nn as nn
 
 from mllm import UserError
 from mllm.config import DataConfig, NumbersConfig, Seq2SeqConfig
-from mllm.pairs import (PairBatches, PairSplit, load_side, load_split, make_batch, numbers_pairs, parse_tsv,
+from mllm.seq2seq.pairs import (PairBatches, PairSplit, load_side, load_split, make_batch, numbers_pairs, parse_tsv,
                         prepare_pairs, read_pairs, read_tsv, split_pairs, vocab_sizes)
-from mllm.seq2seq import (BOS_ID, EOS_ID, PAD_ID, DecoderLayer, EncoderLayer, MultiHeadAttention,
+from mllm.seq2seq.model import (BOS_ID, EOS_ID, PAD_ID, DecoderLayer, EncoderLayer, MultiHeadAttention,
                           build_seq2seq, causal_mask, sinusoidal_positions)
-from mllm.translate import decode, evaluate, scores, translate
+from mllm.seq2seq.translate import decode, evaluate, scores, translate
 
 ARCHS = ["seq2seq-rnn", "seq2seq-transformer"]
 
@@ -231,8 +231,8 @@ def train(model, steps, lr, reverse=True):
 
 
 # Reversing takes a tiny transformer ~900 steps (it must learn positions from the sinusoids), the
-# RNN 200; copying, the transformer 300.
-@pytest.mark.parametrize("arch,reverse,steps", [("seq2seq-transformer", False, 300), ("seq2seq-rnn", True, 200)])
+# RNN 200; copying, the transformer 300 to 600 (on some CPUs 300 leaves 3 of 200 wrong).
+@pytest.mark.parametrize("arch,reverse,steps", [("seq2seq-transformer", False, 600), ("seq2seq-rnn", True, 200)])
 def test_tiny_model_learns_to_copy_or_reverse(arch, reverse, steps):
     torch.manual_seed(0)
     model = train(small(arch, n_embd=32, hidden_size=64, n_layer=1, norm="pre", d_ff=64), steps, 3e-3, reverse)

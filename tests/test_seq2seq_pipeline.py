@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.pipeline import pipeline
 from mllm.checkpoint import load_checkpoint
-from mllm.translate import translate_texts
+from mllm.seq2seq.translate import translate_texts
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

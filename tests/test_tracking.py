@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from conftest import write_char_ids
 from mllm.checkpoint import load_checkpoint
 from mllm.config import RunConfig
-from mllm.sample import sample_text
+from mllm.lm.generate import sample_text
 from flows.stack import free_port
 from mllm.redact import scrub
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)

@@ -17,7 +17,8 @@ from conftest import write_char_ids
 from mllm import UserError
 from mllm.checkpoint import Loaded, load_checkpoint
 from mllm.config import RunConfig
-from mllm.data import EpochWindows, RandomWindows, load_ids, windows
+from mllm.data import load_ids
+from mllm.lm.windows import EpochWindows, RandomWindows, windows
 from mllm.train import lr_factor, main, train
 from mllm.vocab import Vocab
 

@@ -27,7 +27,7 @@ import torch
 from mllm import UserError, storage
 from mllm.config import DataConfig, TokenizerConfig
 from mllm.data import EpochOrder
-from mllm.seq2seq import BOS_ID, EOS_ID, PAD_ID, SPECIALS
+from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID, SPECIALS
 from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.vocab import UNK, Vocab
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
-from mllm.pairs import PairSplit, eval_batches, make_batch
-from mllm.seq2seq import BOS_ID, EOS_ID, PAD_ID
+from mllm.seq2seq.pairs import PairSplit, eval_batches, make_batch
+from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID
 
 METHODS = ("greedy", "beam", "sample")
 

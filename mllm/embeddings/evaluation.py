@@ -1,6 +1,6 @@
-"""The word-embedding family's evaluation and "samples", called by the evaluate and generate
-stages in `tasks/model.py` for a CBOW checkpoint: word-similarity and analogy scores, held-out
-loss, the vectors exported (Parquet, word2vec text), a PCA picture, and nearest neighbours."""
+"""The word-embedding family's evaluation and samples: word-similarity and analogy scores,
+held-out loss, the vectors exported (Parquet, word2vec text), a PCA picture, and nearest
+neighbours."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from mllm import UserError, storage
-from mllm.cbow import CbowBatches, load_offsets
+from mllm.data import load_ids, load_offsets
+from mllm.embeddings.cbow import CbowBatches
 from mllm.checkpoint import Loaded
-from mllm.data import load_ids
-from mllm.wordsim import HEADLINE, WordVectors, evaluate_cbow, missing_word, write_parquet, write_word2vec
+from mllm.embeddings.wordsim import HEADLINE, WordVectors, evaluate_cbow, missing_word, write_parquet, write_word2vec
 
 
 def vectors(loaded: Loaded) -> WordVectors:

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import ModelConfig
-from mllm.rnn import optim_groups
+from mllm.lm.rnn import optim_groups
 
 
 class KVCache:

@@ -14,7 +14,6 @@ embeddings and predicts the centre word, by a full softmax or by negative sampli
 
 from __future__ import annotations
 
-import io
 from typing import Iterable
 
 import numpy as np
@@ -22,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mllm import UserError, storage
+from mllm import UserError
 from mllm.config import CbowConfig
-from mllm.data import EpochOrder
+from mllm.data import EpochOrder, check_offsets
 from mllm.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
 from mllm.vocab import Vocab
 
@@ -46,31 +45,6 @@ def paragraph_ids(paragraphs: Iterable[list[str]], vocab: Vocab) -> tuple[np.nda
     np.cumsum(lengths, out=offsets[1:])
     ids = vocab.encode_array(tokens) if tokens else np.zeros(0, dtype=np.int32)
     return ids, offsets
-
-
-def check_offsets(offsets: np.ndarray, n_tokens: int, source: str = "paragraph offsets") -> np.ndarray:
-    offsets = np.asarray(offsets)
-    if (offsets.ndim != 1 or len(offsets) < 1 or not np.issubdtype(offsets.dtype, np.integer)
-            or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0)):
-        raise UserError(f"{source} do not describe paragraphs of {n_tokens} tokens (need 0 first, "
-                        f"{n_tokens} last, never decreasing): re-run the split stage")
-    return offsets.astype(np.int64, copy=False)
-
-
-def save_array(url: str, array: np.ndarray) -> None:
-    """One .npy file (ids or offsets), written atomically to any storage URL."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    storage.write_bytes(url, buf.getvalue())
-
-
-def load_offsets(url: str, n_tokens: int) -> np.ndarray:
-    storage.require(url, "paragraph offsets")
-    try:
-        offsets = np.load(io.BytesIO(storage.read_bytes(url)), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise UserError(f"{url} is not a .npy array of paragraph offsets ({e}): re-run the split stage") from None
-    return check_offsets(offsets, n_tokens, url)
 
 
 def split_by_paragraph(ids: np.ndarray, offsets: np.ndarray, val_fraction: float):

@@ -14,8 +14,8 @@ import torch
 
 from mllm import UserError, storage
 from mllm.checkpoint import Loaded
-from mllm.pairs import PairSplit, eval_batches, load_split
-from mllm.translate import decode, evaluate as score_pairs, translate_texts
+from mllm.seq2seq.pairs import PairSplit, eval_batches, load_split
+from mllm.seq2seq.translate import decode, evaluate as score_pairs, translate_texts
 
 HEATMAPS = 3  # held-out pairs drawn as attention pictures
 
