@@ -28,12 +28,12 @@ import torch
 import yaml
 
 from benchmarks.common import OUT, REPO, corpus, header, load, parse_args, save, table
-from tasks.embeddings import pca_picture
-from mllm.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
+from mllm.embeddings.evaluation import pca_picture
+from mllm.embeddings.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
     split_paragraphs
 from mllm.text import read_chunks, strip_gutenberg
 from mllm.vocab import Vocab
-from mllm.wordsim import (METRICS, WordVectors, evaluate_cbow, evaluate_embeddings, load_analogies, load_pairs,
+from mllm.embeddings.wordsim import (METRICS, WordVectors, evaluate_cbow, evaluate_embeddings, load_analogies, load_pairs,
                           write_parquet, write_word2vec)
 
 PROBES = ["king", "war", "moscow", "mother", "horse", "happy", "said", "natasha", "frenchmen"]

@@ -3,11 +3,11 @@
     python -m benchmarks.generate_speed [--quick] [--threads N] [--new-tokens 500]
     python -m benchmarks.generate_speed --matvec     # why a second thread does not help decoding
 
-`mllm.sample.generate` continues a 4-token prompt by 500 tokens, greedy and top-p (p 0.9,
+`mllm.lm.generate.generate` continues a 4-token prompt by 500 tokens, greedy and top-p (p 0.9,
 temperature 0.8), for:
 - GPT at nanoGPT's CPU size (4 layers, 4 heads, 128 wide, block 64): 500 tokens run far past the
   block, so without the cache every step re-reads the last 64 tokens, and with it the cache is
-  refilled from the last 32 tokens every 32 tokens (see mllm/sample.py);
+  refilled from the last 32 tokens every 32 tokens (see mllm/lm/generate.py);
 - the same GPT with block 512, so all 500 tokens fit: the cache is never refilled, and without it
   each step re-reads the whole growing context (the quadratic cost the cache removes);
 - the reference LSTM (embedding 32, 4x128): carried hidden state, one step per token, against
@@ -30,9 +30,10 @@ import torch
 
 from benchmarks.common import corpus, header, load, median, parse_args, save, table, threads, token_ids
 from mllm.config import model_config
-from mllm.data import load_ids, windows
+from mllm.data import load_ids
+from mllm.lm.windows import windows
 from mllm.models import build_model
-from mllm.sample import generate
+from mllm.lm.generate import generate
 
 MODELS = {
     "GPT 4x4x128, block 64": dict(arch="gpt", n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0,

@@ -7,7 +7,7 @@ section) and nanoGPT's CPU configuration (anchors README, trained by nanoGPT's o
 the same training time, one after the other, on the same ids: War and Peace with the reference
 char normalisation, 90/10. A cosine schedule must know its length, so each contender is first
 timed for a few steps and its step count set to fill the budget; the budget is also a hard stop.
-Then every model is scored on the whole validation split by `mllm.evaluate.evaluate` (nanoGPT's
+Then every model is scored on the whole validation split by `mllm.lm.evaluate.evaluate` (nanoGPT's
 checkpoint through a thin adapter), so the figures compare like with like: validation loss and
 bits per character (the normalised text is ASCII, so a character is a byte of it), and a sample.
 Without ../shared/anchors/nanoGPT the reference row is left out.
@@ -105,7 +105,7 @@ def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: f
 
 
 class _NanoAdapter(torch.nn.Module):
-    """nanoGPT's GPT with mllm's forward signature, for mllm.evaluate and mllm.sample."""
+    """nanoGPT's GPT with mllm's forward signature, for mllm.lm.evaluate and mllm.lm.generate."""
 
     def __init__(self, model):
         super().__init__()
@@ -169,8 +169,8 @@ def main() -> None:
     if "nanoGPT" in names and not (ANCHOR / "train.py").is_file():
         print(f"nanoGPT not found at {ANCHOR}: its reference row is left out")
         names = [n for n in names if n != "nanoGPT"]
-    from mllm.evaluate import evaluate
-    from mllm.sample import generate
+    from mllm.lm.evaluate import evaluate
+    from mllm.lm.generate import generate
     from mllm.vocab import Vocab
 
     rows = []

@@ -2,10 +2,10 @@
 
     python -m benchmarks.seq2seq [--quick] [--threads N] [--minutes 10] [--recipes NAME ...]
 
-Each recipe (mllm/recipes/seq2seq-numbers-*.yaml) prepares its pairs with mllm.pairs and trains
+Each recipe (mllm/recipes/seq2seq-numbers-*.yaml) prepares its pairs with mllm.seq2seq.pairs and trains
 with the pipeline's own loop (mllm.train) for its train.max_steps or --minutes of wall time,
 whichever ends first, then scores its best checkpoint on the held-out numbers with
-mllm.translate: exact match, BLEU and chrF for greedy and beam 4, and decoding speed in
+mllm.seq2seq.translate: exact match, BLEU and chrF for greedy and beam 4, and decoding speed in
 sentences/s. Held-out numbers never occur in training (the split keeps each source on one side).
 It also draws one attention heatmap per recipe, as the pipeline's evaluate stage does.
 """
@@ -19,10 +19,10 @@ from benchmarks.common import OUT, REPO, header, load, parse_args, save, table
 from mllm.checkpoint import load_checkpoint
 from mllm.config import TrainPaths
 from mllm.resolve import resolve
-from mllm.pairs import load_split, prepare_pairs, read_pairs
+from mllm.seq2seq.pairs import load_split, prepare_pairs, read_pairs
 from mllm.train import train
-from mllm.translate import evaluate, translate
-from tasks.translation import plot_attention
+from mllm.seq2seq.translate import evaluate, translate
+from mllm.seq2seq.evaluation import plot_attention
 
 RECIPES = ("seq2seq-numbers-rnn", "seq2seq-numbers-transformer")
 

@@ -31,7 +31,8 @@ import torch
 
 from benchmarks.common import (corpus, header, hms, load, median, parse_args, run_config, save, table,
                                token_ids)
-from mllm.data import EpochWindows, load_ids, windows
+from mllm.data import load_ids
+from mllm.lm.windows import EpochWindows, windows
 from mllm.models import build_model
 from mllm.train import train
 

@@ -16,7 +16,7 @@ for train.compile the compilation), and the last column compares the mean traini
 50 steps, which should agree within seed noise (the two do not draw the same batches).
 
 Generation: `generate` of nanoGPT's model.py (imported by path, here only), which recomputes the
-whole context per token, against `mllm.sample.generate` with its KV cache: 500 new tokens after
+whole context per token, against `mllm.lm.generate.generate` with its KV cache: 500 new tokens after
 a 4-token prompt, top-k 200, temperature 0.8, random weights (the same weights in both), at
 4/4/128 block 64 and 6/6/384 block 256.
 """
@@ -174,7 +174,7 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
                    repeats: int) -> list[dict]:
     from mllm.config import GPTConfig
     from mllm.models import build_model
-    from mllm.sample import generate
+    from mllm.lm.generate import generate
 
     nano = _nanogpt_model_module()
     rows = []

@@ -149,20 +149,22 @@ class Family:
         raise NotImplementedError
 
 
-_REGISTRY: dict[type, Family] = {}
+# Keyed by the section's class name, not the class: MLflow loads a registered model's own copy of
+# this package beside an imported one, and a section of either copy must find its family.
+_REGISTRY: dict[str, Family] = {}
 
 
 def register(cls: type[Family]) -> type[Family]:
     family = cls()
     for section in family.sections:
-        _REGISTRY[section] = family
+        _REGISTRY[section.__name__] = family
     return cls
 
 
 def _load() -> None:
-    if not _REGISTRY:
-        for module in FAMILY_MODULES:
-            importlib.import_module(module)
+    # Every time: importing one family's module (mllm.lm.gpt, say) registers that family alone.
+    for module in FAMILY_MODULES:
+        importlib.import_module(module)
 
 
 def family_of(obj: Any) -> Family:
@@ -174,7 +176,7 @@ def family_of(obj: Any) -> Family:
         if inner is not None and not isinstance(inner, torch.nn.Module):
             obj = inner
     try:
-        return _REGISTRY[type(obj)]
+        return _REGISTRY[type(obj).__name__]
     except KeyError:
         raise UserError(f"no model family takes a {type(obj).__name__}: it needs a model section") from None
 

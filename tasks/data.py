@@ -15,7 +15,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import corpus, pairs as parallel, splits, storage, text, tokens as token_chunks
+from mllm import corpus, splits, storage, text, tokens as token_chunks
+from mllm.seq2seq import pairs as parallel
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
 from tasks import report_progress

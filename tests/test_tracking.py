@@ -336,14 +336,23 @@ def checkpoint(tmp_path_factory) -> str:
     return train(cfg).checkpoint
 
 
-def test_champion_moves_only_when_val_loss_improves_and_the_model_generates(uri, checkpoint, tmp_path):
+def _scored(checkpoint: str, bits_per_byte: float):
+    """An evaluation of the checkpoint as the evaluate stage hands it on (a language model's)."""
+    from tasks.model import Evaluation
+
+    return Evaluation(split="val", checkpoint=checkpoint, loss=bits_per_byte, tokens=100, report="",
+                      headline="val_bits_per_byte", higher_is_better=False,
+                      metrics={"val_loss": bits_per_byte, "val_bits_per_byte": bits_per_byte})
+
+
+def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(uri, checkpoint, tmp_path):
     cfg = config(sample={"max_new_tokens": 12, "methods": ["greedy"]})
     name = cfg.recipe
     client = MlflowClient(uri)
     results = []
     for loss in (2.0, 2.5, 1.5):
         with RunTracker(cfg, str(tmp_path / "storage")) as run:
-            results.append(registry.log_model(run, checkpoint, val_loss=loss).model_dump(mode="json"))
+            results.append(registry.log_model(run, _scored(checkpoint, loss)).model_dump(mode="json"))
             results[-1]["champion"] = str(client.get_model_version_by_alias(name, "champion").version)
     assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
         ("1", True, "1"), ("2", False, "1"), ("3", True, "3")]
@@ -351,8 +360,9 @@ def test_champion_moves_only_when_val_loss_improves_and_the_model_generates(uri,
     assert results[1]["previous"]["version"] == "1" and results[1]["previous"]["val_loss"] == 2.0
     assert results[2]["previous"]["version"] == "1"
     decisions = [client.get_run(r["run_id"]).data.tags["champion.decision"] for r in results]
-    assert decisions[0].startswith("promoted") and decisions[1].startswith("kept: val_loss 2.5 >= champion v1 2")
-    assert decisions[2].startswith("promoted: val_loss 1.5 < champion v1 2")
+    assert decisions[0].startswith("promoted")
+    assert decisions[1].startswith("kept: val_bits_per_byte 2.5 >= champion v1 2")
+    assert decisions[2].startswith("promoted: val_bits_per_byte 1.5 < champion v1 2")
     report = json.loads(artifact_texts(results[1]["run_id"], tmp_path / "art")["champion.json"])
     assert report["promoted"] is False and report["version"] == "2" and report["val_loss"] == 2.5
     assert client.get_model_version(name, "2").tags["val_loss"] == "2.5"
@@ -378,7 +388,7 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
     os.environ["MLFLOW_TRACKING_URI"] = uri  # restored by forget_tracking_uri
     cfg = config(sample={"max_new_tokens": 12, "methods": ["greedy"]})
     with RunTracker(cfg, str(tmp_path / "storage")) as run:
-        registry.log_model(run, checkpoint, val_loss=2.0)
+        registry.log_model(run, _scored(checkpoint, 2.0))
     expected = sample_text(load_checkpoint(checkpoint), "The ", "greedy", max_new_tokens=9)
 
     blocker = tmp_path / "no-prefect"
