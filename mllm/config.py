@@ -150,6 +150,11 @@ class GPTConfig(_Section):
     bias: bool = True
     tie_weights: bool = True
     dropout: float = Field(0.2, ge=0.0, lt=1.0)
+    # sinusoidal: the seq2seq transformer's fixed table (no parameters); explicit: attention
+    # written out in tensor code instead of torch's SDPA kernel, the same numbers. The defaults are
+    # what a checkpoint from before these fields was trained with.
+    positions: Literal["learned", "sinusoidal"] = "learned"
+    attention: Literal["sdpa", "explicit"] = "sdpa"
 
     @model_validator(mode="after")
     def _heads(self) -> "GPTConfig":

@@ -1,7 +1,9 @@
 """A decoder-only transformer, after karpathy/nanoGPT's model.py, with a KV cache for generation.
 
-Token and learned position embeddings, pre-LayerNorm blocks of causal self-attention and a GELU
-MLP, output weights tied to the token embedding.
+Token embeddings plus learned positions (nanoGPT's, GPT-2's) or sinusoidal ones (the seq2seq
+transformer's fixed table, `model.positions`), pre-LayerNorm blocks of causal self-attention
+(torch's SDPA kernel, or the same attention written out in tensor code: `model.attention`) and a
+GELU MLP, output weights tied to the token embedding.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from mllm.config import ModelConfig
 from mllm.lm.rnn import optim_groups
+from mllm.transformer import SinusoidalPositions, causal_mask, explicit_attention
 
 
 class KVCache:
@@ -62,6 +65,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.explicit = config.attention == "explicit"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -74,15 +78,20 @@ class CausalSelfAttention(nn.Module):
         past = cache.length if cache is not None else 0
         if cache is not None:
             k, v = cache.append(layer, k, v)
-        mask, causal = None, True
-        if past and T == 1:
-            causal = False  # one new token may look at every cached one
-        elif past:
-            # SDPA's is_causal aligns the triangle top-left; new token i sits at position past + i.
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            causal = False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if self.explicit:
+            # One new token may look at every cached one: no mask to add.
+            mask = causal_mask(T, x.device, past) if T > 1 else None
+            y, _ = explicit_attention(q, k, v, mask, dropout_p=dropout_p)
+        else:
+            mask, causal = None, True
+            if past and T == 1:
+                causal = False  # one new token may look at every cached one
+            elif past:
+                # SDPA's is_causal aligns the triangle top-left; new token i sits at position past + i.
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+                causal = False
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_dropout(y) if self.training else y
 
@@ -118,9 +127,15 @@ class GPT(nn.Module):
         super().__init__()
         assert config.arch == "gpt" and config.vocab_size > 0
         self.config = config
+        if config.positions == "learned":
+            wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:
+            # A formula could go on past block_size; the table stops there all the same, because
+            # block_size is also the size of the KV cache and of the context sampling keeps.
+            wpe = SinusoidalPositions(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            wpe=wpe,
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -146,7 +161,12 @@ class GPT(nn.Module):
         if past + T > self.config.block_size:
             raise ValueError(f"{past + T} positions exceed block_size {self.config.block_size}: crop the context")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = self.transformer.wte(idx)
+        if self.config.positions == "sinusoidal":
+            # sqrt(n_embd), as the seq2seq transformer (and Vaswani et al.): embeddings initialised
+            # at std 0.02 would otherwise drown under the table's unit sines, and learn slowly.
+            x = x * math.sqrt(self.config.n_embd)
+        x = x + self.transformer.wpe(pos)
         if self.training:
             x = self.transformer.drop(x)
         for layer, block in enumerate(self.transformer.h):
@@ -165,7 +185,8 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, tied ones once; non_embedding leaves out the position table (nanoGPT's count for FLOPs)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+        # A sinusoidal table is a buffer, so this takes nothing off for it.
+        return n - sum(p.numel() for p in self.transformer.wpe.parameters()) if non_embedding else n
 
     def flops_per_token(self, T: int) -> int:
         """Training FLOPs per token at context T, as nanoGPT's estimate_mfu (PaLM appendix B)."""

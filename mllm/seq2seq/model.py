@@ -5,8 +5,9 @@ Two architectures, chosen by `arch`:
   vector o_s per source token; a GRU decoder attends to them with additive attention,
   e_ts = v . tanh(W s_{t-1} + U o_s), a_t = softmax(e_t), c_t = sum_s a_ts o_s.
 - `seq2seq-transformer` (Vaswani et al. 2017): sinusoidal positions, multi-head scaled dot-product
-  attention written out in tensor code, causal and padding masks as -inf added before the softmax,
-  ReLU feed-forward, post- or pre-LayerNorm blocks.
+  attention written out in tensor code, causal and padding masks as -inf added before the softmax
+  (those pieces in mllm.transformer, shared with the GPT), ReLU feed-forward, post- or
+  pre-LayerNorm blocks.
 
 Both are trained with teacher forcing: forward(src, tgt_in, tgt_out) -> (logits, loss, None), where
 tgt_in is <bos> y padded with <pad> and tgt_out is y <eos> padded with -1 (ignored by the loss).
@@ -24,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import Seq2SeqConfig
+from mllm.transformer import causal_mask, explicit_attention, sinusoidal_positions
 
 # Every vocabulary of this family starts <unk>, <pad>, <bos>, <eos> (mllm.pairs builds it so).
 SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -132,21 +134,6 @@ class Seq2SeqRNN(nn.Module):
 # Transformer encoder-decoder
 
 
-def sinusoidal_positions(length: int, d: int) -> torch.Tensor:
-    """[length, d]: PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(same angle)."""
-    pos = torch.arange(length, dtype=torch.float32)[:, None]
-    freq = torch.pow(10000.0, -torch.arange(0, d, 2, dtype=torch.float32) / d)
-    pe = torch.zeros(length, d)
-    pe[:, 0::2] = torch.sin(pos * freq)
-    pe[:, 1::2] = torch.cos(pos * freq)
-    return pe
-
-
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    """[T, T] of 0 on and below the diagonal, -inf above: position t never sees a later one."""
-    return torch.full((T, T), float("-inf"), device=device).triu(diagonal=1)
-
-
 class MultiHeadAttention(nn.Module):
     """softmax(q k^T / sqrt(d_head) + mask) v in each head, the heads concatenated and projected."""
 
@@ -176,13 +163,7 @@ class MultiHeadAttention(nn.Module):
                 if "k" in cache:
                     k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
                 cache["k"], cache["v"] = k, v
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)
-        if mask is not None:
-            scores = scores + mask
-        if key_pad is not None:
-            scores = scores.masked_fill(key_pad[:, None, None, :], float("-inf"))
-        weights = scores.softmax(dim=-1)
-        y = self.drop(weights) @ v
+        y, weights = explicit_attention(q, k, v, mask, key_pad, self.drop.p if self.training else 0.0)
         B, _, Tq, _ = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, Tq, -1)), weights
 

@@ -1,0 +1,67 @@
+"""What the two transformers share: the GPT (mllm.lm.gpt) and the encoder-decoder (mllm.seq2seq.model).
+
+Sinusoidal positions (Vaswani et al. 2017: a fixed table, no parameters) and scaled dot-product
+attention written out in tensor code, with its masks as -inf added before the softmax. One copy
+of each, so the GPT's `positions: sinusoidal` and `attention: explicit` are the seq2seq
+transformer's own pieces, not look-alikes that could drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def sinusoidal_positions(length: int, d: int) -> torch.Tensor:
+    """[length, d]: PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(same angle)."""
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    freq = torch.pow(10000.0, -torch.arange(0, d, 2, dtype=torch.float32) / d)
+    pe = torch.zeros(length, d)
+    pe[:, 0::2] = torch.sin(pos * freq)
+    pe[:, 1::2] = torch.cos(pos * freq[: d // 2])  # an odd d ends on a sine
+    return pe
+
+
+class SinusoidalPositions(nn.Module):
+    """Called like nn.Embedding(length, d) on position ids, but a fixed table: nothing to learn.
+
+    The table is a non-persistent buffer: it follows the model's device and is rebuilt from the
+    formula rather than stored, so a checkpoint holds no position weights at all.
+    """
+
+    def __init__(self, length: int, d: int):
+        super().__init__()
+        self.register_buffer("pe", sinusoidal_positions(length, d), persistent=False)
+
+    def forward(self, pos):
+        return self.pe[pos]
+
+
+def causal_mask(T: int, device=None, past: int = 0) -> torch.Tensor:
+    """[T, past + T] of 0 where a key may be seen and -inf where it may not.
+
+    Query i is position past + i (the first `past` keys come from a cache): it sees every key up
+    to its own position, never a later one. past = 0 is the square mask of a whole sequence.
+    """
+    return torch.full((T, past + T), float("-inf"), device=device).triu(diagonal=past + 1)
+
+
+def explicit_attention(q, k, v, mask=None, key_pad=None, dropout_p: float = 0.0):
+    """softmax(q k^T / sqrt(d_head) + mask) v over [B, h, T, d_head] heads; returns (y, weights).
+
+    mask: additive [Tq, Tk] (causal_mask); key_pad: [B, Tk], True at padding. What
+    F.scaled_dot_product_attention computes, written out so the weights can be read (the
+    attention pictures) and every step is plain tensor code.
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if mask is not None:
+        scores = scores + mask
+    if key_pad is not None:
+        scores = scores.masked_fill(key_pad[:, None, None, :], float("-inf"))
+    weights = scores.softmax(dim=-1)
+    # Dropout on the weights, as SDPA's dropout_p: a query randomly ignores some keys in training.
+    y = F.dropout(weights, dropout_p) @ v if dropout_p > 0 else weights @ v
+    return y, weights
