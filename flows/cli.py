@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -12,6 +12,11 @@ from mllm.config import METHODS
 from mllm.resolve import recipe_names, resolve
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
+
+# typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and `--json true`
+# is then refused: a flag shows no type.
+_display_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="A reproducible training pipeline for small language models.")
@@ -43,8 +48,10 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with user_errors():
+        from flows.launch import training_pool
+
         source, set_ = _without_credentials(source, set_)
-        cfg = _resolve(recipe, set_, source, storage)
+        cfg = _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
@@ -69,19 +76,29 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         typer.echo(f"  report:     {e.report}")
 
 
-def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: str | None):
-    """The config, checked before Prefect starts: a bad recipe, --set, source, storage root or
-    tracking server fails at once."""
+def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: str | None,
+             train_here: bool = True, trains: bool = True):
+    """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
+    server, a source that is missing, unreachable, or (a local file) not usable text, and a
+    device this machine lacks, all fail at once in one line."""
     from flows.launch import preflight, storage_root
 
     cfg = resolve(recipe, overrides=sets or [], source=source)
     preflight(storage_root(storage))
-    from mllm.corpus import open_source
+    from mllm import corpus
     from mllm.family import family_of
+    from mllm.models import resolve_device
 
+    family = family_of(cfg)
+    if trains and train_here:
+        resolve_device(cfg.train.device)  # a worker on a pool has its own devices
     # (Data made from the config has no source to open; parallel text may be made too: numbers.)
-    if cfg.data.source or family_of(cfg).data == "corpus":
-        open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
+    if cfg.data.source or family.data == "corpus":
+        corpus.open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
+        if "://" not in cfg.data.source or cfg.data.source.startswith("file://"):
+            # A local file is read through once here, as the download stage will read it.
+            corpus.download(cfg.data.source, None, cfg.data.sha256)
+            family.check_source(cfg)
     return cfg
 
 
@@ -113,7 +130,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
     with user_errors():
         from mllm.family import family_of
 
-        cfg = _resolve(recipe, set_, source, storage)
+        cfg = _resolve(recipe, set_, source, storage, trains=False)
         data = _run_stages(cfg, storage, "prepare")
         typer.echo(family_of(cfg).describe_data(data))
         typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {data.splits.url}")
@@ -126,7 +143,8 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
     with user_errors():
         from flows.launch import training_pool
 
-        trained = _run_stages(_resolve(recipe, set_, source, storage), storage, "train", training_pool(recipe, train_on))
+        pool = training_pool(recipe, train_on)
+        trained = _run_stages(_resolve(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
@@ -183,22 +201,57 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             from mllm.checkpoint import load_checkpoint
             from mllm.sample import answer
 
-            typer.echo("\n".join(answer(load_checkpoint(checkpoint, device=device), prompts, **options)))
+            loaded = load_checkpoint(checkpoint, device=device)
+            _print_answers(lambda p: answer(loaded, p, **options), prompts, prompt_file)
             return
+        from flows.launch import check_tracking_server
+
+        check_tracking_server()  # seconds, not MLflow's minutes of retries
         from flows import runs
 
         root = flows_module().storage_root(storage)
-        typer.echo(runs.generate(root, runs.model_uri(root, run, model), prompts, options))
+        served = runs.served(root, runs.model_uri(root, run, model))
+        _print_answers(lambda p: runs.generate(served, p, options), prompts, prompt_file)
 
 
 def _prompt_lines(path: str) -> list[str]:
     from mllm import storage as store
 
     store.require(path, "prompt file")
-    lines = [line.strip() for line in store.read_text(path).splitlines() if line.strip()]
-    if not lines:
-        raise UserError(f"prompt file {path} has no line of text: give one sentence a line")
+    try:
+        lines = store.read_text(path).splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"prompt file {path} is not UTF-8 text: convert it, one prompt a line") from None
+    if not any(line.strip() for line in lines):
+        raise UserError(f"prompt file {path} has no line of text: give one prompt a line")
     return lines
+
+
+def _print_answers(answer: Callable[[list[str] | None], list[str]], prompts: list[str] | None,
+                   path: str | None) -> None:
+    """The answers, a line each. From a prompt file, a blank line stays blank, and a line the
+    model cannot take is named (with why) while every other line is answered; then the command
+    fails."""
+    if path is None:
+        typer.echo("\n".join(answer(prompts)))
+        return
+    wanted = [i for i, p in enumerate(prompts) if p.strip()]
+    out = [""] * len(prompts)
+    failed: list[str] = []
+    try:
+        for i, text in zip(wanted, answer([prompts[i] for i in wanted])):
+            out[i] = text
+    except UserError:  # one line spoils the batch: answer the lines one by one
+        for i in wanted:
+            try:
+                out[i] = answer([prompts[i]])[0]
+            except UserError as e:
+                failed.append(f"line {i + 1}: {e}")
+    typer.echo("\n".join(out))
+    if failed:
+        more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
+        raise UserError(f"{len(failed)} of {len(wanted)} lines of {path} were not answered (left blank): "
+                        + "; ".join(failed[:3]) + more)
 
 
 @app.command("runs")
@@ -208,6 +261,9 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
               storage: Storage = None) -> None:
     """Recent training runs in MLflow: id, recipe, commit, val loss, status."""
     with user_errors():
+        from flows.launch import check_tracking_server
+
+        check_tracking_server()
         from flows import runs
 
         storage_root = flows_module().storage_root
@@ -229,6 +285,9 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
               storage: Storage = None) -> None:
     """Re-run a run at its git commit with its recorded config and data, and compare metrics."""
     with user_errors():
+        from flows.launch import check_tracking_server
+
+        check_tracking_server()
         from flows import runs
 
         storage_root = flows_module().storage_root

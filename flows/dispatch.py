@@ -18,6 +18,7 @@ endpoint, storage root) as the run's `env` job variable and never a credential.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -31,7 +32,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import LogSort
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
-from prefect.states import Crashed
+from prefect.states import Cancelling, Crashed
 from prefect.utilities.callables import parameter_schema
 
 import tasks
@@ -99,7 +100,13 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
         flow_run = run_deployment(name, parameters=params, timeout=0, job_variables=job_variables,
                                   tags=["mllm-pipeline"])
         logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id)
-        final = _follow(flow_run, pool, lost_after)
+        try:
+            final = _follow(flow_run, pool, lost_after)
+        except KeyboardInterrupt:  # Ctrl-C stops the training it started, on the worker too
+            with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+                client.set_flow_run_state(flow_run.id, Cancelling(message="interrupted from the terminal (Ctrl-C)"),
+                                          force=True)
+            raise
         if final.state_type == StateType.COMPLETED:
             return Trained.model_validate(storage.read_json(storage.join(run_dir, "trained.json")))
         message = (final.state.message if final.state else "") or final.state_name

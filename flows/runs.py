@@ -70,23 +70,27 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
     return uri
 
 
-def generate(root: str, uri: str, prompts: list[str] | None, options: dict[str, Any]) -> str:
-    """The registered model's answers, a line each (a word's neighbours take a line of their
-    own), for `prompts` or, when None, the run's own prompts; the options its signature takes."""
+def served(root: str, uri: str) -> Any:
+    """The registered model at `uri`, loaded as MLflow serves it."""
     import mlflow.pyfunc
 
     tracking_uri(root)
     try:
-        model = mlflow.pyfunc.load_model(uri)
+        return mlflow.pyfunc.load_model(uri)
     except MlflowException as e:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
+
+
+def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> list[str]:
+    """The served model's answers to `prompts` (None: the run's own prompts), with the options
+    its signature takes."""
     schema = model.metadata.get_params_schema()
     names = {p.name for p in schema.params} if schema is not None else set()
     params = {k: v for k, v in options.items() if v is not None and k in names}
     if prompts is None:
         loaded = getattr(model.unwrap_python_model(), "loaded", None)
         prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
-    return "\n".join(model.predict(prompts, params=params or None))
+    return list(model.predict(prompts, params=params or None))
 
 
 # --- reproduce ----------------------------------------------------------------------------

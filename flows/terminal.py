@@ -4,8 +4,10 @@ Prefect's own lines about such a failure kept off the terminal, and progress bar
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -39,7 +41,9 @@ def user_errors() -> Iterator[None]:
             raise
         fail(message)
     except KeyboardInterrupt:
-        fail("interrupted: outputs already finished are kept; run the same command to continue")
+        console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
+                      "same command to continue from them", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
 
 
 class _QuietAfterUserError(logging.Filter):
@@ -97,17 +101,69 @@ def flow_session() -> Iterator[Any]:
     database) runs on the other core while this one imports torch, MLflow and the flows; Prefect
     would start it only at the first flow run, after those imports. With that server, which ends
     with this process, flow runs send no heartbeats: nothing could ever read them, and stopping
-    each run's heartbeat thread costs up to a second."""
+    each run's heartbeat thread costs up to a second.
+
+    Ctrl-C belongs to this process: the temporary server does not take the terminal's SIGINT
+    (it would die under the runs it records), the first Ctrl-C stops the work and marks its flow
+    runs Cancelled (the MLflow run ends KILLED), and a second one exits at once."""
+    started = datetime.datetime.now(datetime.timezone.utc)
     waiting = _start_temporary_server()
     fl = flows_module()
-    if waiting is None:
-        yield fl
-        return
-    waiting()
-    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+    with _ctrl_c():
+        try:
+            if waiting is None:
+                yield fl
+                return
+            waiting()
+            from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-        yield fl
+            with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                yield fl
+        except KeyboardInterrupt:
+            _cancel_interrupted_runs(started)
+            raise
+
+
+@contextlib.contextmanager
+def _ctrl_c() -> Iterator[None]:
+    """The first SIGINT raises KeyboardInterrupt where the work is and silences Prefect's lines
+    about the crash it causes; the second ends the process at once, without a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def again(signum: int, frame: Any) -> None:
+        sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, again)
+        _quiet.failed = True  # the terminal shows our one line, not Prefect's "Crash detected!"
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _cancel_interrupted_runs(since: datetime.datetime) -> None:
+    """Mark the flow runs that Ctrl-C stopped (Prefect records them as Crashed by an interrupt
+    signal) as Cancelled: they were stopped on purpose and nothing is wrong with them."""
+    with contextlib.suppress(Exception):  # the interruption is what the user must hear about
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter
+        from prefect.states import Cancelled
+
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
+            for run in runs:
+                if "interrupt signal" in (run.state.message or ""):
+                    client.set_flow_run_state(run.id, Cancelled(message="interrupted from the terminal (Ctrl-C)"),
+                                              force=True)
 
 
 def _start_temporary_server() -> Callable[[], None] | None:
@@ -125,6 +181,10 @@ def _start_temporary_server() -> Callable[[], None] | None:
     failure: list[BaseException] = []
 
     def start() -> None:
+        # The server process inherits this thread's signal mask: with SIGINT blocked it does not
+        # die of the terminal's Ctrl-C (sent to the whole process group) under the runs it
+        # records; it is stopped with SIGTERM when this process ends.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             SubprocessASGIServer().start()
         except BaseException as e:  # handed to the caller's thread

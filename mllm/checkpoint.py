@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,23 +51,38 @@ def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, A
     storage.require(url, "checkpoint")
     fs, path = storage.filesystem(url)
     if fs.isdir(path):
+        # A run folder holds its checkpoints one level down.
+        folder = storage.join(url, "checkpoints") if fs.isdir(path.rstrip("/") + "/checkpoints") else url
         raise UserError(f"checkpoint {url} is a folder: give a checkpoint file in it, e.g. "
-                        f"{storage.join(url, 'best.pt')} or {storage.join(url, 'last.pt')}")
+                        f"{storage.join(folder, 'best.pt')} or {storage.join(folder, 'last.pt')}")
+    blob = storage.read_bytes(url)
+    if not blob.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
+        what = "text" if _looks_like_text(blob[:4096]) else "not a zip archive"
+        raise UserError(f"checkpoint {url} is not a checkpoint ({what}; torch.save writes a zip archive): give a "
+                        "run's checkpoints/best.pt or checkpoints/last.pt")
     try:
-        blob = storage.read_bytes(url)
         state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise UserError(
             f"checkpoint {url} holds objects that a safe load refuses: it was not written by mllm"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # noqa: BLE001 (a damaged archive fails in many ways inside torch)
+        reason = (str(e).splitlines() or [type(e).__name__])[0].split(". ")[0]
         raise UserError(
-            f"checkpoint {url} is truncated or corrupt ({reason}): train again or pick another checkpoint"
+            f"checkpoint {url} is truncated or corrupt ({type(e).__name__}: {reason}): train again or pick another "
+            "checkpoint"
         ) from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
         raise UserError(f"checkpoint {url} is not an mllm checkpoint (it lacks {', '.join(REQUIRED)})")
     return state
+
+
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
 
 
 def check_vocab(state: dict[str, Any], vocab: Vocab, url: str) -> None:

@@ -13,8 +13,13 @@ binary) and how to convert it.
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import contextlib
+import gzip
 import hashlib
+import io
+import lzma
 import os
 import re
 import shutil
@@ -152,60 +157,128 @@ class Downloaded:
     sha256: str  # of the source's own bytes (what sha256sum prints for it)
     bytes: int  # of the source
     encoding: str  # the source's: utf-8, or the one its byte order mark named (utf-8-sig, utf-16-le, ...)
+    compression: str | None = None  # gzip, bzip2, xz or zstd: the source was decompressed
 
     @property
     def converted(self) -> bool:
-        return self.encoding != "utf-8"
+        return self.encoding != "utf-8" or self.compression is not None
 
 
-def download(source: str, dest: Callable[[str], str], sha256: str | None = None,
+def download(source: str, dest: Callable[[str], str] | None, sha256: str | None = None,
              progress: Callable[[int, int | None], None] | None = None) -> Downloaded:
     """Copy `source` to `dest(sha256)` as UTF-8 text, after checking all of it.
 
     `sha256` pins the source: the digest of its bytes exactly as they are at the source (what
-    `sha256sum file` prints), before any conversion, so a user can compute it without mllm. The
-    copy is named after that same digest. A UTF-16 or UTF-32 file (with a byte order mark) is
-    stored converted to UTF-8, and a UTF-8 BOM is dropped: every later stage reads plain UTF-8.
-    Nothing is written to `dest` unless the whole source passed the checks.
+    `sha256sum file` prints), before any decompression or conversion, so a user can compute it
+    without mllm. The copy is named after that same digest. A gzip, bzip2, xz or zstd file is
+    decompressed as it is read; a UTF-16 or UTF-32 file (with a byte order mark) is stored
+    converted to UTF-8, and a UTF-8 BOM is dropped: every later stage reads plain UTF-8. Nothing
+    is written to `dest` unless the whole source passed the checks; with no `dest` the source is
+    only checked (the CLI does so for a local file before any stage starts).
     """
     fs, path, src = open_source(source)
     size = _size(fs, path)
     digest = hashlib.sha256()
     decoder = TextDecoder(source)
     n = 0
-    chars = False  # any text at all after a BOM
-    tmp = tempfile.NamedTemporaryFile(prefix="mllm-download-", suffix=".txt", delete=False)
+
+    def raw_read(k: int) -> bytes:
+        # The source's own bytes: digested, counted and reported as they arrive.
+        nonlocal n
+        try:
+            block = src.read(k)
+        except Exception as e:
+            raise SourceUnreachable(f"download of {source} broke off ({short(e)}): try again") from None
+        digest.update(block)
+        n += len(block)
+        if progress and block:
+            progress(n, size)
+        return block
+
+    chars = False  # any text but white space, after a BOM
+    tmp = tempfile.NamedTemporaryFile(prefix="mllm-download-", suffix=".txt", delete=False) if dest else None
     try:
-        with src, tmp:
+        with src, tmp or contextlib.nullcontext():
+            read, compression = _decompressed(source, raw_read)
             while True:
-                try:
-                    block = src.read(BLOCK)
-                except Exception as e:
-                    raise SourceUnreachable(f"download of {source} broke off ({short(e)}): try again") from None
+                block = read(BLOCK)
                 text = decoder.decode(block, final=not block)
-                chars = chars or bool(text)
-                # Strictly decoded UTF-8 encodes back to the same bytes; anything else is converted.
-                tmp.write(text.encode("utf-8"))
+                chars = chars or bool(text.strip())
+                if tmp:  # strictly decoded UTF-8 encodes back to the same bytes; anything else is converted
+                    tmp.write(text.encode("utf-8"))
                 if not block:
                     break
-                digest.update(block)
-                n += len(block)
-                if progress:
-                    progress(n, size)
-        if n == 0 or not chars:
+        if n == 0:
             raise UserError(f"{source} is empty: give a file with text in it")
+        if not chars:
+            raise UserError(f"{source} holds no text, only white space: give a file with text in it")
         sha = digest.hexdigest()
         if sha256 and sha != sha256:
             raise UserError(f"{source} has sha256 {sha}, not the pinned {sha256}: the source changed; "
                             "update data.sha256 or remove it")
-        url = dest(sha)
-        if not storage.exists(url):
+        url = dest(sha) if dest else ""
+        if tmp and not storage.exists(url):
             with open(tmp.name, "rb") as f, storage.atomic_open(url) as out:
                 shutil.copyfileobj(f, out, BLOCK)
-        return Downloaded(source=describe(source), url=url, sha256=sha, bytes=n, encoding=decoder.source_encoding)
+        return Downloaded(source=describe(source), url=url, sha256=sha, bytes=n, encoding=decoder.source_encoding,
+                          compression=compression)
     finally:
-        if os.path.exists(tmp.name):
+        if tmp and os.path.exists(tmp.name):
             os.remove(tmp.name)
+
+
+# The compressions corpora come in, by their first bytes, and the command that undoes each.
+_COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), (b"\xfd7zXZ\x00", "xz", "unxz"),
+                 (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"))
+
+
+class _Chained(io.RawIOBase):
+    """A read-only stream: `head`, then whatever `more(k)` returns."""
+
+    def __init__(self, head: bytes, more: Callable[[int], bytes]):
+        self._head, self._more = head, more
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._head[:len(b)] if self._head else self._more(len(b))
+        self._head = self._head[len(data):] if self._head else b""
+        b[:len(data)] = data
+        return len(data)
+
+
+def _decompressed(source: str, raw_read: Callable[[int], bytes]) -> tuple[Callable[[int], bytes], str | None]:
+    """A reader of the source's content, decompressed when its first bytes name a compression,
+    and that compression's name."""
+    head = raw_read(BLOCK)
+    found = next(((name, undo) for magic, name, undo in _COMPRESSIONS if head.startswith(magic)), None)
+    if found is None:
+        pending = [head]
+        return (lambda k: pending.pop() if pending else raw_read(k)), None
+    name, undo = found
+    raw = io.BufferedReader(_Chained(head, raw_read), BLOCK)
+    if name == "gzip":
+        stream: Any = gzip.GzipFile(fileobj=raw)
+    elif name == "bzip2":
+        stream = bz2.BZ2File(raw)
+    elif name == "xz":
+        stream = lzma.LZMAFile(raw)
+    else:
+        import pyarrow as pa
+
+        stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
+
+    def read(k: int) -> bytes:
+        try:
+            return bytes(stream.read(k))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 (each decompressor has its own errors)
+            raise UserError(f"{source} is {name}-compressed but does not decompress ({short(e)}): download it "
+                            f"again, or check it with `{undo} -t`") from None
+
+    return read, name
 
 
 def _size(fs: Any, path: str) -> int | None:

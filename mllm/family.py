@@ -79,6 +79,10 @@ class Family:
             raise ValueError(f"sample.methods {', '.join(bad)}: a {self.name} model samples with "
                              f"{', '.join(self.methods)}")
 
+    def check_source(self, cfg: Any) -> None:
+        """Check a local source (already read through as text) for what this family needs of it,
+        before any stage runs."""
+
     def size(self, model: Any) -> str:
         """The model's size in a few words (the recipes table)."""
         raise NotImplementedError

@@ -219,3 +219,32 @@ def staged_dir(url: str) -> Iterator[str]:
         raise
     finally:
         fs.invalidate_cache(path)
+
+
+@contextlib.contextmanager
+def exclusive(url: str, on_wait: Any = None) -> Iterator[None]:
+    """Hold the folder `url` for one process at a time: a second process that asks waits until
+    the first lets go (its `on_wait` told once), then finds what the first left there.
+
+    A local folder is held with an advisory lock on `url/.lock` (released by the kernel if the
+    holder dies, so a killed run never leaves the folder locked). Object stores have no such
+    lock: there two runs of the same training can still overlap.
+    """
+    fs, path = filesystem(url)
+    if not isinstance(fs, LocalFileSystem):
+        yield
+        return
+    import fcntl
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, ".lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait:
+                on_wait()
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -102,8 +102,10 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
     meta = storage.join(root, "raw", f"{got.sha256}.json")
     if not storage.exists(meta):
         storage.write_json(meta, {"source": got.source, "sha256": got.sha256, "bytes": got.bytes,
-                                  "encoding": got.encoding})
-    if got.converted:
+                                  "encoding": got.encoding, "compression": got.compression})
+    if got.compression:
+        logger.info("source %s is %s-compressed: stored decompressed", got.source, got.compression)
+    if got.encoding != "utf-8":
         logger.info("source %s is %s: stored converted to UTF-8", got.source, got.encoding.upper())
     logger.info("source %s: %d bytes, sha256 %s", got.source, got.bytes, got.sha256[:12])
     return RawText(source=got.source, url=got.url, sha256=got.sha256, bytes=got.bytes, encoding=got.encoding)

@@ -165,10 +165,13 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
             last_log[0] = time.monotonic()
             logger.info(progress_line(p))
 
-    if job.train.nproc_per_node > 1:
-        result = _torchrun(job, on_metrics, on_progress)
-    else:
-        result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+    # Two pipelines training the same thing at once: the second waits, then resumes from (or
+    # returns at once with) what the first wrote, instead of both writing the same checkpoints.
+    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)):
+        if job.train.nproc_per_node > 1:
+            result = _torchrun(job, on_metrics, on_progress)
+        else:
+            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
     trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))

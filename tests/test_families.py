@@ -264,7 +264,7 @@ def test_count_rnn_runs_through_the_pipeline_and_its_model_counts(tmp_path: Path
     assert served.returncode == 0 and served.stdout.strip() == "11", served.stderr[-2000:]
     best = next(storage.glob("runs/*/checkpoints/best.pt"))
     local = cli("sample", "--checkpoint", str(best), "--prompt-file", str(_lines(tmp_path, ["7 8 9 10", "", "50"])))
-    assert local.returncode == 0 and local.stdout.splitlines() == ["11", "51"], local.stdout + local.stderr
+    assert local.returncode == 0 and local.stdout.splitlines() == ["11", "", "51"], local.stdout + local.stderr
     bad = cli("sample", "--checkpoint", str(best), "--prompt", "seven")
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "not numbers below 128" in bad.stderr
 

@@ -4,6 +4,7 @@ it prints, its exit status, and what storage and the tracking store hold afterwa
 from __future__ import annotations
 
 import base64
+import json
 import functools
 import http.server
 import os
@@ -177,6 +178,10 @@ def test_checkpoint_errors_name_the_real_cause(tmp_path, own_stores):
     env, *_ = own_stores
     line = _one_line_error(cli("sample", "--checkpoint", str(tmp_path / "ckpt"), env=env), "is a folder", "best.pt")
     assert "corrupt" not in line
+    # A run folder: the hint names the checkpoints one level down, where they are.
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    line = _one_line_error(cli("sample", "--checkpoint", str(tmp_path / "run"), env=env), "is a folder")
+    assert f"{tmp_path / 'run' / 'checkpoints' / 'best.pt'}" in line
 
 
 def test_a_failure_past_prefects_start_is_one_line_and_leaves_no_pickled_exception(own_stores, tmp_path):
@@ -239,3 +244,213 @@ def test_a_corpus_without_a_character_of_the_recipes_prompt_still_trains_samples
     line = _one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
                            "the prompt has characters the vocabulary lacks: 'T'")
     assert "leave them out of the prompt" in line
+
+
+# --- the third round: Ctrl-C, a tracking server that is down, content checked before Prefect ----
+
+
+def _first_checkpoint(storage: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not list(storage.glob("runs/*/checkpoints/last.pt")):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never wrote its first checkpoint"
+        time.sleep(0.2)
+
+
+def _interruptible(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # A process group of its own, as a terminal gives a command: the signal goes to the group.
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "COLUMNS": "200", **env}, start_new_session=True)
+
+
+def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, own_stores):
+    import signal
+    import sqlite3
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    env, prefect, _, storage = own_stores
+    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
+            "--set", "train.checkpoint_interval=5", "--set", "train.eval_interval=400"]
+    proc = _interruptible(args, env)
+    _first_checkpoint(storage, proc)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    _, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
+        "error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
+        "from them"], stderr[-3000:]
+    assert "storage unreachable" not in stderr and "Crash detected" not in stderr
+    assert took < 15, took  # seconds, not the minutes of a client retrying a dead server (README: about 3 s)
+    with sqlite3.connect(prefect / "prefect.db") as db:
+        states = dict(db.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
+                                 "WHERE f.name IN ('pipeline', 'train')").fetchall())
+    assert states == {"pipeline": "CANCELLED", "train": "CANCELLED"}
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "KILLED"
+
+    again = cli(*args, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trained = json.loads(next(storage.glob("runs/*/trained.json")).read_text())
+    assert trained["steps"] == 400 and trained["resumed_from_step"] >= 5
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback(corpus, own_stores):
+    import signal
+    import time
+
+    env, _, _, storage = own_stores
+    proc = _interruptible(["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
+                           "--set", "train.checkpoint_interval=5"], env)
+    _first_checkpoint(storage, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
+    assert time.monotonic() - sent < 10
+
+
+def test_every_command_that_reads_the_tracking_server_fails_in_seconds_when_it_is_down(own_stores):
+    import socket
+    import time
+
+    env, *_ = own_stores
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = {**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
+    for args in (["runs"], ["runs", "--json"], ["sample", "--model", "smoke@champion"], ["sample", "--run", "0" * 32],
+                 ["reproduce", "0" * 32]):
+        started = time.monotonic()
+        out = cli(*args, env=down)
+        _one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer")
+        assert "storage" not in out.stderr and time.monotonic() - started < 60, args
+
+
+@pytest.mark.parametrize("what", ["text", "config.yaml", "random bytes", "truncated"])
+def test_sampling_a_file_that_is_no_checkpoint_is_one_line(what, tmp_path, own_stores):
+    import yaml
+
+    env, *_ = own_stores
+    path = tmp_path / "file"
+    if what == "text":
+        path.write_text("hello world, this is no checkpoint\n")
+    elif what == "config.yaml":
+        path.write_text(yaml.safe_dump({"model": {"arch": "lstm"}, "train": {"max_steps": 3}}))
+    elif what == "random bytes":
+        path.write_bytes(os.urandom(4096))
+    else:
+        import torch
+
+        buf = __import__("io").BytesIO()
+        torch.save({"model": {}, "step": 1}, buf)
+        path.write_bytes(buf.getvalue()[:200])
+    needle = "truncated or corrupt" if what == "truncated" else "is not a checkpoint"
+    _one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
+    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
+                         capture_output=True, text=True, timeout=120)
+    _one_line_error(out, needle)
+
+
+CONTENT_CASES = ["empty", "white space", "binary", "latin-1", "utf-16 without bom", "sha256", "damaged gzip",
+                 "tsv without a pair", "cuda device"]
+
+
+@pytest.mark.parametrize("case", CONTENT_CASES)
+def test_a_bad_file_is_one_line_before_prefect_starts(case, own_stores, tmp_path):
+    import gzip
+
+    env, prefect, _, storage = own_stores
+    src, recipe, extra = tmp_path / "corpus.txt", "smoke", []
+    text = make_text(300).encode()
+    if case == "empty":
+        src.write_bytes(b"")
+    elif case == "white space":
+        src.write_bytes(b"  \r\n\r\n\t \n")
+    elif case == "binary":
+        src.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
+    elif case == "latin-1":
+        src.write_bytes("Un café à Moscou.\n".encode("latin-1") * 10)
+    elif case == "utf-16 without bom":
+        src.write_bytes(make_text(300).encode("utf-16-le"))
+    elif case == "sha256":
+        src.write_bytes(text)
+        extra = ["--set", "data.sha256=" + "0" * 64]
+    elif case == "damaged gzip":
+        src = tmp_path / "corpus.txt.gz"
+        src.write_bytes(gzip.compress(text)[:100])
+    elif case == "tsv without a pair":
+        src, recipe = tmp_path / "pairs.tsv", "seq2seq-smoke"
+        src.write_text("one column only\nanother\n")
+    elif case == "cuda device":
+        if __import__("torch").cuda.is_available():
+            pytest.skip("this machine has a CUDA GPU")
+        src.write_bytes(text)
+        extra = ["--set", "train.device=cuda"]
+    needle = {"empty": "is empty", "white space": "only white space", "binary": "binary", "latin-1": "not UTF-8",
+              "utf-16 without bom": "UTF-16", "sha256": "0" * 64, "damaged gzip": "gzip-compressed",
+              "tsv without a pair": "no valid pair", "cuda device": "no CUDA GPU"}[case]
+    out = cli("run", "--recipe", recipe, "--source", str(src), *extra, env=env)
+    _one_line_error(out, needle)
+    # Found before Prefect started: not one of its lines, no database, no stage output.
+    assert "Flow run" not in out.stderr and "temporary server" not in out.stderr, out.stderr
+    assert not (prefect / "prefect.db").exists()
+    assert not any((storage / stage).exists() for stage in ("raw", "tokens", "pairs"))
+
+
+@pytest.mark.parametrize("compression", ["gzip", "bz2", "xz", "zstd"])
+def test_a_compressed_source_is_decompressed(compression, own_stores, tmp_path):
+    import hashlib
+
+    env, _, _, storage = own_stores
+    text = make_text(400).encode()
+    if compression == "zstd":
+        import pyarrow as pa
+
+        packed = pa.compress(text, codec="zstd", asbytes=True)
+    else:
+        packed = __import__({"gzip": "gzip", "bz2": "bz2", "xz": "lzma"}[compression]).compress(text)
+    src = tmp_path / f"corpus.txt.{compression}"
+    src.write_bytes(packed)
+    out = cli("prepare", "--recipe", "smoke", "--source", str(src), env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sha = hashlib.sha256(packed).hexdigest()  # what sha256sum prints for the file as given
+    assert (storage / "raw" / f"{sha}.txt").read_bytes() == text
+    assert json.loads((storage / "raw" / f"{sha}.json").read_text())["compression"] == {"bz2": "bzip2"}.get(
+        compression, compression)
+
+
+def test_two_runs_of_one_training_at_once_train_it_once(corpus, own_stores, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    env, _, _, storage = own_stores
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus),
+           "--set", "train.max_steps=60", "--force"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env, "PREFECT_HOME": str(tmp_path / f"prefect-{i}")})
+             for i in range(2)]
+    for p, (stdout, stderr) in zip(procs, [p.communicate(timeout=600) for p in procs]):
+        assert p.returncode == 0, stderr[-3000:]
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    # One trained from scratch; the other waited, then found that training finished.
+    assert sorted(int(r.data.tags["train.resumed_from_step"]) for r in runs) == [0, 60]
+    assert len(list(storage.glob("runs/*/checkpoints/last.pt"))) == 1
+
+
+def test_flags_show_as_flags_and_sample_takes_a_device(own_stores):
+    env, *_ = own_stores
+    for command in ("runs", "run", "sample", "schedule"):
+        out = cli(command, "--help", env=env)
+        assert out.returncode == 0 and "<bool>" not in out.stdout, out.stdout
+    assert "--device" in cli("sample", "--help", env=env).stdout
+    out = cli("recipes", env=env)
+    assert "1 layer," in out.stdout and "1 layers" not in out.stdout

@@ -16,6 +16,10 @@ from mllm.embeddings.wordsim import HEADLINE
 from mllm.family import Evaluation, Family, Samples, option, register
 
 
+WORDSIM353_PAIRS = 353
+FEW_PAIRS = 30  # below this many scored pairs a Spearman correlation moves by tenths between runs
+
+
 @register
 class WordEmbeddings(Family):
     name = "word embeddings"
@@ -68,8 +72,14 @@ class WordEmbeddings(Family):
         m = result["metrics"]
         report = evaluation.report(cfg, loaded.url, loaded.step, result)
         files = [f"embeddings/{name}" for name in ("vectors.parquet", "vectors.w2v.txt", "pca.png")]
+        notes = list(result["notes"])
+        pairs = round(m["wordsim353_coverage"] * WORDSIM353_PAIRS)
+        if pairs < FEW_PAIRS:
+            notes.append(f"WordSim-353 covers only {pairs} of its {WORDSIM353_PAIRS} pairs in this vocabulary "
+                         f"({100 * m['wordsim353_coverage']:.1f}%): the headline, and so the champion decision, "
+                         "rests on too few pairs to mean much; train on more text or lower data.vocab.min_freq")
         return Evaluation(self.headline, self.higher_is_better, m["val_loss"], result["n_samples"], dict(m), report,
-                          files, list(result["notes"]))
+                          files, notes)
 
     def sample(self, loaded: Any, prompts: list[str] | None, options: dict[str, Any]) -> list[str]:
         from mllm.embeddings.evaluation import neighbours_of

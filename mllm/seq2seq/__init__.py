@@ -46,7 +46,16 @@ class SequenceToSequence(Family):
                 raise ValueError(f"{side}.kind basic_english is for CBOW paragraphs: use char, word or bpe")
 
     def size(self, m: Any) -> str:
-        return f"{m.n_layer} layers, {m.n_embd} wide"
+        return f"{m.n_layer} layer{'s' if m.n_layer != 1 else ''}, {m.n_embd} wide"
+
+    def check_source(self, cfg: Any) -> None:
+        from mllm.seq2seq.pairs import read_tsv
+
+        path = cfg.data.source.removeprefix("file://")
+        with open(path, "rb") as f:
+            compressed = f.read(4).startswith((b"\x1f\x8b", b"BZh", b"\xfd7zX", b"\x28\xb5\x2f\xfd"))
+        if not compressed:  # (a compressed file is read once decompressed, by the pairs stage)
+            read_tsv(path, name=cfg.data.source)
 
     def tokens(self, data: Any) -> str:
         return f"{data.tokenizer.kind} -> {data.pairs.target_tokenizer.kind}"
