@@ -75,6 +75,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 _quiet = _QuietAfterUserError()
+_servers: list[Any] = []  # the temporary Prefect servers this process started
 
 
 def flows_module():
@@ -135,6 +136,11 @@ def _ctrl_c() -> Iterator[None]:
     def again(signum: int, frame: Any) -> None:
         sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
         sys.stderr.flush()
+        # No atexit handler runs after os._exit: the temporary server, which ignores SIGINT,
+        # would outlive this process.
+        for server in _servers:
+            with contextlib.suppress(Exception):
+                server.server_process.kill()
         os._exit(130)
 
     def first(signum: int, frame: Any) -> None:
@@ -180,13 +186,16 @@ def _start_temporary_server() -> Callable[[], None] | None:
 
     failure: list[BaseException] = []
 
+    server = SubprocessASGIServer()
+    _servers.append(server)
+
     def start() -> None:
         # The server process inherits this thread's signal mask: with SIGINT blocked it does not
         # die of the terminal's Ctrl-C (sent to the whole process group) under the runs it
         # records; it is stopped with SIGTERM when this process ends.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            SubprocessASGIServer().start()
+            server.start()
         except BaseException as e:  # handed to the caller's thread
             failure.append(e)
 
