@@ -409,15 +409,19 @@ def sweep(recipe: Recipe = "default",
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""
     with user_errors():
         source, set_ = _without_credentials(source, set_)
-        from flows.sweep import headline_of, parse_grid, resolve_points
+        from flows.sweep import PointsFailed, headline_of, parse_grid, resolve_points
 
         resolve_points(recipe, parse_grid(grid or []), set_, source)  # every point, before anything runs
         _resolve(recipe, set_, source, storage)
         with flow_session() as fl, progress():
             from flows.sweep import sweep as sweep_flow
 
-            result = sweep_flow(recipe=recipe, grid=grid or [], source=source, storage_url=fl.storage_root(storage),
-                                overrides=set_, train_on=train_on)
+            failure = ""
+            try:
+                result = sweep_flow(recipe=recipe, grid=grid or [], source=source,
+                                    storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on)
+            except PointsFailed as e:  # the others ran: their table first, then the one line
+                result, failure = e.result, str(e)
         rows = [("point", headline_of(result.outcomes)[0], "val loss", "mlflow run")]
         for o in result.outcomes:
             rows.append((o.label, f"{o.score:.4f}" if o.ok else "FAILED", f"{o.val_loss:.4f}" if o.ok else "-",
@@ -428,9 +432,7 @@ def sweep(recipe: Recipe = "default",
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
         if result.failed:
-            failed = "; ".join(f"{o.label} ({o.error})" for o in result.failed)
-            console.print(f"[bold red]error:[/] {len(result.failed)} of {len(result.outcomes)} points failed: "
-                          f"{scrub(failed)}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {scrub(failure)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
 
 

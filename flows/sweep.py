@@ -32,10 +32,12 @@ from flows.pipeline import RecipeName, pipeline, prepare
 from flows.training import train
 from mllm import UserError, storage
 from mllm.config import RunConfig
+from mllm.redact import scrub
 from mllm.resolve import resolve
 from tasks import model as model_tasks
+from tasks.caching import forget_exception
 from tasks.provenance import code_git_info, run_tags
-from tasks.tracking import MAX_TAG_VALUE, RunTracker
+from tasks.tracking import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
 from tasks.tracking import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
@@ -156,8 +158,18 @@ class SweepResult(BaseModel):
         return [o for o in self.outcomes if not o.ok]
 
 
+class PointsFailed(UserError):
+    """Some points failed; the others ran, and the table and plot are recorded. A UserError so
+    that the terminal shows its one line and not Prefect's traceback."""
+
+    def __init__(self, result: SweepResult):
+        self.result = result
+        failed = "; ".join(f"{o.label} ({o.error})" for o in result.failed)
+        super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
+
+
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
-@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False)
+@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
 def run_point(recipe: str, source: str | None, root: str, overrides: list[str], tags: dict[str, str],
               pool: str | None) -> PointOutcome:
     r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
@@ -172,7 +184,8 @@ def run_point(recipe: str, source: str | None, root: str, overrides: list[str], 
 
 # Threads, not processes: a point's thread mostly waits on its training, here or on a pool; in
 # this process the points are run one at a time anyway.
-@flow(name="sweep", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32))
+@flow(name="sweep", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
+      on_failure=[forget_exception], on_crashed=[forget_exception])
 def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | None = None,  # noqa: B006
           storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
           train_on: str | None = None) -> SweepResult:
@@ -200,11 +213,14 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | No
     parent = ParentRun(cfgs[0], root, fields, overrides)
     with parent:
         futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool)
-        outcomes = [outcome(point, future) for point, future in zip(points, futures)]
+        outcomes = parent.with_run_ids([outcome(point, future) for point, future in zip(points, futures)])
         parent.failed = [o.label for o in outcomes if not o.ok]
         outputs = record(parent, recipe, fields, outcomes)
-    return SweepResult(recipe=recipe, grid=fields, mlflow_run_id=parent.run_id, outcomes=outcomes,
-                       outputs=outputs, artifact_uri=parent.artifact_uri)
+    result = SweepResult(recipe=recipe, grid=fields, mlflow_run_id=parent.run_id, outcomes=outcomes,
+                         outputs=outputs, artifact_uri=parent.artifact_uri)
+    if result.failed:
+        raise PointsFailed(result)  # the flow run fails, after every point ran and was recorded
+    return result
 
 
 def submit_points(recipe: str, source: str | None, root: str, overrides: list[str], points: list[dict[str, str]],
@@ -231,8 +247,9 @@ def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
     try:
         return future.result().model_copy(update={"point": point})
     except Exception as e:  # a failed point is reported with the others, not raised
-        message = str(e).splitlines()[0] if str(e) else ""
-        return PointOutcome(point=point, ok=False, error=f"{type(e).__name__}: {message}")
+        message = scrub(str(e).splitlines()[0]) if str(e) else ""
+        return PointOutcome(point=point, ok=False,
+                            error=message if isinstance(e, UserError) else f"{type(e).__name__}: {message}")
 
 
 # --- tracking ------------------------------------------------------------------------------
@@ -244,22 +261,32 @@ class ParentRun:
     def __init__(self, cfg: RunConfig, root: str, grid: dict[str, list[str]], overrides: list[str]):
         self.cfg, self.root, self.grid, self.overrides = cfg, root, grid, overrides
         self.client = tracking_client(root)
-        self.run_id = self.artifact_uri = ""
+        self.run_id = self.artifact_uri = self.experiment_id = ""
         self.failed: list[str] = []
 
     def __enter__(self) -> "ParentRun":
         digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides)])[:8]
-        tags = run_tags(self.cfg, self.root, code_git_info())
-        tags.update({"sweep.grid": json.dumps(self.grid), "sweep.points": str(len(expand(self.grid)))})
-        experiment = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
-        run = self.client.create_run(experiment, run_name=f"sweep-{self.cfg.recipe}-{digest}",
+        tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), "sweep.grid": json.dumps(self.grid),
+                      "sweep.points": str(len(expand(self.grid)))})
+        self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
+        run = self.client.create_run(self.experiment_id, run_name=f"sweep-{self.cfg.recipe}-{digest}",
                                      tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
         self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
-        for field, values in self.grid.items():
-            self.client.log_param(self.run_id, f"grid.{field}", ",".join(values))
+        params = {f"grid.{field}": ",".join(values) for field, values in self.grid.items()}
         if self.overrides:
-            self.client.log_param(self.run_id, "overrides", " ".join(self.overrides)[:6000])
+            params["overrides"] = " ".join(self.overrides)
+        for name, value in scrub(params).items():
+            self.client.log_param(self.run_id, name, value[:MAX_PARAM_VALUE])
         return self
+
+    def with_run_ids(self, outcomes: list[PointOutcome]) -> list[PointOutcome]:
+        """A failed point's run id, where it got as far as its run: found by its tags."""
+        if all(o.mlflow_run_id for o in outcomes):
+            return outcomes
+        runs = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}'")
+        ids = {r.data.tags.get(POINT_TAG): r.info.run_id for r in runs}
+        return [o if o.mlflow_run_id else o.model_copy(update={"mlflow_run_id": ids.get(o.label)})
+                for o in outcomes]
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "KILLED" if exc_type is KeyboardInterrupt else "FAILED" if exc_type or self.failed else "FINISHED"
