@@ -154,3 +154,21 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "train.window=5000"
     assert client.get_run(failed[3]).info.status == "FAILED"  # the failed point's own run, found by its tags
     assert client.get_run(done[3]).data.tags["mlflow.parentRunId"] == parent_id
+
+
+def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point() -> None:
+    from flows.sweep import PointOutcome, figure, markdown_table
+
+    grid = {"model.arch": ["rnn", "lstm"], "data.window": ["4", "8"]}
+    ok = dict(ok=True, headline="accuracy", higher_is_better=True, val_loss=0.5)
+    outcomes = [PointOutcome(point=p, score=0.9 - i / 10, mlflow_run_id=f"run{i}", **ok)
+                for i, p in enumerate(expand(grid)[:3])]
+    outcomes.append(PointOutcome(point=expand(grid)[3], ok=False, error="out of memory"))
+    ax = figure("r", grid, outcomes).axes[0]
+    assert ax.get_xlabel() == "model.arch" and ax.get_ylabel() == "accuracy (higher is better)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["rnn", "lstm"]  # not numbers: their order
+    assert [line.get_label() for line in ax.get_lines()] == ["4", "8"]
+    assert ax.get_legend().get_title().get_text() == "data.window"
+    md = markdown_table("r", grid, outcomes, "parent")
+    assert "| model.arch | data.window | accuracy | val loss | MLflow run |" in md
+    assert "| lstm | 8 | **failed**: out of memory | - | - |" in md
