@@ -409,7 +409,7 @@ def sweep(recipe: Recipe = "default",
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""
     with user_errors():
         source, set_ = _without_credentials(source, set_)
-        from flows.sweep import PointsFailed, headline_of, parse_grid, resolve_points
+        from flows.sweep import PointsFailed, parse_grid, resolve_points, text_table
 
         resolve_points(recipe, parse_grid(grid or []), set_, source)  # every point, before anything runs
         _resolve(recipe, set_, source, storage)
@@ -422,13 +422,7 @@ def sweep(recipe: Recipe = "default",
                                     storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on)
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)
-        rows = [("point", headline_of(result.outcomes)[0], "val loss", "mlflow run")]
-        for o in result.outcomes:
-            rows.append((o.label, f"{o.score:.4f}" if o.ok else "FAILED", f"{o.val_loss:.4f}" if o.ok else "-",
-                         o.mlflow_run_id or "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        for r in rows:
-            typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        typer.echo(text_table(result.outcomes))
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
         if result.failed:

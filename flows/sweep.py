@@ -356,6 +356,15 @@ def markdown_table(recipe: str, grid: dict[str, list[str]], outcomes: list[Point
     return "\n".join(lines) + "\n"
 
 
+def text_table(outcomes: list[PointOutcome]) -> str:
+    """The table for a terminal: point, headline, val loss, MLflow run."""
+    rows = [("point", headline_of(outcomes)[0], "val loss", "mlflow run")]
+    rows += [(o.label, _num(o.score) if o.ok else "FAILED", _num(o.val_loss), o.mlflow_run_id or "-")
+             for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
 def _axis_values(values: list[str]) -> tuple[list[float], bool]:
     """Positions on the x axis: the values themselves when all are numbers, else their order."""
     parsed = [yaml.safe_load(v) for v in values]

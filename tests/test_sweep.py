@@ -157,7 +157,7 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
 
 
 def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point() -> None:
-    from flows.sweep import PointOutcome, figure, markdown_table
+    from flows.sweep import PointOutcome, figure, markdown_table, text_table
 
     grid = {"model.arch": ["rnn", "lstm"], "data.window": ["4", "8"]}
     ok = dict(ok=True, headline="accuracy", higher_is_better=True, val_loss=0.5)
@@ -172,3 +172,7 @@ def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point
     md = markdown_table("r", grid, outcomes, "parent")
     assert "| model.arch | data.window | accuracy | val loss | MLflow run |" in md
     assert "| lstm | 8 | **failed**: out of memory | - | - |" in md
+    lines = text_table(outcomes).splitlines()
+    assert lines[0].split() == ["point", "accuracy", "val", "loss", "mlflow", "run"]
+    assert lines[1].split() == ["model.arch=rnn", "data.window=4", "0.9000", "0.5000", "run0"]
+    assert lines[4].split() == ["model.arch=lstm", "data.window=8", "FAILED", "-", "-"]
