@@ -433,6 +433,36 @@ def _print_stack(state: dict, services: bool = True) -> None:
     typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")
 
 
+@app.command()
+def sweep(recipe: Recipe = "default",
+          grid: Annotated[Optional[list[str]], typer.Option(
+              "--grid", metavar="FIELD=V1,V2,...",
+              help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).")] = None,
+          source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None) -> None:
+    """Run the pipeline at every point of a grid and compare the points' headline metrics."""
+    with user_errors():
+        source, set_ = _without_credentials(source, set_)
+        from flows.sweep import PointsFailed, parse_grid, resolve_points, text_table
+
+        resolve_points(recipe, parse_grid(grid or []), set_, source)  # every point, before anything runs
+        _resolve(recipe, set_, source, storage)
+        with flow_session() as fl, progress():
+            from flows.sweep import sweep as sweep_flow
+
+            failure = ""
+            try:
+                result = sweep_flow(recipe=recipe, grid=grid or [], source=source,
+                                    storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on)
+            except PointsFailed as e:  # the others ran: their table first, then the one line
+                result, failure = e.result, str(e)
+        typer.echo(text_table(result.outcomes))
+        typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
+        typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
+        if result.failed:
+            console.print(f"[bold red]error:[/] {scrub(failure)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,404 @@
+"""`mllm-pipeline sweep`: the pipeline at every point of a grid of config fields.
+
+Every point is resolved before anything runs, so a bad field or value stops the sweep with one
+line. Each point is a normal pipeline run (forced: a sweep measures every point, even one the
+champion already has), nested in MLflow under one parent run that holds the table and the plot
+of each point's headline metric. In this process the points run one after another; with a work
+pool their trainings run side by side on its workers, the data stages prepared first so that
+no two points ever write the same stage at once.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import math
+from typing import Any
+
+import yaml
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import allow_failure
+from pydantic import BaseModel
+
+from flows import dispatch
+from flows.launch import preflight, storage_root, training_pool, with_results
+from flows.pipeline import RecipeName, pipeline, prepare
+from flows.training import train
+from mllm import UserError, storage
+from mllm.config import RunConfig
+from mllm.redact import scrub
+from mllm.resolve import resolve
+from tasks import model as model_tasks
+from tasks.caching import forget_exception
+from tasks.provenance import code_git_info, run_tags
+from tasks.tracking import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
+from tasks.tracking import client as tracking_client
+
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
+POINT_TAG = "sweep.point"
+
+
+# --- the grid ------------------------------------------------------------------------------
+
+def parse_grid(items: list[str]) -> dict[str, list[str]]:
+    """`--grid FIELD=v1,v2,...` options -> {field: [raw value, ...]}, in the order given. The
+    values stay as written: each becomes a `--set FIELD=value`, which parses it as YAML."""
+    if not items:
+        raise UserError("give at least one --grid FIELD=v1,v2,... (e.g. --grid train.lr=1e-3,3e-3)")
+    grid: dict[str, list[str]] = {}
+    for item in items:
+        field, sep, text = item.partition("=")
+        field = field.strip()
+        if not sep or not field or any(not part for part in field.split(".")):
+            raise UserError(f"malformed --grid {item!r}: write it as FIELD=v1,v2,... (e.g. train.lr=1e-3,3e-3)")
+        if field in grid:
+            raise UserError(f"--grid {field} is given twice: give each field once, with all its values")
+        values = split_values(text)
+        if not text.strip() or any(not v for v in values):
+            raise UserError(f"--grid {item!r} has an empty value: give values separated by commas, "
+                            f"e.g. {field}=1,2")
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise UserError(f"--grid {field} lists {repeated[0]!r} twice: give each value once")
+        grid[field] = values
+    return grid
+
+
+def split_values(text: str) -> list[str]:
+    """Split on the commas outside brackets and quotes, so a value may be a YAML list
+    (`sample.methods=[greedy],[top-p, greedy]`)."""
+    values, depth, quote, current = [], 0, "", []
+    for c in text:
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            values.append("".join(current).strip())
+            current = []
+            continue
+        current.append(c)
+    values.append("".join(current).strip())
+    return values
+
+
+def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every point of the grid, the first field varying slowest."""
+    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+
+
+def label(point: dict[str, str]) -> str:
+    return " ".join(f"{field}={value}" for field, value in point.items())
+
+
+def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
+    return [*overrides, *(f"{field}={value}" for field, value in point.items())]
+
+
+def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str] = (),
+                   source: str | None = None) -> list[RunConfig]:
+    """The config of every point, or a UserError naming the first point that does not validate,
+    a field that is in both --set and --grid, or two points that are the same config."""
+    fixed = {item.partition("=")[0].strip() for item in overrides}
+    for field in grid:
+        if field in fixed:
+            raise UserError(f"{field} is in both --set and --grid: give it in one of them")
+    cfgs, seen = [], {}
+    for point in expand(grid):
+        try:
+            cfg = resolve(recipe, overrides=point_overrides(list(overrides), point), source=source)
+        except UserError as e:
+            raise UserError(f"--grid point {label(point)}: {e}") from None
+        same = seen.setdefault(cfg.to_yaml(paths=False), label(point))
+        if same != label(point):
+            raise UserError(f"--grid points {same} and {label(point)} are the same config: "
+                            "give values that differ")
+        cfgs.append(cfg)
+    return cfgs
+
+
+# --- one point -----------------------------------------------------------------------------
+
+class PointOutcome(BaseModel):
+    point: dict[str, str]
+    ok: bool
+    headline: str | None = None
+    score: float | None = None
+    higher_is_better: bool | None = None
+    val_loss: float | None = None
+    decision: str | None = None
+    mlflow_run_id: str | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return label(self.point)
+
+
+class SweepResult(BaseModel):
+    recipe: str
+    grid: dict[str, list[str]]
+    mlflow_run_id: str  # the parent run
+    outcomes: list[PointOutcome]
+    outputs: str  # storage folder with the table and the plot
+    artifact_uri: str  # the parent run's artifacts
+
+    @property
+    def failed(self) -> list[PointOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+class PointsFailed(UserError):
+    """Some points failed; the others ran, and the table and plot are recorded. A UserError so
+    that the terminal shows its one line and not Prefect's traceback."""
+
+    def __init__(self, result: SweepResult):
+        self.result = result
+        failed = "; ".join(f"{o.label} ({o.error})" for o in result.failed)
+        super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
+
+
+# No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
+@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
+def run_point(recipe: str, source: str | None, root: str, overrides: list[str], tags: dict[str, str],
+              pool: str | None) -> PointOutcome:
+    r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
+                 train_on=pool, force=True)
+    e = r.evaluation
+    return PointOutcome(point={}, ok=True, headline=e.headline, score=e.score,
+                        higher_is_better=e.higher_is_better, val_loss=e.loss, decision=r.decision,
+                        mlflow_run_id=r.mlflow_run_id)
+
+
+# --- the flow ------------------------------------------------------------------------------
+
+# Threads, not processes: a point's thread mostly waits on its training, here or on a pool; in
+# this process the points are run one at a time anyway.
+@flow(name="sweep", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
+      on_failure=[forget_exception], on_crashed=[forget_exception])
+def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | None = None,  # noqa: B006
+          storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
+          train_on: str | None = None) -> SweepResult:
+    """Run the pipeline at every point of a grid of config fields and compare their headlines.
+
+    Args:
+        recipe: A shipped recipe (see `mllm-pipeline recipes`).
+        grid: A field and its values each, as section.field=v1,v2,... (e.g. train.lr=1e-3,3e-3).
+        source: The corpus to train on when not the recipe's own.
+        storage_url: The storage root [$MLLM_STORAGE or ./storage].
+        overrides: Config fields fixed for every point, as section.field=value.
+        train_on: A work pool whose workers train the points side by side [this process, one at a time].
+    """
+    fields = parse_grid(grid)
+    points = expand(fields)
+    cfgs = resolve_points(recipe, fields, overrides, source)
+    root = storage_root(storage_url)
+    preflight(root)
+    pool = training_pool(recipe, train_on)
+    keys: list[str | None] = [None] * len(points)
+    if pool:
+        dispatch.ensure_deployment(train, pool)
+        # Prepared one by one before any point starts: points then find their data stages done.
+        keys = [model_tasks.train_key(cfg, with_results(prepare, root)(cfg, root)) for cfg in cfgs]
+    parent = ParentRun(cfgs[0], root, fields, overrides)
+    with parent:
+        futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool)
+        outcomes = parent.with_run_ids([outcome(point, future) for point, future in zip(points, futures)])
+        parent.failed = [o.label for o in outcomes if not o.ok]
+        outputs = record(parent, recipe, fields, outcomes)
+    result = SweepResult(recipe=recipe, grid=fields, mlflow_run_id=parent.run_id, outcomes=outcomes,
+                         outputs=outputs, artifact_uri=parent.artifact_uri)
+    if result.failed:
+        raise PointsFailed(result)  # the flow run fails, after every point ran and was recorded
+    return result
+
+
+def submit_points(recipe: str, source: str | None, root: str, overrides: list[str], points: list[dict[str, str]],
+                  keys: list[str | None], parent_id: str, pool: str | None) -> list[PrefectFuture]:
+    """Start every point: all at once on a pool (as many train as its workers take), else one
+    after another. Points with the same training key (a sweep of a sample setting) wait for each
+    other: they would train into the same folder."""
+    futures: list[PrefectFuture] = []
+    last_of_key: dict[str, PrefectFuture] = {}
+    for point, key in zip(points, keys):
+        after = [allow_failure(last_of_key[key])] if key in last_of_key else []
+        future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
+            recipe, source, root, point_overrides(overrides, point),
+            {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, wait_for=after)
+        if pool is None:
+            future.wait()
+        if key is not None:
+            last_of_key[key] = future
+        futures.append(future)
+    return futures
+
+
+def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
+    try:
+        return future.result().model_copy(update={"point": point})
+    except Exception as e:  # a failed point is reported with the others, not raised
+        message = scrub(str(e).splitlines()[0]) if str(e) else ""
+        return PointOutcome(point=point, ok=False,
+                            error=message if isinstance(e, UserError) else f"{type(e).__name__}: {message}")
+
+
+# --- tracking ------------------------------------------------------------------------------
+
+class ParentRun:
+    """The sweep's MLflow run, in the recipe's experiment; each point's run names it in its
+    `mlflow.parentRunId` tag. It ends FAILED when a point failed."""
+
+    def __init__(self, cfg: RunConfig, root: str, grid: dict[str, list[str]], overrides: list[str]):
+        self.cfg, self.root, self.grid, self.overrides = cfg, root, grid, overrides
+        self.client = tracking_client(root)
+        self.run_id = self.artifact_uri = self.experiment_id = ""
+        self.failed: list[str] = []
+
+    def __enter__(self) -> "ParentRun":
+        digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides)])[:8]
+        tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), "sweep.grid": json.dumps(self.grid),
+                      "sweep.points": str(len(expand(self.grid)))})
+        self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
+        run = self.client.create_run(self.experiment_id, run_name=f"sweep-{self.cfg.recipe}-{digest}",
+                                     tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
+        self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
+        params = {f"grid.{field}": ",".join(values) for field, values in self.grid.items()}
+        if self.overrides:
+            params["overrides"] = " ".join(self.overrides)
+        for name, value in scrub(params).items():
+            self.client.log_param(self.run_id, name, value[:MAX_PARAM_VALUE])
+        return self
+
+    def with_run_ids(self, outcomes: list[PointOutcome]) -> list[PointOutcome]:
+        """A failed point's run id, where it got as far as its run: found by its tags."""
+        if all(o.mlflow_run_id for o in outcomes):
+            return outcomes
+        runs = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}'")
+        ids = {r.data.tags.get(POINT_TAG): r.info.run_id for r in runs}
+        return [o if o.mlflow_run_id else o.model_copy(update={"mlflow_run_id": ids.get(o.label)})
+                for o in outcomes]
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        status = "KILLED" if exc_type is KeyboardInterrupt else "FAILED" if exc_type or self.failed else "FINISHED"
+        if self.failed:
+            self.client.set_tag(self.run_id, "sweep.failed", ", ".join(self.failed)[:MAX_TAG_VALUE])
+        self.client.set_terminated(self.run_id, status)
+
+
+def record(parent: ParentRun, recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> str:
+    """The table (markdown, CSV, JSON) and the plot, in storage under `sweeps/<parent run>/`,
+    as the parent run's artifacts, and the markdown as a Prefect artifact of this flow run."""
+    folder = storage.join(parent.root, "sweeps", parent.run_id)
+    md, rows = markdown_table(recipe, grid, outcomes, parent.run_id), table_rows(grid, outcomes)
+    texts = {"sweep.md": md, "sweep.csv": csv_text(rows), "sweep.json": json.dumps(rows, indent=2) + "\n"}
+    for name, text in texts.items():
+        storage.write_text(storage.join(folder, name), text)
+        parent.client.log_text(parent.run_id, text, name)
+    fig = figure(recipe, grid, outcomes)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    storage.write_bytes(storage.join(folder, "sweep.png"), png.getvalue())
+    parent.client.log_figure(parent.run_id, fig, "sweep.png")
+    slug = "".join(c if c.isalnum() else "-" for c in recipe.lower())
+    create_markdown_artifact(md, key=f"sweep-{slug}", description=f"{recipe}: sweep of {', '.join(grid)}")
+    return folder
+
+
+# --- the table and the plot (pure) ---------------------------------------------------------
+
+def headline_of(outcomes: list[PointOutcome]) -> tuple[str, bool | None]:
+    done = [o for o in outcomes if o.ok]
+    return (done[0].headline, done[0].higher_is_better) if done else ("headline", None)
+
+
+def direction(higher_is_better: bool | None) -> str:
+    return "" if higher_is_better is None else "higher is better" if higher_is_better else "lower is better"
+
+
+def table_rows(grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> list[dict[str, Any]]:
+    return [{**o.point, "status": "ok" if o.ok else "failed", "headline": o.headline, "score": o.score,
+             "higher_is_better": o.higher_is_better, "val_loss": o.val_loss, "decision": o.decision,
+             "mlflow_run_id": o.mlflow_run_id, "error": o.error} for o in outcomes]
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def markdown_table(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome], parent_id: str) -> str:
+    name, higher = headline_of(outcomes)
+    lines = [f"# Sweep of {recipe}: {name} ({direction(higher)})", "",
+             f"Parent MLflow run `{parent_id}`; the plot is its artifact `sweep.png`.", "",
+             "| " + " | ".join([*grid, name, "val loss", "MLflow run"]) + " |",
+             "|" + "---|" * (len(grid) + 3)]
+    for o in outcomes:
+        score = _num(o.score) if o.ok else f"**failed**: {o.error}".replace("|", "/")
+        lines.append("| " + " | ".join([*o.point.values(), score, _num(o.val_loss),
+                                        f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def text_table(outcomes: list[PointOutcome]) -> str:
+    """The table for a terminal: point, headline, val loss, MLflow run."""
+    rows = [("point", headline_of(outcomes)[0], "val loss", "mlflow run")]
+    rows += [(o.label, _num(o.score) if o.ok else "FAILED", _num(o.val_loss), o.mlflow_run_id or "-")
+             for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _axis_values(values: list[str]) -> tuple[list[float], bool]:
+    """Positions on the x axis: the values themselves when all are numbers, else their order."""
+    parsed = [yaml.safe_load(v) for v in values]
+    if all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parsed):
+        return [float(p) for p in parsed], True
+    return [float(i) for i in range(len(values))], False
+
+
+def figure(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> Any:
+    """The headline against the first field, one line per value of the other fields (a failed
+    point is a gap in its line)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
+
+    name, higher = headline_of(outcomes)
+    x_field, *others = grid
+    xs, numeric = _axis_values(grid[x_field])
+    at = dict(zip(grid[x_field], xs))
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    ax = fig.subplots()
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for o in outcomes:
+        key = (o.point[others[0]] if len(others) == 1
+               else ", ".join(f"{f}={o.point[f]}" for f in others) or name)
+        lines.setdefault(key, []).append((at[o.point[x_field]], o.score if o.ok else math.nan))
+    for key, pts in lines.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:
+        ax.set_xscale("log")  # learning rates and the like: spread over decades
+    ax.set_xticks(xs, grid[x_field])
+    ax.set_xlabel(x_field)
+    ax.set_ylabel(f"{name} ({direction(higher)})" if higher is not None else name)
+    ax.set_title(f"{recipe}: {name} by {x_field}" + (f" and {', '.join(others)}" if others else ""))
+    ax.grid(alpha=0.3)
+    if others:
+        ax.legend(title=", ".join(others))
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,178 @@
+"""`mllm-pipeline sweep`: the grid, bad input, and a real sweep of the smoke recipe with its
+parent and nested MLflow runs, table, plot and shared data stages."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.sweep import expand, parse_grid, resolve_points, split_values
+from mllm import UserError
+
+FAST = ["train.max_steps=6", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
+        "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+
+
+def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, COLUMNS="200"))
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for s in overrides for a in ("--set", s)]
+
+
+def test_grid_values_are_split_outside_brackets_and_expanded_first_field_slowest() -> None:
+    grid = parse_grid(["train.lr=1e-3, 3e-3", "sample.methods=[greedy],[top-p, greedy]", "model.n_layer=1"])
+    assert grid == {"train.lr": ["1e-3", "3e-3"], "sample.methods": ["[greedy]", "[top-p, greedy]"],
+                    "model.n_layer": ["1"]}
+    assert [list(p.values()) for p in expand(grid)] == [
+        ["1e-3", "[greedy]", "1"], ["1e-3", "[top-p, greedy]", "1"],
+        ["3e-3", "[greedy]", "1"], ["3e-3", "[top-p, greedy]", "1"]]
+    assert split_values("'a,b',c") == ["'a,b'", "c"]
+    # Each value is a --set of its own, parsed as YAML into the point's config.
+    cfgs = resolve_points("smoke", grid)
+    assert [(c.train.lr, c.sample.methods, c.model.n_layer) for c in cfgs][1] == (1e-3, ["top-p", "greedy"], 1)
+
+
+@pytest.mark.parametrize("items, needle", [
+    ([], "give at least one --grid"),
+    (["train.lr"], "malformed --grid"),
+    (["train.lr=1e-3", "train.lr=3e-3"], "given twice"),
+    (["train.lr="], "empty value"),
+    (["train.lr=1e-3,,3e-3"], "empty value"),
+    (["train.lr=1e-3,1e-3"], "twice"),
+])
+def test_malformed_grids_are_refused(items: list[str], needle: str) -> None:
+    with pytest.raises(UserError, match=needle):
+        parse_grid(items)
+
+
+@pytest.mark.parametrize("grid, sets, needle", [
+    (["train.bogus=1,2"], [], "train.bogus: unknown field"),
+    (["train.lr=1e-3,fast"], [], "point train.lr=fast: recipe smoke with --set: train.lr"),
+    (["model.block_size=8,16"], [], "model.block_size: a field of the gpt family"),
+    (["train.lr=1e-3,0.001"], [], "same config"),
+    (["train.lr=1e-3,3e-3"], ["train.lr=1e-2"], "in both --set and --grid"),
+])
+def test_points_that_do_not_resolve_are_refused(grid: list[str], sets: list[str], needle: str) -> None:
+    with pytest.raises(UserError, match=needle):
+        resolve_points("smoke", parse_grid(grid), sets)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--grid", "train.lr=1e-3,3e-3", "--grid", "train.nonsense=1"], "train.nonsense: unknown field"),
+    ([], "give at least one --grid"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
+                                                               tmp_path: Path) -> None:
+    root = tmp_path / "storage"
+    out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), *args)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error:") and needle in errors[0], out.stderr
+    assert not root.exists()
+    assert not (tmp_path / "mlflow-store" / "mlflow.db").exists()  # no MLflow run either
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpus: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.sweep import sweep
+
+    root = tmp_path / "storage"
+    result = sweep(recipe="smoke", grid=["train.lr=1e-3,1e-2", "data.split.val_fraction=0.1,0.2"],
+                   source=str(corpus), storage_url=str(root), overrides=FAST)
+    assert [o.label for o in result.outcomes] == [
+        "train.lr=1e-3 data.split.val_fraction=0.1", "train.lr=1e-3 data.split.val_fraction=0.2",
+        "train.lr=1e-2 data.split.val_fraction=0.1", "train.lr=1e-2 data.split.val_fraction=0.2"]
+    assert all(o.ok and o.headline == "bits_per_byte" and o.higher_is_better is False for o in result.outcomes)
+
+    # The data stages ran once per distinct data config: one text, two splits; four trainings.
+    for stage, n in (("raw", 2), ("tokens", 1), ("vocab", 1), ("splits", 2), ("runs", 4)):
+        assert len(list((root / stage).iterdir())) == n, stage
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])  # this test's store, whatever ran before
+    parent = client.get_run(result.mlflow_run_id)
+    assert parent.info.run_name.startswith("sweep-smoke-") and parent.info.status == "FINISHED"
+    assert parent.data.params["grid.train.lr"] == "1e-3,1e-2"
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'")
+    assert {r.info.run_id for r in children} == {o.mlflow_run_id for o in result.outcomes}
+    assert len(children) == 4
+    for o in result.outcomes:
+        run = client.get_run(o.mlflow_run_id)
+        assert run.data.metrics["final_val_bits_per_byte"] == pytest.approx(o.score)
+        assert run.data.metrics["final_val_loss"] == pytest.approx(o.val_loss)
+        assert run.data.tags["sweep.point"] == o.label
+        assert run.data.params["train.lr"] == str(float(o.point["train.lr"]))
+
+    assert sorted(a.path for a in client.list_artifacts(result.mlflow_run_id)) == [
+        "sweep.csv", "sweep.json", "sweep.md", "sweep.png"]
+    rows = list(csv.DictReader((Path(result.outputs) / "sweep.csv").read_text().splitlines()))
+    assert [(r["train.lr"], r["data.split.val_fraction"], r["mlflow_run_id"]) for r in rows] == [
+        (o.point["train.lr"], o.point["data.split.val_fraction"], o.mlflow_run_id) for o in result.outcomes]
+    assert [float(r["score"]) for r in rows] == [o.score for o in result.outcomes]
+    assert json.loads((Path(result.outputs) / "sweep.json").read_text())[0]["status"] == "ok"
+    assert (Path(result.outputs) / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (Path(result.outputs) / "sweep.md").read_text()
+    assert "bits_per_byte (lower is better)" in md and all(o.mlflow_run_id in md for o in result.outcomes)
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-smoke"])))
+    assert artifacts and artifacts[0].data == md
+
+
+def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus: Path, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    # A window longer than the validation split resolves, then fails in training.
+    out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
+              "--grid", "train.window=5000,16", *_sets(FAST))
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["point", "bits_per_byte", "val", "loss", "mlflow", "run"]
+    failed, done = lines[1].split(), lines[2].split()
+    assert failed[:3] == ["train.window=5000", "FAILED", "-"] and done[0] == "train.window=16"
+    parent_id = lines[3].removeprefix("sweep mlflow run: ")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "1 of 2 points failed: train.window=5000 (the validation split has" in errors[0]
+
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])  # this test's store, whatever ran before
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "train.window=5000"
+    assert client.get_run(failed[3]).info.status == "FAILED"  # the failed point's own run, found by its tags
+    assert client.get_run(done[3]).data.tags["mlflow.parentRunId"] == parent_id
+
+
+def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point() -> None:
+    from flows.sweep import PointOutcome, figure, markdown_table, text_table
+
+    grid = {"model.arch": ["rnn", "lstm"], "data.window": ["4", "8"]}
+    ok = dict(ok=True, headline="accuracy", higher_is_better=True, val_loss=0.5)
+    outcomes = [PointOutcome(point=p, score=0.9 - i / 10, mlflow_run_id=f"run{i}", **ok)
+                for i, p in enumerate(expand(grid)[:3])]
+    outcomes.append(PointOutcome(point=expand(grid)[3], ok=False, error="out of memory"))
+    ax = figure("r", grid, outcomes).axes[0]
+    assert ax.get_xlabel() == "model.arch" and ax.get_ylabel() == "accuracy (higher is better)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["rnn", "lstm"]  # not numbers: their order
+    assert [line.get_label() for line in ax.get_lines()] == ["4", "8"]
+    assert ax.get_legend().get_title().get_text() == "data.window"
+    md = markdown_table("r", grid, outcomes, "parent")
+    assert "| model.arch | data.window | accuracy | val loss | MLflow run |" in md
+    assert "| lstm | 8 | **failed**: out of memory | - | - |" in md
+    lines = text_table(outcomes).splitlines()
+    assert lines[0].split() == ["point", "accuracy", "val", "loss", "mlflow", "run"]
+    assert lines[1].split() == ["model.arch=rnn", "data.window=4", "0.9000", "0.5000", "run0"]
+    assert lines[4].split() == ["model.arch=lstm", "data.window=8", "FAILED", "-", "-"]
