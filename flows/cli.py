@@ -441,17 +441,21 @@ def sweep(recipe: Recipe = "default",
           source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None) -> None:
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""
     with user_errors():
-        source, set_ = _without_credentials(source, set_)
-        from flows.sweep import PointsFailed, parse_grid, resolve_points, text_table
+        from flows.launch import training_pool
+        from flows.sweep import PointsFailed, parse_grid, resolve_points, split_values, text_table
 
-        resolve_points(recipe, parse_grid(grid or []), set_, source)  # every point, before anything runs
-        _resolve(recipe, set_, source, storage)
+        source, set_ = _without_credentials(source, set_)
+        # A URL among the values (several sources, say) keeps its password in memory only, as --source's.
+        grid = [f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
+                for k, sep, values in (g.partition("=") for g in grid or [])]
+        resolve_points(recipe, parse_grid(grid), set_, source)  # every point, before anything runs
+        _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         with flow_session() as fl, progress():
             from flows.sweep import sweep as sweep_flow
 
             failure = ""
             try:
-                result = sweep_flow(recipe=recipe, grid=grid or [], source=source,
+                result = sweep_flow(recipe=recipe, grid=grid, source=source,
                                     storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on)
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)

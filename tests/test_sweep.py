@@ -96,7 +96,7 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
     assert [o.label for o in result.outcomes] == [
         "train.lr=1e-3 data.split.val_fraction=0.1", "train.lr=1e-3 data.split.val_fraction=0.2",
         "train.lr=1e-2 data.split.val_fraction=0.1", "train.lr=1e-2 data.split.val_fraction=0.2"]
-    assert all(o.ok and o.headline == "bits_per_byte" and o.higher_is_better is False for o in result.outcomes)
+    assert all(o.ok and o.headline == "val_bits_per_byte" and o.higher_is_better is False for o in result.outcomes)
 
     # The data stages ran once per distinct data config: one text, two splits; four trainings.
     for stage, n in (("raw", 2), ("tokens", 1), ("vocab", 1), ("splits", 2), ("runs", 4)):
@@ -142,7 +142,7 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["point", "bits_per_byte", "val", "loss", "mlflow", "run"]
+    assert lines[0].split() == ["point", "val_bits_per_byte", "val", "loss", "mlflow", "run"]
     failed, done = lines[1].split(), lines[2].split()
     assert failed[:3] == ["train.window=5000", "FAILED", "-"] and done[0] == "train.window=16"
     parent_id = lines[3].removeprefix("sweep mlflow run: ")
