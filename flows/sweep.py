@@ -375,11 +375,15 @@ def _axis_values(values: list[str]) -> tuple[list[float], bool]:
 
 def figure(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> Any:
     """The headline against the first field, one line per value of the other fields (a failed
-    point is a gap in its line)."""
+    point is a gap in its line). A first field of names (model.arch=rnn,lstm) against a second
+    of numbers (a length) swaps: numbers read better along an axis, names as lines."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
 
     name, higher = headline_of(outcomes)
-    x_field, *others = grid
+    fields = list(grid)
+    if len(fields) > 1 and not _axis_values(grid[fields[0]])[1] and _axis_values(grid[fields[1]])[1]:
+        fields[0], fields[1] = fields[1], fields[0]
+    x_field, *others = fields
     xs, numeric = _axis_values(grid[x_field])
     at = dict(zip(grid[x_field], xs))
     fig = Figure(figsize=(7, 4.5), dpi=100)

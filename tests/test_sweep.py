@@ -165,10 +165,14 @@ def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point
                 for i, p in enumerate(expand(grid)[:3])]
     outcomes.append(PointOutcome(point=expand(grid)[3], ok=False, error="out of memory"))
     ax = figure("r", grid, outcomes).axes[0]
-    assert ax.get_xlabel() == "model.arch" and ax.get_ylabel() == "accuracy (higher is better)"
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["rnn", "lstm"]  # not numbers: their order
-    assert [line.get_label() for line in ax.get_lines()] == ["4", "8"]
-    assert ax.get_legend().get_title().get_text() == "data.window"
+    # Names against numbers: the numbers go along the axis and the names are the lines (the seed's figure).
+    assert ax.get_xlabel() == "data.window" and ax.get_ylabel() == "accuracy (higher is better)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "8"]
+    assert [line.get_label() for line in ax.get_lines()] == ["rnn", "lstm"]
+    assert ax.get_legend().get_title().get_text() == "model.arch"
+    names = {"model.arch": ["rnn", "lstm"], "model.cell": ["gru", "lstm"]}
+    ax = figure("r", names, [PointOutcome(point=p, score=0.5, mlflow_run_id="r", **ok) for p in expand(names)]).axes[0]
+    assert ax.get_xlabel() == "model.arch" and [t.get_text() for t in ax.get_xticklabels()] == ["rnn", "lstm"]
     md = markdown_table("r", grid, outcomes, "parent")
     assert "| model.arch | data.window | accuracy | val loss | MLflow run |" in md
     assert "| lstm | 8 | **failed**: out of memory | - | - |" in md
