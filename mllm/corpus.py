@@ -195,7 +195,7 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
             progress(n, size)
         return block
 
-    chars = False  # any text but white space, after a BOM
+    text_seen = chars = False  # any text after a BOM; any but white space
     tmp = tempfile.NamedTemporaryFile(prefix="mllm-download-", suffix=".txt", delete=False) if dest else None
     try:
         with src, tmp or contextlib.nullcontext():
@@ -203,12 +203,12 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
             while True:
                 block = read(BLOCK)
                 text = decoder.decode(block, final=not block)
-                chars = chars or bool(text.strip())
+                text_seen, chars = text_seen or bool(text), chars or bool(text.strip())
                 if tmp:  # strictly decoded UTF-8 encodes back to the same bytes; anything else is converted
                     tmp.write(text.encode("utf-8"))
                 if not block:
                     break
-        if n == 0:
+        if n == 0 or not text_seen:  # (a byte order mark alone is no text)
             raise UserError(f"{source} is empty: give a file with text in it")
         if not chars:
             raise UserError(f"{source} holds no text, only white space: give a file with text in it")

@@ -70,7 +70,16 @@ def test_seq2seq_smoke_trains_scores_draws_attention_and_registers_a_translator(
     out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--model", "seq2seq-smoke@champion",
                           "--prompt-file", str(lines)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines() == model.predict(texts)
+    first, third = model.predict(texts)
+    assert out.stdout.splitlines() == [first, "", third]  # a line an answer: the blank line stays blank
+    # A line with a word the source vocabulary lacks is named; the other lines are translated.
+    lines.write_text("twenty-one\neleventy one\nthree hundred and five\n")
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--model", "seq2seq-smoke@champion",
+                          "--prompt-file", str(lines)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2 and out.stdout.splitlines() == [first, "", third], out.stderr[-2000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: 1 of 3 lines of {lines} were not answered (left blank): line 2: the input has tokens the source "
+        "vocabulary lacks: 'eleventy'; leave them out or rephrase"]
     out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
                           "--prompt", "eleventy one"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
