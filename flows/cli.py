@@ -433,6 +433,35 @@ def _print_stack(state: dict, services: bool = True) -> None:
     typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")
 
 
+@app.command()
+def lineage(model: Annotated[Optional[str], typer.Argument(
+                help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)] = None,
+            corpus: Annotated[Optional[str], typer.Option(
+                "--corpus", metavar="SHA256-PREFIX", help="List the runs and models trained on this corpus instead.")] = None,
+            json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+            storage: Storage = None) -> None:
+    """Where a model came from: its run, code, training key, split, vocabulary, tokens and corpus,
+    each checked against storage (exit 1 when a link is broken); or, with --corpus, what was
+    trained on a corpus."""
+    with user_errors():
+        if (model is None) == (corpus is None):
+            raise UserError("give a model (MODEL@ALIAS, MODEL/VERSION or a run id) or --corpus SHA256-PREFIX, not both")
+        from flows.launch import check_tracking_server
+
+        check_tracking_server()
+        from flows import lineage as trail
+
+        root = flows_module().storage_root(storage)
+        if corpus is not None:
+            rows = trail.by_corpus(root, corpus)
+            typer.echo(trail.as_json(rows) if json_ else trail.render_corpus(corpus, rows))
+            return
+        chain = trail.trace(root, model)
+        typer.echo(trail.as_json(chain) if json_ else trail.render(chain))
+    if not chain["ok"]:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -111,6 +111,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     where = {"train.pool": pool} if pool else {}
     with RunTracker(cfg, root, tags={**tags, **where}, run_name=f"{cfg.recipe}-{key[:8]}") as run:
         log_data(run.run_id, cfg, root, data)
+        run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
         if skip:
             outcome = log_skipped(run.run_id, cfg, root, champion, skip)
         else:

@@ -49,6 +49,9 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 MAX_DIGEST = 36  # the datasets table's digest column
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, token usage);
+# with it, in the view of runs, metrics and models that a training pipeline's runs need.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 # --- where runs go -------------------------------------------------------------------------
@@ -262,7 +265,8 @@ class RunTracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+                return self.client.create_experiment(name, artifact_location=_artifact_root(self.uri),
+                                                     tags={EXPERIMENT_KIND: MODEL_TRAINING})
             except MlflowException:
                 exp = self.client.get_experiment_by_name(name)  # another run created it first
                 if exp is None:
@@ -271,6 +275,8 @@ class RunTracker:
             raise UserError(
                 f"MLflow experiment {name!r} is deleted: restore it in the MLflow UI or purge it "
                 f"with `mlflow gc --experiment-ids {exp.experiment_id}`")
+        if EXPERIMENT_KIND not in exp.tags:  # made before the kind was set: open it as training too
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
 
     # metrics
