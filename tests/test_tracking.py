@@ -437,3 +437,28 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
         log.close()
     assert answer == {"predictions": [expected]}
     assert "prefect" not in (tmp_path / "serve.log").read_text().lower()
+
+
+# ----------------------------------------------------------------------------- what the UI shows
+
+def test_stage_digests_named_key_stay_in_clear_and_real_keys_do_not(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    got = scrub({"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
+                 "data.tokens_key": "09e82874a286feb5", "api_key": "sk-live-123456", "key": "AKIAEXAMPLE",
+                 "aws_secret_access_key": "abc", "secret_train_key": "x", "note": f"train.key={SECRET}",
+                 "line": "train.key=c492b81f6515010e api_key=sk-live-123456 http://u:pw@host/x"})
+    assert got == {"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
+                   "data.tokens_key": "09e82874a286feb5", "api_key": "***", "key": "***",
+                   "aws_secret_access_key": "***", "secret_train_key": "***", "note": "train.key=***",
+                   "line": "train.key=c492b81f6515010e api_key=*** http://***@host/x"}
+
+
+def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_training_key(uri, tmp_path):
+    cfg = config()
+    with RunTracker(cfg, str(tmp_path / "storage")) as run:
+        run.set_tags({"train.key": "c492b81f6515010e"})
+    client = MlflowClient(uri)
+    r = client.get_run(run.run_id)
+    assert r.data.tags["train.key"] == "c492b81f6515010e"
+    # The tag MLflow 3's UI reads to choose the experiment's view; without it, the GenAI view.
+    assert client.get_experiment(r.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
