@@ -277,7 +277,8 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
             typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} "
                        f"{r['decision'] or '-':9} {r['started']}"
-                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
+                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else "")
+                       + (f"  model {r['model_id']}" if r["model_id"] else ""))
 
 
 @app.command()

@@ -92,7 +92,7 @@ def _model_link(version: Any) -> dict[str, Any] | None:
         return None
     t = version.tags
     return _link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
-                 model_id=getattr(version, "model_id", None), headline=t.get("headline"),
+                 model_id=_model_id(version), headline=t.get("headline"),
                  headline_value=_float(t.get("headline.value")), checkpoint=t.get("checkpoint"),
                  decision=t.get("champion.decision"))
 
@@ -104,6 +104,8 @@ def _run_link(client: MlflowClient, run: Any) -> dict[str, Any]:
                  experiment=experiment.name if experiment else None, run_status=run.info.status,
                  started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000)),
                  decision=t.get("decision"), final_val_loss=m.get("final_val_loss"),
+                 model_id=t.get("model_id"), best_step=_int(t.get("model_id.best_step")),
+                 last_model_id=t.get("model_id.last"), last_step=_int(t.get("model_id.last_step")),
                  prefect_flow_run=t.get("prefect.flow_run_id"), prefect_url=t.get("prefect.flow_run_url"))
 
 
@@ -249,6 +251,16 @@ def _corpus_link(t: dict[str, str]) -> dict[str, Any]:
     return _link("corpus", OK, **fields)
 
 
+def _model_id(version: Any) -> str | None:
+    """The LoggedModel a registered version was made from (its source is models:/<model id>)."""
+    source = version.source or ""
+    return getattr(version, "model_id", None) or (source[len("models:/"):] if source.startswith("models:/m-") else None)
+
+
+def _int(x: str | None) -> int | None:
+    return int(x) if x and x.isdigit() else None
+
+
 def _float(x: str | None) -> float | None:
     try:
         return float(x) if x is not None else None
@@ -299,7 +311,7 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
                                                         f"{t['champion.version']} (champion, not retrained)"
                                                         if t.get("champion.version") else None),
             "aliases": list(version.aliases or []) if version is not None else [],
-            "model_id": getattr(version, "model_id", None) if version is not None else None,
+            "model_id": _model_id(version) if version is not None else None,
             "headline": vt.get("headline"), "headline_value": _float(vt.get("headline.value")),
         })
     return _clean(rows)
@@ -328,6 +340,9 @@ def render(chain: dict[str, Any]) -> str:
         }[name](link)
         mark = "" if status == OK else f"  [{status.upper()}]"
         out.append(f"{name:11} {head}{mark}")
+        if name == "run" and link.get("model_id"):
+            link = {**link, "model_id": f"{link['model_id']} (best, step {link.get('best_step')})"
+                    + (f"; last: {link['last_model_id']} (step {link.get('last_step')})" if link.get("last_model_id") else "")}
         for field, label in (("model_id", "logged model"), ("checkpoint", "checkpoint"), ("decision", "decision"),
                              ("experiment", "experiment"), ("prefect_flow_run", "prefect flow run"),
                              ("prefect_url", "prefect ui"), ("branch", "branch"), ("config_digest", "config digest"),
