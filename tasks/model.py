@@ -30,7 +30,7 @@ from tasks.caching import forget_exception, io_error, package_digest, stage_cach
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
 from tasks.registry import ChampionScore
-from tasks.tracking import RunTracker
+from tasks.tracking import RunTracker, system_metrics
 
 class Prepared(BaseModel):
     """What the data stages hand on to training."""
@@ -187,7 +187,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
 
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
-    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)):
+    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
+            system_metrics(run_id, root):
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:

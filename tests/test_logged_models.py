@@ -45,6 +45,25 @@ def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metric
     assert version.source == f"models:/{best.model_id}"
     assert run.data.tags["model_id"] == best.model_id and run.data.tags["model_id.last"] == last.model_id
 
+    # System metrics beside the training curve (one sample at least: this training is short).
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
+
+    # What Prefect's UI reads of this run: a name after the recipe, and task runs whose inputs are
+    # all of the kinds its Task Runs tab can show (a "flow_run" input made it list none).
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterSubFlowRuns
+
+    flow_run_id = run.data.tags["prefect.flow_run_id"]
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.read_flow_run(flow_run_id)
+        # As the tab asks: the flow run's own task runs, not the stand-ins of its subflows.
+        task_runs = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                           task_run_filter=TaskRunFilter(subflow_runs=TaskRunFilterSubFlowRuns(exists_=False)))
+    assert flow_run.name.startswith("smoke-"), flow_run.name
+    assert {t.task_key.split("-")[0] for t in task_runs} >= {"log_data", "log_outcome"}, [t.task_key for t in task_runs]
+    kinds = {i.input_type for t in task_runs for inputs in t.task_inputs.values() for i in inputs}
+    assert kinds <= {"task_run", "parameter", "constant"}, kinds
+
     # Ranked as MLflow ranks them: by the final validation loss, best first.
     ranked = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
                                          order_by=[{"field_name": "metrics.final_val_loss", "ascending": True}])

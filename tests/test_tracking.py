@@ -462,3 +462,23 @@ def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_tra
     assert r.data.tags["train.key"] == "c492b81f6515010e"
     # The tag MLflow 3's UI reads to choose the experiment's view; without it, the GenAI view.
     assert client.get_experiment(r.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, tmp_path, monkeypatch):
+    from tasks.tracking import system_metrics
+
+    cfg, root = config(), str(tmp_path / "storage")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    with RunTracker(cfg, root) as run, system_metrics(run.run_id, root):
+        sum(i * i for i in range(3_000_000))  # some CPU work to be seen
+        time.sleep(0.5)
+    with RunTracker(cfg, root) as short:
+        monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "60")
+        with system_metrics(short.run_id, root):
+            pass  # shorter than one interval: one sample at the end
+    client = MlflowClient(uri)
+    for run_id, at_least in ((run.run_id, 2), (short.run_id, 1)):
+        metrics = client.get_run(run_id).data.metrics
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics), metrics
+        assert metrics["system/system_memory_usage_megabytes"] > 0
+        assert len(client.get_metric_history(run_id, "system/system_memory_usage_megabytes")) >= at_least
