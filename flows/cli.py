@@ -277,7 +277,8 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
             typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} "
                        f"{r['decision'] or '-':9} {r['started']}"
-                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
+                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else "")
+                       + (f"  model {r['model_id']}" if r["model_id"] else ""))
 
 
 @app.command()
@@ -465,6 +466,35 @@ def sweep(recipe: Recipe = "default",
         if result.failed:
             console.print(f"[bold red]error:[/] {scrub(failure)}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
+
+
+@app.command()
+def lineage(model: Annotated[Optional[str], typer.Argument(
+                help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)] = None,
+            corpus: Annotated[Optional[str], typer.Option(
+                "--corpus", metavar="SHA256-PREFIX", help="List the runs and models trained on this corpus instead.")] = None,
+            json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+            storage: Storage = None) -> None:
+    """Where a model came from: its run, code, training key, split, vocabulary, tokens and corpus,
+    each checked against storage (exit 1 when a link is broken); or, with --corpus, what was
+    trained on a corpus."""
+    with user_errors():
+        if (model is None) == (corpus is None):
+            raise UserError("give a model (MODEL@ALIAS, MODEL/VERSION or a run id) or --corpus SHA256-PREFIX, not both")
+        from flows.launch import check_tracking_server
+
+        check_tracking_server()
+        from flows import lineage as trail
+
+        root = flows_module().storage_root(storage)
+        if corpus is not None:
+            rows = trail.by_corpus(root, corpus)
+            typer.echo(trail.as_json(rows) if json_ else trail.render_corpus(corpus, rows))
+            return
+        chain = trail.trace(root, model)
+        typer.echo(trail.as_json(chain) if json_ else trail.render(chain))
+    if not chain["ok"]:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -6,10 +6,12 @@ plain arguments; caching, retries and where results live are configured on the t
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows import dispatch
@@ -27,7 +29,7 @@ from tasks.tracking import RunTracker, log_data
 from tasks.tracking import client as tracking_client
 
 
-@flow(name="prepare", log_prints=True)
+@flow(name="prepare", log_prints=True, flow_run_name=lambda: f"{_run_name()}-prepare")
 def prepare(cfg: RunConfig, root: str) -> Prepared:
     """The data stages: download, tokenize, build the vocabulary, split; for parallel text,
     download (or make the numbers corpus) and prepare the pairs; for a family that makes its own
@@ -51,7 +53,7 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
                     tokens=tokens, vocab=vocab, splits=splits)
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared) -> tuple[Evaluation, dict[str, list[str]]]:
     """Score the trained model on the validation split and generate its samples."""
     evaluation = model_tasks.evaluate(cfg, trained, data, "val")
@@ -76,7 +78,18 @@ class PipelineResult(BaseModel):
 RecipeName = Literal[tuple(recipe_names())]  # type: ignore[valid-type]
 
 
-@flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception])
+def _run_name() -> str:
+    """A flow run named after its recipe and start time, not Prefect's random "ultra-wombat"."""
+    import time
+
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters
+    recipe = p.get("recipe") or getattr(p.get("cfg"), "recipe", None) or flow_run.flow_name
+    return f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
 def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
              train_on: str | None = None, force: bool = False) -> PipelineResult:
@@ -109,8 +122,13 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     trained = evaluation = None
     samples: dict[str, list[str]] = {}
     where = {"train.pool": pool} if pool else {}
-    with RunTracker(cfg, root, tags={**tags, **where}, run_name=f"{cfg.recipe}-{key[:8]}") as run:
-        log_data(run.run_id, cfg, root, data)
+    # A skipped run says so in its name: it would otherwise share the name of the run that trained.
+    name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
+    with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
+        # quote(): a subflow's result as a task input is recorded as a "flow_run" input, which
+        # Prefect 3.8's UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists none).
+        log_data(run.run_id, cfg, root, quote(data))
+        run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
         if skip:
             outcome = log_skipped(run.run_id, cfg, root, champion, skip)
         else:
@@ -132,46 +150,63 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     if champion and champion.checkpoint and champion.splits_key != data.splits.key:
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, cfg, data)
-    return log_outcome(run_id, cfg, root, trained, evaluation, samples, data, score)
+    return log_outcome(run_id, cfg, root, quote(trained), quote(evaluation), quote(samples), quote(data), score)
 
 
 def publish(result: PipelineResult) -> None:
     """The decision, and for a trained model a summary, as Prefect markdown artifacts."""
     slug = "".join(c if c.isalnum() else "-" for c in result.recipe.lower())
-    create_markdown_artifact(decision_table(result), key=f"decision-{slug}",
+    link = _mlflow_link(result.storage, result.mlflow_run_id)
+    create_markdown_artifact(decision_table(result, link), key=f"decision-{slug}",
                              description=f"{result.recipe}: {result.decision}")
     if result.trained is not None:
-        create_markdown_artifact(summary(result), key=f"pipeline-{slug}",
+        create_markdown_artifact(summary(result, link), key=f"pipeline-{slug}",
                                  description=f"{result.recipe}: data, training and samples")
 
 
-def decision_table(r: PipelineResult) -> str:
+def _mlflow_link(root: str, run_id: str) -> str:
+    """The MLflow run as a link into the MLflow UI when the runs go to a server, else its id."""
+    with contextlib.suppress(Exception):  # an artifact is no reason to fail a finished run
+        uri = tracking_client(root).tracking_uri
+        if uri.startswith(("http://", "https://")):
+            experiment = tracking_client(root).get_run(run_id).info.experiment_id
+            # workflowType: MLflow 3.17's UI opens in its GenAI view unless the link asks otherwise.
+            return (f"[{run_id}]({uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+                    "?workflowType=machine_learning)")
+    return f"`{run_id}`"
+
+
+# The artifacts' tables hold short cells only (Prefect's UI cuts a long one at the right edge);
+# the reason and the paths go below them as text, which wraps. The first row is the header: a
+# table with an empty header row shows as an empty first row.
+def decision_table(r: PipelineResult, link: str | None = None) -> str:
     c = r.champion
     cfg = resolve(r.recipe)
-    rows = [("decision", f"**{r.decision}**"), ("reason", r.reason), ("corpus sha256", r.data.raw_sha256[:16]),
-            ("MLflow run", f"`{r.mlflow_run_id}`")]
+    rows = [("corpus sha256", f"`{r.data.raw_sha256[:16]}`"), ("MLflow run", link or f"`{r.mlflow_run_id}`")]
     if r.decision == "skipped":
-        rows.append(("champion", f"{c.name} v{c.version} (run `{c.run_id}`)"))
+        rows.append(("champion", f"{c.name} v{c.version}"))
     else:
-        rows.append(("this model", f"{c.name} v{c.version}, {describe(r.evaluation, cfg)}"))
+        rows.append(("this model", f"{c.name} v{c.version}"))
+        rows.append(("evaluation", describe(r.evaluation, cfg)))
         if c.previous:
             cs = c.champion_score
             measured = (f"{c.previous.headline} {_f(c.previous.score)} on the same split" if cs is None
                         else f"{cs.headline} {cs.value:.4f} on this split")
             rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
-    return "\n".join([f"# {r.recipe}: {r.decision}", "", "| | |", "|---|---|",
-                      *[f"| {k} | {v} |" for k, v in rows], ""])
+    return "\n".join([f"# {r.recipe}: {r.decision}", "", f"| decision | **{r.decision}** |", "|---|---|",
+                      *[f"| {k} | {v} |" for k, v in rows], "", f"**Why:** {r.reason}", ""])
 
 
-def summary(r: PipelineResult) -> str:
+def summary(r: PipelineResult, link: str | None = None) -> str:
     d, t, e = r.data, r.trained, r.evaluation
     cfg = resolve(r.recipe)
     lines = [
         f"# {r.recipe}",
         "",
-        "| | |",
+        f"| model | {r.champion.name} v{r.champion.version}, "
+        f"{'now champion' if r.champion.promoted else 'champion kept'} |",
         "|---|---|",
-        f"| corpus | {d.source} ({d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}`) |",
+        f"| corpus | {d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}` |",
         f"| tokens | {d.tokens.n_tokens:,} |",
         f"| vocabulary | {d.vocab.size} entries |",
         f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
@@ -179,9 +214,11 @@ def summary(r: PipelineResult) -> str:
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",
-        f"| outputs | `{t.run_dir}` |",
-        f"| MLflow run | `{r.mlflow_run_id}`; model {r.champion.name} v{r.champion.version}, "
-        f"{'now champion' if r.champion.promoted else 'champion kept'} ({r.champion.reason}) |",
+        f"| MLflow run | {link or f'`{r.mlflow_run_id}`'} |",
+        "",
+        f"**Source:** {d.source}",
+        "",
+        f"**Outputs:** `{t.run_dir}`",
         "",
         "## Samples",
         "",

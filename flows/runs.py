@@ -49,6 +49,8 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         "reproduces": r.data.tags.get("reproduces"),
         "decision": r.data.tags.get("decision"),
         "decision_reason": r.data.tags.get("decision.reason"),
+        "model_id": r.data.tags.get("model_id"),  # the best checkpoint's LoggedModel
+        "last_model_id": r.data.tags.get("model_id.last"),
     } for r in runs]
 
 

@@ -12,7 +12,17 @@ from tasks import model as model_tasks
 from tasks.model import Prepared, Trained
 
 
-@flow(name="train")
+def _run_name() -> str:
+    """Named after the recipe, as the pipeline's flow runs are (not Prefect's random names)."""
+    import time
+
+    from prefect.runtime import flow_run
+
+    cfg = flow_run.parameters.get("cfg")
+    return f"{getattr(cfg, 'recipe', None) or 'train'}-{time.strftime('%Y%m%d-%H%M%S')}-train"
+
+
+@flow(name="train", flow_run_name=_run_name)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
           code: dict[str, str] | None = None) -> Trained:
     """Train (or resume) a model on prepared data, writing checkpoints under the storage root.

@@ -23,10 +23,19 @@ _ASSIGNMENT = re.compile(r"\b([A-Za-z_][A-Za-z0-9_.\-]*)(\s*[:=]\s*)([\"']?)([^\
 REDACTED = "***"
 
 
+# A "key" named after a pipeline stage is the digest that names the stage's folder (train.key,
+# data.splits_key), printed in clear by the registry and `lineage`: hiding it hides nothing.
+_DIGEST_KEYS = ("train", "training", "split", "splits", "tokens", "vocab", "pairs", "generated", "stage", "cache")
+
+
 def _secret_name(name: str) -> bool:
-    """Names like aws_secret_access_key, sessionToken, api-key (not tokenizer, max_new_tokens)."""
+    """Names like aws_secret_access_key, sessionToken, api-key (not tokenizer, max_new_tokens,
+    train.key or data.splits_key)."""
     spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", str(name)).lower()
-    return any(w.endswith(_SECRET_WORDS) for w in re.split(r"[^a-z0-9]+", spaced) if w)
+    words = [w for w in re.split(r"[^a-z0-9]+", spaced) if w]
+    if len(words) >= 2 and words[-1] == "key" and words[-2] in _DIGEST_KEYS:
+        return any(w.endswith(_SECRET_WORDS) for w in words[:-2])
+    return any(w.endswith(_SECRET_WORDS) for w in words)
 
 
 def _secret_values() -> list[str]:

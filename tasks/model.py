@@ -30,7 +30,7 @@ from tasks.caching import forget_exception, io_error, package_digest, stage_cach
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
 from tasks.registry import ChampionScore
-from tasks.tracking import RunTracker
+from tasks.tracking import RunTracker, system_metrics
 
 class Prepared(BaseModel):
     """What the data stages hand on to training."""
@@ -84,9 +84,29 @@ class Evaluation(BaseModel):
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
-    # The model section holds the chosen family's fields only: another family's cannot change it.
-    return storage.digest(["train", data.splits.key, data.vocab.digest, cfg.model.model_dump(),
-                           cfg.train.model_dump(), training_code()["digest"]])
+    return key_of(data.splits.key, data.vocab.digest, cfg, training_code()["digest"])
+
+
+def key_of(splits_key: str, vocab_digest: str, cfg: RunConfig, code_digest: str) -> str:
+    """The training key from its parts (`lineage` recomputes it from what a run recorded).
+    The model section holds the chosen family's fields only: another family's cannot change it."""
+    return storage.digest(["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(),
+                           code_digest])
+
+
+def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
+    """What the training key digests and where each data stage lives, as run tags: `lineage`
+    follows them from a model back to the corpus and checks each against storage."""
+    return {"train.key": train_key(cfg, data), "train.config_digest": config_digest(cfg),
+            "train.code_digest": training_code()["digest"], "data.splits_key": data.splits.key,
+            "data.vocab": data.vocab.url, "data.vocab_key": data.vocab.key, "data.tokens": data.tokens.url,
+            "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
+            "data.source": data.source}
+
+
+def config_digest(cfg: RunConfig) -> str:
+    """The part of the training key that the model and training config make."""
+    return storage.digest([cfg.model.model_dump(), cfg.train.model_dump()])
 
 
 def training_code() -> dict[str, str]:
@@ -167,7 +187,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
 
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
-    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)):
+    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
+            system_metrics(run_id, root):
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:

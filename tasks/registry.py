@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -159,16 +160,20 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 # --- registering -----------------------------------------------------------------------------
 
 def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | None = None,
-              champion_score: ChampionScore | None = None, model_name: str | None = None) -> Outcome:
+              champion_score: ChampionScore | None = None, model_name: str | None = None,
+              last_url: str | None = None, last_step: int | None = None) -> Outcome:
     """Log the evaluated checkpoint as a pyfunc model (tasks/served_model.py), register a version
     under `model_name` (default: the recipe), and move `champion` to it only if `decide` says its
-    headline metric beats the champion's."""
+    headline metric beats the champion's. The logged model carries the checkpoint's step and its
+    validation metrics; the last checkpoint (`last_url` at `last_step`), when another, is a
+    logged model of its own (see `checkpoint_models`)."""
     name = model_name or run.cfg.recipe
     checkpoint_url, e = evaluation.checkpoint, evaluation
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
         # Any fsspec URL, not just those MLflow can fetch; the registry keeps what sampling
         # needs, not the optimizer state that doubles or triples a checkpoint's size.
         state = read_checkpoint(checkpoint_url)
+        best_step = int(state["step"])
         local = os.path.join(tmp, "checkpoint.pt")
         torch.save({k: v for k, v in state.items() if k not in TRAINING_ONLY}, local)
         del state
@@ -185,7 +190,9 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
                              flavor_name="pyfunc.ModelFromCode", python_model=str(script),
                              artifacts={"checkpoint": local}, code_paths=_model_code(tmp),
                              signature=_signature(run.cfg), pip_requirements=_requirements(),
-                             run_id=run.run_id)
+                             run_id=run.run_id, step=best_step,
+                             tags={"checkpoint": scrub(checkpoint_url), "checkpoint.kind": "best"})
+    checkpoint_models(run, info.model_id, best_step, e, last_url, last_step)
     previous = current_champion(run.client, name)
     tags = {"val_loss": repr(float(e.loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
             "headline": e.headline, "headline.value": repr(float(e.score)), **(version_tags or {})}
@@ -199,6 +206,38 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
     run.client.set_model_version_tag(name, outcome.version, "champion.decision", f"{outcome.decision}: {reason}")
     record_decision(run, outcome)
     return outcome
+
+
+def checkpoint_models(run: RunTracker, best_id: str, best_step: int, evaluation: Any,
+                      last_url: str | None, last_step: int | None) -> None:
+    """Each evaluated checkpoint as an MLflow LoggedModel with its step and validation metrics.
+
+    `Model.log` has already made the best one and linked the run's metrics at its step; here it
+    gets the whole-split evaluation too. The last checkpoint, when it is another, is a LoggedModel
+    of metadata only (its step, its URL, the validation metrics at its step): the registry
+    serves the best one, and the last one's file stays in storage where `sample` and a resumed
+    training read it. One request per model, and one for the metrics of both."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus, Metric, RunTag
+
+    client, now = run.client, int(time.time() * 1000)
+    # The final_* metrics are logged at the last step: linked by Model.log already when it is the best's.
+    metrics = [] if last_step in (None, best_step) else [
+        Metric(f"final_{k}", float(v), now, best_step, model_id=best_id)
+        for k, v in {"val_loss": evaluation.loss, **evaluation.metrics}.items()]
+    tags = {"model_id": best_id, "model_id.best_step": str(best_step)}
+    if last_url and last_step is not None and last_step != best_step:
+        exp = client.get_run(run.run_id).info.experiment_id
+        last = client.create_logged_model(exp, name="last", source_run_id=run.run_id,
+                                          tags={"checkpoint": scrub(last_url), "checkpoint.kind": "last",
+                                                "step": str(last_step)})
+        client.log_outputs(run.run_id, [LoggedModelOutput(last.model_id, step=last_step)])
+        client.finalize_logged_model(last.model_id, LoggedModelStatus.READY)
+        history = client.get_run(run.run_id).data.metrics
+        for key in (k for k in history if k.startswith("val_")):  # the periodic validation's, any family's
+            metrics += [Metric(m.key, m.value, m.timestamp, m.step, model_id=last.model_id)
+                        for m in client.get_metric_history(run.run_id, key) if m.step == last_step]
+        tags.update({"model_id.last": last.model_id, "model_id.last_step": str(last_step)})
+    client.log_batch(run.run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
 
 
 def record_decision(run: RunTracker, outcome: Outcome) -> None:
@@ -270,6 +309,7 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
                   "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step,
                   "train.key": trained.key})
     version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
-    outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score)
+    outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score,
+                        last_url=trained.checkpoint, last_step=trained.steps)
     run.set_tags({"model_uri": outcome.model_uri, "model_version": f"{outcome.name}/{outcome.version}"})
     return outcome

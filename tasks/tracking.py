@@ -49,6 +49,9 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 MAX_DIGEST = 36  # the datasets table's digest column
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, token usage);
+# with it, in the view of runs, metrics and models that a training pipeline's runs need.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 # --- where runs go -------------------------------------------------------------------------
@@ -262,7 +265,8 @@ class RunTracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return self.client.create_experiment(name, artifact_location=_artifact_root(self.uri))
+                return self.client.create_experiment(name, artifact_location=_artifact_root(self.uri),
+                                                     tags={EXPERIMENT_KIND: MODEL_TRAINING})
             except MlflowException:
                 exp = self.client.get_experiment_by_name(name)  # another run created it first
                 if exp is None:
@@ -271,6 +275,8 @@ class RunTracker:
             raise UserError(
                 f"MLflow experiment {name!r} is deleted: restore it in the MLflow UI or purge it "
                 f"with `mlflow gc --experiment-ids {exp.experiment_id}`")
+        if EXPERIMENT_KIND not in exp.tags:  # made before the kind was set: open it as training too
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
 
     # metrics
@@ -365,6 +371,45 @@ class RunTracker:
         self.client.log_inputs(self.run_id, datasets=[inputs])
 
     # the model
+
+
+# --- system metrics --------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def system_metrics(run_id: str | None, storage_root: str):
+    """CPU, memory, disk, network and (where nvidia-ml-py finds a GPU) GPU use, as MLflow's
+    `system/*` metrics of the run, while the block runs.
+
+    MLflow's monitor samples in a thread of its own every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+    seconds (10 unless set), off the training loop's path. A training shorter than one interval
+    still gets one sample, taken at its end. MLLM_SYSTEM_METRICS=0 turns it off."""
+    if not run_id or os.environ.get("MLLM_SYSTEM_METRICS", "1") == "0":
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    quiet = logging.getLogger("mlflow.system_metrics")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # its start and stop lines would interleave with the progress bar
+    try:
+        monitor = SystemMetricsMonitor(run_id, resume_logging=True, tracking_uri=tracking_uri(storage_root))
+        first = monitor._logging_step
+        monitor.start()
+    except Exception as e:  # noqa: BLE001 (a measurement must never stop a training)
+        log.warning("no system metrics for run %s: %s", run_id, e)
+        quiet.setLevel(level)
+        yield
+        return
+    try:
+        yield
+    finally:
+        monitor.finish()
+        if monitor._logging_step == first:
+            with contextlib.suppress(Exception):
+                monitor.collect_metrics()
+                monitor.publish_metrics(monitor.aggregate_metrics())
+                monitor.mlflow_logger.flush()
+        quiet.setLevel(level)
 
 
 # --- the pipeline's tracking tasks ---------------------------------------------------------

@@ -437,3 +437,48 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
         log.close()
     assert answer == {"predictions": [expected]}
     assert "prefect" not in (tmp_path / "serve.log").read_text().lower()
+
+
+# ----------------------------------------------------------------------------- what the UI shows
+
+def test_stage_digests_named_key_stay_in_clear_and_real_keys_do_not(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    got = scrub({"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
+                 "data.tokens_key": "09e82874a286feb5", "api_key": "sk-live-123456", "key": "AKIAEXAMPLE",
+                 "aws_secret_access_key": "abc", "secret_train_key": "x", "note": f"train.key={SECRET}",
+                 "line": "train.key=c492b81f6515010e api_key=sk-live-123456 http://u:pw@host/x"})
+    assert got == {"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
+                   "data.tokens_key": "09e82874a286feb5", "api_key": "***", "key": "***",
+                   "aws_secret_access_key": "***", "secret_train_key": "***", "note": "train.key=***",
+                   "line": "train.key=c492b81f6515010e api_key=*** http://***@host/x"}
+
+
+def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_training_key(uri, tmp_path):
+    cfg = config()
+    with RunTracker(cfg, str(tmp_path / "storage")) as run:
+        run.set_tags({"train.key": "c492b81f6515010e"})
+    client = MlflowClient(uri)
+    r = client.get_run(run.run_id)
+    assert r.data.tags["train.key"] == "c492b81f6515010e"
+    # The tag MLflow 3's UI reads to choose the experiment's view; without it, the GenAI view.
+    assert client.get_experiment(r.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, tmp_path, monkeypatch):
+    from tasks.tracking import system_metrics
+
+    cfg, root = config(), str(tmp_path / "storage")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    with RunTracker(cfg, root) as run, system_metrics(run.run_id, root):
+        sum(i * i for i in range(3_000_000))  # some CPU work to be seen
+        time.sleep(0.5)
+    with RunTracker(cfg, root) as short:
+        monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "60")
+        with system_metrics(short.run_id, root):
+            pass  # shorter than one interval: one sample at the end
+    client = MlflowClient(uri)
+    for run_id, at_least in ((run.run_id, 2), (short.run_id, 1)):
+        metrics = client.get_run(run_id).data.metrics
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics), metrics
+        assert metrics["system/system_memory_usage_megabytes"] > 0
+        assert len(client.get_metric_history(run_id, "system/system_memory_usage_megabytes")) >= at_least

@@ -1,0 +1,120 @@
+"""What MLflow's system metrics monitor costs a training run.
+
+    python -m benchmarks.system_metrics [--quick] [--threads N]
+
+A real `mlflow server` on loopback (tests/servers.py), so the monitor's requests are HTTP as they
+would be to a remote one. The smoke recipe's model (1-layer LSTM, hidden 64) on War and Peace,
+600 steps (300 with --quick), tracked as the pipeline's train task tracks it (RunTracker,
+log_metrics as on_metrics), runs
+- without the monitor,
+- with `tasks.tracking.system_metrics` at its default interval (MLflow's, 10 s),
+- with a 1 s interval (ten times the samples: the what-if of a user who wants finer curves),
+alternating, a few times each after one warm-up of each; each figure is a median. Two overheads:
+from the wall times (monitored against not, noisy by several percent on a shared machine), and
+direct: the time the training waits for the monitor (starting it; stopping it, with the last
+flush and the one sample a training shorter than an interval gets), against the training loop.
+The sampling itself runs in the monitor's thread, off the loop's path.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+
+SMOKE = {
+    "recipe": "bench-system-metrics",
+    "model.arch": "lstm", "model.n_embd": 16, "model.n_layer": 1, "model.hidden_size": 64, "model.dropout": 0.0,
+    "train.batch_size": 32, "train.window": 32, "train.sampling": "random", "train.optimizer": "adam",
+    "train.lr": 3e-3, "train.log_interval": 10, "train.eval_interval": 100, "train.eval_batches": 4,
+    "train.checkpoint_interval": 10**9, "train.seed": 1337,
+}
+MODES = {"no monitor": None, "monitor, 10 s": "10", "monitor, 1 s": "1"}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import torch
+
+    if args.threads is None:
+        torch.set_num_threads(1)
+    m = header("system_metrics", args.quick)
+    wp = corpus("warandpeace")
+    steps, repeats = (300, 2) if args.quick else (600, 3)
+    sys.path.insert(0, str(REPO / "tests"))
+    from servers import run_mlflow_server
+
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-sysmetrics-") as tmp_name:
+        tmp = Path(tmp_name)
+        paths = token_ids(wp, tmp / "wp")
+        with run_mlflow_server(tmp / "mlflow") as server:
+            os.environ["MLFLOW_TRACKING_URI"] = server.url
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            from mllm.train import train
+            from tasks.tracking import RunTracker, system_metrics
+
+            runs = 0
+
+            def once(mode: str, n_steps: int) -> dict:
+                nonlocal runs
+                runs += 1
+                cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**SMOKE, "train.max_steps": n_steps})
+                root = str(tmp / "storage")
+                interval = MODES[mode]
+                with RunTracker(cfg, root, run_name=f"{mode}-{runs}") as run:
+                    if interval:
+                        os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = interval
+                    t = time.perf_counter()
+                    block = system_metrics(run.run_id if interval else None, root)
+                    block.__enter__()
+                    start_s = time.perf_counter() - t
+                    c = time.perf_counter()
+                    result = train(cfg, on_metrics=run.log_metrics, resume=False)
+                    loop_s = time.perf_counter() - c
+                    c = time.perf_counter()
+                    block.__exit__(None, None, None)
+                    stop_s = time.perf_counter() - c
+                    train_s = time.perf_counter() - t
+                samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
+                # On the training's path: starting the monitor, and stopping it (the join, the
+                # last flush, and the one sample a training shorter than an interval gets).
+                return {"mode": mode, "train_s": train_s, "loop_s": loop_s, "on_path_s": start_s + stop_s,
+                        "samples": samples, "loss": result.train_loss, "load": load()}
+
+            for mode in MODES:
+                once(mode, 20)
+            got: dict[str, list[dict]] = {mode: [] for mode in MODES}
+            for i in range(repeats):
+                for mode in MODES:
+                    r = once(mode, steps)
+                    got[mode].append(r)
+                    print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples "
+                          f"(load {r['load']})", flush=True)
+
+    base = median([r["train_s"] for r in got["no monitor"]])
+    rows = []
+    for mode, rs in got.items():
+        row = {"mode": mode, "steps": steps, "runs": len(rs), "train_s": median([r["train_s"] for r in rs]),
+               "all_train_s": [round(r["train_s"], 3) for r in rs], "samples": median([r["samples"] for r in rs]),
+               "loss": rs[0]["loss"], "load": max(r["load"] for r in rs)}
+        row["overhead_pct"] = 100 * (row["train_s"] - base) / base
+        row["on_path_s"] = median([r["on_path_s"] for r in rs])
+        row["on_path_pct"] = median([100 * r["on_path_s"] / r["loop_s"] for r in rs])
+        rows.append(row)
+    print()
+    print(table(rows, [("mode", "run"), ("steps", "steps"), ("runs", "runs"), ("train_s", "train s (median)"),
+                       ("overhead_pct", "overhead % (wall)"), ("on_path_s", "start+stop s"),
+                       ("on_path_pct", "start+stop % of training"), ("samples", "system samples"),
+                       ("load", "load avg")]))
+    same_loss = len({round(r["loss"], 6) for r in rows}) == 1
+    print(f"\nsame final train loss in every mode (same seed, same work): {same_loss}")
+    save("system_metrics", {"machine": m, "quick": args.quick, "steps": steps, "repeats": repeats,
+                            "config": SMOKE, "rows": rows, "same_loss": same_loss, "samples": got})
+
+
+if __name__ == "__main__":
+    main()

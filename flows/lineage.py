@@ -1,0 +1,378 @@
+"""Where a model came from: from a registered version (or a run) back to the corpus bytes, and from
+a corpus forward to every run and version trained on it.
+
+The chain is read from what the pipeline recorded (the run's tags, the registered version's tags)
+and every link that lives in storage is checked there: a stage folder that was deleted, or whose
+content no longer has the recorded digest, is reported as such, never skipped. Nothing here
+trusts a tag that storage can contradict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from typing import Any
+
+import yaml
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from mllm import UserError, storage
+from mllm.config import validate
+from mllm.redact import scrub
+from mllm.storage import hide_credentials
+from tasks import tracking
+from tasks.model import config_digest, key_of
+
+OK, MISSING, CHANGED, UNRECORDED = "ok", "missing", "changed", "unrecorded"
+BROKEN = (MISSING, CHANGED)  # a chain with one of these makes `lineage` exit non-zero
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+# --- from a model back to the corpus -------------------------------------------------------
+
+
+def trace(root: str, ref: str) -> dict[str, Any]:
+    """The chain of `ref` (MODEL@ALIAS, MODEL/VERSION or an MLflow run id), newest first, each
+    stage's link checked against storage."""
+    client = tracking.client(root)
+    version = _model_version(client, ref)
+    run_id = version.run_id if version is not None else ref
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        raise UserError(f"no MLflow run {run_id} in {tracking.tracking_uri(root)}: see `mllm-pipeline runs`") from None
+    tags = run.data.tags
+    if version is None and tags.get("model_version"):
+        name, _, number = tags["model_version"].rpartition("/")
+        version = _get(client.get_model_version, name, number)
+    links = [_model_link(version), _run_link(client, run), _code_link(tags)]
+    links += [_training_link(tags, version), _split_link(tags), _vocab_link(tags), _tokens_link(tags),
+              _corpus_link(tags)]
+    chain = {"ref": ref, "tracking_uri": tracking.tracking_uri(root),
+             "links": [link for link in links if link is not None]}
+    chain["ok"] = not any(link["status"] in BROKEN for link in chain["links"])
+    return _clean(chain)
+
+
+def _get(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except MlflowException:
+        return None
+
+
+def _model_version(client: MlflowClient, ref: str) -> Any:
+    """The registered version `ref` names, or None when `ref` is a run id."""
+    if "@" in ref:
+        name, _, alias = ref.rpartition("@")
+        found = _get(client.get_model_version_by_alias, name, alias)
+        if found is None:
+            raise UserError(f"no model {name!r} with alias {alias!r}: see the MLflow registry, or give MODEL/VERSION")
+        return found
+    if "/" in ref:
+        name, _, number = ref.rpartition("/")
+        found = _get(client.get_model_version, name, number) if number.isdigit() else None
+        if found is None:
+            raise UserError(f"no model version {ref!r}: give MODEL@ALIAS, MODEL/VERSION or an MLflow run id")
+        return found
+    if not _RUN_ID.match(ref):
+        raise UserError(f"{ref!r} is neither MODEL@ALIAS, MODEL/VERSION nor an MLflow run id (32 hex characters)")
+    return None
+
+
+def _link(link: str, status: str, /, **fields: Any) -> dict[str, Any]:
+    return {"link": link, "status": status, **{k: v for k, v in fields.items() if v not in (None, "")}}
+
+
+def _model_link(version: Any) -> dict[str, Any] | None:
+    if version is None:
+        return None
+    t = version.tags
+    return _link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
+                 model_id=_model_id(version), headline=t.get("headline"),
+                 headline_value=_float(t.get("headline.value")), checkpoint=t.get("checkpoint"),
+                 decision=t.get("champion.decision"))
+
+
+def _run_link(client: MlflowClient, run: Any) -> dict[str, Any]:
+    t, m = run.data.tags, run.data.metrics
+    experiment = _get(client.get_experiment, run.info.experiment_id)
+    return _link("run", OK, run_id=run.info.run_id, name=run.info.run_name,
+                 experiment=experiment.name if experiment else None, run_status=run.info.status,
+                 started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000)),
+                 decision=t.get("decision"), final_val_loss=m.get("final_val_loss"),
+                 model_id=t.get("model_id"), best_step=_int(t.get("model_id.best_step")),
+                 last_model_id=t.get("model_id.last"), last_step=_int(t.get("model_id.last_step")),
+                 prefect_flow_run=t.get("prefect.flow_run_id"), prefect_url=t.get("prefect.flow_run_url"))
+
+
+def _code_link(t: dict[str, str]) -> dict[str, Any]:
+    if not t.get("git.commit"):
+        return _link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
+    return _link("code", OK, commit=t["git.commit"], dirty=t.get("git.dirty") == "true", branch=t.get("git.branch"))
+
+
+def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
+    """The training key, recomputed from the run folder's config and the recorded data digests
+    and code digest: a config edited in place, or a folder gone, shows here."""
+    key = t.get("train.key")
+    if not key:
+        return _link("training", UNRECORDED, detail="no training key recorded (the run did not get that far)")
+    fields = {"key": key, "config_digest": t.get("train.config_digest"), "code_digest": t.get("train.code_digest")}
+    run_dir = t.get("train.run_dir") or (storage.join(t["storage.root"], "runs", key) if t.get("storage.root") else None)
+    checkpoint = version.tags.get("checkpoint") if version is not None else None
+    fields.update(uri=run_dir, checkpoint=checkpoint)
+    if run_dir is None:
+        return _link("training", UNRECORDED, **fields, detail="no run folder recorded")
+    config_url = storage.join(run_dir, "config.yaml")
+    if not storage.exists(config_url):
+        return _link("training", MISSING, **fields, detail=f"{config_url} is gone")
+    if checkpoint and not storage.exists(checkpoint):
+        return _link("training", MISSING, **fields, detail=f"checkpoint {checkpoint} is gone")
+    if not (fields["config_digest"] and fields["code_digest"] and t.get("data.splits_key")):
+        return _link("training", OK, **fields, detail="run folder present; key parts not recorded by this run")
+    cfg = validate(yaml.safe_load(storage.read_text(config_url)), config_url)
+    if config_digest(cfg) != fields["config_digest"]:
+        return _link("training", CHANGED, **fields,
+                     detail=f"{config_url} has config digest {config_digest(cfg)}, not the recorded one")
+    again = key_of(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"])
+    if again != key:
+        return _link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
+    return _link("training", OK, **fields)
+
+
+def _manifest(url: str, what: str) -> tuple[str, dict[str, Any] | None, str | None]:
+    """(status, the stage folder's manifest, why not ok) for a folder written with staged_dir."""
+    if not storage.exists(url):
+        return MISSING, None, f"the {what} folder is gone"
+    if not storage.is_complete(url) or not storage.exists(storage.join(url, "manifest.json")):
+        return MISSING, None, f"the {what} folder is incomplete (no {storage.DONE} or manifest.json)"
+    return OK, storage.read_json(storage.join(url, "manifest.json")), None
+
+
+def _split_link(t: dict[str, str]) -> dict[str, Any]:
+    url, key = t.get("data.splits"), t.get("data.splits_key")
+    if not url:
+        return _link("split", UNRECORDED)
+    status, manifest, why = _manifest(url, "split")
+    fields: dict[str, Any] = {"key": key, "uri": url}
+    if manifest is None:
+        return _link("split", status, **fields, detail=why)
+    recorded = manifest.get("key") or (manifest.get("splits") or {}).get("key")
+    splits = manifest.get("splits", manifest)
+    fields["tokens"] = {name: part["n_tokens"] for name in ("train", "val", "test")
+                        if isinstance(part := splits.get(name), dict)}
+    if key and recorded != key:
+        return _link("split", CHANGED, **fields, detail=f"its manifest names key {recorded}")
+    for name in fields["tokens"]:
+        part = splits[name]
+        if not storage.exists(part["ids"]):
+            return _link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
+        if part["ids"].endswith(".npy"):
+            n = _npy_length(part["ids"])
+            if n != part["n_tokens"]:
+                return _link("split", CHANGED, **fields,
+                             detail=f"{part['ids']} holds {n} tokens, its manifest {part['n_tokens']}")
+    return _link("split", OK, **fields)
+
+
+def _npy_length(url: str) -> int | None:
+    """The length of a flat .npy array, read from its header (not its data)."""
+    import numpy as np
+
+    fs, path = storage.filesystem(url)
+    with fs.open(path, "rb") as f:
+        try:
+            major, _ = np.lib.format.read_magic(f)
+            read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read(f)
+        except ValueError:
+            return None
+        data_bytes = fs.size(path) - f.tell()
+    # A truncated file holds fewer tokens than its header says.
+    return min(shape[0], data_bytes // dtype.itemsize) if len(shape) == 1 else None
+
+
+def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
+    url, digest = t.get("data.vocab"), t.get("data.vocab_digest")
+    fields = {"key": t.get("data.vocab_key"), "uri": url, "digest": digest}
+    if not url:
+        return _link("vocabulary", UNRECORDED, **fields)
+    if not storage.exists(url):
+        return _link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
+    from mllm.vocab import Vocab
+
+    vocab = Vocab.load(url)
+    fields["size"] = len(vocab)
+    if digest and vocab.digest != digest:
+        return _link("vocabulary", CHANGED, **fields, detail=f"{url} now has digest {vocab.digest}")
+    return _link("vocabulary", OK, **fields)
+
+
+def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
+    url, key = t.get("data.tokens"), t.get("data.tokens_key")
+    if not url:
+        return _link("tokens", UNRECORDED)
+    status, manifest, why = _manifest(url, "token chunks")
+    fields: dict[str, Any] = {"key": key, "uri": url}
+    if manifest is None:
+        return _link("tokens", status, **fields, detail=why)
+    fields["n_tokens"] = manifest.get("n_tokens")
+    if key and manifest.get("key") != key:
+        return _link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
+    return _link("tokens", OK, **fields)
+
+
+def _corpus_link(t: dict[str, str]) -> dict[str, Any]:
+    """The stored copy of the corpus, hashed again where it holds the source's bytes unchanged
+    (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count."""
+    sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
+    fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
+                              "bytes": int(t["data.raw_bytes"]) if t.get("data.raw_bytes") else None}
+    if not sha or not url:
+        return _link("corpus", UNRECORDED, **fields)
+    meta_url = url[:-len(".txt")] + ".json" if url.endswith(".txt") else None
+    meta = storage.read_json(meta_url) if meta_url and storage.exists(meta_url) else {}
+    fields.update(source=meta.get("source") or fields["source"], bytes=meta.get("bytes") or fields["bytes"])
+    if not storage.exists(url):
+        return _link("corpus", MISSING, **fields, detail=f"the stored copy {url} is gone")
+    if meta.get("encoding", "utf-8") not in ("utf-8", "ascii") or meta.get("compression") or not meta:
+        return _link("corpus", OK, **fields, detail="stored converted or made: present, not hashed again")
+    fs, path = storage.filesystem(url)
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    if h.hexdigest() != sha:
+        return _link("corpus", CHANGED, **fields, detail=f"the stored copy now has sha256 {h.hexdigest()}")
+    return _link("corpus", OK, **fields)
+
+
+def _model_id(version: Any) -> str | None:
+    """The LoggedModel a registered version was made from (its source is models:/<model id>)."""
+    source = version.source or ""
+    return getattr(version, "model_id", None) or (source[len("models:/"):] if source.startswith("models:/m-") else None)
+
+
+def _int(x: str | None) -> int | None:
+    return int(x) if x and x.isdigit() else None
+
+
+def _float(x: str | None) -> float | None:
+    try:
+        return float(x) if x is not None else None
+    except ValueError:
+        return None
+
+
+def _clean(obj: Any) -> Any:
+    """Every string without credentials: URLs lose user:password, secrets in values go."""
+    if isinstance(obj, str):
+        return scrub(hide_credentials(obj) if "://" in obj else obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+# --- from a corpus forward to the models --------------------------------------------------
+
+
+def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
+    """The runs trained (or skipped) on every corpus whose sha256 starts with `prefix`, newest
+    first, with the model version each made and its headline metric."""
+    prefix = prefix.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{4,64}", prefix):
+        raise UserError(f"{prefix!r} is no sha256 prefix: give at least 4 hex characters of the corpus's sha256")
+    client = tracking.client(root)
+    experiments = {e.experiment_id: e.name for e in client.search_experiments()}
+    if not experiments:
+        return []
+    runs = client.search_runs(list(experiments), f"tags.`data.raw_sha256` LIKE '{prefix}%'",
+                              order_by=["attributes.start_time DESC"], max_results=1000)
+    rows = []
+    for r in runs:
+        t = r.data.tags
+        version = None
+        if t.get("model_version"):
+            name, _, number = t["model_version"].rpartition("/")
+            version = _get(client.get_model_version, name, number)
+        vt = version.tags if version is not None else {}
+        rows.append({
+            "sha256": t["data.raw_sha256"], "source": t.get("data.source"), "run_id": r.info.run_id,
+            "run_name": r.info.run_name, "recipe": experiments.get(r.info.experiment_id),
+            "status": r.info.status, "decision": t.get("decision"),
+            "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
+            "model_version": t.get("model_version") or (f"{experiments.get(r.info.experiment_id)}/"
+                                                        f"{t['champion.version']} (champion, not retrained)"
+                                                        if t.get("champion.version") else None),
+            "aliases": list(version.aliases or []) if version is not None else [],
+            "model_id": _model_id(version) if version is not None else None,
+            "headline": vt.get("headline"), "headline_value": _float(vt.get("headline.value")),
+        })
+    return _clean(rows)
+
+
+# --- printing ------------------------------------------------------------------------------
+
+
+def render(chain: dict[str, Any]) -> str:
+    """The chain as a person reads it: one block per link, newest first, its status at the right."""
+    out = []
+    for link in chain["links"]:
+        name, status = link["link"], link["status"]
+        head = {
+            "model": lambda x: f"{x['name']}/{x['version']}" + (f" @{', @'.join(x['aliases'])}" if x.get("aliases") else "")
+            + (f"  {x['headline']} {x['headline_value']:.4f}" if x.get("headline_value") is not None else ""),
+            "run": lambda x: f"{x['run_id']}  {x.get('name', '')}  {x.get('run_status', '')}  {x.get('started', '')}",
+            "code": lambda x: f"git {x['commit']}" + (" (dirty: uncommitted changes)" if x.get("dirty") else " (clean)")
+            if x.get("commit") else "",
+            "training": lambda x: f"key {x.get('key', '?')}",
+            "split": lambda x: f"key {x.get('key', '?')}  " + " / ".join(f"{k} {v:,}" for k, v in x.get("tokens", {}).items())
+            + (" tokens" if x.get("tokens") else ""),
+            "vocabulary": lambda x: f"digest {x.get('digest', '?')}" + (f"  {x['size']} entries" if x.get("size") else ""),
+            "tokens": lambda x: f"key {x.get('key', '?')}" + (f"  {x['n_tokens']:,} tokens" if x.get("n_tokens") else ""),
+            "corpus": lambda x: f"sha256 {x.get('sha256', '?')}" + (f"  {x['bytes']:,} bytes" if x.get("bytes") else ""),
+        }[name](link)
+        mark = "" if status == OK else f"  [{status.upper()}]"
+        out.append(f"{name:11} {head}{mark}")
+        if name == "run" and link.get("model_id"):
+            link = {**link, "model_id": f"{link['model_id']} (best, step {link.get('best_step')})"
+                    + (f"; last: {link['last_model_id']} (step {link.get('last_step')})" if link.get("last_model_id") else "")}
+        for field, label in (("model_id", "logged model"), ("checkpoint", "checkpoint"), ("decision", "decision"),
+                             ("experiment", "experiment"), ("prefect_flow_run", "prefect flow run"),
+                             ("prefect_url", "prefect ui"), ("branch", "branch"), ("config_digest", "config digest"),
+                             ("code_digest", "code digest"), ("uri", "uri"), ("source", "source")):
+            if link.get(field) not in (None, "") and not (name == "model" and field == "decision"):
+                out.append(f"{'':11} {label}: {link[field]}")
+        if link.get("detail"):
+            out.append(f"{'':11} {status}: {link['detail']}" if status != OK else f"{'':11} note: {link['detail']}")
+    broken = [link["link"] for link in chain["links"] if link["status"] in BROKEN]
+    out.append(f"broken links: {', '.join(broken)}" if broken else "every link checked against storage: ok")
+    return "\n".join(out)
+
+
+def render_corpus(prefix: str, rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return f"no run was trained on a corpus whose sha256 starts with {prefix}"
+    out = []
+    for sha in dict.fromkeys(r["sha256"] for r in rows):
+        mine = [r for r in rows if r["sha256"] == sha]
+        out.append(f"corpus sha256 {sha}" + (f"  {mine[0]['source']}" if mine[0].get("source") else ""))
+        for r in mine:
+            metric = f"{r['headline']} {r['headline_value']:.4f}" if r.get("headline_value") is not None else "-"
+            model = r.get("model_version") or "-"
+            if r.get("aliases"):
+                model += " @" + ", @".join(r["aliases"])
+            out.append(f"  {r['started']}  run {r['run_id']}  {r['recipe']:16} {r['status']:9} "
+                       f"{r.get('decision') or '-':9} {model}  {metric}"
+                       + (f"  logged model {r['model_id']}" if r.get("model_id") else ""))
+    return "\n".join(out)
+
+
+def as_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, default=str)
