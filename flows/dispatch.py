@@ -187,8 +187,9 @@ def _relay(message: str, logger: Any) -> None:
 
 
 def _docker_error(message: str) -> str:
+    """Docker's words, without the brackets of `[[gpu]]` (the terminal would take them for markup)."""
     found = re.search(_NO_GPU_RUNTIME + r'[^\]]*\]*', message.replace('\\"', '"'))
-    return found.group(0) if found else _NO_GPU_RUNTIME
+    return re.sub(r"[\[\]]", "", found.group(0)) if found else _NO_GPU_RUNTIME
 
 
 def _one_line(text: str) -> str:
