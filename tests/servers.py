@@ -220,6 +220,14 @@ REPO = Path(__file__).resolve().parents[1]
 SETUP_HINT = "run `make docker-setup` as root to install and start them"
 
 
+def skip_docker(reason: str) -> None:
+    """Skip a Docker test with its reason; fail it where Docker is required (.ci/run as root
+    sets MLLM_REQUIRE_DOCKER=1 after starting the engine)."""
+    if os.environ.get("MLLM_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"MLLM_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def docker_engine():
     """A docker-py client of the engine that answers on this machine (DOCKER_HOST or the local
@@ -227,12 +235,12 @@ def docker_engine():
     try:
         import docker
     except ImportError:
-        pytest.skip("Docker tests: the docker SDK is not installed (pip install -e '.[docker]')")
+        skip_docker("Docker tests: the docker SDK is not installed (pip install -e '.[docker]')")
     try:
         client = docker.from_env(timeout=120)
         client.ping()
     except Exception as e:  # noqa: BLE001 - whatever the reason, there is no engine to use
-        pytest.skip(f"Docker tests: no Docker engine answers ({type(e).__name__}); {SETUP_HINT}")
+        skip_docker(f"Docker tests: no Docker engine answers ({type(e).__name__}); {SETUP_HINT}")
     yield client
     client.close()
 
@@ -251,7 +259,7 @@ def registry(docker_engine, tmp_path_factory) -> Iterator[Registry]:
 
     binary = shutil.which("docker-registry") or shutil.which("registry")
     if binary is None:
-        pytest.skip(f"Docker tests: no image registry (docker-registry) on PATH; {SETUP_HINT}")
+        skip_docker(f"Docker tests: no image registry (docker-registry) on PATH; {SETUP_HINT}")
     folder = tmp_path_factory.mktemp("registry")
     # Its storage outlives the session, as a cache: the next session's push finds the layers
     # there (the image's dependency layer is 2 GB, 80 s to push).
@@ -298,9 +306,16 @@ def build_image(context: Path, registry: Registry, log: Path) -> BuiltImage:
 
     wheel = local_torch_wheel()
     if wheel is None:
-        pytest.skip("Docker tests: no local wheel of this torch in pip's find-links; the image would pull "
+        skip_docker("Docker tests: no local wheel of this torch in pip's find-links; the image would pull "
                     "PyPI's CUDA build (several GB)")
+    import shutil
+
     start = time.monotonic()
+    base = subprocess.run([str(REPO / "infra/docker/base-image.sh")], capture_output=True, text=True)
+    if base.returncode != 0:
+        if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+            skip_docker(f"Docker tests: no local base image, and making one needs root and debootstrap; {SETUP_HINT}")
+        raise AssertionError(f"infra/docker/base-image.sh failed:\n{base.stderr[-3000:]}")
     with open(log, "ab") as out:
         proc = subprocess.run([str(REPO / "infra/docker/build-image.sh"), "--local-base", "--torch-wheel", str(wheel),
                                "--push", registry.host, str(context)], stdout=subprocess.PIPE, stderr=out, text=True)
