@@ -11,6 +11,7 @@ Skipped, with the reason, where no engine answers (`make docker-setup` starts on
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -53,6 +55,7 @@ class DockerStack:
     template: dict
     worker_log: Path
     home: Path
+    creds: Path  # the storage credentials file on the Docker host
 
     def env(self, **extra: str) -> dict[str, str]:
         """What the pipeline runs with: the servers, and storage credentials of its own."""
@@ -110,7 +113,7 @@ def docker_stack(docker_engine, training_image, mlflow_server, tmp_path_factory)
             f"{api}/health", home / "prefect-server.log", server_env, timeout=180):
         s3.client().create_bucket(Bucket=BUCKET)
         s3.client().put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
-        ds = DockerStack(api, db, mlflow_server.url, s3, training_image, template, home / "worker.log", home)
+        ds = DockerStack(api, db, mlflow_server.url, s3, training_image, template, home / "worker.log", home, creds)
         ds.set_pool_defaults(image=training_image.name, image_pull_policy="Always", network_mode="host",
                              volumes=[f"{creds}:/home/mllm/.aws/credentials:ro"], auto_remove=False,
                              env={"OMP_NUM_THREADS": "1"})
@@ -296,3 +299,100 @@ def test_a_gpu_on_a_docker_host_without_the_gpu_runtime_fails_in_one_line(
     assert last.startswith(f"error: the Docker host of pool {POOL!r} has no GPU runtime (the NVIDIA Container Toolkit)")
     assert '(Docker: could not select device driver "" with capabilities: gpu)' in last
     assert "Traceback" not in out + err and "crashed" not in err  # no pointless restarts
+
+
+def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_global_batch(
+        killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
+    """`python -m mllm.train` under `torchrun --nnodes 2`, a container a node (one process each,
+    c10d rendezvous on loopback, gloo), against one process whose batch is their global batch."""
+    import torch
+
+    s3 = docker_stack.s3.client()
+    run = next(k for k in docker_stack.keys("docker/runs/") if k.endswith("/config.yaml")).rsplit("/", 1)[0]
+    job = RunConfig.model_validate(yaml.safe_load(s3.get_object(Bucket=BUCKET, Key=f"{run}/config.yaml")["Body"].read()))
+    job.train.max_steps, job.train.eval_interval, job.train.checkpoint_interval, job.train.log_interval = 20, 10, 10, 5
+    job.model.dropout = 0.0  # the ranks' dropout masks would differ from the single process's
+    job.paths.checkpoint_dir = f"s3://{BUCKET}/ddp/checkpoints"
+    # The config file is local to each node (mounted); inputs and checkpoints are in the bucket.
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "config.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    (tmp_path / "job" / "config.yaml").chmod(0o644)
+
+    port = stack.free_port()
+    creds = str(docker_stack.creds)
+    nodes = []
+    try:
+        for node in range(2):
+            events = tmp_path / f"node{node}"
+            events.mkdir()
+            events.chmod(0o777)  # the image's user writes there
+            nodes.append(docker_engine.containers.run(
+                docker_stack.image.name, detach=True, network_mode="host", labels={"mllm-test": "ddp"},
+                command=["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mllm-ddp-test",
+                         "--rdzv-conf", f"is_host={str(node == 0).lower()}",
+                         "-m", "mllm.train", "--config", "/job/config.yaml", "--no-resume",
+                         "--events", "/events/events.jsonl"],
+                # gloo's own connections go over loopback: without a named interface it takes the
+                # host name's address, which the containers do not share (and hangs).
+                environment={"AWS_ENDPOINT_URL": docker_stack.s3.url, "AWS_DEFAULT_REGION": "us-east-1",
+                             "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+                volumes={creds: {"bind": "/home/mllm/.aws/credentials", "mode": "ro"},
+                         str(tmp_path / "job"): {"bind": "/job", "mode": "ro"},
+                         str(events): {"bind": "/events", "mode": "rw"}}))
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and any(c.reload() or c.status != "exited" for c in nodes):
+            time.sleep(1)
+        codes = [c.attrs["State"]["ExitCode"] if c.status == "exited" else c.status for c in nodes]
+        logs = [c.logs().decode(errors="replace") for c in nodes]
+        assert codes == [0, 0], "\n---\n".join(log[-2000:] for log in logs)
+    finally:
+        for c in nodes:
+            c.remove(force=True)
+
+    # Only rank 0 reports (the events file the pipeline relays to MLflow) and says it is done.
+    reported = [tmp_path / f"node{n}" / "events.jsonl" for n in range(2)]
+    written = [p for p in reported if p.exists()]
+    assert len(written) == 1
+    events = [json.loads(line) for line in written[0].read_text().splitlines()]
+    result = next(e["result"] for e in events if "result" in e)
+    assert result["steps"] == 20 and sum("done: 20 steps" in log for log in logs) == 1
+    assert sorted(r["step"] for e in events for r in e.get("metrics", []) if "val_loss" in r) == [10, 20]
+    assert "ddp/checkpoints/last.pt" in docker_stack.keys("ddp/checkpoints/")
+
+    # One process, the global batch (2 x batch_size), same data and seed: the same model, so
+    # the same loss on the same windows (the runs' own validation batches differ in size).
+    single = job.model_copy(deep=True)
+    single.train.batch_size = 2 * job.train.batch_size
+    single.paths.checkpoint_dir = str(tmp_path / "single")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in docker_stack.env().items():
+            if k.startswith("AWS_"):
+                mp.setenv(k, v)
+        reference = mllm.train.train(single)
+        val = np.load(io.BytesIO(storage.read_bytes(job.paths.val_ids)))
+    two_nodes = _download(s3, "ddp/checkpoints/last.pt", tmp_path)
+    losses = [_loss(path, val, job.train.window) for path in (two_nodes, reference.checkpoint)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+    one, two = (torch.load(path, weights_only=True)["model"] for path in (reference.checkpoint, two_nodes))
+    for name, weight in one.items():
+        torch.testing.assert_close(two[name], weight, rtol=1e-3, atol=1e-5)
+
+
+def _loss(checkpoint: str, ids, window: int) -> float:
+    """The model's mean loss on the first 64 windows of `ids`."""
+    import torch
+
+    from mllm.checkpoint import load_checkpoint
+    from mllm.data import windows
+
+    model = load_checkpoint(checkpoint).model
+    starts = np.arange(64) * window
+    with torch.no_grad():
+        return model(*windows(ids, starts, window))[1].item()
+
+
+def _download(s3, key: str, folder: Path) -> str:
+    path = folder / key.replace("/", "_")
+    path.write_bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    return str(path)
