@@ -31,7 +31,7 @@ from flows import stack
 from mllm import storage
 from mllm.config import RunConfig
 from servers import (REPO, BuiltImage, S3Server, background, build_image, docker_engine, mlflow_server,  # noqa: F401
-                     mlflow_server_starting, quiet_env, registry, run_s3_server, serving, tail, training_image)
+                     mlflow_server_starting, quiet_env, registry, run_s3_server, serving, training_image)
 
 pytestmark = pytest.mark.integration
 
