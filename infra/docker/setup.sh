@@ -16,6 +16,9 @@ REGISTRY_PORT=${REGISTRY_PORT:-5001}
 say() { echo "docker-setup: $*" >&2; }
 
 engine_answers() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+registry_answers() {  # python3 rather than curl, which a minimal machine may lack
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:${REGISTRY_PORT}/v2/', timeout=2)" 2>/dev/null
+}
 
 need=()
 command -v dockerd >/dev/null 2>&1 || engine_answers || need+=(docker.io)
@@ -51,7 +54,7 @@ else
     say "engine answers: $(docker version --format 'server {{.Server.Version}}, api {{.Server.APIVersion}}')"
 fi
 
-if curl -fsS "http://127.0.0.1:${REGISTRY_PORT}/v2/" >/dev/null 2>&1; then
+if registry_answers; then
     say "registry answers on 127.0.0.1:${REGISTRY_PORT}"
 elif [[ $(id -u) == 0 ]]; then
     mkdir -p /var/lib/mllm-registry
@@ -64,7 +67,7 @@ http:
   addr: 127.0.0.1:${REGISTRY_PORT}
 YAML
     setsid docker-registry serve /etc/mllm-registry.yml >/var/log/mllm-registry.log 2>&1 < /dev/null &
-    for _ in $(seq 30); do curl -fsS "http://127.0.0.1:${REGISTRY_PORT}/v2/" >/dev/null 2>&1 && break; sleep 1; done
-    curl -fsS "http://127.0.0.1:${REGISTRY_PORT}/v2/" >/dev/null || { say "registry did not start:"; tail -20 /var/log/mllm-registry.log >&2; exit 1; }
+    for _ in $(seq 30); do registry_answers && break; sleep 1; done
+    registry_answers || { say "registry did not start:"; tail -20 /var/log/mllm-registry.log >&2; exit 1; }
     say "registry answers on 127.0.0.1:${REGISTRY_PORT}"
 fi
