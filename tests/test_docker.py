@@ -128,7 +128,7 @@ def docker_stack(docker_engine, training_image, mlflow_server, tmp_path_factory)
         finally:
             worker.stop()
             for container in docker_engine.containers.list(all=True, filters={"label": "io.prefect.version"}):
-                if "/mllm-pipeline:" in container.attrs["Config"]["Image"]:
+                if container.attrs["Config"]["Image"].startswith(training_image.name.split("/")[0] + "/"):
                     container.remove(force=True)
 
 
