@@ -9,7 +9,7 @@ SOURCE ?=
 STORAGE ?=
 SET    ?=
 
-.PHONY: run test install install-dev bench clean
+.PHONY: run test install install-dev bench clean docker-setup image
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,19 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=15
+
+# A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
+# and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.
+docker-setup:
+	infra/docker/setup.sh
+
+# The training image at this commit, from the local debootstrap base and the CPU torch wheel of
+# pip's find-links folder (set TORCH_WHEEL= for PyPI's CUDA build, BASE_IMAGE for another base).
+TORCH_WHEEL ?= $(firstword $(wildcard /opt/wheels/torch-2.13.0+cpu-*.whl))
+REGISTRY ?=
+image:
+	infra/docker/build-image.sh $(if $(BASE_IMAGE),,--local-base) $(if $(TORCH_WHEEL),--torch-wheel "$(TORCH_WHEEL)") \
+		$(if $(REGISTRY),--push "$(REGISTRY)")
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.run

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -84,14 +85,29 @@ def job_env(root: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if not (urlsplit(v).password or urlsplit(v).username)}
 
 
+def gpu_variables(cfg: RunConfig, variables: set[str]) -> dict[str, Any]:
+    """The GPUs to ask the pool for: one a rank, none for a CPU training (`train.device=cpu`).
+    The kubernetes template takes a count (`gpus`); the docker one takes Docker's own device
+    requests, so that no GPU means no request at all: a request, even for 0 GPUs, needs the
+    NVIDIA runtime on the Docker host."""
+    gpus = 0 if cfg.train.device == "cpu" else cfg.train.nproc_per_node
+    if "gpus" in variables:
+        return {"gpus": gpus}
+    if "device_requests" in variables:
+        return {"device_requests": [{"count": gpus, "capabilities": [["gpu"]]}] if gpus else []}
+    return {}
+
+
+# Docker's answer to a GPU request on a host without the NVIDIA Container Toolkit.
+_NO_GPU_RUNTIME = "could not select device driver"
+
+
 def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
     """Run the `train` flow on a worker of `pool`, follow it, and return what it trained."""
     logger = _logger()
     name, variables = ensure_deployment(train, pool)
     _, run_dir = train_job(cfg, data, root)
-    job_variables: dict[str, Any] = {"env": job_env(root)}
-    if "gpus" in variables:  # the docker and kubernetes templates in infra/pools: one GPU a rank
-        job_variables["gpus"] = cfg.train.nproc_per_node
+    job_variables: dict[str, Any] = {"env": job_env(root), **gpu_variables(cfg, variables)}
     params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
               "run_id": run_id, "code": training_code()}
     restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
@@ -110,6 +126,11 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
         if final.state_type == StateType.COMPLETED:
             return Trained.model_validate(storage.read_json(storage.join(run_dir, "trained.json")))
         message = (final.state.message if final.state else "") or final.state_name
+        if _NO_GPU_RUNTIME in message:
+            raise RemoteTrainingFailed(
+                f"the Docker host of pool {pool!r} has no GPU runtime (the NVIDIA Container Toolkit) for the "
+                f"GPUs this training asks for (Docker: {_docker_error(message)}): install the toolkit there, "
+                "or train on CPU with --set train.device=cpu")
         if final.state_type != StateType.CRASHED:
             raise RemoteTrainingFailed(f"training flow run {flow_run.name!r} on pool {pool!r} ended "
                                        f"{final.state_name}: {_one_line(message)} (its log: {_run_url(flow_run)})")
@@ -162,11 +183,20 @@ def _logger() -> Any:
 
 def _relay(message: str, logger: Any) -> None:
     """A remote log line: as progress when it is one and a progress bar listens, else logged."""
+    # A worker's traceback (a container that could not start, the flow's exception) stays in
+    # the run's record; the error itself ends the pipeline in one line.
+    message = message.split("\nTraceback (most recent call last)")[0]
     progress = parse_progress(message)
     if progress and tasks.progress_hook is not None:
         tasks.report_progress("train", progress["step"], progress["total_steps"], train_loss=progress["train_loss"])
     else:
         logger.info("[worker] %s", message)
+
+
+def _docker_error(message: str) -> str:
+    """Docker's words, without the brackets of `[[gpu]]` (the terminal would take them for markup)."""
+    found = re.search(_NO_GPU_RUNTIME + r'[^\]]*\]*', message.replace('\\"', '"'))
+    return re.sub(r"[\[\]]", "", found.group(0)) if found else _NO_GPU_RUNTIME
 
 
 def _one_line(text: str) -> str:

@@ -25,7 +25,7 @@ from typing import Iterator
 import pytest
 
 from flows import QUIET_ENV
-from flows.stack import Service, free_port
+from flows.stack import Service, free_port, tail
 
 
 def quiet_env(home: Path) -> dict[str, str]:
@@ -212,3 +212,122 @@ def mlflow_server_starting(tmp_path_factory) -> Iterator[MlflowServer]:
 @pytest.fixture(scope="session")
 def mlflow_server(mlflow_server_starting) -> MlflowServer:
     return mlflow_server_starting.wait_ready()
+
+
+# -- Docker: the engine, a registry, the training image ---------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+SETUP_HINT = "run `make docker-setup` as root to install and start them"
+
+
+def skip_docker(reason: str) -> None:
+    """Skip a Docker test with its reason; fail it where Docker is required (.ci/run as root
+    sets MLLM_REQUIRE_DOCKER=1 after starting the engine)."""
+    if os.environ.get("MLLM_REQUIRE_DOCKER") == "1":
+        pytest.fail(f"MLLM_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def docker_engine():
+    """A docker-py client of the engine that answers on this machine (DOCKER_HOST or the local
+    socket); the test skips with the reason when there is none."""
+    try:
+        import docker
+    except ImportError:
+        skip_docker("Docker tests: the docker SDK is not installed (pip install -e '.[docker]')")
+    try:
+        client = docker.from_env(timeout=120)
+        client.ping()
+    except Exception as e:  # noqa: BLE001 - whatever the reason, there is no engine to use
+        skip_docker(f"Docker tests: no Docker engine answers ({type(e).__name__}); {SETUP_HINT}")
+    yield client
+    client.close()
+
+
+@dataclass
+class Registry:
+    host: str  # host:port, what image names start with
+    process: Service
+
+
+@pytest.fixture(scope="session")
+def registry(docker_engine, tmp_path_factory) -> Iterator[Registry]:
+    """The Distribution registry (Debian's docker-registry) on a free loopback port, storage in
+    a temporary folder. Docker pushes to and pulls from 127.0.0.0/8 over plain HTTP."""
+    import shutil
+
+    binary = shutil.which("docker-registry") or shutil.which("registry")
+    if binary is None:
+        skip_docker(f"Docker tests: no image registry (docker-registry) on PATH; {SETUP_HINT}")
+    folder = tmp_path_factory.mktemp("registry")
+    # Its storage outlives the session, as a cache: the next session's push finds the layers
+    # there (the image's dependency layer is 2 GB, 80 s to push).
+    data = REPO / ".pytest_cache" / "mllm-registry"
+    port = free_port()
+    config = folder / "config.yml"
+    config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {data}\n"
+                      f"http:\n  addr: 127.0.0.1:{port}\n")
+    with serving([binary, "serve", str(config)], f"http://127.0.0.1:{port}/v2/", folder / "registry.log",
+                 quiet_env(folder / "home"), timeout=60) as proc:
+        yield Registry(f"127.0.0.1:{port}", proc)
+
+
+def local_torch_wheel() -> Path | None:
+    """The wheel of the torch that runs these tests, in pip's find-links folders: the image
+    installs it rather than PyPI's CUDA build (several GB)."""
+    import subprocess
+
+    import torch
+
+    folders = os.environ.get("PIP_FIND_LINKS", "").split()
+    out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                         capture_output=True, text=True)
+    folders += out.stdout.split() if out.returncode == 0 else []
+    for folder in folders:
+        path = Path(folder.removeprefix("file://"))
+        found = sorted(path.glob(f"torch-{torch.__version__}-cp311-*.whl")) if path.is_dir() else []
+        if found:
+            return found[0]
+    return None
+
+
+@dataclass
+class BuiltImage:
+    name: str  # in the registry: host:port/mllm-pipeline:<commit>
+    commit: str
+    seconds: float
+
+
+def build_image(context: Path, registry: Registry, log: Path) -> BuiltImage:
+    """infra/docker/build-image.sh on `context`: the local base, the local torch wheel, pushed."""
+    import subprocess
+    import time
+
+    wheel = local_torch_wheel()
+    if wheel is None:
+        skip_docker("Docker tests: no local wheel of this torch in pip's find-links; the image would pull "
+                    "PyPI's CUDA build (several GB)")
+    import shutil
+
+    start = time.monotonic()
+    base = subprocess.run([str(REPO / "infra/docker/base-image.sh")], capture_output=True, text=True)
+    if base.returncode != 0:
+        if os.geteuid() != 0 or shutil.which("debootstrap") is None:
+            skip_docker(f"Docker tests: no local base image, and making one needs root and debootstrap; {SETUP_HINT}")
+        raise AssertionError(f"infra/docker/base-image.sh failed:\n{base.stderr[-3000:]}")
+    with open(log, "ab") as out:
+        proc = subprocess.run([str(REPO / "infra/docker/build-image.sh"), "--local-base", "--torch-wheel", str(wheel),
+                               "--push", registry.host, str(context)], stdout=subprocess.PIPE, stderr=out, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"image build failed ({proc.returncode}):\n{tail(log, 40)}")
+    commit = subprocess.run(["git", "-C", str(context), "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    return BuiltImage(proc.stdout.strip().splitlines()[-1], commit, time.monotonic() - start)
+
+
+@pytest.fixture(scope="session")
+def training_image(registry, tmp_path_factory) -> BuiltImage:
+    """The image of this checkout, built once a session (Docker's layer cache makes a rebuild
+    of the same commit take seconds) and pushed to the session's registry."""
+    return build_image(REPO, registry, tmp_path_factory.mktemp("image") / "build.log")

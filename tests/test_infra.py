@@ -72,29 +72,48 @@ def test_templates_keep_the_workers_variables(kind, standard):
     template = _template(kind)
     props = template["variables"]["properties"]
     assert standard <= set(props), standard - set(props)
-    assert props["gpus"] == {**props["gpus"], "type": "integer", "default": 1, "minimum": 0}
+    if kind == "kubernetes":
+        assert props["gpus"] == {**props["gpus"], "type": "integer", "default": 1, "minimum": 0}
+    else:  # Docker's own device requests: none by default, so any Docker host runs it
+        assert props["device_requests"] == {**props["device_requests"], "type": "array", "default": []}
     assert props["image"]["default"] == "mllm-pipeline:latest"
     # every placeholder of the job configuration names a variable of the schema
     placeholders = set(re.findall(r"{{\s*([\w.]+)\s*}}", json.dumps(template["job_configuration"])))
     assert placeholders <= set(props), placeholders - set(props)
 
 
+GPU_REQUEST = [{"count": 2, "capabilities": [["gpu"]]}]
+
+
 def test_docker_template_requests_the_gpus():
-    config = render("docker")
+    config = render("docker", device_requests=GPU_REQUEST)
     assert config.image == "mllm-pipeline:test"
     assert config.env["MLFLOW_TRACKING_URI"] == "http://x"
     kwargs = config.container_create_kwargs
-    assert kwargs["device_requests"] == [{"count": 2, "capabilities": [["gpu"]]}]
+    assert kwargs["device_requests"] == GPU_REQUEST
     assert kwargs["shm_size"] == "8g"
-
-    none = render("docker", gpus=0).container_create_kwargs["device_requests"]
-    assert none[0]["count"] == 0          # NVIDIA_VISIBLE_DEVICES=void: no GPU in the container
 
     docker_types = pytest.importorskip("docker.types")
     host = docker_types.HostConfig(version="1.44", **kwargs)
     assert host["DeviceRequests"][0]["Count"] == 2
     assert host["DeviceRequests"][0]["Capabilities"] == [["gpu"]]
     assert host["ShmSize"] == 8 * 1024**3
+    # No GPU: no device request at all, so Docker does not look for the NVIDIA runtime.
+    none = render("docker").container_create_kwargs
+    assert none["device_requests"] == []
+    assert docker_types.HostConfig(version="1.44", **none)["DeviceRequests"] == []
+
+
+@pytest.mark.parametrize("device, nproc, expected", [("cpu", 2, []), ("auto", 1, [{"count": 1, "capabilities": [["gpu"]]}]),
+                                                     ("cuda", 2, GPU_REQUEST)])
+def test_the_pipeline_asks_the_docker_pool_for_one_gpu_a_rank_and_none_on_cpu(device, nproc, expected):
+    from flows.dispatch import gpu_variables
+    from mllm.config import RunConfig
+
+    cfg = RunConfig.model_validate({"train": {"device": device, "nproc_per_node": nproc, "max_steps": 1}})
+    assert gpu_variables(cfg, set(_template("docker")["variables"]["properties"])) == {"device_requests": expected}
+    kubernetes = gpu_variables(cfg, set(_template("kubernetes")["variables"]["properties"]))
+    assert kubernetes == {"gpus": len(expected) and nproc}
 
 
 def test_kubernetes_template_requests_the_gpus():
@@ -128,7 +147,8 @@ def test_server_accepts_the_template(prefect_server, kind):
                                 overwrite=True)
         pool = client.read_work_pool(name)
     assert pool.type == kind
-    assert pool.base_job_template["variables"]["properties"]["gpus"]["default"] == 1
+    gpus = "gpus" if kind == "kubernetes" else "device_requests"
+    assert pool.base_job_template["variables"]["properties"][gpus]["default"] == (1 if kind == "kubernetes" else [])
     assert pool.base_job_template["job_configuration"] == _template(kind)["job_configuration"]
 
 
@@ -160,7 +180,11 @@ def test_compose_worker_owns_a_gpu_and_talks_to_the_stack():
 
 def test_dockerfile_installs_with_the_constraints():
     text = (INFRA / "Dockerfile").read_text()
-    assert re.search(r'pip install -c constraints\.txt "\.\[pipeline\]"', text)
+    # The dependencies of mllm and the pipeline extra at constraints.txt's versions, then the
+    # project itself with no index: nothing unpinned comes in with it.
+    assert re.search(r"pip install -c /tmp/project/constraints\.txt -r /tmp/project/requirements\.txt", text)
+    assert "['optional-dependencies']['pipeline']" in text
+    assert "pip install --no-deps --no-build-isolation --no-index ." in text
     assert re.search(r"^USER (?!root)", text, re.M)
     # The commit it was built from, since .git stays out: a label, and what runs record.
     assert re.search(r"^ARG GIT_COMMIT", text, re.M) and 'ENV MLLM_GIT_COMMIT="${GIT_COMMIT}"' in text
@@ -169,7 +193,8 @@ def test_dockerfile_installs_with_the_constraints():
     assert {".venv", ".git", "storage", "mlruns", "benchmarks/out"} <= set(ignored)
 
 
-@pytest.mark.parametrize("script", sorted((INFRA / "paperspace").glob("*.sh")), ids=lambda p: p.name)
+@pytest.mark.parametrize("script", sorted([*(INFRA / "paperspace").glob("*.sh"), *(INFRA / "docker").glob("*.sh")]),
+                         ids=lambda p: p.name)
 def test_shell_scripts_parse(script):
     bash = shutil.which("bash")
     if bash is None:
