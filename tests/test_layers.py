@@ -47,3 +47,18 @@ def test_the_data_tasks_hold_no_tokenizer_parquet_or_split_logic() -> None:
             imported.add(node.module)
     assert not {m for m in imported if m.split(".")[0] in ("pyarrow", "numpy", "tokenizers", "codecs", "tempfile")}
     assert not {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & {"np", "pa", "pq", "pc"}
+
+
+def test_a_built_distribution_holds_every_package() -> None:
+    # `pip install .` (the image does it) ships only the packages pyproject names: a family's
+    # subpackage left out imports in an editable install and fails in the container.
+    import tomllib
+
+    from setuptools import find_packages
+
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = set(find_packages(str(ROOT), include=include))
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for top in ("mllm", "tasks", "flows")
+               for p in (ROOT / top).rglob("__init__.py")}
+    assert on_disk and on_disk <= shipped, on_disk - shipped
+    assert {"mllm.lm", "mllm.embeddings", "mllm.seq2seq", "mllm.sequences"} <= shipped
