@@ -302,7 +302,7 @@ def test_a_gpu_on_a_docker_host_without_the_gpu_runtime_fails_in_one_line(
 
 
 @pytest.mark.skip(reason="flaky: the two node containers sometimes hang before the first step with no output "
-                         "(by hand here, 1 of 3 tries finished in 45 s, 2 hung for minutes; a bare gloo all_reduce "
+                         "(by hand here, one of two tries finished within 45 s, the other hung past 100 s; a bare gloo all_reduce "
                          "across two containers passed); issue 21 stays open for it")
 def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_global_batch(
         killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
