@@ -315,125 +315,6 @@ def recipes() -> None:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
-schedule_app = typer.Typer(invoke_without_command=True, help=(
-    "Retrain a recipe on a schedule: create or update its deployment `pipeline/RECIPE` on the Prefect "
-    "server ($PREFECT_API_URL), or pause, resume or delete it. `schedule list` shows them all."))
-app.add_typer(schedule_app, name="schedule")
-
-
-@schedule_app.callback()
-def schedule(ctx: typer.Context,
-             recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="The recipe to retrain.")] = None,
-             cron: Annotated[Optional[str], typer.Option(help='When, as a cron line: "0 3 * * 0" is Sundays at 03:00.')] = None,
-             interval: Annotated[Optional[float], typer.Option(help="Or every this many seconds.")] = None,
-             timezone: Annotated[str, typer.Option(help="The cron line's time zone.")] = "UTC",
-             pool: Annotated[str, typer.Option(help="The work pool whose worker runs the pipeline.")] = "local",
-             train_on: TrainOn = None, source: Source = None, storage: Storage = None, set_: Sets = None,
-             pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
-             resume: Annotated[bool, typer.Option("--resume", help="Resume it.")] = False,
-             delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:
-    if ctx.invoked_subcommand is not None:
-        return
-    with user_errors():
-        if recipe is None:
-            raise UserError("give --recipe NAME (and --cron or --interval), or use `mllm-pipeline schedule list`")
-        from flows import schedule as sched
-
-        if sum([pause, resume, delete]) > 1:
-            raise UserError("give one of --pause, --resume or --delete")
-        if pause or resume or delete:
-            (sched.pause if pause else sched.resume if resume else sched.delete)(recipe)
-            typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
-            return
-        d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
-                         source=source, storage_url=storage, overrides=set_ or [])
-        typer.echo(f"{d['name']}: {d['schedule']} on pool {d['pool']!r}; next run {d['next_run'] or 'not yet scheduled'}")
-        typer.echo(f"parameters: {d['parameters']}")
-
-
-@schedule_app.command("list")
-def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
-    """The scheduled recipes: schedule, paused or not, next and last run."""
-    with user_errors():
-        from flows import schedule as sched
-
-        rows = sched.list_schedules()
-        if json_:
-            import json
-
-            typer.echo(json.dumps(rows, indent=2))
-            return
-        if not rows:
-            typer.echo("no schedules: create one with `mllm-pipeline schedule --recipe NAME --cron \"0 3 * * 0\"`")
-        for r in rows:
-            typer.echo(f"{r['name']:28} {r['schedule']:28} {'PAUSED' if r['paused'] else 'active':7} pool {r['pool']:10} "
-                       f"next {r['next_run'] or '-'}  last {r['last_run'] or '-'}")
-
-
-stack_app = typer.Typer(no_args_is_help=True, help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
-app.add_typer(stack_app, name="stack")
-StackHome = Annotated[Optional[str], typer.Option(
-    "--home", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
-
-
-@stack_app.command("up")
-def stack_up(home: StackHome = None, storage: Storage = None,
-             pool: Annotated[str, typer.Option(help="The process work pool its worker serves.")] = "local",
-             prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
-             mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000) -> None:
-    """Start the stack (MLflow's artifacts go to the storage root) and print its URLs."""
-    with user_errors():
-        from flows import stack
-
-        root = flows_module().storage_root(storage)
-        folder = stack.stack_home(home)
-        console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
-        try:
-            state = stack.up(folder, root, pool, prefect_port, mlflow_port)
-        except RuntimeError as e:
-            raise UserError(f"the stack did not start: {e}") from None
-        _print_stack(state)
-
-
-@stack_app.command("down")
-def stack_down(home: StackHome = None) -> None:
-    """Stop what `stack up` started, and only that."""
-    with user_errors():
-        from flows import stack
-
-        stopped = stack.down(stack.stack_home(home))
-        if not stopped:
-            typer.echo("no stack was running")
-        for name, was_running in stopped:
-            typer.echo(f"{name:15} {'stopped' if was_running else 'was not running'}")
-
-
-@stack_app.command("status")
-def stack_status(home: StackHome = None) -> None:
-    """Say what of the stack runs; exit status 1 unless all of it does."""
-    from flows import stack
-
-    folder = stack.stack_home(home)
-    services = stack.status(folder)
-    if not services:
-        typer.echo(f"no stack in {folder}: start one with `mllm-pipeline stack up`")
-        raise typer.Exit(1)
-    for s, ok in services:
-        typer.echo(f"{s.name:15} {'running' if ok else 'NOT RUNNING':12} {s.url or ''}  (pid {s.pid}, log {s.log})")
-    if not all(ok for _, ok in services):
-        raise typer.Exit(1)
-    _print_stack(stack.load(folder), services=False)
-
-
-def _print_stack(state: dict, services: bool = True) -> None:
-    if services:
-        for s in state["services"]:
-            typer.echo(f"{s.name:15} {s.url or ''}")
-    typer.echo("Use it from a shell with:")
-    typer.echo("  export " + " ".join(f"{k}={v}" for k, v in state["env"].items()))
-    typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")
-
-
 @app.command()
 def sweep(recipe: Recipe = "default",
           grid: Annotated[Optional[list[str]], typer.Option(
@@ -497,9 +378,17 @@ def lineage(model: Annotated[Optional[str], typer.Argument(
         raise typer.Exit(1)
 
 
+# The commands that drive a Prefect server (schedules) and the local stack; importing registers them.
+from flows import cli_servers  # noqa: E402,F401
+
+
 def main() -> None:
     app()
 
 
 if __name__ == "__main__":
-    main()
+    # As a script this file is `__main__`; the schedule and stack commands register on the app of
+    # the module `flows.cli`, so run that one.
+    from flows.cli import main as run_cli
+
+    run_cli()
