@@ -301,9 +301,6 @@ def test_a_gpu_on_a_docker_host_without_the_gpu_runtime_fails_in_one_line(
     assert "Traceback" not in out + err and "submitting it again" not in err  # no pointless restarts
 
 
-@pytest.mark.skip(reason="flaky: the two node containers sometimes hang before the first step with no output "
-                         "(by hand here, one of two tries finished within 45 s, the other hung past 100 s; a bare gloo all_reduce "
-                         "across two containers passed); issue 21 stays open for it")
 def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_global_batch(
         killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
     """`python -m mllm.train` under `torchrun --nnodes 2`, a container a node (one process each,
@@ -334,6 +331,11 @@ def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_gl
                 command=["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mllm-ddp-test",
                          "--rdzv-conf", f"is_host={str(node == 0).lower()}",
+                         # The rendezvous tells nodes apart by host name and process id, and two
+                         # containers on the host network share the name and start torchrun under
+                         # the same PID: without an address of its own each, the second node passes
+                         # for the first and the rendezvous waits forever for a second node.
+                         "--local-addr", f"127.0.0.{node + 1}",
                          "-m", "mllm.train", "--config", "/job/config.yaml", "--no-resume",
                          "--events", "/events/events.jsonl"],
                 # gloo's own connections go over loopback: without a named interface it takes the
@@ -388,7 +390,7 @@ def _loss(checkpoint: str, ids, window: int) -> float:
     import torch
 
     from mllm.checkpoint import load_checkpoint
-    from mllm.data import windows
+    from mllm.lm.windows import windows
 
     model = load_checkpoint(checkpoint).model
     starts = np.arange(64) * window
