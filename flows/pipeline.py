@@ -125,12 +125,14 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     # A skipped run says so in its name: it would otherwise share the name of the run that trained.
     name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
     with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
-        # quote(): a subflow's result as a task input is recorded as a "flow_run" input, which
-        # Prefect 3.8's UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists none).
-        log_data(run.run_id, cfg, root, quote(data))
+        # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
+        # to its last string and records any piece that came out of a subflow (the prepare flow
+        # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
+        # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
+        log_data(run.run_id, quote(cfg), root, quote(data))
         run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
         if skip:
-            outcome = log_skipped(run.run_id, cfg, root, champion, skip)
+            outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
         else:
             trained = run_training(cfg, data, root, run.run_id, pool)
             evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
@@ -149,8 +151,8 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     score = None
     if champion and champion.checkpoint and champion.splits_key != data.splits.key:
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
-        score = scorer(champion.checkpoint, cfg, data)
-    return log_outcome(run_id, cfg, root, quote(trained), quote(evaluation), quote(samples), quote(data), score)
+        score = scorer(champion.checkpoint, quote(cfg), quote(data))
+    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score)
 
 
 def publish(result: PipelineResult) -> None:

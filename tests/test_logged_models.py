@@ -21,7 +21,9 @@ STILL = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interv
 def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metrics(
         mlflow_server, corpus: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
-    r = pipeline(recipe="smoke", source=str(corpus), storage_url=str(tmp_path / "storage"), overrides=STILL)
+    # A file:// URL, as a user gives one: the download stage hands it back unchanged, the same
+    # string object as the config's (a path is turned into a new URL string).
+    r = pipeline(recipe="smoke", source=corpus.as_uri(), storage_url=str(tmp_path / "storage"), overrides=STILL)
     client = MlflowClient(mlflow_server.url)
     run = client.get_run(r.mlflow_run_id)
     mlflow.set_tracking_uri(mlflow_server.url)
