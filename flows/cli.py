@@ -61,7 +61,7 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
             typer.echo(f"champion: {c.name} v{c.version} (mlflow run {c.run_id})")
-            typer.echo(f"mlflow run: {result.mlflow_run_id}")
+            _echo_mlflow_run(fl, result)
             return
         t, e = result.trained, result.evaluation
         typer.echo(f"{fl.describe(e, cfg)} after {t.steps} steps")
@@ -69,11 +69,21 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         shown = "; ".join(x.strip().replace("\n", "; ") for x in texts) or "none (no sample prompt fits the vocabulary)"
         typer.echo(f"sample ({method}): {shown[:200]}")
         typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
-        typer.echo(f"mlflow run: {result.mlflow_run_id}")
+        _echo_mlflow_run(fl, result)
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
         typer.echo(f"  samples:    {t.run_dir}/samples/")
         typer.echo(f"  report:     {e.report}")
+
+
+def _echo_mlflow_run(fl: Any, result: Any) -> None:
+    typer.echo(f"mlflow run: {result.mlflow_run_id}")
+    try:
+        url = fl.run_url(result.storage, result.mlflow_run_id)
+    except Exception:  # noqa: BLE001 - the run has ended; a link is no reason to fail the command
+        url = None
+    if url:
+        typer.echo(f"  in the UI: {url}")
 
 
 def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: str | None,

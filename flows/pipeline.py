@@ -25,7 +25,7 @@ from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
 from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
-from tasks.tracking import RunTracker, log_data
+from tasks.tracking import RunTracker, log_data, run_url
 from tasks.tracking import client as tracking_client
 
 
@@ -169,12 +169,8 @@ def publish(result: PipelineResult) -> None:
 def _mlflow_link(root: str, run_id: str) -> str:
     """The MLflow run as a link into the MLflow UI when the runs go to a server, else its id."""
     with contextlib.suppress(Exception):  # an artifact is no reason to fail a finished run
-        uri = tracking_client(root).tracking_uri
-        if uri.startswith(("http://", "https://")):
-            experiment = tracking_client(root).get_run(run_id).info.experiment_id
-            # workflowType: MLflow 3.17's UI opens in its GenAI view unless the link asks otherwise.
-            return (f"[{run_id}]({uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
-                    "?workflowType=machine_learning)")
+        if url := run_url(root, run_id):
+            return f"[{run_id}]({url})"
     return f"`{run_id}`"
 
 

@@ -9,6 +9,9 @@ and records the decision as tags on the run and the version.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import math
 import os
 import shutil
@@ -196,7 +199,8 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
     previous = current_champion(run.client, name)
     tags = {"val_loss": repr(float(e.loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
             "headline": e.headline, "headline.value": repr(float(e.score)), **(version_tags or {})}
-    registered = mlflow.register_model(info.model_uri, name, tags=tags)
+    with _quiet_registration():
+        registered = mlflow.register_model(info.model_uri, name, tags=tags)
     promoted, reason = decide(e.headline, float(e.score), e.higher_is_better, previous, champion_score)
     if promoted:
         run.client.set_registered_model_alias(name, CHAMPION, registered.version)
@@ -206,6 +210,20 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
     run.client.set_model_version_tag(name, outcome.version, "champion.decision", f"{outcome.decision}: {reason}")
     record_decision(run, outcome)
     return outcome
+
+
+@contextlib.contextmanager
+def _quiet_registration():
+    """Without MLflow's own lines about a registration ("Successfully registered model",
+    "Waiting up to 300 seconds", "Created version"): the run's outcome says what was registered."""
+    waiting = logging.getLogger("mlflow.store.model_registry.abstract_store")
+    level = waiting.level
+    waiting.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        waiting.setLevel(level)
 
 
 def checkpoint_models(run: RunTracker, best_id: str, best_step: int, evaluation: Any,

@@ -62,6 +62,10 @@ def _local_path(url: str) -> str | None:
     return os.path.abspath(LocalFileSystem._strip_protocol(url))
 
 
+# MLflow prints a "View run" link when a run ends, and it opens MLflow 3.17's UI in its GenAI
+# view; the CLI prints `run_url` instead, which asks for the model-training view.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
 _derived_uri: str | None = None
 
 
@@ -91,6 +95,17 @@ def client(storage_root: str) -> MlflowClient:
     uri = tracking_uri(storage_root)
     _create_store(uri)
     return MlflowClient(uri)
+
+
+def run_url(storage_root: str, run_id: str) -> str | None:
+    """The run's page in the MLflow UI when the runs go to a server (None for a local store), in
+    the model-training view: MLflow 3.17's UI opens in its GenAI view unless a link asks otherwise,
+    whatever the experiment's kind tag says (the view is the browser's setting)."""
+    c = client(storage_root)
+    if not c.tracking_uri.startswith(("http://", "https://")):
+        return None
+    experiment = c.get_run(run_id).info.experiment_id
+    return f"{c.tracking_uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
 
 _created: set[str] = set()

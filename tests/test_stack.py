@@ -155,6 +155,11 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
     run_id = next(line.split()[-1] for line in out.splitlines() if line.startswith("mlflow run:"))
     logged = client.get_run(run_id)
+    # Its page in the model-training view (MLflow's own "View run" link opens the GenAI view),
+    # and none of MLflow's lines about the registration around the run's own.
+    ui = f"{stack_env.env['MLFLOW_TRACKING_URI']}/#/experiments/{logged.info.experiment_id}/runs/{run_id}"
+    assert f"  in the UI: {ui}?workflowType=machine_learning" in out.splitlines()
+    assert "View run" not in out and "Successfully registered" not in out + err and "Created version" not in out + err
     steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
     assert max(steps) == 400
     # The steps between the last checkpoint and the kill were trained twice, logged once.
