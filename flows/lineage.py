@@ -130,6 +130,10 @@ def _flow_run(flow_run_id: str, url: str | None) -> tuple[str, dict[str, Any], s
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, PREFECT_UI_URL, temporary_settings
 
+    try:
+        flow_run_uuid = UUID(flow_run_id)
+    except ValueError:
+        return UNCHECKED, {}, f"{flow_run_id!r} is no flow run id"
     api = PREFECT_API_URL.value()
     if not api:
         return UNCHECKED, {}, "no Prefect API configured (PREFECT_API_URL) to look the flow run up"
@@ -144,10 +148,11 @@ def _flow_run(flow_run_id: str, url: str | None) -> tuple[str, dict[str, Any], s
             if url and ui and not url.startswith(ui + "/"):
                 return UNCHECKED, {}, f"recorded on another Prefect server than the one at {api}"
             try:
-                run = client.read_flow_run(UUID(flow_run_id))
+                run = client.read_flow_run(flow_run_uuid)
             except ObjectNotFound:
                 if url:
-                    return MISSING, {}, f"the Prefect server at {api} has no such flow run (deleted, or its database is new)"
+                    return MISSING, {}, (f"the Prefect server at {api} has no such flow run (deleted, or its "
+                                         "database is new)")
                 return UNCHECKED, {}, (f"not on the Prefect server at {api}; the run recorded no UI url: "
                                        "it ran on Prefect's temporary server")
     except Exception as e:  # noqa: BLE001  (a link that cannot be checked is reported, never fatal)

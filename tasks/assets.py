@@ -55,7 +55,7 @@ def _context() -> Any:
     directly) or on a Prefect without one."""
     try:
         from prefect.context import AssetContext
-    except ImportError:  # pragma: no cover (Prefect before 3.4 has no assets)
+    except ImportError:  # pragma: no cover (a Prefect without assets)
         return None
     ctx = AssetContext.get()
     return ctx if ctx is not None and hasattr(ctx, "downstream_assets") else None
@@ -71,8 +71,8 @@ def materializes(url: str, reads: Iterable[str | None] = (), name: str | None = 
     if key is None:
         from prefect import get_run_logger
 
-        get_run_logger().warning("%s cannot be a Prefect asset key (it holds a space or another character Prefect refuses, "
-                    "or is over %d characters): not recorded as an asset", scrub(url), _MAX_KEY)
+        get_run_logger().warning("%s cannot be a Prefect asset key (it holds a space or another character Prefect "
+                                 "refuses, or is over %d characters): not recorded as an asset", scrub(url), _MAX_KEY)
         return None
     from prefect.assets import Asset, AssetProperties
 

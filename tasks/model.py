@@ -212,7 +212,8 @@ def data_assets(data: Prepared) -> list[str]:
     """What training reads, as the data stages named their assets: the split, the vocabulary, the
     token chunks (their folder holds the tokenizer) and, for parallel text, the source side's
     vocabulary."""
-    return [data.splits.url, data.vocab.url, data.tokens.url, data.source_side.vocab.url if data.source_side else None]
+    return [data.splits.url, data.vocab.url, data.tokens.url,
+            data.source_side.vocab.url if data.source_side else None]
 
 
 def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.TrainResult:
