@@ -27,6 +27,7 @@ from tasks import tracking
 from tasks.model import config_digest, key_of
 
 OK, MISSING, CHANGED, UNRECORDED = "ok", "missing", "changed", "unrecorded"
+UNCHECKED = "unchecked"  # recorded, but nothing that could contradict it answered
 BROKEN = (MISSING, CHANGED)  # a chain with one of these makes `lineage` exit non-zero
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -48,7 +49,7 @@ def trace(root: str, ref: str) -> dict[str, Any]:
     if version is None and tags.get("model_version"):
         name, _, number = tags["model_version"].rpartition("/")
         version = _get(client.get_model_version, name, number)
-    links = [_model_link(version), _run_link(client, run), _code_link(tags)]
+    links = [_model_link(version), _run_link(client, run), _prefect_link(tags), _code_link(tags)]
     links += [_training_link(tags, version), _split_link(tags), _vocab_link(tags), _tokens_link(tags),
               _corpus_link(tags)]
     chain = {"ref": ref, "tracking_uri": tracking.tracking_uri(root),
@@ -105,8 +106,63 @@ def _run_link(client: MlflowClient, run: Any) -> dict[str, Any]:
                  started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000)),
                  decision=t.get("decision"), final_val_loss=m.get("final_val_loss"),
                  model_id=t.get("model_id"), best_step=_int(t.get("model_id.best_step")),
-                 last_model_id=t.get("model_id.last"), last_step=_int(t.get("model_id.last_step")),
-                 prefect_flow_run=t.get("prefect.flow_run_id"), prefect_url=t.get("prefect.flow_run_url"))
+                 last_model_id=t.get("model_id.last"), last_step=_int(t.get("model_id.last_step")))
+
+
+def _prefect_link(t: dict[str, str]) -> dict[str, Any]:
+    """The Prefect flow run that ran the pipeline, looked up on the Prefect API this process is
+    configured with (PREFECT_API_URL). Missing only where the run was recorded on that very
+    server; unchecked where no API is configured, none answers, or the run was recorded on
+    another server (its UI url says which; none is recorded on Prefect's temporary server)."""
+    flow_run_id, url = t.get("prefect.flow_run_id"), t.get("prefect.flow_run_url")
+    if not flow_run_id:
+        return _link("prefect", UNRECORDED, detail="no Prefect flow run recorded")
+    fields: dict[str, Any] = {"flow_run_id": flow_run_id, "ui": url}
+    status, found, detail = _flow_run(flow_run_id, url)
+    return _link("prefect", status, **fields, **found, detail=detail)
+
+
+def _flow_run(flow_run_id: str, url: str | None) -> tuple[str, dict[str, Any], str | None]:
+    """(status, what the API says about the flow run, why not ok)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, PREFECT_UI_URL, temporary_settings
+
+    try:
+        flow_run_uuid = UUID(flow_run_id)
+    except ValueError:
+        return UNCHECKED, {}, f"{flow_run_id!r} is no flow run id"
+    api = PREFECT_API_URL.value()
+    if not api:
+        return UNCHECKED, {}, "no Prefect API configured (PREFECT_API_URL) to look the flow run up"
+    ui = (PREFECT_UI_URL.value() or "").rstrip("/")
+    try:
+        # No retries: an API that does not answer at once makes this link unchecked, not the
+        # command slow.
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
+                get_client(sync_client=True, httpx_settings={"timeout": 5.0}) as client:
+            if (failure := client.api_healthcheck()) is not None:
+                return UNCHECKED, {}, f"the Prefect API at {api} does not answer ({_short(failure)})"
+            if url and ui and not url.startswith(ui + "/"):
+                return UNCHECKED, {}, f"recorded on another Prefect server than the one at {api}"
+            try:
+                run = client.read_flow_run(flow_run_uuid)
+            except ObjectNotFound:
+                if url:
+                    return MISSING, {}, (f"the Prefect server at {api} has no such flow run (deleted, or its "
+                                         "database is new)")
+                return UNCHECKED, {}, (f"not on the Prefect server at {api}; the run recorded no UI url: "
+                                       "it ran on Prefect's temporary server")
+    except Exception as e:  # noqa: BLE001  (a link that cannot be checked is reported, never fatal)
+        return UNCHECKED, {}, f"the Prefect API at {api} does not answer ({_short(e)})"
+    return OK, {"name": run.name, "state": run.state.name if run.state else None, "api": api}, None
+
+
+def _short(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return (text or type(e).__name__)[:160]
 
 
 def _code_link(t: dict[str, str]) -> dict[str, Any]:
@@ -329,6 +385,8 @@ def render(chain: dict[str, Any]) -> str:
             "model": lambda x: f"{x['name']}/{x['version']}" + (f" @{', @'.join(x['aliases'])}" if x.get("aliases") else "")
             + (f"  {x['headline']} {x['headline_value']:.4f}" if x.get("headline_value") is not None else ""),
             "run": lambda x: f"{x['run_id']}  {x.get('name', '')}  {x.get('run_status', '')}  {x.get('started', '')}",
+            "prefect": lambda x: f"flow run {x.get('flow_run_id', '?')}" + (f"  {x['name']}" if x.get("name") else "")
+            + (f"  {x['state']}" if x.get("state") else ""),
             "code": lambda x: f"git {x['commit']}" + (" (dirty: uncommitted changes)" if x.get("dirty") else " (clean)")
             if x.get("commit") else "",
             "training": lambda x: f"key {x.get('key', '?')}",
@@ -344,8 +402,8 @@ def render(chain: dict[str, Any]) -> str:
             link = {**link, "model_id": f"{link['model_id']} (best, step {link.get('best_step')})"
                     + (f"; last: {link['last_model_id']} (step {link.get('last_step')})" if link.get("last_model_id") else "")}
         for field, label in (("model_id", "logged model"), ("checkpoint", "checkpoint"), ("decision", "decision"),
-                             ("experiment", "experiment"), ("prefect_flow_run", "prefect flow run"),
-                             ("prefect_url", "prefect ui"), ("branch", "branch"), ("config_digest", "config digest"),
+                             ("experiment", "experiment"), ("ui", "ui"),
+                             ("api", "checked at"), ("branch", "branch"), ("config_digest", "config digest"),
                              ("code_digest", "code digest"), ("uri", "uri"), ("source", "source")):
             if link.get(field) not in (None, "") and not (name == "model" and field == "decision"):
                 out.append(f"{'':11} {label}: {link[field]}")

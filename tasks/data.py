@@ -19,7 +19,7 @@ from mllm import corpus, splits, storage, text, tokens as token_chunks
 from mllm.seq2seq import pairs as parallel
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
-from tasks import report_progress
+from tasks import assets, report_progress
 from tasks.caching import code_digest, forget_exception, package_digest, stage_cache, transient
 
 
@@ -99,6 +99,9 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
     logger = get_run_logger()
     got = corpus.download(source, lambda sha: storage.join(root, "raw", f"{sha}.txt"), sha256,
                           progress=lambda n, size: report_progress("download", n, size))
+    assets.materializes(got.url, reads=[got.source], name="corpus copy")
+    assets.describe(got.url, sha256=got.sha256, bytes=got.bytes, encoding=got.encoding, compression=got.compression,
+                    source=got.source)
     meta = storage.join(root, "raw", f"{got.sha256}.json")
     if not storage.exists(meta):
         storage.write_json(meta, {"source": got.source, "sha256": got.sha256, "bytes": got.bytes,
@@ -124,6 +127,7 @@ def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
     """Stream the raw text through the tokenizer into a Parquet dataset of token chunks."""
     key = _tokens_key(raw, cfg, root)
     url = storage.join(root, "tokens", key)
+    assets.materializes(url, reads=[raw.url], name="token chunks")
     if done := _finished(url, Tokens):
         return done
     with storage.staged_dir(url) as out:
@@ -134,6 +138,7 @@ def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
         result = Tokens(key=key, url=url, tokenizer=storage.join(url, "tokenizer.json"),
                         n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256)
         _manifest(out, result)
+    assets.describe(url, key=key, tokenizer=cfg.kind, n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256)
     get_run_logger().info("tokenized %s: %d tokens in %d chunks", raw.source, n_tokens, n_chunks)
     return result
 
@@ -162,6 +167,7 @@ def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     """Count tokens row group by row group, then keep those that pass min_freq and max_size."""
     key = _vocab_key(tokens, cfg, root)
     url = storage.join(root, "vocab", key)
+    assets.materializes(storage.join(url, "vocab.json"), reads=[tokens.url], name="vocabulary")
     if done := _finished(url, Vocabulary):
         return done
     counts = token_chunks.count_tokens(tokens.url)
@@ -170,6 +176,7 @@ def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     with storage.staged_dir(url) as out:
         vocab.save(storage.join(out, "vocab.json"))
         _manifest(out, result)
+    assets.describe(result.url, key=key, digest=vocab.digest, size=len(vocab))
     get_run_logger().info("vocabulary: %d entries from %d distinct tokens", len(vocab), len(counts))
     return result
 
@@ -187,6 +194,7 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
     """Encode the tokens and route each segment of the split plan to its split's arrays."""
     key = _split_key(tokens, vocabulary, cfg, root)
     url = storage.join(root, "splits", key)
+    assets.materializes(url, reads=[tokens.url, vocabulary.url], name="split")
     if done := _finished(url, Splits):
         return done
     vocab = Vocab.load(vocabulary.url)
@@ -200,6 +208,8 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
                  for w in written}
         result = Splits(key=key, url=url, **parts)
         _manifest(out, result)
+    assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
+                    **{f"{w.name}_bytes": w.n_bytes for w in written})
     get_run_logger().info("split: %s", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written))
     return result
 
@@ -213,6 +223,8 @@ def numbers_corpus(cfg: NumbersConfig, root: str) -> str:
     under the storage root, once per config: from there it is a source like any other."""
     key = storage.digest(["numbers", cfg.model_dump(), code_digest(parallel), _num2words_version()])
     url = storage.join(root, "numbers", f"{key}.tsv")
+    assets.materializes(url, name="numbers corpus")  # made from its config: no upstream asset
+    assets.describe(url, pairs=cfg.count, seed=cfg.seed, max_number=cfg.max_number, language=cfg.language)
     if not storage.exists(url):
         n = parallel.write_numbers_tsv(url, cfg.count, cfg.seed, cfg.max_number, cfg.language)
         get_run_logger().info("numbers corpus: %d pairs in [0, %d], seed %d, en -> %s", n, cfg.max_number,
@@ -242,6 +254,11 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
     vocabularies on the training pairs, and write each split as Parquet (texts and ids)."""
     key = _pairs_key(raw, cfg, max_src_len, max_tgt_len, root)
     url = storage.join(root, "pairs", key)
+    # The pairs folder is split and token chunks at once; its vocabularies are assets of their own,
+    # as a corpus's vocabulary is, since training reads them by their own URIs.
+    assets.materializes(url, reads=[raw.url], name="pairs split")
+    for side in ("tgt", "src"):
+        assets.materializes(storage.join(url, f"{side}_vocab.json"), reads=[raw.url], name=f"{side} vocabulary")
     if done := _finished(url, Pairs):
         return done
     logger = get_run_logger()
@@ -266,6 +283,10 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
                                    tokenizer=storage.join(url, "src_tokenizer.json")),
             pairs=s["pairs"], bad_lines=bad, too_long=s["too_long"])
         _manifest(out, result)
+    assets.describe(url, key=key, pairs=s["pairs"], bad_lines=bad, too_long=s["too_long"],
+                    **{f"{name}_pairs": s[f"{name}_pairs"] for name in parallel.SPLITS})
+    for v in (result.vocab, result.source_side.vocab):
+        assets.describe(v.url, digest=v.digest, size=v.size)
     if bad:
         logger.warning("%s: %d bad lines left out (one column, or an empty side)", raw.source, bad)
     if s["too_long"]:
@@ -303,6 +324,8 @@ def generate_data(cfg: DataConfig, family: str, root: str) -> Generated:
 
     key = _generated_key(cfg, family, root)
     url = storage.join(root, "generated", key)
+    assets.materializes(url, name="generated data")  # made from its config: no upstream asset
+    assets.materializes(storage.join(url, "vocab.json"), name="vocabulary")
     if done := _finished(url, Generated):
         return done
     maker = next(f for f in families() if f.name == family)
@@ -322,6 +345,9 @@ def generate_data(cfg: DataConfig, family: str, root: str) -> Generated:
             vocab=Vocabulary(key=key, url=storage.join(url, "vocab.json"), digest=vocab.digest, size=len(vocab)),
             splits=Splits(key=key, url=url, **parts))
         _manifest(out, result)
+    assets.describe(url, key=key, sha256=digest, bytes=result.bytes, sequences=made["sequences"],
+                    n_tokens=made["n_tokens"])
+    assets.describe(result.vocab.url, digest=vocab.digest, size=len(vocab))
     get_run_logger().info("%s: %d sequences, train %d / val %d positions", made["source"], made["sequences"],
                           made["train"]["n_tokens"], made["val"]["n_tokens"])
     return result

@@ -26,6 +26,7 @@ from mllm import UserError, checkpoint, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.family import family_of, samples_text
 import tasks
+from tasks import assets
 from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
@@ -172,6 +173,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
     logger = get_run_logger()
     on_metrics = RunTracker.attach(run_id, cfg, root).metrics_after_resume() if run_id else None
     job, run_dir = train_job(cfg, data, root)
+    reads = data_assets(data)
+    assets.materializes(storage.join(job.paths.checkpoint_dir, "last.pt"), reads=reads, name="checkpoint (last)")
     config_url = storage.join(run_dir, "config.yaml")
     storage.write_text(config_url, job.to_yaml())
     logger.info("training %s %s: %s", cfg.recipe, cfg.model.arch, run_dir)
@@ -196,8 +199,21 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
     trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
+    assets.describe(trained.checkpoint, key=trained.key, steps=trained.steps, train_loss=trained.train_loss,
+                    val_loss=trained.val_loss, stop_reason=trained.stop_reason)
+    if trained.best_checkpoint:
+        assets.materializes(trained.best_checkpoint, reads=reads, name="checkpoint (best)")
+        assets.describe(trained.best_checkpoint, key=trained.key, best_val_loss=trained.best_val_loss)
     storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
     return trained
+
+
+def data_assets(data: Prepared) -> list[str]:
+    """What training reads, as the data stages named their assets: the split, the vocabulary, the
+    token chunks (their folder holds the tokenizer) and, for parallel text, the source side's
+    vocabulary."""
+    return [data.splits.url, data.vocab.url, data.tokens.url,
+            data.source_side.vocab.url if data.source_side else None]
 
 
 def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.TrainResult:
@@ -275,10 +291,13 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
     family = family_of(cfg)
     e = family.evaluate(loaded, cfg, part, data.splits.train, trained.run_dir)
     report_url = storage.join(trained.run_dir, f"eval-{split}.md")
+    assets.materializes(report_url, reads=[ckpt_url, data.splits.url], name=f"evaluation ({split})")
     storage.write_text(report_url, e.report)
     result = Evaluation(split=split, checkpoint=ckpt_url, loss=e.loss, tokens=e.count, report=report_url,
                         headline=e.headline, higher_is_better=e.higher_is_better, metrics=e.metrics, files=e.files)
     storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), result.model_dump(mode="json"))
+    assets.describe(report_url, split=split, headline=e.headline, value=e.metrics.get(e.headline), loss=e.loss,
+                    targets=e.count, checkpoint_steps=trained.steps)
     logger = get_run_logger()
     logger.info("%s: %s", split, family.describe(e))
     for note in e.notes:
@@ -302,7 +321,10 @@ def _score_key(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str =
       retries=1, retry_condition_fn=transient)
 def score_champion(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> ChampionScore | None:
     """Score another run's checkpoint (the champion's) on this run's split, as its family does
-    (None: the family's headline does not depend on the split)."""
+    (None: the family's headline does not depend on the split).
+
+    No asset: it writes nothing to storage, and Prefect records what a task reads only beside
+    what it writes (a materialization's upstream assets)."""
     part = getattr(data.splits, split)
     loaded = checkpoint.load_checkpoint(checkpoint_url)
     e = family_of(loaded).rescore(loaded, cfg, part, data.vocab.url)
@@ -324,12 +346,15 @@ def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     warning) rather than the run losing its model.
     """
     logger = get_run_logger()
-    loaded = checkpoint.load_checkpoint(_best(trained))
+    ckpt_url = _best(trained)
+    loaded = checkpoint.load_checkpoint(ckpt_url)
     samples = family_of(cfg).run_samples(loaded, cfg)
     for note in samples.notes:
         logger.warning("%s", note)
     for method, texts in samples.by_method.items():
+        assets.materializes(trained.samples_url(method), reads=[ckpt_url], name=f"samples ({method})")
         storage.write_text(trained.samples_url(method), samples_text(samples.prompts, texts))
+        assets.describe(trained.samples_url(method), method=method, samples=len(texts), prompts=len(samples.prompts))
     first = next(iter(samples.by_method.items()), None)
     if first and first[1]:
         logger.info("samples (%s): %r", first[0], first[1][0][:120])
