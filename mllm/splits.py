@@ -35,6 +35,7 @@ class WrittenSplit:
     name: str
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
+    sha256: str  # of the ids .npy file as stored
 
 
 def split_plan(n: int, cfg: SplitConfig) -> Plan:
@@ -130,6 +131,7 @@ def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: P
         for s in names:
             arr = arrays.pop(s)
             arr.flush()
+            sha256 = storage.sha256_file(os.path.join(tmp, f"{s}.npy"))
             fs.put(os.path.join(tmp, f"{s}.npy"), f"{path}/{s}.npy")
             np.save(os.path.join(tmp, f"{s}.offsets.npy"), offsets[s])
             fs.put(os.path.join(tmp, f"{s}.offsets.npy"), f"{path}/{s}.offsets.npy")
@@ -140,6 +142,6 @@ def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: P
                     ids = np.asarray(arr[i:i + ROW_GROUP_IDS])
                     w.write_table(pa.table({"token_id": pa.array(ids, pa.int32())}, schema=schema))
                     n_bytes += int(token_bytes[ids].sum())
-            written.append(WrittenSplit(s, sizes[s], n_bytes))
+            written.append(WrittenSplit(s, sizes[s], n_bytes, sha256))
             del arr
     return written

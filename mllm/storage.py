@@ -140,6 +140,16 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def sha256_file(url: str) -> str:
+    """The sha256 of a stored file, read in blocks."""
+    fs, path = filesystem(url)
+    h = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def digest(obj: Any) -> str:
     """A short stable digest of any JSON-able object: names storage folders after their inputs."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()

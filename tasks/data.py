@@ -53,6 +53,7 @@ class SplitPart(BaseModel):
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
     offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it
+    sha256: str | None = None  # of the ids file, when the split stage wrote it (lineage checks it)
 
 
 class Splits(BaseModel):
@@ -203,7 +204,7 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
     with storage.staged_dir(url) as out:
         written = splits.write_splits(tokens.url, vocab, tokenizer, plan, out)
         parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),
-                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes,
+                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
                                    offsets=storage.join(url, f"{w.name}.offsets.npy"))
                  for w in written}
         result = Splits(key=key, url=url, **parts)

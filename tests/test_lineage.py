@@ -178,9 +178,14 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
 
     with get_client(sync_client=True) as client:
         client.delete_flow_run(uuid.UUID(second["prefect"]["flow_run_id"]))
+    # One token of a split's array changed in place (its length and header intact): its digest says so.
+    val = Path(second["split"]["uri"]) / "val.npy"
+    ids = bytearray(val.read_bytes())
+    ids[-1] ^= 1
+    val.write_bytes(bytes(ids))
     changed = _chain(cli("lineage", chain_run := second["run"]["run_id"], "--json", env=env))
     assert changed["corpus"]["status"] == "changed" and changed["run"]["run_id"] == chain_run
-    assert changed["split"]["status"] == "ok"
+    assert changed["split"]["status"] == "changed" and "val.npy now has sha256" in changed["split"]["detail"]
     assert changed["prefect"]["status"] == "missing"
 
 
