@@ -193,10 +193,10 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
                help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
            device: Annotated[str, typer.Option(help="--checkpoint: cpu, cuda, cuda:N or mps.")] = "cpu",
            storage: Storage = None) -> None:
-    """Sample from a checkpoint, an MLflow run's model or a registered model, as its family
-    samples: continue a prompt, list neighbours, translate, or predict the next element.
+    """Sample from a checkpoint, an MLflow run's model or a registered model.
 
-    Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
+    As its family samples: continue a prompt, list neighbours, translate, or predict the next
+    element. Options left out take the run's own `sample` section, as `python -m mllm.sample` does."""
     with user_errors():
         if sum(x is not None for x in (checkpoint, run, model)) != 1:
             raise UserError("give exactly one of --checkpoint URL, --run RUN_ID or --model NAME@champion")
@@ -366,9 +366,11 @@ def lineage(model: Annotated[Optional[str], typer.Argument(
                 "--corpus", metavar="SHA256-PREFIX", help="List the runs and models trained on this corpus instead.")] = None,
             json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
             storage: Storage = None) -> None:
-    """Where a model came from: its run, code, training key, split, vocabulary, tokens and corpus,
-    each checked against storage (exit 1 when a link is broken); or, with --corpus, what was
-    trained on a corpus."""
+    """Where a model came from, each link checked; or, with --corpus, what was trained on a corpus.
+
+    The chain: the model version, its run and Prefect flow run, the code, the training key, the
+    split, the vocabulary, the tokens and the corpus, each checked against storage (exit 1 when a
+    link is broken)."""
     with user_errors():
         if (model is None) == (corpus is None):
             raise UserError("give a model (MODEL@ALIAS, MODEL/VERSION or a run id) or --corpus SHA256-PREFIX, not both")
