@@ -18,7 +18,7 @@ from mllm.storage import hide_credentials
 _display_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
                   help="A reproducible training pipeline for small language models.")
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]

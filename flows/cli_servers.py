@@ -12,7 +12,7 @@ from flows.terminal import console, flows_module, user_errors
 from mllm import UserError
 
 
-schedule_app = typer.Typer(invoke_without_command=True, help=(
+schedule_app = typer.Typer(invoke_without_command=True, rich_markup_mode="markdown", help=(
     "Retrain a recipe on a schedule: create or update its deployment `pipeline/RECIPE` on the Prefect "
     "server ($PREFECT_API_URL), or pause, resume or delete it. `schedule list` shows them all."))
 app.add_typer(schedule_app, name="schedule")
@@ -67,7 +67,7 @@ def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON
                        f"next {r['next_run'] or '-'}  last {r['last_run'] or '-'}")
 
 
-stack_app = typer.Typer(no_args_is_help=True, help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
+stack_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown", help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
 app.add_typer(stack_app, name="stack")
 StackHome = Annotated[Optional[str], typer.Option(
     "--home", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
