@@ -39,7 +39,7 @@ run: $(VENV)/.installed
 		$(if $(STORAGE),--storage "$(STORAGE)") $(foreach s,$(SET),--set "$(s)")
 
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
 
 # A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
 # and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.

@@ -33,7 +33,8 @@ from mllm.config import RunConfig
 from servers import (REPO, BuiltImage, S3Server, background, build_image, docker_engine, mlflow_server,  # noqa: F401
                      mlflow_server_starting, quiet_env, registry, run_s3_server, serving, training_image)
 
-pytestmark = pytest.mark.integration
+# One worker runs the whole module (`make test` runs tests side by side): one image build, one stack, in order.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("docker")]
 
 BUCKET = "mllm-docker"
 POOL = "docker-test"
