@@ -38,8 +38,10 @@ run: $(VENV)/.installed
 	$(BIN)/mllm-pipeline run --recipe $(RECIPE) $(if $(SOURCE),--source "$(SOURCE)") \
 		$(if $(STORAGE),--storage "$(STORAGE)") $(foreach s,$(SET),--set "$(s)")
 
+# Two workers (pytest-xdist), a test file each at a time: a module's tests share its servers and
+# fixtures and run in order on one worker (--dist loadfile).
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
 
 # A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
 # and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +33,7 @@ from mllm.config import RunConfig
 from servers import (REPO, BuiltImage, S3Server, background, build_image, docker_engine, mlflow_server,  # noqa: F401
                      mlflow_server_starting, quiet_env, registry, run_s3_server, serving, training_image)
 
-# One worker runs the whole module (`make test` runs tests side by side): one image build, one stack, in order.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("docker")]
+pytestmark = pytest.mark.integration
 
 BUCKET = "mllm-docker"
 POOL = "docker-test"
@@ -57,6 +56,7 @@ class DockerStack:
     worker_log: Path
     home: Path
     creds: Path  # the storage credentials file on the Docker host
+    pool_defaults: dict = field(default_factory=dict)  # the pool's job variables, unless a test says otherwise
 
     def env(self, **extra: str) -> dict[str, str]:
         """What the pipeline runs with: the servers, and storage credentials of its own."""
@@ -73,14 +73,15 @@ class DockerStack:
         pages = self.s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
         return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
-    def set_pool_defaults(self, **defaults) -> None:
-        """Create or update the pool: infra/pools/docker.json with this test's defaults."""
+    def set_pool_defaults(self, **changes) -> None:
+        """Create or update the pool: infra/pools/docker.json with the stack's defaults, and
+        these changes to them (none: the stack's own again)."""
         from prefect import get_client
         from prefect.client.schemas.actions import WorkPoolCreate
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         template = json.loads(json.dumps(self.template))
-        for name, value in defaults.items():
+        for name, value in {**self.pool_defaults, **changes}.items():
             template["variables"]["properties"][name]["default"] = value
         with temporary_settings({PREFECT_API_URL: self.api}), get_client(sync_client=True) as client:
             client.create_work_pool(WorkPoolCreate(name=POOL, type="docker", base_job_template=template),
@@ -114,10 +115,11 @@ def docker_stack(docker_engine, training_image, mlflow_server, tmp_path_factory)
             f"{api}/health", home / "prefect-server.log", server_env, timeout=180):
         s3.client().create_bucket(Bucket=BUCKET)
         s3.client().put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
-        ds = DockerStack(api, db, mlflow_server.url, s3, training_image, template, home / "worker.log", home, creds)
-        ds.set_pool_defaults(image=training_image.name, image_pull_policy="Always", network_mode="host",
-                             volumes=[f"{creds}:/home/mllm/.aws/credentials:ro"], auto_remove=False,
-                             env={"OMP_NUM_THREADS": "1"})
+        ds = DockerStack(api, db, mlflow_server.url, s3, training_image, template, home / "worker.log", home, creds,
+                         dict(image=training_image.name, image_pull_policy="Always", network_mode="host",
+                              volumes=[f"{creds}:/home/mllm/.aws/credentials:ro"], auto_remove=False,
+                              env={"OMP_NUM_THREADS": "1"}))
+        ds.set_pool_defaults()
         # The worker: prefect-docker, on the host; no storage credentials in its environment.
         worker_env = {k: v for k, v in quiet_env(home / "worker").items() if not k.startswith("AWS_")}
         worker_env.update(PREFECT_API_URL=api, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5")
@@ -270,16 +272,14 @@ def test_an_image_of_another_commit_refuses_the_job_in_one_line(
                     "--quiet", "-am", "another commit"], check=True)
     image = build_image(other, registry, tmp_path / "build.log")
     assert image.commit != docker_stack.image.commit
-    docker_stack.set_pool_defaults(image=image.name, image_pull_policy="Always", network_mode="host",
-                                   auto_remove=True)
+    docker_stack.set_pool_defaults(image=image.name, auto_remove=True)
     try:
         proc = docker_stack.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
                                 f"s3://{BUCKET}/docker", "--train-on", POOL, *_args(*CPU, "train.max_steps=5"),
                                 cwd=tmp_path)
         out, err = proc.communicate(timeout=300)
     finally:
-        docker_stack.set_pool_defaults(image=docker_stack.image.name, image_pull_policy="Always", network_mode="host",
-                                       auto_remove=False)
+        docker_stack.set_pool_defaults()  # the stack's own image and credentials again
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and "other training code" in last

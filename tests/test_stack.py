@@ -33,8 +33,7 @@ from mllm import storage
 from mllm.config import RunConfig
 from servers import S3Server, run_s3_server
 
-# One worker runs the whole module (`make test` runs tests side by side): its tests share one stack, in order.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("stack")]
+pytestmark = pytest.mark.integration
 
 BUCKET = "mllm-test"
 FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
