@@ -40,7 +40,7 @@ TrainOn = Annotated[Optional[str], typer.Option(
     help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
 
 
-Force = Annotated[bool, typer.Option("--force", help="Train even if the champion was trained on the same data and code.")]
+Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]
 
 
 @app.command()

@@ -106,7 +106,8 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         overrides: Config fields to change, as section.field=value (e.g. train.max_steps=500).
         tags: Extra MLflow run tags, as key: value.
         train_on: A work pool whose worker trains the model [the recipe's pipeline.pool, else this process].
-        force: Train even when a version was already trained on the same data, config and code.
+        force: Do not skip when a version was already trained on the same data, config and code: evaluate,
+            register and judge again (a finished training of the same key in storage is reused, not repeated).
     """
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
