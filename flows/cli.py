@@ -94,7 +94,6 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
     from flows.launch import preflight, storage_root
 
     cfg = resolve(recipe, overrides=sets or [], source=source)
-    preflight(storage_root(storage))
     from mllm import corpus
     from mllm.family import family_of
     from mllm.models import resolve_device
@@ -109,6 +108,8 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
             # A local file is read through once here, as the download stage will read it.
             corpus.download(cfg.data.source, None, cfg.data.sha256)
             family.check_source(cfg)
+    # Last: it makes the storage folder, which a mistake found above must not leave behind.
+    preflight(storage_root(storage))
     return cfg
 
 
@@ -214,12 +215,12 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
             loaded = load_checkpoint(checkpoint, device=device)
             _print_answers(lambda p: answer(loaded, p, **options), prompts, prompt_file)
             return
-        from flows.launch import check_tracking_server
-
-        check_tracking_server()  # seconds, not MLflow's minutes of retries
-        from flows import runs
+        from flows.launch import check_tracked
 
         root = flows_module().storage_root(storage)
+        check_tracked(root)  # seconds, not MLflow's minutes of retries
+        from flows import runs
+
         served = runs.served(root, runs.model_uri(root, run, model))
         _print_answers(lambda p: runs.generate(served, p, options), prompts, prompt_file)
 
@@ -271,14 +272,13 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
               storage: Storage = None) -> None:
     """Recent training runs in MLflow: id, recipe, commit, val loss, status."""
     with user_errors():
-        from flows.launch import check_tracking_server
+        from flows.launch import check_tracked
 
-        check_tracking_server()
+        root = flows_module().storage_root(storage)
+        check_tracked(root)
         from flows import runs
 
-        storage_root = flows_module().storage_root
-
-        rows = runs.list_runs(storage_root(storage), limit, recipe)
+        rows = runs.list_runs(root, limit, recipe)
         if json_:
             typer.echo(runs.as_json(rows))
             return
@@ -296,14 +296,13 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
               storage: Storage = None) -> None:
     """Re-run a run at its git commit with its recorded config and data, and compare metrics."""
     with user_errors():
-        from flows.launch import check_tracking_server
+        from flows.launch import check_tracked
 
-        check_tracking_server()
+        root = flows_module().storage_root(storage)
+        check_tracked(root)
         from flows import runs
 
-        storage_root = flows_module().storage_root
-
-        result = runs.reproduce(storage_root(storage), run_id)
+        result = runs.reproduce(root, run_id)
         typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']}")
         typer.echo(runs.comparison_table(result))
 
@@ -374,12 +373,12 @@ def lineage(model: Annotated[Optional[str], typer.Argument(
     with user_errors():
         if (model is None) == (corpus is None):
             raise UserError("give a model (MODEL@ALIAS, MODEL/VERSION or a run id) or --corpus SHA256-PREFIX, not both")
-        from flows.launch import check_tracking_server
-
-        check_tracking_server()
-        from flows import lineage as trail
+        from flows.launch import check_tracked
 
         root = flows_module().storage_root(storage)
+        check_tracked(root)
+        from flows import lineage as trail
+
         if corpus is not None:
             rows = trail.by_corpus(root, corpus)
             typer.echo(trail.as_json(rows) if json_ else trail.render_corpus(corpus, rows))

@@ -71,6 +71,23 @@ def check_storage(root: str) -> None:
         raise UserError(f"storage root {root} cannot be written ({e.strerror or type(e).__name__}): {fix}") from None
 
 
+def check_tracked(root: str) -> None:
+    """For the commands that read tracked runs: the tracking server answers, or the local store
+    exists (reading must not create an empty store, and an empty one answers every question with
+    "not found" where the real mistake is the folder)."""
+    check_tracking_server()
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if uri and not uri.startswith("sqlite:///"):
+        return
+    from tasks.tracking import local_store
+
+    path = uri[len("sqlite:///"):] if uri else local_store(root)
+    if not os.path.exists(path):
+        where = "MLFLOW_TRACKING_URI names it" if uri else "beside the storage root"
+        raise UserError(f"no runs are tracked here: the MLflow store {path} ({where}) does not exist; "
+                        "give the --storage root (or MLFLOW_TRACKING_URI) that `run` used")
+
+
 def check_tracking_server(timeout: float = 5.0) -> None:
     """An MLflow server named by MLFLOW_TRACKING_URI must answer its health check within seconds
     (MLflow's own client would retry for minutes before failing)."""

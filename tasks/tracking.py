@@ -82,12 +82,19 @@ def tracking_uri(storage_root: str) -> str:
             os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", parts.password or "")
             uri = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     else:
-        root = _local_path(storage_root)
-        folder = os.path.dirname(root.rstrip(os.sep)) if root else os.getcwd()
-        os.makedirs(folder, exist_ok=True)
-        uri = _derived_uri = f"sqlite:///{os.path.join(folder, 'mlflow.db')}"
+        path = local_store(storage_root)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        uri = _derived_uri = f"sqlite:///{path}"
     mlflow.set_tracking_uri(uri)
     return uri
+
+
+def local_store(storage_root: str) -> str:
+    """Where runs are tracked when MLFLOW_TRACKING_URI is not set: mlflow.db beside a local
+    storage root (in the current folder for an object-store root)."""
+    root = _local_path(storage_root)
+    folder = os.path.dirname(root.rstrip(os.sep)) if root else os.getcwd()
+    return os.path.join(folder, "mlflow.db")
 
 
 def client(storage_root: str) -> MlflowClient:

@@ -318,6 +318,20 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(corpus, own_stores):
     assert time.monotonic() - sent < 10
 
 
+def test_every_command_that_reads_runs_says_when_nothing_is_tracked_there_and_creates_no_store(tmp_path):
+    # No MLFLOW_TRACKING_URI: the store would be mlflow.db beside the storage root, which no run made.
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    root = tmp_path / "elsewhere" / "storage"
+    for args in (["runs"], ["lineage", "smoke@champion"], ["sample", "--model", "smoke@champion"],
+                 ["reproduce", "0" * 32]):
+        out = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--storage", str(root)], capture_output=True,
+                             text=True, timeout=120, env=env, cwd=tmp_path)
+        _one_line_error(out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist")
+        assert "INFO" not in out.stderr, out.stderr  # no MLflow lines about creating tables
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "mlflow.db").exists()
+
+
 def test_every_command_that_reads_the_tracking_server_fails_in_seconds_when_it_is_down(own_stores):
     import socket
     import time

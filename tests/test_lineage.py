@@ -191,6 +191,9 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
 
 def test_lineage_refuses_what_names_no_model_in_one_line(own_stores):  # noqa: F811
     env = own_stores[0]
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(env["MLFLOW_TRACKING_URI"]).search_experiments()  # a store, with no model in it
     for args, needle in ((["lineage", "smoke@champion"], "no model 'smoke' with alias 'champion'"),
                          (["lineage", "not-a-run"], "neither MODEL@ALIAS"),
                          (["lineage", "--corpus", "xyz"], "no sha256 prefix"),
