@@ -212,6 +212,23 @@ def test_run_logs_the_whole_config_git_state_and_versions(uri, repo, tmp_path):
     assert "prefect.flow_run_id" not in tags  # not inside a flow run
 
 
+def test_a_run_with_the_default_stores_in_a_clean_checkout_stays_clean(repo, monkeypatch):
+    # As `make run` in a fresh clone: ./storage and ./mlflow.db (and its lock) inside the checkout,
+    # which the project's .gitignore must cover, or every first run would be tagged dirty.
+    (repo / ".gitignore").write_text((Path(__file__).resolve().parents[1] / ".gitignore").read_text())
+    git(repo, "add", ".gitignore")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
+        "commit", "-q", "-m", "ignore")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = str(repo / "storage")
+    for _ in range(2):  # the second run finds the store and its lock file made by the first
+        with RunTracker(config(), root) as run:
+            Path(root).mkdir(exist_ok=True)
+    assert (repo / "mlflow.db").exists()
+    tags = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}").get_run(run.run_id).data.tags
+    assert tags["git.dirty"] == "false", git(repo, "status", "--short")
+
+
 def test_dirty_checkout_is_tagged_and_its_diff_logged(uri, repo, tmp_path):
     (repo / "train.py").write_text("lr = 3e-4\n")
     with RunTracker(config(), str(tmp_path / "storage")) as run:
