@@ -2,8 +2,8 @@
 
 A `RunTracker` records the resolved config (params and `config.yaml`), the git state, the
 Prefect flow run, package versions and device as tags (`tasks/provenance.py`), the data stages
-as datasets with our digests, metrics in batches, and a loss curve. The registry and the
-champion policy are in `tasks/registry.py`.
+as datasets with our digests (`tasks/datasets.py`), metrics in batches, and a loss curve. The
+registry and the champion policy are in `tasks/registry.py`.
 
 Everything goes through an `MlflowClient` bound to an explicit run id rather than MLflow's
 thread-local "active run": Prefect may call the tracker from worker threads. Nothing that
@@ -19,7 +19,6 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -27,9 +26,6 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 import mlflow
 from fsspec.implementations.local import LocalFileSystem
-from mlflow.data.dataset_source import DatasetSource
-from mlflow.data.dataset_source_registry import register_dataset_source, resolve_dataset_source
-from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -39,6 +35,7 @@ from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
 from tasks.caching import forget_exception
+from tasks.datasets import MAX_DIGEST, TokenDataset, dataset_source
 from tasks.provenance import code_git_info, run_tags
 
 log = logging.getLogger(__name__)
@@ -48,7 +45,6 @@ MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
 MAX_PARAMS_PER_BATCH = 100
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
-MAX_DIGEST = 36  # the datasets table's digest column
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, token usage);
 # with it, in the view of runs, metrics and models that a training pipeline's runs need.
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
@@ -152,71 +148,6 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
         else:
             flat[name] = value if isinstance(value, str) else json.dumps(value)
     return flat
-
-
-# --- datasets ------------------------------------------------------------------------------
-
-class StorageDatasetSource(DatasetSource):
-    """Any fsspec URL that MLflow has no source type for (memory://, gcs://, ...)."""
-
-    def __init__(self, uri: str):
-        self.uri = uri
-
-    @staticmethod
-    def _get_source_type() -> str:
-        return "fsspec"
-
-    def load(self, dst_path=None) -> str:
-        dst = os.path.join(dst_path or tempfile.mkdtemp(), os.path.basename(self.uri.rstrip("/")))
-        storage.filesystem(self.uri)[0].get(storage.filesystem(self.uri)[1], dst, recursive=True)
-        return dst
-
-    @staticmethod
-    def _can_resolve(raw_source: Any) -> bool:
-        return False  # never chosen over MLflow's own types; registered only to be read back
-
-    @classmethod
-    def _resolve(cls, raw_source: Any) -> "StorageDatasetSource":
-        return cls(raw_source)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri}
-
-    @classmethod
-    def from_dict(cls, source_dict: dict[Any, Any]) -> "StorageDatasetSource":
-        return cls(source_dict["uri"])
-
-
-register_dataset_source(StorageDatasetSource)
-
-
-class TokenDataset(MetaDataset):
-    """Metadata only: where a data stage's output lives, its digest and its size in tokens."""
-
-    def __init__(self, source: DatasetSource, name: str, digest: str, n_tokens: int | None):
-        self.n_tokens = n_tokens
-        super().__init__(source=source, name=name, digest=digest)
-
-    @property
-    def profile(self) -> dict[str, int] | None:
-        return {"num_tokens": self.n_tokens} if self.n_tokens is not None else None
-
-    def to_dict(self) -> dict[str, str]:
-        d = super().to_dict()
-        if self.profile:
-            d["profile"] = json.dumps(self.profile)
-        return d
-
-
-def _dataset_source(uri: str) -> DatasetSource:
-    """MLflow's own source type where it has one (local, s3, http...), else ours."""
-    with warnings.catch_warnings():
-        # "can be interpreted in multiple ways": MLflow registers local paths twice itself.
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            return resolve_dataset_source(uri)
-        except MlflowException:
-            return StorageDatasetSource(uri)
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -383,7 +314,7 @@ class RunTracker:
         """A data stage's output as an MLflow dataset: its URI and our digest (a digest longer
         than MLflow's 36 characters is shortened there and kept whole in the input tags)."""
         uri = scrub(source)
-        dataset = TokenDataset(_dataset_source(uri), name=name, digest=digest[:MAX_DIGEST],
+        dataset = TokenDataset(dataset_source(uri), name=name, digest=digest[:MAX_DIGEST],
                                n_tokens=n_tokens)
         tags = {"mlflow.data.context": context, "digest": digest}
         if n_tokens is not None:
