@@ -199,23 +199,25 @@ def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
     return _link("training", OK, **fields)
 
 
-def _manifest(url: str, what: str) -> tuple[str, dict[str, Any] | None, str | None]:
-    """(status, the stage folder's manifest, why not ok) for a folder written with staged_dir."""
+def _stage_folder(link: str, what: str, url: str | None, key: str | None) -> tuple[dict[str, Any], dict | None]:
+    """The first checks of a stage folder written with staged_dir: recorded, there, complete.
+    (the link's fields, the folder's manifest) when they pass; else (the finished link, None)."""
+    fields: dict[str, Any] = {"key": key, "uri": url}
+    if not url:
+        return _link(link, UNRECORDED), None
     if not storage.exists(url):
-        return MISSING, None, f"the {what} folder is gone"
+        return _link(link, MISSING, **fields, detail=f"the {what} folder is gone"), None
     if not storage.is_complete(url) or not storage.exists(storage.join(url, "manifest.json")):
-        return MISSING, None, f"the {what} folder is incomplete (no {storage.DONE} or manifest.json)"
-    return OK, storage.read_json(storage.join(url, "manifest.json")), None
+        return _link(link, MISSING, **fields,
+                     detail=f"the {what} folder is incomplete (no {storage.DONE} or manifest.json)"), None
+    return fields, storage.read_json(storage.join(url, "manifest.json"))
 
 
 def _split_link(t: dict[str, str]) -> dict[str, Any]:
-    url, key = t.get("data.splits"), t.get("data.splits_key")
-    if not url:
-        return _link("split", UNRECORDED)
-    status, manifest, why = _manifest(url, "split")
-    fields: dict[str, Any] = {"key": key, "uri": url}
+    key = t.get("data.splits_key")
+    fields, manifest = _stage_folder("split", "split", t.get("data.splits"), key)
     if manifest is None:
-        return _link("split", status, **fields, detail=why)
+        return fields
     recorded = manifest.get("key") or (manifest.get("splits") or {}).get("key")
     splits = manifest.get("splits", manifest)
     fields["tokens"] = {name: part["n_tokens"] for name in ("train", "val", "test")
@@ -272,13 +274,10 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
 
 
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
-    url, key = t.get("data.tokens"), t.get("data.tokens_key")
-    if not url:
-        return _link("tokens", UNRECORDED)
-    status, manifest, why = _manifest(url, "token chunks")
-    fields: dict[str, Any] = {"key": key, "uri": url}
+    key = t.get("data.tokens_key")
+    fields, manifest = _stage_folder("tokens", "token chunks", t.get("data.tokens"), key)
     if manifest is None:
-        return _link("tokens", status, **fields, detail=why)
+        return fields
     fields["n_tokens"] = manifest.get("n_tokens")
     if key and manifest.get("key") != key:
         return _link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
