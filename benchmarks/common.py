@@ -13,9 +13,11 @@ import json
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -159,3 +161,23 @@ def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, 
     data["paths"] = TrainPaths(train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"],
                                checkpoint_dir=str(checkpoint_dir)).model_dump()
     return validate(data, f"benchmark config ({recipe or 'default tree'})")
+
+
+@contextlib.contextmanager
+def tracked_war_and_peace(prefix: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A temporary folder, War and Peace as char ids in it (`token_ids`), and a real MLflow server
+    on loopback (tests/servers.py) as MLFLOW_TRACKING_URI: every tracking call is HTTP, as it
+    would be to a remote server. The set-up of the benchmarks that time tracking."""
+    wp = corpus("warandpeace")
+    sys.path.insert(0, str(REPO / "tests"))
+    from servers import run_mlflow_server
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp_name:
+        tmp = Path(tmp_name)
+        paths = token_ids(wp, tmp / "wp")
+        t0 = time.perf_counter()
+        with run_mlflow_server(tmp / "mlflow") as server:
+            print(f"mlflow server at {server.url}, ready in {time.perf_counter() - t0:.1f} s", flush=True)
+            os.environ["MLFLOW_TRACKING_URI"] = server.url
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            yield tmp, paths

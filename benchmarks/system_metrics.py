@@ -19,12 +19,9 @@ The sampling itself runs in the monitor's thread, off the loop's path.
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+from benchmarks.common import header, load, median, parse_args, run_config, save, table, tracked_war_and_peace
 
 SMOKE = {
     "recipe": "bench-system-metrics",
@@ -43,57 +40,48 @@ def main() -> None:
     if args.threads is None:
         torch.set_num_threads(1)
     m = header("system_metrics", args.quick)
-    wp = corpus("warandpeace")
     steps, repeats = (300, 2) if args.quick else (600, 3)
-    sys.path.insert(0, str(REPO / "tests"))
-    from servers import run_mlflow_server
+    with tracked_war_and_peace("mllm-bench-sysmetrics-") as (tmp, paths):
+        from mllm.train import train
+        from tasks.tracking import RunTracker, system_metrics
 
-    with tempfile.TemporaryDirectory(prefix="mllm-bench-sysmetrics-") as tmp_name:
-        tmp = Path(tmp_name)
-        paths = token_ids(wp, tmp / "wp")
-        with run_mlflow_server(tmp / "mlflow") as server:
-            os.environ["MLFLOW_TRACKING_URI"] = server.url
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-            from mllm.train import train
-            from tasks.tracking import RunTracker, system_metrics
+        runs = 0
 
-            runs = 0
+        def once(mode: str, n_steps: int) -> dict:
+            nonlocal runs
+            runs += 1
+            cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**SMOKE, "train.max_steps": n_steps})
+            root = str(tmp / "storage")
+            interval = MODES[mode]
+            with RunTracker(cfg, root, run_name=f"{mode}-{runs}") as run:
+                if interval:
+                    os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = interval
+                t = time.perf_counter()
+                block = system_metrics(run.run_id if interval else None, root)
+                block.__enter__()
+                start_s = time.perf_counter() - t
+                c = time.perf_counter()
+                result = train(cfg, on_metrics=run.log_metrics, resume=False)
+                loop_s = time.perf_counter() - c
+                c = time.perf_counter()
+                block.__exit__(None, None, None)
+                stop_s = time.perf_counter() - c
+                train_s = time.perf_counter() - t
+            samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
+            # On the training's path: starting the monitor, and stopping it (the join, the
+            # last flush, and the one sample a training shorter than an interval gets).
+            return {"mode": mode, "train_s": train_s, "loop_s": loop_s, "on_path_s": start_s + stop_s,
+                    "samples": samples, "loss": result.train_loss, "load": load()}
 
-            def once(mode: str, n_steps: int) -> dict:
-                nonlocal runs
-                runs += 1
-                cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**SMOKE, "train.max_steps": n_steps})
-                root = str(tmp / "storage")
-                interval = MODES[mode]
-                with RunTracker(cfg, root, run_name=f"{mode}-{runs}") as run:
-                    if interval:
-                        os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = interval
-                    t = time.perf_counter()
-                    block = system_metrics(run.run_id if interval else None, root)
-                    block.__enter__()
-                    start_s = time.perf_counter() - t
-                    c = time.perf_counter()
-                    result = train(cfg, on_metrics=run.log_metrics, resume=False)
-                    loop_s = time.perf_counter() - c
-                    c = time.perf_counter()
-                    block.__exit__(None, None, None)
-                    stop_s = time.perf_counter() - c
-                    train_s = time.perf_counter() - t
-                samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
-                # On the training's path: starting the monitor, and stopping it (the join, the
-                # last flush, and the one sample a training shorter than an interval gets).
-                return {"mode": mode, "train_s": train_s, "loop_s": loop_s, "on_path_s": start_s + stop_s,
-                        "samples": samples, "loss": result.train_loss, "load": load()}
-
+        for mode in MODES:
+            once(mode, 20)
+        got: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for i in range(repeats):
             for mode in MODES:
-                once(mode, 20)
-            got: dict[str, list[dict]] = {mode: [] for mode in MODES}
-            for i in range(repeats):
-                for mode in MODES:
-                    r = once(mode, steps)
-                    got[mode].append(r)
-                    print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples "
-                          f"(load {r['load']})", flush=True)
+                r = once(mode, steps)
+                got[mode].append(r)
+                print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples "
+                      f"(load {r['load']})", flush=True)
 
     base = median([r["train_s"] for r in got["no monitor"]])
     rows = []

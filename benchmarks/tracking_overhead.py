@@ -24,13 +24,9 @@ anything else touches make a small model's step time jump tenfold from one momen
 
 from __future__ import annotations
 
-import os
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.common import REPO, corpus, header, load, median, parse_args, run_config, save, table, token_ids
+from benchmarks.common import header, load, median, parse_args, run_config, save, table, tracked_war_and_peace
 
 GPT = {
     "recipe": "bench-tracking",
@@ -63,68 +59,57 @@ def main() -> None:
     if args.threads is None:
         torch.set_num_threads(1)
     m = header("tracking_overhead", args.quick)
-    wp = corpus("warandpeace")
     steps, repeats = (100, 2) if args.quick else (200, 3)
-    sys.path.insert(0, str(REPO / "tests"))
-    from servers import run_mlflow_server
+    with tracked_war_and_peace("mllm-bench-tracking-") as (tmp, paths):
+        from mllm.train import train
+        from tasks.tracking import RunTracker
 
-    with tempfile.TemporaryDirectory(prefix="mllm-bench-tracking-") as tmp_name:
-        tmp = Path(tmp_name)
-        paths = token_ids(wp, tmp / "wp")
-        t0 = time.perf_counter()
-        with run_mlflow_server(tmp / "mlflow") as server:
-            print(f"mlflow server at {server.url}, ready in {time.perf_counter() - t0:.1f} s", flush=True)
-            os.environ["MLFLOW_TRACKING_URI"] = server.url
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-            from mllm.train import train
-            from tasks.tracking import RunTracker
+        runs = 0
 
-            runs = 0
-
-            def once(mode: str, n_steps: int) -> dict:
-                nonlocal runs
-                runs += 1
-                cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**GPT, "train.max_steps": n_steps})
-                calls: list[float] = []
-                if mode == "untracked":
-                    t = time.perf_counter()
-                    result = train(cfg, resume=False)
-                    return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss,
-                            "load": load()}
+        def once(mode: str, n_steps: int) -> dict:
+            nonlocal runs
+            runs += 1
+            cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**GPT, "train.max_steps": n_steps})
+            calls: list[float] = []
+            if mode == "untracked":
                 t = time.perf_counter()
-                with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
-                    setup_s = time.perf_counter() - t
-                    shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
-                    if shim:
-                        run.client = shim
+                result = train(cfg, resume=False)
+                return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss,
+                        "load": load()}
+            t = time.perf_counter()
+            with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
+                setup_s = time.perf_counter() - t
+                shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
+                if shim:
+                    run.client = shim
 
-                    def on_metrics(records):
-                        c = time.perf_counter()
-                        run.log_metrics(records)
-                        calls.append(time.perf_counter() - c)
+                def on_metrics(records):
+                    c = time.perf_counter()
+                    run.log_metrics(records)
+                    calls.append(time.perf_counter() - c)
 
-                    t = time.perf_counter()
-                    result = train(cfg, on_metrics=on_metrics, resume=False)
-                    if shim:
-                        shim.flush()
-                        run.client = shim.client
-                    train_s = time.perf_counter() - t
-                    t = time.perf_counter()
-                logged = run.client.get_metric_history(run.run_id, "train_loss")
-                return {"mode": mode, "train_s": train_s, "setup_s": setup_s, "close_s": time.perf_counter() - t,
-                        "calls": len(calls), "call_ms": 1000 * median(calls), "logging_s": sum(calls),
-                        "logged": len(logged),
-                        "loss": result.train_loss, "load": load()}
+                t = time.perf_counter()
+                result = train(cfg, on_metrics=on_metrics, resume=False)
+                if shim:
+                    shim.flush()
+                    run.client = shim.client
+                train_s = time.perf_counter() - t
+                t = time.perf_counter()
+            logged = run.client.get_metric_history(run.run_id, "train_loss")
+            return {"mode": mode, "train_s": train_s, "setup_s": setup_s, "close_s": time.perf_counter() - t,
+                    "calls": len(calls), "call_ms": 1000 * median(calls), "logging_s": sum(calls),
+                    "logged": len(logged),
+                    "loss": result.train_loss, "load": load()}
 
-            modes = ("untracked", "tracked", "tracked, async")
-            for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
-                once(mode, 20)
-            samples: dict[str, list[dict]] = {mode: [] for mode in modes}
-            for i in range(repeats):
-                for mode in modes:
-                    r = once(mode, steps)
-                    samples[mode].append(r)
-                    print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s (load {r['load']})", flush=True)
+        modes = ("untracked", "tracked", "tracked, async")
+        for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
+            once(mode, 20)
+        samples: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for i in range(repeats):
+            for mode in modes:
+                r = once(mode, steps)
+                samples[mode].append(r)
+                print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s (load {r['load']})", flush=True)
 
     base = median([r["train_s"] for r in samples["untracked"]])
     rows = []
