@@ -22,16 +22,27 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="A reproducible training pipeline for small language models.")
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
-Source = Annotated[Optional[str], typer.Option("--source", "-s", help="Corpus: a path, file://, s3:// or https:// URL.")]
+Source = Annotated[Optional[list[str]], typer.Option(
+    "--source", "-s", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
+    "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
+TaskRunner = Annotated[Optional[str], typer.Option(
+    "--task-runner", metavar="RUNNER",
+    help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
+         "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
 Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 
-def _without_credentials(source: str | None, sets: list[str] | None) -> tuple[str | None, list[str]]:
-    """The source and overrides with any user:password taken out of URLs (kept in memory for the
-    download): the flow's parameters, which Prefect stores, never hold one."""
+def _without_credentials(source: list[str] | None, sets: list[str] | None,
+                         task_runner: str | None = None) -> tuple[str | list[str] | None, list[str]]:
+    """The source (one, several, or none) and overrides with any user:password taken out of URLs
+    (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
+    --task-runner joins the overrides."""
     sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
-    return (hide_credentials(source) if source else None), sets
+    if task_runner:
+        sets.append(f"data.task_runner={task_runner}")
+    sources = [hide_credentials(x) for x in source or []]
+    return (sources[0] if len(sources) == 1 else sources or None), sets
 
 
 Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
@@ -45,12 +56,13 @@ Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champ
 
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False) -> None:
+        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
+        task_runner: TaskRunner = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with user_errors():
         from flows.launch import training_pool
 
-        source, set_ = _without_credentials(source, set_)
+        source, set_ = _without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
@@ -86,7 +98,7 @@ def _echo_mlflow_run(fl: Any, result: Any) -> None:
         typer.echo(f"  in the UI: {url}")
 
 
-def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: str | None,
+def _resolve(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,
              train_here: bool = True, trains: bool = True):
     """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
     server, a source that is missing, unreachable, or (a local file) not usable text, and a
@@ -94,7 +106,7 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
     from flows.launch import preflight, storage_root
 
     cfg = resolve(recipe, overrides=sets or [], source=source)
-    from mllm import corpus
+    from mllm import corpus, files
     from mllm.family import family_of
     from mllm.models import resolve_device
 
@@ -103,11 +115,18 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
         resolve_device(cfg.train.device)  # a worker on a pool has its own devices
     # (Data made from the config has no source to open; parallel text may be made too: numbers.)
     if cfg.data.source or family.data == "corpus":
-        corpus.open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
-        if "://" not in cfg.data.source or cfg.data.source.startswith("file://"):
-            # A local file is read through once here, as the download stage will read it.
-            corpus.download(cfg.data.source, None, cfg.data.sha256)
-            family.check_source(cfg)
+        single = cfg.data.source
+        if family.data == "corpus":
+            # A folder, prefix or glob is listed: an empty folder or a glob that matches nothing
+            # fails here. A corpus of many files is checked file by file by the download stage.
+            found, _ = files.list_files(cfg.data.sources)
+            single = found[0].url if len(found) == 1 and found[0].format == "text" else None
+        if single:
+            corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
+            if "://" not in single or single.startswith("file://"):
+                # A local file is read through once here, as the download stage will read it.
+                corpus.download(single, None, cfg.data.sha256)
+                family.check_source(cfg)
     # Last: it makes the storage folder, which a mistake found above must not leave behind.
     preflight(storage_root(storage))
     return cfg
@@ -125,7 +144,7 @@ def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) ->
     return the last one's result."""
     with flow_session() as fl, progress():
         root = fl.storage_root(storage)
-        data = fl.with_results(fl.prepare, root)(cfg, root)
+        data = fl.with_results(fl.prepare, root, fl.data_runner(cfg.data.task_runner))(cfg, root)
         if last == "prepare":
             return data
         trained = fl.run_training(cfg, data, root, None, pool)
@@ -136,11 +155,12 @@ def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) ->
 
 @app.command()
 def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-            set_: Sets = None) -> None:
+            set_: Sets = None, task_runner: TaskRunner = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with user_errors():
         from mllm.family import family_of
 
+        source, set_ = _without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage, trains=False)
         data = _run_stages(cfg, storage, "prepare")
         typer.echo(family_of(cfg).describe_data(data))
@@ -149,11 +169,12 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
 
 @app.command()
 def train(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-          set_: Sets = None, train_on: TrainOn = None) -> None:
+          set_: Sets = None, train_on: TrainOn = None, task_runner: TaskRunner = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with user_errors():
         from flows.launch import training_pool
 
+        source, set_ = _without_credentials(source, set_, task_runner)
         pool = training_pool(recipe, train_on)
         trained = _run_stages(_resolve(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
@@ -163,9 +184,10 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 
 @app.command()
 def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-             set_: Sets = None) -> None:
+             set_: Sets = None, task_runner: TaskRunner = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
     with user_errors():
+        source, set_ = _without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage)
         evaluation, _ = _run_stages(cfg, storage, "evaluate")
         typer.echo(f"{flows_module().describe(evaluation, cfg)}; report {evaluation.report}")

@@ -43,7 +43,8 @@ def schedule(ctx: typer.Context,
             typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
             return
         d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
-                         source=source, storage_url=storage, overrides=set_ or [])
+                         source=(source[0] if len(source) == 1 else source) if source else None,
+                         storage_url=storage, overrides=set_ or [])
         typer.echo(f"{d['name']}: {d['schedule']} on pool {d['pool']!r}; next run {d['next_run'] or 'not yet scheduled'}")
         typer.echo(f"parameters: {d['parameters']}")
 

@@ -23,14 +23,35 @@ def storage_root(storage_url: str | None = None) -> str:
     return root.rstrip("/")
 
 
-def with_results(fl: Any, root: str) -> Any:
-    """The flow with its task results (and so Prefect's cache records) kept under `root`."""
+def with_results(fl: Any, root: str, task_runner: Any = None) -> Any:
+    """The flow with its task results (and so Prefect's cache records) kept under `root`, and its
+    mapped tasks on `task_runner` when one is given."""
     from tasks.caching import forget_exception, result_storage  # imports Prefect: not on the CLI's fast paths
 
     # The flows themselves persist no result; their tasks take this storage for their results
     # and cache records. Prefect also writes a failed run's exception there: the hooks remove it.
+    options: dict[str, Any] = {"task_runner": task_runner} if task_runner is not None else {}
     return fl.with_options(result_storage=result_storage(root), persist_result=False,
-                           on_failure=[forget_exception], on_crashed=[forget_exception])
+                           on_failure=[forget_exception], on_crashed=[forget_exception], **options)
+
+
+def data_runner(name: str) -> Any:
+    """The task runner of the data stages' per-file work (`data.task_runner`): a process pool
+    with a worker per core (tokenizing is CPU work that holds the GIL), threads, or an existing
+    Dask cluster through prefect-dask."""
+    if name == "threads":
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        return ThreadPoolTaskRunner(max_workers=os.cpu_count() or 1)
+    if name.startswith("dask://"):
+        try:
+            from prefect_dask import DaskTaskRunner
+        except ImportError:
+            raise UserError("data.task_runner dask://... needs prefect-dask: pip install 'mllm-pipeline\\[dask]'") from None
+        return DaskTaskRunner(address="tcp://" + name.removeprefix("dask://"))
+    from prefect.task_runners import ProcessPoolTaskRunner
+
+    return ProcessPoolTaskRunner(max_workers=os.cpu_count() or 1)
 
 
 def training_pool(recipe: str | None, train_on: str | None) -> str | None:

@@ -15,11 +15,12 @@ from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows import dispatch
-from flows.launch import preflight, storage_root, training_pool, with_results
+from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
+from tasks import corpus as corpus_tasks
 from tasks import data as data_tasks
 from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
@@ -45,12 +46,13 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
         pairs = data_tasks.prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
         return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                         tokens=pairs.tokens, vocab=pairs.vocab, splits=pairs.splits, source_side=pairs.source_side)
-    raw = data_tasks.download(d.source, d.sha256, root)
-    tokens = data_tasks.tokenize(raw, d.tokenizer, root)
+    raw = corpus_tasks.download_source(d, root)  # one file, or many: listed, then file by file
+    tokens = corpus_tasks.tokenize_source(raw, d, root)  # each file once per tokenizer
     vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
     splits = data_tasks.split(tokens, vocab, d.split, root)
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
-                    tokens=tokens, vocab=vocab, splits=splits)
+                    tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
+                    raw_skipped=raw.skipped)
 
 
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
@@ -72,6 +74,7 @@ class PipelineResult(BaseModel):
     samples: dict[str, list[str]]
     mlflow_run_id: str
     champion: Outcome
+    corpus_changes: dict[str, int] = {}  # a corpus of many files: files new, changed, removed, reused
 
 
 # The shipped recipes: the Prefect UI shows the parameter as a choice.
@@ -90,7 +93,7 @@ def _run_name() -> str:
 
 
 @flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
-def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
+def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
              train_on: str | None = None, force: bool = False) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
@@ -115,7 +118,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     pool = training_pool(recipe, train_on)
     if pool:
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
-    data = with_results(prepare, root)(cfg, root)
+    data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
     key = model_tasks.train_key(cfg, data)
     registry = tracking_client(root)
     champion = current_champion(registry, cfg.recipe)
@@ -132,6 +135,9 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
         log_data(run.run_id, quote(cfg), root, quote(data))
         run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
+        # A corpus of many files: what changed since the champion's corpus (a schedule's question).
+        changes = corpus_tasks.corpus_changes(data, champion.raw_sha256 if champion else None, root)
+        run.log_params({f"corpus.{k}": v for k, v in changes.items()})
         if skip:
             outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
         else:
@@ -140,7 +146,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
             outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
-                            mlflow_run_id=run.run_id, champion=outcome)
+                            mlflow_run_id=run.run_id, champion=outcome, corpus_changes=changes)
     publish(result)
     return result
 
@@ -182,6 +188,8 @@ def decision_table(r: PipelineResult, link: str | None = None) -> str:
     c = r.champion
     cfg = resolve(r.recipe)
     rows = [("corpus sha256", f"`{r.data.raw_sha256[:16]}`"), ("MLflow run", link or f"`{r.mlflow_run_id}`")]
+    if r.corpus_changes:
+        rows.insert(1, ("corpus files", files_line(r.corpus_changes)))
     if r.decision == "skipped":
         rows.append(("champion", f"{c.name} v{c.version}"))
     else:
@@ -206,6 +214,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"{'now champion' if r.champion.promoted else 'champion kept'} |",
         "|---|---|",
         f"| corpus | {d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}` |",
+        *([f"| corpus files | {files_line(r.corpus_changes)} |"] if r.corpus_changes else []),
         f"| tokens | {d.tokens.n_tokens:,} |",
         f"| vocabulary | {d.vocab.size} entries |",
         f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
@@ -226,6 +235,13 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         shown = "\n".join(t.strip() for t in texts) or "(no prompt fits the vocabulary)"
         lines += [f"**{method}**", "", "```", shown, "```", ""]
     return "\n".join(lines)
+
+
+def files_line(c: dict[str, int]) -> str:
+    """A corpus's files against the champion's: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
+    line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
+            f"{c['tokenized']} tokenized")
+    return line + (f"; {c['skipped']} left out" if c.get("skipped") else "")
 
 
 def _f(x: float | None) -> str:

@@ -56,7 +56,7 @@ def _schedule(cron: str | None, interval: float | None, timezone: str) -> Any:
 
 
 def upsert(recipe: str, *, cron: str | None = None, interval: float | None = None, timezone: str = "UTC",
-           pool: str = "local", train_on: str | None = None, source: str | None = None,
+           pool: str = "local", train_on: str | None = None, source: str | list[str] | None = None,
            storage_url: str | None = None, overrides: list[str] = (), paused: bool = False) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
     from flows.dispatch import job_env

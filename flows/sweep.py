@@ -106,7 +106,7 @@ def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
 
 
 def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str] = (),
-                   source: str | None = None) -> list[RunConfig]:
+                   source: str | list[str] | None = None) -> list[RunConfig]:
     """The config of every point, or a UserError naming the first point that does not validate,
     a field that is in both --set and --grid, or two points that are the same config."""
     fixed = {item.partition("=")[0].strip() for item in overrides}
@@ -170,7 +170,7 @@ class PointsFailed(UserError):
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
 @task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
-def run_point(recipe: str, source: str | None, root: str, overrides: list[str], tags: dict[str, str],
+def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
               pool: str | None) -> PointOutcome:
     r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
                  train_on=pool, force=True)
@@ -186,7 +186,7 @@ def run_point(recipe: str, source: str | None, root: str, overrides: list[str], 
 # this process the points are run one at a time anyway.
 @flow(name="sweep", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
       on_failure=[forget_exception], on_crashed=[forget_exception])
-def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | None = None,  # noqa: B006
+def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | list[str] | None = None,  # noqa: B006
           storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
           train_on: str | None = None) -> SweepResult:
     """Run the pipeline at every point of a grid of config fields and compare their headlines.
@@ -223,7 +223,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | No
     return result
 
 
-def submit_points(recipe: str, source: str | None, root: str, overrides: list[str], points: list[dict[str, str]],
+def submit_points(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], points: list[dict[str, str]],
                   keys: list[str | None], parent_id: str, pool: str | None) -> list[PrefectFuture]:
     """Start every point: all at once on a pool (as many train as its workers take), else one
     after another. Points with the same training key (a sweep of a sample setting) wait for each

@@ -30,6 +30,9 @@ class TokenizerConfig(_Section):
     normalize: bool = True
     bpe_vocab_size: int = Field(2000, ge=64, le=1_000_000)
     strip_gutenberg: bool = True
+    # A corpus of many files trains its BPE on a sample of this many bytes (whole files in digest
+    # order): the tokenizer, and so every token, stays while the corpus grows outside the sample.
+    train_bytes: int = Field(32_000_000, ge=1)
 
 
 class VocabConfig(_Section):
@@ -47,6 +50,10 @@ class SplitConfig(_Section):
     contiguous: bool = True
     shuffle_chunk: int = Field(4096, ge=1)
     seed: int = 1337
+    # A corpus of many files: each span (a document, or a piece of about this many characters of
+    # a longer one) goes to train, val or test by a digest of its content and the seed, so adding
+    # files never moves a span. One file keeps the split above.
+    span_bytes: int = Field(16_384, ge=64)
 
     @model_validator(mode="after")
     def _fractions(self) -> "SplitConfig":
@@ -110,13 +117,26 @@ class SequencesConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: str = ""
+    # A file, folder, object-store prefix or glob; several as a list.
+    source: str | list[str] = ""
     sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     tokenizer: TokenizerConfig = TokenizerConfig()
     vocab: VocabConfig = VocabConfig()
     split: SplitConfig = SplitConfig()
     pairs: PairsConfig | None = None  # the seq2seq family: parallel text instead of a corpus
     sequences: SequencesConfig | None = None  # the sequence experiments: data made from this section
+    # JSONL and Parquet files: the field that holds each record's text (other fields are ignored).
+    text_field: str = "text"
+    # A file of a many-file source that is not usable text: fail the run, or skip it (named in
+    # the run's record).
+    bad_files: Literal["fail", "skip"] = "fail"
+    # Where the per-file work of a many-file source runs: processes (one per core), threads, or
+    # dask://HOST:PORT (a running Dask scheduler, through prefect-dask).
+    task_runner: str = Field("processes", pattern=r"^(processes|threads|dask://\S+)$")
+
+    @property
+    def sources(self) -> list[str]:
+        return [self.source] if isinstance(self.source, str) else list(self.source)
 
 
 class RecurrentConfig(_Section):

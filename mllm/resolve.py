@@ -97,7 +97,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def resolve(recipe: str | None = None, config_file: str | None = None,
-            overrides: list[str] = (), source: str | None = None) -> RunConfig:
+            overrides: list[str] = (), source: str | list[str] | None = None) -> RunConfig:
     """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
     if config_file:
         data, where = load_file(config_file), str(config_file)
@@ -105,6 +105,8 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
         data, where = recipe_dict(recipe or "default"), f"recipe {recipe or 'default'}"
     # How the pipeline launches a recipe (its default work pool) is not what the run is.
     data.pop(LAUNCH_SECTION, None)
+    if isinstance(source, list) and len(source) < 2:  # one --source is a source, as it always was
+        source = source[0] if source else None
     if source:
         data.setdefault("data", {})["source"] = source
         if isinstance(data["data"].get("pairs"), dict):
@@ -113,5 +115,6 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     cfg = validate(data, where if not overrides else f"{where} with --set")
     # A password in the source URL stays in this process's memory, out of the config that is
     # logged, stored with every checkpoint and sent to MLflow.
-    cfg.data.source = storage.hide_credentials(cfg.data.source)
+    src = cfg.data.source
+    cfg.data.source = storage.hide_credentials(src) if isinstance(src, str) else [storage.hide_credentials(x) for x in src]
     return cfg

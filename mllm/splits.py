@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -85,24 +86,53 @@ def bytes_per_token(vocab: Vocab, tokenizer: Tokenizer) -> np.ndarray:
                     dtype=np.int64)
 
 
+def span_plan(lengths: np.ndarray, spans: np.ndarray, cfg: SplitConfig) -> Plan:
+    """Segments for token rows (spans) routed by their content digest (mllm.packs.span_owner):
+    neighbouring rows of one split make one segment."""
+    from mllm.packs import span_owner
+
+    owner = span_owner(spans, cfg)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # A segment ends where the owner changes (or at the last row).
+    last = np.flatnonzero(np.append(owner[1:] != owner[:-1], True)) if len(owner) else np.zeros(0, np.int64)
+    first = np.concatenate([[0], last[:-1] + 1]) if len(last) else last
+    plan = [(int(starts[a]), int(ends[b]), NAMES[owner[a]]) for a, b in zip(first, last) if ends[b] > starts[a]]
+    sizes = plan_sizes(plan)
+    if sizes["val"] == 0 or (cfg.test_fraction and sizes["test"] == 0) or sizes["train"] < 2:
+        raise UserError(
+            f"the corpus has {len(lengths)} spans of about data.split.span_bytes characters, and none went to "
+            f"{'validation' if sizes['val'] == 0 else 'test' if sizes['train'] >= 2 else 'training'}: give "
+            "more text, or a smaller data.split.span_bytes"
+        )
+    return plan
+
+
 def split_offsets(plan: Plan, starts: np.ndarray) -> dict[str, np.ndarray]:
     """Each split's piece boundaries in its own coordinates: 0, where a piece (paragraph) starts
     inside it, where a segment of the plan ends, and its length. CBOW's contexts stay inside them."""
     bounds: dict[str, list] = {}
     filled: dict[str, int] = {}
+    starts = np.asarray(starts)
     for start, end, name in plan:
         at = filled.get(name, 0)
-        inside = starts[(starts > start) & (starts < end)]
+        inside = starts[np.searchsorted(starts, start, "right"):np.searchsorted(starts, end, "left")]
         bounds.setdefault(name, [np.zeros(1, np.int64)]).append(at + inside - start)
         bounds[name].append(np.array([at + end - start], np.int64))
         filled[name] = at + end - start
     return {name: np.unique(np.concatenate(parts)) for name, parts in bounds.items()}
 
 
-def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
+def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
                  out: str) -> list[WrittenSplit]:
     """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`,
-    with the split's piece boundaries in `out/<split>.offsets.npy` (see `split_offsets`)."""
+    with the split's piece boundaries in `out/<split>.offsets.npy` (see `split_offsets`).
+
+    `tokens` is a token chunks folder (mllm.tokens) or a corpus's packs (mllm.packs.CorpusPacks)."""
+    if isinstance(tokens, str):
+        batches, starts = token_batches(tokens), piece_starts(tokens)
+    else:
+        batches, starts = tokens.batches(), tokens.piece_starts()
     sizes = plan_sizes(plan)
     names = [s for s in NAMES if sizes[s]]
     token_bytes = bytes_per_token(vocab, tokenizer)
@@ -117,7 +147,7 @@ def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: P
         segments = iter(plan)
         _, end, name = next(segments)
         pos = 0
-        for flat in token_batches(tokens_folder):
+        for flat in batches:
             ids = vocab.encode_array(flat)
             while len(ids):
                 if pos == end:
@@ -127,7 +157,7 @@ def write_splits(tokens_folder: str, vocab: Vocab, tokenizer: Tokenizer, plan: P
                 filled[name] += take
                 pos += take
                 ids = ids[take:]
-        offsets = split_offsets(plan, piece_starts(tokens_folder))
+        offsets = split_offsets(plan, starts)
         for s in names:
             arr = arrays.pop(s)
             arr.flush()

@@ -44,7 +44,8 @@ def storage_options(url: str) -> dict[str, Any]:
     any S3-compatible store) needs passing on.
     """
     protocol = fsspec.utils.get_protocol(url)
-    auth = _CREDENTIALS.get(url)
+    auth = _CREDENTIALS.get(url) or next((a for prefix, a in _CREDENTIALS.items()
+                                          if url.startswith(prefix.rstrip("/") + "/")), None)
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}

@@ -12,6 +12,8 @@ same digest as its key, so a re-run shows these stages as Cached.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
@@ -29,6 +31,11 @@ class RawText(BaseModel):
     sha256: str  # of the source's bytes as they were (what a pinned data.sha256 is checked against)
     bytes: int
     encoding: str = "utf-8"  # the source's; the stored copy is always UTF-8
+    # A source of many files (or of JSONL/Parquet records): sha256 is the corpus digest (of the
+    # files' sorted digests), url and manifest its manifest (tasks.corpus), bytes the total.
+    files: int = 1
+    manifest: str | None = None
+    skipped: list[str] = []  # files left out (data.bad_files: skip), each with why
 
 
 class Tokens(BaseModel):
@@ -38,6 +45,10 @@ class Tokens(BaseModel):
     n_tokens: int
     n_chunks: int
     raw_sha256: str
+    # A corpus of many files: its packs (tasks.corpus), and how many files this run tokenized.
+    corpus: str | None = None
+    files_tokenized: int | None = None
+    files_reused: int | None = None
 
 
 class Vocabulary(BaseModel):
@@ -171,7 +182,12 @@ def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     assets.materializes(storage.join(url, "vocab.json"), reads=[tokens.url], name="vocabulary")
     if done := _finished(url, Vocabulary):
         return done
-    counts = token_chunks.count_tokens(tokens.url)
+    if tokens.corpus:
+        from tasks.corpus import corpus_packs
+
+        counts = corpus_packs(tokens)[0].counts()
+    else:
+        counts = token_chunks.count_tokens(tokens.url)
     vocab = Vocab.build(counts, min_freq=cfg.min_freq, max_size=cfg.max_size, specials=cfg.specials)
     result = Vocabulary(key=key, url=storage.join(url, "vocab.json"), digest=vocab.digest, size=len(vocab))
     with storage.staged_dir(url) as out:
@@ -200,9 +216,17 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
         return done
     vocab = Vocab.load(vocabulary.url)
     tokenizer = text.tokenizer_from_json(storage.read_text(tokens.tokenizer), source=tokens.tokenizer)
-    plan = splits.split_plan(tokens.n_tokens, cfg)
+    source: Any = tokens.url
+    if tokens.corpus:
+        from tasks.corpus import corpus_packs
+
+        source, n_files = corpus_packs(tokens)
+        # One file keeps its contiguous split; many are split span by span, by content.
+        plan = splits.split_plan(tokens.n_tokens, cfg) if n_files == 1 else splits.span_plan(*source.rows(), cfg)
+    else:
+        plan = splits.split_plan(tokens.n_tokens, cfg)
     with storage.staged_dir(url) as out:
-        written = splits.write_splits(tokens.url, vocab, tokenizer, plan, out)
+        written = splits.write_splits(source, vocab, tokenizer, plan, out)
         parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),
                                    ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
                                    offsets=storage.join(url, f"{w.name}.offsets.npy"))

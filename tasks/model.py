@@ -44,6 +44,10 @@ class Prepared(BaseModel):
     vocab: Vocabulary
     splits: Splits
     source_side: SourceSide | None = None  # parallel text: the source side; vocab is the target's
+    # A source of many files: how many, the corpus manifest (tasks.corpus), the files left out.
+    raw_files: int = 1
+    raw_manifest: str | None = None
+    raw_skipped: list[str] = []
 
 
 class Trained(BaseModel):
@@ -102,6 +106,7 @@ def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
             "train.code_digest": training_code()["digest"], "data.splits_key": data.splits.key,
             "data.vocab": data.vocab.url, "data.vocab_key": data.vocab.key, "data.tokens": data.tokens.url,
             "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
+            "data.raw_files": str(data.raw_files),
             "data.source": data.source}
 
 

@@ -172,13 +172,13 @@ def test_the_training_key_digests_the_chosen_family_only(tmp_path: Path) -> None
     assert "hidden_size" not in resolve(config_file=str(path)).model.model_dump()
 
 
-@pytest.mark.parametrize("case", ["folder", "utf16-without-bom"])
-def test_folder_and_utf16_without_bom_fail_with_one_line_and_leave_nothing(case: str, tmp_path: Path) -> None:
-    if case == "folder":
+@pytest.mark.parametrize("case", ["empty folder", "utf16-without-bom"])
+def test_empty_folder_and_utf16_without_bom_fail_with_one_line_and_leave_nothing(case: str, tmp_path: Path) -> None:
+    if case == "empty folder":
         src = tmp_path / "books"
         src.mkdir()
-        (src / "book.txt").write_text(make_text(200), encoding="utf-8")
-        needles = ["is a folder", "give the text file", str(src)]
+        (src / ".hidden.txt").write_text(make_text(200), encoding="utf-8")
+        needles = ["only hidden or marker files", str(src)]
     else:
         src = tmp_path / "corpus.txt"
         src.write_bytes(make_text(200).encode("utf-16-le"))

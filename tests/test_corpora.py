@@ -1,0 +1,279 @@
+"""Corpora of many files: folders, globs, JSONL and Parquet; per-file token packs; splits that stay
+put while the corpus grows. The plain functions first, then the pipeline on real files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import make_text
+from mllm import UserError, files, packs, splits
+from mllm.config import SplitConfig, TokenizerConfig
+from mllm.text import build_tokenizer
+from mllm.vocab import Vocab
+
+
+def _books(folder: Path, n: int, words: int = 3000, first_seed: int = 0) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(first_seed, first_seed + n):
+        p = folder / f"book{i:02d}.txt"
+        p.write_text(make_text(words, seed=i), encoding="utf-8")
+        out.append(p)
+    return out
+
+
+# --- listing ---------------------------------------------------------------------------------
+
+
+def test_a_folder_lists_every_file_below_it_and_skips_hidden_files_and_markers(tmp_path: Path) -> None:
+    _books(tmp_path / "c", 2)
+    _books(tmp_path / "c" / "more", 1, first_seed=5)
+    for name in ("_SUCCESS", ".DS_Store", ".cache/x.txt", "_tmp/y.txt"):
+        (tmp_path / "c" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "c" / name).write_text("not corpus")
+    found, skipped = files.list_files([str(tmp_path / "c")])
+    assert [Path(f.url).name for f in found] == ["book00.txt", "book01.txt", "book05.txt"]
+    assert {Path(s).name for s in skipped} == {"_SUCCESS", ".DS_Store", "x.txt", "y.txt"}
+    # A glob with ** and a second source naming a file again: each file once.
+    found, _ = files.list_files([str(tmp_path / "c" / "**" / "*.txt"), str(tmp_path / "c" / "book00.txt")])
+    assert sorted(Path(f.url).name for f in found) == ["book00.txt", "book01.txt", "book05.txt"]
+
+
+@pytest.mark.parametrize("case", ["empty folder", "no match", "only markers"])
+def test_a_source_that_names_no_file_is_one_clear_error(case: str, tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir()
+    if case == "only markers":
+        (folder / "_SUCCESS").write_text("")
+    source = str(folder / "*.jsonl") if case == "no match" else str(folder)
+    with pytest.raises(UserError) as e:
+        files.list_files([source])
+    assert {"empty folder": "holds no files", "no match": "matches no file",
+            "only markers": "only hidden or marker files"}[case] in str(e.value)
+
+
+def test_formats_by_extension() -> None:
+    assert [files.file_format(n) for n in ("a.txt", "a.jsonl", "a.JSONL.gz", "a.json.zst", "a.parquet", "README")] == \
+        ["text", "jsonl", "jsonl", "jsonl", "parquet", "text"]
+
+
+# --- records ---------------------------------------------------------------------------------
+
+
+def test_jsonl_and_parquet_records_keep_only_the_text_field(tmp_path: Path) -> None:
+    texts = [make_text(50, seed=i, gutenberg=False) for i in range(20)]
+    lines = "\n".join(json.dumps({"id": 1000 + i, "text": t, "meta": {"x": i}}) for i, t in enumerate(texts)) + "\n"
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    pq.write_table(pa.table({"id": list(range(20)), "content": texts}), tmp_path / "b.parquet")
+    got = files.download_records(str(tmp_path / "a.jsonl.gz"), "jsonl", "text", lambda sha: str(tmp_path / f"{sha}.parquet"))
+    assert got.documents == 20 and got.compression == "gzip"
+    docs = ["".join(d) for d in files.documents(got.url, strip=False, chunk_chars=100)]
+    assert docs == texts
+    got = files.download_records(str(tmp_path / "b.parquet"), "parquet", "content", lambda sha: str(tmp_path / f"p-{sha}.parquet"))
+    assert ["".join(d) for d in files.documents(got.url, strip=False, chunk_chars=7)] == texts
+
+
+@pytest.mark.parametrize("case", ["not json", "no field", "not text", "no column", "not parquet"])
+def test_bad_records_name_the_file_and_line_and_store_nothing(case: str, tmp_path: Path) -> None:
+    good = json.dumps({"text": "Some words here."})
+    if case in ("no column", "not parquet"):
+        path = tmp_path / "d.parquet"
+        if case == "no column":
+            pq.write_table(pa.table({"body": ["x"]}), path)
+        else:
+            path.write_bytes(b"PAR1 this is not parquet at all")
+        fmt = "parquet"
+    else:
+        bad = {"not json": '{"text": "broken', "no field": json.dumps({"body": "x"}),
+               "not text": json.dumps({"text": 12})}[case]
+        path = tmp_path / "d.jsonl"
+        path.write_text(f"{good}\n{good}\n{bad}\n")
+        fmt = "jsonl"
+    out = tmp_path / "out"
+    with pytest.raises(UserError) as e:
+        files.download_records(str(path), fmt, "text", lambda sha: str(out / f"{sha}.parquet"))
+    message = str(e.value)
+    assert str(path) in message and "\n" not in message
+    assert {"not json": "line 3 is not JSON", "no field": "line 3 has no 'text' field",
+            "not text": "holds int, not text", "no column": "has no column 'text'",
+            "not parquet": "not a readable Parquet file"}[case] in message
+    assert not out.exists()
+
+
+# --- packs and stable splits -----------------------------------------------------------------
+
+
+def test_a_pack_holds_each_files_rows_and_counts(tmp_path: Path) -> None:
+    books = _books(tmp_path / "c", 3, words=1500)
+    tok = build_tokenizer(TokenizerConfig(kind="char"))
+    out = tmp_path / "pack"
+    out.mkdir()
+    packed = packs.tokenize_pack([(f"sha{i}", str(b)) for i, b in enumerate(books)], tok, str(out), strip=True,
+                                 span_chars=1000)
+    assert [p.sha256 for p in packed] == ["sha0", "sha1", "sha2"] and all(p.rows > 5 for p in packed)
+    want = {}
+    for i, b in enumerate(books):
+        from mllm.text import read_chunks, strip_gutenberg
+
+        want[f"sha{i}"] = [t for arr in tok.token_arrays(strip_gutenberg(read_chunks(str(b)))) for t in arr.to_pylist()]
+    everything = packs.CorpusPacks([(str(out), None)])
+    assert [t for batch in everything.batches() for t in batch.to_pylist()] == want["sha0"] + want["sha1"] + want["sha2"]
+    assert everything.counts() == dict(Counter(want["sha0"] + want["sha1"] + want["sha2"]))
+    # A corpus that dropped a file reads the others only.
+    two = packs.CorpusPacks([(str(out), ["sha0", "sha2"])])
+    assert [t for batch in two.batches() for t in batch.to_pylist()] == want["sha0"] + want["sha2"]
+    assert two.counts() == dict(Counter(want["sha0"] + want["sha2"]))
+    lengths, spans = two.rows()
+    assert lengths.sum() == len(want["sha0"]) + len(want["sha2"]) and len(set(spans.tolist())) == len(spans)
+
+
+def test_a_spans_split_depends_on_its_content_alone() -> None:
+    rng = np.random.default_rng(0)
+    spans = rng.integers(-2**63, 2**63 - 1, size=20_000, dtype=np.int64)
+    cfg = SplitConfig(val_fraction=0.1, test_fraction=0.05)
+    owner = packs.span_owner(spans, cfg)
+    assert abs((owner == 1).mean() - 0.1) < 0.01 and abs((owner == 2).mean() - 0.05) < 0.01
+    # More spans around them, in another order: each keeps its split.
+    more = np.concatenate([rng.integers(-2**63, 2**63 - 1, size=5000, dtype=np.int64), spans[::-1]])
+    assert np.array_equal(packs.span_owner(more, cfg)[5000:], owner[::-1])
+    assert not np.array_equal(packs.span_owner(spans, SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=2)), owner)
+
+
+def test_a_corpus_too_small_for_a_val_span_is_one_clear_error() -> None:
+    with pytest.raises(UserError, match="none went to validation.*smaller data.split.span_bytes"):
+        splits.span_plan(np.array([100, 100]), np.array([1, 2]), SplitConfig(val_fraction=0.01, seed=3))
+
+
+def test_grouping_packs_small_files_and_leaves_large_ones_alone() -> None:
+    groups = packs.group([("a", 10), ("b", 10), ("c", 100), ("d", 5), ("e", 5)], target_bytes=30)
+    assert groups == [["a", "b"], ["c"], ["d", "e"]]
+
+
+# --- the pipeline on real files ------------------------------------------------------------------
+
+
+FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
+        "sample.max_new_tokens=20", "data.split.span_bytes=2048"]
+
+
+def _val_text(result) -> str:
+    vocab = Vocab.load(result.data.vocab.url)
+    return "".join(vocab.decode(np.load(result.data.splits.val.ids)))
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path: Path) -> None:
+    from flows.pipeline import pipeline
+    from test_pipeline import _task_states
+
+    folder, root = tmp_path / "books", tmp_path / "storage"
+    _books(folder, 5)
+    (folder / "_SUCCESS").write_text("")
+    first = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
+    assert first.decision == "promoted" and first.data.raw_files == 5
+    assert first.data.tokens.files_tokenized == 5 and first.corpus_changes["new"] == 5
+    # Nothing changed: nothing is tokenized, and the champion's data, config and code are the same.
+    again = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
+    assert again.decision == "skipped" and again.data.tokens.files_tokenized == 0
+    assert again.corpus_changes == {"files": 5, "new": 0, "changed": 0, "removed": 0, "reused": 5, "tokenized": 0,
+                                    "skipped": 0}
+    _books(folder, 1, first_seed=5)
+    grown = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
+    assert grown.decision in ("promoted", "kept") and grown.data.tokens.files_tokenized == 1
+    assert grown.corpus_changes == {"files": 6, "new": 1, "changed": 0, "removed": 0, "reused": 5, "tokenized": 1,
+                                    "skipped": 0}
+    states = _task_states("tokenize-pack")
+    assert states[:2].count("Cached") == 1 and states[:2].count("Completed") == 1
+    # The first validation text is all still validation text (the new book's spans come after it
+    # or before it, never in between), and none of it went to training.
+    first_val, grown_val = _val_text(first), _val_text(grown)
+    assert first_val and first_val in grown_val
+    vocab = Vocab.load(grown.data.vocab.url)
+    train_text = "".join(vocab.decode(np.load(grown.data.splits.train.ids)))
+    assert first_val[:200] not in train_text
+    # The MLflow run says what changed.
+    from mlflow.tracking import MlflowClient
+
+    params = MlflowClient().get_run(grown.mlflow_run_id).data.params
+    assert (params["corpus.new"], params["corpus.reused"], params["corpus.tokenized"]) == ("1", "5", "1")
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_jsonl_parquet_and_a_glob_train_on_the_text_field_only(tmp_path: Path) -> None:
+    from flows.pipeline import pipeline
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    texts = [make_text(300, seed=i, gutenberg=False) for i in range(60)]
+    with gzip.open(folder / "part-0.jsonl.gz", "wt") as f:
+        for i, t in enumerate(texts[:30]):
+            f.write(json.dumps({"id": f"doc-{i:05d}", "text": t}) + "\n")
+    pq.write_table(pa.table({"id": [f"doc-{i:05d}" for i in range(30, 60)], "text": texts[30:]}),
+                   folder / "part-1.parquet")
+    (folder / "_SUCCESS").write_text("")
+    result = pipeline(recipe="smoke", source=str(folder / "*"), storage_url=str(tmp_path / "storage"), overrides=FAST)
+    assert result.trained is not None and result.data.raw_files == 2
+    vocab = Vocab.load(result.data.vocab.url)
+    assert not set("0123456789") & set(vocab.itos)  # the ids never reached the corpus
+    manifest = json.loads(Path(result.data.raw_manifest).read_text())
+    assert sorted(f["documents"] for f in manifest["files"]) == [30, 30]
+
+
+def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_a_bad_file_among_good_ones_fails_the_run_or_is_skipped_and_named(tmp_path: Path) -> None:
+    folder = tmp_path / "books"
+    _books(folder, 3)
+    (folder / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
+    root = tmp_path / "storage"
+    out = _cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
+               "data.split.span_bytes=2048", cwd=tmp_path)
+    _one_line_error(out, "cover.txt", "binary")
+    assert not list(root.glob("tokens/*")) and not list(root.glob("corpora/*"))
+    out = _cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
+               "data.split.span_bytes=2048", "--set", "data.bad_files=skip", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads(next(root.glob("corpora/*.json")).read_text())
+    assert len(manifest["files"]) == 3 and [s["source"] for s in manifest["skipped"]] == [str(folder / "cover.txt")]
+    assert "binary" in manifest["skipped"][0]["reason"]
+
+
+@pytest.mark.parametrize("case", ["empty folder", "glob", "jsonl line"])
+def test_many_file_mistakes_end_in_one_line(case: str, tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir()
+    source = str(folder)
+    if case == "glob":
+        source = str(folder / "**" / "*.jsonl")
+    elif case == "jsonl line":
+        _books(folder, 1)
+        (folder / "x.jsonl").write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
+    root = tmp_path / "storage"
+    out = _cli("run", "--recipe", "smoke", "--source", source, "--storage", str(root), cwd=tmp_path)
+    needles = {"empty folder": ["holds no files", str(folder)], "glob": ["matches no file"],
+               "jsonl line": ["x.jsonl line 2 is not JSON"]}[case]
+    _one_line_error(out, *needles)
+    assert not list(root.glob("corpora/*")) and not list(root.glob("tokens/*"))
