@@ -12,8 +12,8 @@ single-file way of `tasks.data` (download, tokenize), exactly as it always did.
 
 from __future__ import annotations
 
-import os
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from prefect import get_run_logger, task, unmapped
 from pydantic import BaseModel
@@ -127,26 +127,29 @@ def fan_out(stage: Any, items: list[Any], work_bytes: int, runner: str, *args: A
     default runner runs in this process instead, one item after another."""
     if runner == "processes" and work_bytes < SMALL_BYTES:
         return [stage(item, *args) for item in items]
-    if runner == "processes":
-        share_api_url()
-    return stage.map(items, *[unmapped(a) for a in args]).result()
+    with _this_server():
+        return stage.map(items, *[unmapped(a) for a in args]).result()
 
 
-def share_api_url() -> None:
-    """Worker processes report their task runs to this flow's Prefect server: with Prefect's
-    temporary server only this process knows its address, and each worker would start a server of
-    its own (seconds each, and runs recorded nowhere). The process pool hands its workers this
-    process's environment."""
-    from prefect.settings import PREFECT_API_URL
+@contextlib.contextmanager
+def _this_server() -> Iterator[None]:
+    """Workers (a process pool's, a Dask cluster's) report their task runs to this flow's Prefect
+    server. Prefect's temporary server is known to this process only: each worker would start a
+    server of its own (seconds each, and runs recorded nowhere). Both runners hand the current
+    settings on to their workers, so the server's address goes there."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    if PREFECT_API_URL.value():
+    url = PREFECT_API_URL.value()
+    if not url:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            url = str(client.api_url).rstrip("/")
+    if not url.startswith("http"):
+        yield
         return
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        url = str(client.api_url)
-    if url.startswith("http"):
-        os.environ["PREFECT_API_URL"] = url.rstrip("/")
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield
 
 
 def manifest_files(raw: RawText) -> list[FileRecord]:

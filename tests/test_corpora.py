@@ -277,3 +277,84 @@ def test_many_file_mistakes_end_in_one_line(case: str, tmp_path: Path) -> None:
                "jsonl line": ["x.jsonl line 2 is not JSON"]}[case]
     _one_line_error(out, *needles)
     assert not list(root.glob("corpora/*")) and not list(root.glob("tokens/*"))
+
+
+# --- object storage and a Dask cluster ---------------------------------------------------------
+
+
+@pytest.fixture
+def s3_env(tmp_path: Path, monkeypatch):
+    from servers import run_s3_server
+
+    with run_s3_server(tmp_path / "s3") as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        server.client().create_bucket(Bucket="corpora")
+        yield server
+
+
+@pytest.fixture
+def dask_cluster(tmp_path: Path, s3_env):
+    """A dask.distributed scheduler and two worker processes on loopback, with the S3 endpoint's
+    settings in their environment (as a cluster's workers have their storage credentials)."""
+    import os
+
+    from distributed import Client
+
+    from flows.stack import free_port
+    from servers import background, quiet_env, serving
+
+    port, dashboard = free_port(), free_port()
+    env = {**quiet_env(tmp_path / "dask-home"), **s3_env.env,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+    scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
+                 "--dashboard-address", f"127.0.0.1:{dashboard}"]
+    with serving(scheduler, f"http://127.0.0.1:{dashboard}/health", tmp_path / "scheduler.log", env):
+        workers = background([sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://127.0.0.1:{port}",
+                              "--nworkers", "2", "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
+                             f"http://127.0.0.1:{dashboard}/health", tmp_path / "workers.log", env)
+        try:
+            with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+                client.wait_for_workers(2, timeout=120)
+                yield f"dask://127.0.0.1:{port}", client
+        finally:
+            workers.stop()
+
+
+def _objects(s3, prefix: str) -> dict[str, bytes]:
+    c = s3.client()
+    keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket="corpora", Prefix=prefix)
+            for o in page.get("Contents", [])]
+    return {k[len(prefix):]: c.get_object(Bucket="corpora", Key=k)["Body"].read() for k in keys}
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(tmp_path: Path, s3_env, dask_cluster) -> None:
+    from flows.launch import data_runner, with_results
+    from flows.pipeline import pipeline, prepare
+    from mllm.resolve import resolve
+
+    address, client = dask_cluster
+    c = s3_env.client()
+    for i in range(4):
+        c.put_object(Bucket="corpora", Key=f"books/{i}.txt", Body=make_text(2500, seed=i).encode())
+    c.put_object(Bucket="corpora", Key="books/_SUCCESS", Body=b"")
+    trained = pipeline(recipe="smoke", source="s3://corpora/books/", storage_url="s3://corpora/run-a",
+                       overrides=FAST)
+    assert trained.trained is not None and trained.data.raw_files == 4
+    # The same data stages with the per-file work on the cluster's two worker processes.
+    cfg = resolve("smoke", overrides=FAST + [f"data.task_runner={address}"], source="s3://corpora/books/")
+    from distributed import get_task_stream
+
+    with get_task_stream(client) as stream:
+        on_dask = with_results(prepare, "s3://corpora/run-b", data_runner(cfg.data.task_runner))(cfg, "s3://corpora/run-b")
+    assert len({t["worker"] for t in stream.data}) == 2 and len(stream.data) >= 5, stream.data[:3]
+    a, b = _objects(s3_env, "run-a/tokens/"), _objects(s3_env, "run-b/tokens/")
+    made = {k for k in a if k.endswith((packs.PACK_FILE, packs.COUNTS_FILE))}
+    assert made and made == {k for k in b if k.endswith((packs.PACK_FILE, packs.COUNTS_FILE))}
+    assert all(a[k] == b[k] for k in made)  # byte for byte
+    assert on_dask.splits.val.n_tokens == trained.data.splits.val.n_tokens
+    # The work ran on the workers: their task runs reported to this run's Prefect server.
+    from test_pipeline import _task_states
+
+    assert _task_states("download-file")[:4] == ["Completed"] * 4
