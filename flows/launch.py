@@ -42,7 +42,7 @@ def data_runner(name: str) -> Any:
     if name == "threads":
         from prefect.task_runners import ThreadPoolTaskRunner
 
-        return ThreadPoolTaskRunner(max_workers=os.cpu_count() or 1)
+        return ThreadPoolTaskRunner(max_workers=len(os.sched_getaffinity(0)))
     if name.startswith("dask://"):
         try:
             from prefect_dask import DaskTaskRunner
@@ -51,7 +51,7 @@ def data_runner(name: str) -> Any:
         return DaskTaskRunner(address="tcp://" + name.removeprefix("dask://"))
     from prefect.task_runners import ProcessPoolTaskRunner
 
-    return ProcessPoolTaskRunner(max_workers=os.cpu_count() or 1)
+    return ProcessPoolTaskRunner(max_workers=len(os.sched_getaffinity(0)))
 
 
 def training_pool(recipe: str | None, train_on: str | None) -> str | None:

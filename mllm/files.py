@@ -45,6 +45,9 @@ class SourceFile:
     url: str  # what to open: a local path or a URL, credentials already taken out
     size: int | None
     format: str  # text | jsonl | parquet
+    # What the listing says of its version (modified time, ETag): with the size, a re-run that
+    # finds both unchanged need not read the file again. None where the filesystem says nothing.
+    stamp: str | None = None
 
     @property
     def name(self) -> str:
@@ -105,7 +108,8 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
         else:
             if not fs.exists(path):
                 raise UserError(f"source {describe(source)} not found: check the path or URL")
-            return [SourceFile(source, _size(fs.info(path)), file_format(path))], []
+            info = fs.info(path)
+            return [SourceFile(source, _size(info), file_format(path), _stamp(info))], []
     except UserError:
         raise
     except PermissionError as e:
@@ -122,11 +126,17 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
         if _hidden(p[len(base):]):
             hidden.append(describe(url))
         else:
-            files.append(SourceFile(url, _size(info), file_format(p)))
+            files.append(SourceFile(url, _size(info), file_format(p), _stamp(info)))
     if not files:
         raise UserError(f"source {describe(source)} holds only hidden or marker files ({', '.join(hidden[:3])}"
                         f"{', ...' if len(hidden) > 3 else ''}): give the folder of the corpus files")
     return files, hidden
+
+
+def _stamp(info: dict[str, Any]) -> str | None:
+    """A file's version as its listing gives it: local mtime (ns), an object's ETag and time."""
+    parts = [str(info[k]) for k in ("mtime", "ETag", "LastModified", "last_modified", "etag") if info.get(k)]
+    return "|".join(parts) or None
 
 
 def _size(info: dict[str, Any]) -> int | None:

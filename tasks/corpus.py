@@ -13,6 +13,7 @@ single-file way of `tasks.data` (download, tokenize), exactly as it always did.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 from prefect import get_run_logger, task, unmapped
@@ -35,6 +36,8 @@ class FileRecord(BaseModel):
     documents: int = 0
     url: str = ""  # the stored copy: raw/<sha256>.txt or raw/<sha256>.parquet
     skipped: str | None = None  # why the file was left out (data.bad_files: skip)
+    stored_bytes: int | None = None  # of the stored copy: a copy of another size was changed in storage
+    stamp: str | None = None  # the source's version as listed (mtime, ETag): see files.SourceFile
 
 
 class PackSpec(BaseModel):
@@ -55,17 +58,25 @@ def list_source(sources: list[str]) -> list[files.SourceFile]:
     return found
 
 
-@task(name="download-file", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
-def download_file(f: files.SourceFile, text_field: str, bad_files: str, root: str) -> FileRecord:
-    """Check one file of the source and store it under `raw/` by the sha256 of its bytes."""
+@task(name="download-files", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+def download_files(batch: list[files.SourceFile], text_field: str, bad_files: str, root: str) -> list[FileRecord]:
+    """Check files of the source and store each under `raw/` by the sha256 of its bytes (a batch
+    of files a task run: a task run costs Prefect's bookkeeping, a small file far less)."""
+    return [_download_file(f, text_field, bad_files, root) for f in batch]
+
+
+def _download_file(f: files.SourceFile, text_field: str, bad_files: str, root: str) -> FileRecord:
     try:
         if f.format == "text":
             got = corpus.download(f.url, lambda sha: storage.join(root, "raw", f"{sha}.txt"))
-            return FileRecord(source=got.source, sha256=got.sha256, bytes=got.bytes, documents=1, url=got.url)
-        rec = files.download_records(f.url, f.format, text_field,
-                                     lambda sha: storage.join(root, "raw", f"{sha}.parquet"))
-        return FileRecord(source=rec.source, sha256=rec.sha256, bytes=rec.bytes, format=f.format,
-                          documents=rec.documents, url=rec.url)
+            record = FileRecord(source=got.source, sha256=got.sha256, bytes=got.bytes, documents=1, url=got.url)
+        else:
+            rec = files.download_records(f.url, f.format, text_field,
+                                         lambda sha: storage.join(root, "raw", f"{sha}.parquet"))
+            record = FileRecord(source=rec.source, sha256=rec.sha256, bytes=rec.bytes, format=f.format,
+                                documents=rec.documents, url=rec.url)
+        fs, path = storage.filesystem(record.url)
+        return record.model_copy(update={"stored_bytes": int(fs.size(path)), "stamp": f.stamp})
     except UserError as e:
         if bad_files != "skip" or getattr(e, "transient", False):
             raise
@@ -114,9 +125,66 @@ def download_source(d: DataConfig, root: str) -> RawText:
     found = list_source(sources)
     if len(found) == 1 and found[0].format == "text":
         return download(found[0].url, d.sha256, root)
-    sizes = sum(f.size or 0 for f in found)
-    records = fan_out(download_file, found, sizes, d.task_runner, d.text_field, d.bad_files, root)
+    index_url = storage.join(root, "corpora", f"seen-{storage.digest(sources)}.json")
+    known = _known(index_url, root) if not d.sha256 else {}  # a pinned corpus is read whole, always
+    todo = [f for f in found if _quick_key(f) not in known]
+    batches = _batches(todo, len(os.sched_getaffinity(0)))
+    made = fan_out(download_files, batches, sum(f.size or 0 for f in todo), d.task_runner, d.text_field,
+                   d.bad_files, root)
+    fresh = [r for batch in made for r in batch]
+    records = [known[_quick_key(f)] for f in found if _quick_key(f) in known] + fresh
+    if fresh:
+        get_run_logger().info("read %d files of %d (the others' size and time are as when last read)", len(todo),
+                              len(found))
+        seen = dict(known)
+        for r in fresh:
+            if not r.skipped and (key := _quick_key(r)):
+                seen[key] = r
+        storage.write_json(index_url, {k: r.model_dump() for k, r in seen.items()})
     return record_corpus(records, sources, d.sha256, root)
+
+
+def _quick_key(f: files.SourceFile | FileRecord) -> str | None:
+    """What says a file is unchanged without reading it: its name, size and listed version
+    (rsync's quick check). None where the listing gives no version (HTTP): always read."""
+    name = f.url if isinstance(f, files.SourceFile) else f.source
+    size = f.size if isinstance(f, files.SourceFile) else f.bytes
+    return f"{files.describe(name)}|{size}|{f.stamp}" if f.stamp else None
+
+
+def _known(index_url: str, root: str) -> dict[str, FileRecord]:
+    """The files read before from these sources whose stored copies are still there, whole (their
+    size checked against one listing of raw/; a copy changed in storage is read again)."""
+    if not storage.exists(index_url):
+        return {}
+    fs, path = storage.filesystem(storage.join(root, "raw"))
+    fs.invalidate_cache(path)
+    try:
+        stored = {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in fs.ls(path, detail=True)}
+    except FileNotFoundError:
+        return {}
+    known = {}
+    for k, r in storage.read_json(index_url).items():
+        rec = FileRecord.model_validate(r)
+        if stored.get(rec.url.rsplit("/", 1)[-1]) == rec.stored_bytes:
+            known[k] = rec
+    return known
+
+
+def _batches(found: list[files.SourceFile], workers: int) -> list[list[files.SourceFile]]:
+    """Files in batches for the download tasks: a few per worker (so they share the work
+    evenly), none over PACK_BYTES or 500 files."""
+    total = sum(f.size or 1 for f in found)
+    target = max(min(PACK_BYTES, total // (4 * workers)), 1)
+    out: list[list[files.SourceFile]] = []
+    size = 0
+    for f in found:
+        if not out or size + (f.size or 1) > target or len(out[-1]) >= 500:
+            out.append([])
+            size = 0
+        out[-1].append(f)
+        size += f.size or 1
+    return out
 
 
 SMALL_BYTES = 64 << 20  # less work than this is done in the flow's process: a pool's start costs more
