@@ -384,8 +384,10 @@ def sweep(recipe: Recipe = "default",
 def lineage(model: Annotated[Optional[str], typer.Argument(
                 help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)] = None,
             corpus: Annotated[Optional[str], typer.Option(
-                "--corpus", metavar="SHA256-PREFIX", help="List the runs and models trained on this corpus instead.")] = None,
+                "--corpus", metavar="SHA256-PREFIX",
+                help="List the runs and models trained on this corpus (or on a corpus holding a file of this digest) instead.")] = None,
             json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+            files: Annotated[bool, typer.Option("--files", help="List every file of a many-file corpus.")] = False,
             storage: Storage = None) -> None:
     """Where a model came from, each link checked; or, with --corpus, what was trained on a corpus.
 
@@ -405,7 +407,7 @@ def lineage(model: Annotated[Optional[str], typer.Argument(
             rows = trail.by_corpus(root, corpus)
             typer.echo(trail.as_json(rows) if json_ else trail.render_corpus(corpus, rows))
             return
-        chain = trail.trace(root, model)
+        chain = trail.trace(root, model, files=files)
         typer.echo(trail.as_json(chain) if json_ else trail.render(chain))
     if not chain["ok"]:
         raise typer.Exit(1)

@@ -34,7 +34,7 @@ _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 # --- from a model back to the corpus -------------------------------------------------------
 
 
-def trace(root: str, ref: str) -> dict[str, Any]:
+def trace(root: str, ref: str, files: bool = False) -> dict[str, Any]:
     """The chain of `ref` (MODEL@ALIAS, MODEL/VERSION or an MLflow run id), newest first, each
     stage's link checked against storage."""
     client = tracking.client(root)
@@ -50,7 +50,7 @@ def trace(root: str, ref: str) -> dict[str, Any]:
         version = _get(client.get_model_version, name, number)
     links = [_model_link(version), _run_link(client, run), _prefect_link(tags), _code_link(tags)]
     links += [_training_link(tags, version), _split_link(tags), _vocab_link(tags), _tokens_link(tags),
-              _corpus_link(tags)]
+              _corpus_link(tags, files)]
     chain = {"ref": ref, "tracking_uri": tracking.tracking_uri(root),
              "links": [link for link in links if link is not None]}
     chain["ok"] = not any(link["status"] in BROKEN for link in chain["links"])
@@ -275,6 +275,8 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
 
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     key = t.get("data.tokens_key")
+    if t.get("data.tokens_corpus"):
+        return _packs_link(t["data.tokens_corpus"], key)
     fields, manifest = _stage_folder("tokens", "token chunks", t.get("data.tokens"), key)
     if manifest is None:
         return fields
@@ -284,9 +286,51 @@ def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     return _link("tokens", OK, **fields)
 
 
-def _corpus_link(t: dict[str, str]) -> dict[str, Any]:
+def _packs_link(url: str, key: str | None) -> dict[str, Any]:
+    """A many-file corpus's tokens: the packs its tokens list, each still complete."""
+    fields: dict[str, Any] = {"key": key, "uri": url}
+    if not storage.exists(url):
+        return _link("tokens", MISSING, **fields, detail=f"{url} is gone")
+    doc = storage.read_json(url)
+    fields.update(n_tokens=doc.get("n_tokens"), packs=len(doc["packs"]))
+    for p in doc["packs"]:
+        if not storage.is_complete(p["url"]):
+            return _link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
+    return _link("tokens", OK, **fields)
+
+
+def _manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
+    """A many-file corpus: its manifest, whose file digests must digest to the corpus's, and every
+    stored copy, there and of the size it had."""
+    from tasks.corpus import corpus_digest
+
+    sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
+    fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
+                              "bytes": _int(t.get("data.raw_bytes")), "files": _int(t.get("data.raw_files"))}
+    if not storage.exists(url):
+        return _link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
+    doc = storage.read_json(url)
+    listed = doc["files"]
+    fields["files"] = len(listed)
+    if files:
+        fields["file_list"] = [{"source": f["source"], "sha256": f["sha256"], "bytes": f["bytes"]} for f in listed]
+    if (again := corpus_digest([f["sha256"] for f in listed])) != sha:
+        return _link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
+    for f in listed:
+        if not storage.exists(f["url"]):
+            return _link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
+        size = storage.filesystem(f["url"])[0].size(storage.filesystem(f["url"])[1])
+        if f.get("stored_bytes") is not None and size != f["stored_bytes"]:
+            return _link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
+    return _link("corpus", OK, **fields)
+
+
+def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
     """The stored copy of the corpus, hashed again where it holds the source's bytes unchanged
-    (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count."""
+    (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count.
+    A corpus of many files: its manifest (`_manifest_link`)."""
+    if t.get("data.raw_files", "1") != "1" or (t.get("data.raw_url") or "").endswith(".json"):
+        return _manifest_link(t, files)
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
                               "bytes": int(t["data.raw_bytes"]) if t.get("data.raw_bytes") else None}
@@ -347,6 +391,13 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
         return []
     runs = client.search_runs(list(experiments), f"tags.`data.raw_sha256` LIKE '{prefix}%'",
                               order_by=["attributes.start_time DESC"], max_results=1000)
+    # A file of a many-file corpus: the corpora (manifests under the storage root) that hold it.
+    holding = _corpora_holding(root, prefix)
+    seen = {r.info.run_id for r in runs}
+    for digest in holding:
+        runs += [r for r in client.search_runs(list(experiments), f"tags.`data.raw_sha256` = '{digest}'",
+                                               max_results=1000) if r.info.run_id not in seen]
+    runs.sort(key=lambda r: -r.info.start_time)
     rows = []
     for r in runs:
         t = r.data.tags
@@ -366,8 +417,26 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
             "aliases": list(version.aliases or []) if version is not None else [],
             "model_id": _model_id(version) if version is not None else None,
             "headline": vt.get("headline"), "headline_value": _float(vt.get("headline.value")),
+            "holds_file": holding.get(t["data.raw_sha256"]),
         })
     return _clean(rows)
+
+
+def _corpora_holding(root: str, prefix: str) -> dict[str, str]:
+    """Corpus digest -> the file (source and sha256) whose digest starts with `prefix`, for every
+    corpus manifest under `root/corpora`."""
+    fs, path = storage.filesystem(storage.join(root, "corpora"))
+    try:
+        names = [p for p in fs.ls(path, detail=False) if not p.rsplit("/", 1)[-1].startswith("seen-")]
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for name in names:
+        doc = storage.read_json(storage.join(root, "corpora", name.rsplit("/", 1)[-1]))
+        hit = next((f for f in doc.get("files", []) if f["sha256"].startswith(prefix)), None)
+        if hit:
+            found[doc["digest"]] = f"{hit['source']} (sha256 {hit['sha256'][:16]})"
+    return found
 
 
 # --- printing ------------------------------------------------------------------------------
@@ -391,7 +460,8 @@ def render(chain: dict[str, Any]) -> str:
             + (" tokens" if x.get("tokens") else ""),
             "vocabulary": lambda x: f"digest {x.get('digest', '?')}" + (f"  {x['size']} entries" if x.get("size") else ""),
             "tokens": lambda x: f"key {x.get('key', '?')}" + (f"  {x['n_tokens']:,} tokens" if x.get("n_tokens") else ""),
-            "corpus": lambda x: f"sha256 {x.get('sha256', '?')}" + (f"  {x['bytes']:,} bytes" if x.get("bytes") else ""),
+            "corpus": lambda x: f"sha256 {x.get('sha256', '?')}" + (f"  {x['files']:,} files" if x.get("files") else "")
+            + (f"  {x['bytes']:,} bytes" if x.get("bytes") else ""),
         }[name](link)
         mark = "" if status == OK else f"  [{status.upper()}]"
         out.append(f"{name:11} {head}{mark}")
@@ -404,6 +474,8 @@ def render(chain: dict[str, Any]) -> str:
                              ("code_digest", "code digest"), ("uri", "uri"), ("source", "source")):
             if link.get(field) not in (None, "") and not (name == "model" and field == "decision"):
                 out.append(f"{'':11} {label}: {link[field]}")
+        for f in link.get("file_list", []):
+            out.append(f"{'':11} file: {f['sha256'][:16]}  {f['bytes']:>12,} bytes  {f['source']}")
         if link.get("detail"):
             out.append(f"{'':11} {status}: {link['detail']}" if status != OK else f"{'':11} note: {link['detail']}")
     broken = [link["link"] for link in chain["links"] if link["status"] in BROKEN]
@@ -417,7 +489,8 @@ def render_corpus(prefix: str, rows: list[dict[str, Any]]) -> str:
     out = []
     for sha in dict.fromkeys(r["sha256"] for r in rows):
         mine = [r for r in rows if r["sha256"] == sha]
-        out.append(f"corpus sha256 {sha}" + (f"  {mine[0]['source']}" if mine[0].get("source") else ""))
+        out.append(f"corpus sha256 {sha}" + (f"  {mine[0]['source']}" if mine[0].get("source") else "")
+                   + (f"\n  holds {mine[0]['holds_file']}" if mine[0].get("holds_file") else ""))
         for r in mine:
             metric = f"{r['headline']} {r['headline_value']:.4f}" if r.get("headline_value") is not None else "-"
             model = r.get("model_version") or "-"

@@ -362,7 +362,8 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
                         "the text you meant? (data.tokenizer.normalize=false keeps every character)")
     corpus_url = storage.join(folder, f"corpus-{raw.sha256[:16]}.json")
     if not storage.exists(corpus_url):
-        storage.write_json(corpus_url, {"corpus": raw.sha256, "packs": used, "files": len(records)})
+        storage.write_json(corpus_url, {"corpus": raw.sha256, "packs": used, "files": len(records),
+                                        "n_tokens": n_tokens})
     assets.materializes(corpus_url, reads=[raw.url], name="token chunks")
     assets.describe(corpus_url, tokenizer=cfg.kind, n_tokens=n_tokens, files=len(records), packs=len(used))
     return Tokens(key=storage.digest([key, raw.sha256]), url=folder, corpus=corpus_url, tokenizer=tokenizer, n_tokens=n_tokens,

@@ -107,6 +107,7 @@ def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
             "data.vocab": data.vocab.url, "data.vocab_key": data.vocab.key, "data.tokens": data.tokens.url,
             "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
             "data.raw_files": str(data.raw_files),
+            **({"data.tokens_corpus": data.tokens.corpus} if data.tokens.corpus else {}),
             "data.source": data.source}
 
 

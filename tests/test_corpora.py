@@ -206,6 +206,16 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
 
     params = MlflowClient().get_run(grown.mlflow_run_id).data.params
     assert (params["corpus.new"], params["corpus.reused"], params["corpus.tokenized"]) == ("1", "5", "1")
+    # lineage: the file count, every file on request, and the run found by one file's digest.
+    out = _cli("lineage", grown.mlflow_run_id, "--files", "--storage", str(root))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "6 files" in out.stdout and out.stdout.count("file: ") == 6 and "book05.txt" in out.stdout
+    assert "every link checked against storage: ok" in out.stdout
+    new_file = next(f for f in json.loads(Path(grown.data.raw_manifest).read_text())["files"]
+                    if f["source"].endswith("book05.txt"))
+    out = _cli("lineage", "--corpus", new_file["sha256"][:10], "--storage", str(root))
+    assert out.returncode == 0 and grown.mlflow_run_id in out.stdout and first.mlflow_run_id not in out.stdout
+    assert "book05.txt" in out.stdout
 
 
 @pytest.mark.usefixtures("prefect_server")
