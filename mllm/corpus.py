@@ -158,6 +158,7 @@ class Downloaded:
     bytes: int  # of the source
     encoding: str  # the source's: utf-8, or the one its byte order mark named (utf-8-sig, utf-16-le, ...)
     compression: str | None = None  # gzip, bzip2, xz or zstd: the source was decompressed
+    repaired: bool = False  # the stored copy had changed since it was written, and was written again
 
     @property
     def converted(self) -> bool:
@@ -197,6 +198,7 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
 
     text_seen = chars = False  # any text after a BOM; any but white space
     tmp = tempfile.NamedTemporaryFile(prefix="mllm-download-", suffix=".txt", delete=False) if dest else None
+    stored = hashlib.sha256()  # of the UTF-8 copy: a stored copy found under the name must hold it
     try:
         with src, tmp or contextlib.nullcontext():
             read, compression = _decompressed(source, raw_read)
@@ -205,7 +207,9 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
                 text = decoder.decode(block, final=not block)
                 text_seen, chars = text_seen or bool(text), chars or bool(text.strip())
                 if tmp:  # strictly decoded UTF-8 encodes back to the same bytes; anything else is converted
-                    tmp.write(text.encode("utf-8"))
+                    encoded = text.encode("utf-8")
+                    stored.update(encoded)
+                    tmp.write(encoded)
                 if not block:
                     break
         if n == 0 or not text_seen:  # (a byte order mark alone is no text)
@@ -217,11 +221,14 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
             raise UserError(f"{source} has sha256 {sha}, not the pinned {sha256}: the source changed; "
                             "update data.sha256 or remove it")
         url = dest(sha) if dest else ""
-        if tmp and not storage.exists(url):
+        # A copy already there is trusted only if it holds these bytes: one changed in storage
+        # (by hand, by a broken disk) is written again.
+        repaired = bool(tmp) and storage.exists(url) and storage.sha256_file(url) != stored.hexdigest()
+        if tmp and (repaired or not storage.exists(url)):
             with open(tmp.name, "rb") as f, storage.atomic_open(url) as out:
                 shutil.copyfileobj(f, out, BLOCK)
         return Downloaded(source=describe(source), url=url, sha256=sha, bytes=n, encoding=decoder.source_encoding,
-                          compression=compression)
+                          compression=compression, repaired=repaired)
     finally:
         if tmp and os.path.exists(tmp.name):
             os.remove(tmp.name)

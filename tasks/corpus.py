@@ -69,6 +69,9 @@ def _download_file(f: files.SourceFile, text_field: str, bad_files: str, root: s
     try:
         if f.format == "text":
             got = corpus.download(f.url, lambda sha: storage.join(root, "raw", f"{sha}.txt"))
+            if got.repaired:
+                get_run_logger().warning("the stored copy %s of %s had changed in storage: written again", got.url,
+                                         got.source)
             record = FileRecord(source=got.source, sha256=got.sha256, bytes=got.bytes, documents=1, url=got.url)
         else:
             rec = files.download_records(f.url, f.format, text_field,

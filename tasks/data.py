@@ -118,6 +118,9 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
     if not storage.exists(meta):
         storage.write_json(meta, {"source": got.source, "sha256": got.sha256, "bytes": got.bytes,
                                   "encoding": got.encoding, "compression": got.compression})
+    if got.repaired:
+        logger.warning("the stored copy %s no longer held the source's text (changed in storage): written again",
+                       got.url)
     if got.compression:
         logger.info("source %s is %s-compressed: stored decompressed", got.source, got.compression)
     if got.encoding != "utf-8":

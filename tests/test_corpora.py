@@ -368,3 +368,27 @@ def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(tmp_p
     from test_pipeline import _task_states
 
     assert _task_states("download-file")[:4] == ["Completed"] * 4
+
+
+def test_a_stored_copy_changed_in_storage_is_written_again(tmp_path: Path) -> None:
+    book = tmp_path / "book.txt"
+    book.write_text(make_text(2000, seed=3), encoding="utf-8")
+    folder = tmp_path / "books"
+    _books(folder, 2)
+    root = tmp_path / "storage"
+    for source in (book, folder):
+        assert _cli("prepare", "--recipe", "smoke", "--source", str(source), "--storage", str(root), "--set",
+                    "data.split.span_bytes=2048", cwd=tmp_path).returncode == 0
+    import hashlib
+
+    single = root / "raw" / f"{hashlib.sha256(book.read_bytes()).hexdigest()}.txt"
+    many = root / "raw" / f"{hashlib.sha256((folder / 'book00.txt').read_bytes()).hexdigest()}.txt"
+    data = bytearray(single.read_bytes())
+    data[100] = ord("#") if data[100] != ord("#") else ord("%")  # one byte, same size
+    single.write_bytes(bytes(data))
+    many.write_bytes(many.read_bytes()[:-10])  # cut short
+    for source in (book, folder):
+        out = _cli("prepare", "--recipe", "smoke", "--source", str(source), "--storage", str(root), "--set",
+                   "data.split.span_bytes=2048", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    assert single.read_bytes() == book.read_bytes() and many.read_bytes() == (folder / "book00.txt").read_bytes()
