@@ -1,6 +1,7 @@
 """Wall time of the data stages through the real Prefect flow, and the memory they need at scale.
 
     python -m benchmarks.data_stages [--quick] [--scale-only] [--sizes 10,50,500] [--word-up-to 50] [--bpe-up-to 10]
+    python -m benchmarks.data_stages --many-files [--mb 1000] [--files 2000]   (see benchmarks/many_files.py)
 
 1. `flows.pipeline.prepare` on War and Peace (download from the local file, tokenize, vocabulary,
    split) for the char, word and BPE-2000 tokenizers, each into a fresh storage folder, in this
@@ -331,8 +332,17 @@ def main() -> None:
         p.add_argument("--sizes", help="text sizes in MB for part 3, e.g. 10,50,500")
         p.add_argument("--word-up-to", type=int, default=50, help="the word tokenizer only on texts up to this many MB")
         p.add_argument("--bpe-up-to", type=int, default=10, help="BPE only on texts up to this many MB")
+        p.add_argument("--many-files", action="store_true",
+                       help="instead: the stages on a corpus of many files (benchmarks/many_files.py)")
+        p.add_argument("--mb", type=int, default=1000, help="--many-files: the corpus's size in MB")
+        p.add_argument("--files", type=int, default=2000, help="--many-files: how many files")
 
     args = parse_args(__doc__.splitlines()[0], options)
+    if args.many_files:
+        from benchmarks import many_files
+
+        many_files.main(100 if args.quick else args.mb, 200 if args.quick else args.files, list(many_files.KINDS))
+        return
     m = header("data_stages", args.quick)
     source = corpus("warandpeace")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [10, 50] if args.quick else [10, 50, 500]
