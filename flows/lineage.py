@@ -427,7 +427,7 @@ def _corpora_holding(root: str, prefix: str) -> dict[str, str]:
     corpus manifest under `root/corpora`."""
     fs, path = storage.filesystem(storage.join(root, "corpora"))
     try:
-        names = [p for p in fs.ls(path, detail=False) if not p.rsplit("/", 1)[-1].startswith("seen-")]
+        names = [p for p in fs.ls(path, detail=False) if not p.rsplit("/", 1)[-1].startswith(("seen-", "last-"))]
     except FileNotFoundError:
         return {}
     found = {}

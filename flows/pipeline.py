@@ -52,7 +52,7 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
     splits = data_tasks.split(tokens, vocab, d.split, root)
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                     tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
-                    raw_skipped=raw.skipped)
+                    raw_skipped=raw.skipped, raw_previous=raw.previous)
 
 
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
@@ -74,7 +74,7 @@ class PipelineResult(BaseModel):
     samples: dict[str, list[str]]
     mlflow_run_id: str
     champion: Outcome
-    corpus_changes: dict[str, int] = {}  # a corpus of many files: files new, changed, removed, reused
+    corpus_changes: dict[str, int] = {}  # a corpus of many files: files new, changed, removed, reused since last read
 
 
 # The shipped recipes: the Prefect UI shows the parameter as a choice.
@@ -135,8 +135,8 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
         log_data(run.run_id, quote(cfg), root, quote(data))
         run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
-        # A corpus of many files: what changed since the champion's corpus (a schedule's question).
-        changes = corpus_tasks.corpus_changes(data, champion.raw_sha256 if champion else None, root)
+        # A corpus of many files: what changed since its sources were last read (a schedule's question).
+        changes = corpus_tasks.corpus_changes(data, root)
         run.log_params({f"corpus.{k}": v for k, v in changes.items()})
         if skip:
             outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)

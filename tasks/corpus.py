@@ -117,8 +117,12 @@ def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | N
     get_run_logger().info("corpus %s: %d files, %d bytes%s", digest[:12], len(kept), total,
                           f", {len(skipped)} left out" if skipped else "")
     source = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
+    # The corpus these sources gave last time, for what changed since (then this one's).
+    last_url = storage.join(root, "corpora", f"last-{storage.digest(sources)}.json")
+    previous = storage.read_json(last_url)["digest"] if storage.exists(last_url) else None
+    storage.write_json(last_url, {"digest": digest})
     return RawText(source=source, url=url, sha256=digest, bytes=total, files=len(kept), manifest=url,
-                   skipped=[f"{r.source}: {r.skipped}" for r in skipped])
+                   skipped=[f"{r.source}: {r.skipped}" for r in skipped], previous=previous)
 
 
 def download_source(d: DataConfig, root: str) -> RawText:
@@ -380,12 +384,13 @@ def corpus_packs(tokens: Tokens) -> tuple[packs.CorpusPacks, int]:
     return packs.CorpusPacks([(p["url"], p["files"]) for p in doc["packs"]]), doc["files"]
 
 
-def corpus_changes(data: Any, previous: str | None, root: str) -> dict[str, int]:
-    """What a many-file corpus holds against the corpus `previous` (a digest: the champion's):
-    files new, changed (a source name whose bytes differ), removed and reused, and how many files
-    this run tokenized. Empty for a one-file source."""
+def corpus_changes(data: Any, root: str) -> dict[str, int]:
+    """What a many-file corpus holds against the corpus its sources gave the run before: files
+    new, changed (a source name whose bytes differ), removed and reused, and how many files this
+    run tokenized. Empty for a one-file source."""
     if data.raw_manifest is None:
         return {}
+    previous = data.raw_previous
     now = [FileRecord.model_validate(f) for f in storage.read_json(data.raw_manifest)["files"]]
     before_url = storage.join(root, "corpora", f"{previous}.json") if previous else None
     before = ([FileRecord.model_validate(f) for f in storage.read_json(before_url)["files"]]

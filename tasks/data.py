@@ -36,6 +36,7 @@ class RawText(BaseModel):
     files: int = 1
     manifest: str | None = None
     skipped: list[str] = []  # files left out (data.bad_files: skip), each with why
+    previous: str | None = None  # the corpus digest the same sources gave the run before
 
 
 class Tokens(BaseModel):

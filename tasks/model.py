@@ -48,6 +48,7 @@ class Prepared(BaseModel):
     raw_files: int = 1
     raw_manifest: str | None = None
     raw_skipped: list[str] = []
+    raw_previous: str | None = None  # the corpus digest the same sources gave the run before
 
 
 class Trained(BaseModel):

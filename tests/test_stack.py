@@ -252,16 +252,19 @@ def _decisions(client: MlflowClient) -> list[tuple[str, str]]:
 
 
 def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(stack_env: Stack, tmp_path: Path) -> None:
-    source, root = f"s3://{BUCKET}/weekly.txt", f"s3://{BUCKET}/scheduled"
-    stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly.txt", Body=make_text(4000, seed=11).encode())
+    # A folder of books on S3 where new ones land: the schedule retrains on an added file only.
+    source, root = f"s3://{BUCKET}/weekly/", f"s3://{BUCKET}/scheduled"
+    for i in range(3):
+        stack_env.s3.client().put_object(Bucket=BUCKET, Key=f"weekly/book{i}.txt", Body=make_text(3000, seed=11 + i).encode())
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
+    fast = FAST + ["data.split.span_bytes=2048"]
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, text=True, capture_output=True,
                               env={**os.environ, **stack_env.env}, timeout=120)
 
     out = cli("schedule", "--recipe", "smoke", "--interval", "20", "--source", source, "--storage", root,
-              *[a for s in FAST for a in ("--set", s)])
+              *[a for s in fast for a in ("--set", s)])
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("pipeline/smoke: every 20 s on pool 'local'")
     with get_client(sync_client=True) as prefect:
@@ -282,11 +285,11 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
         artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["decision-smoke"])))
     assert any("**skipped**" in a.data for a in artifacts) and any(f"**{decisions[0][0]}**" in a.data for a in artifacts)
 
-    # New text at the source; a run started the way the UI's form does: its parameters as JSON.
-    stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly.txt", Body=make_text(4000, seed=12).encode())
+    # A new book in the folder; a run started the way the UI's form does: its parameters as JSON.
+    stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly/book3.txt", Body=make_text(3000, seed=20).encode())
     schema = deployment.parameter_openapi_schema["properties"]
     assert "smoke" in schema["recipe"]["enum"] and schema["force"]["type"] == "boolean"
-    form = {"recipe": "smoke", "source": source, "storage_url": root, "overrides": FAST, "train_on": None,
+    form = {"recipe": "smoke", "source": source, "storage_url": root, "overrides": fast, "train_on": None,
             "force": False}
     with get_client(sync_client=True) as prefect:
         run = prefect.create_flow_run_from_deployment(deployment.id, parameters=form)
@@ -296,6 +299,10 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     assert decision in ("promoted", "kept") and "both on this run's validation split" in reason
     champion = client.get_model_version_by_alias("smoke", "champion")
     assert (champion.version != first) == (decision == "promoted")
+    last = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
+                              order_by=["attributes.start_time DESC"], max_results=1)[0]
+    p = last.data.params
+    assert (p["corpus.files"], p["corpus.new"], p["corpus.reused"], p["corpus.tokenized"]) == ("4", "1", "3", "1")
     # The worker ran the flow in a temporary folder; the commit is still that of the code it ran.
     repo = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
