@@ -137,41 +137,79 @@ def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
     names = [s for s in NAMES if sizes[s]]
     token_bytes = bytes_per_token(vocab, tokenizer)
     fs, path = storage.filesystem(out)
-    written = []
     with tempfile.TemporaryDirectory(prefix="mllm-split-") as tmp:
-        # The .npy files fill out of order (segments interleave): local memory maps, copied to
-        # storage once complete.
-        arrays = {s: np.lib.format.open_memmap(os.path.join(tmp, f"{s}.npy"), mode="w+",
-                                               dtype=np.int32, shape=(sizes[s],)) for s in names}
-        filled = dict.fromkeys(names, 0)
-        segments = iter(plan)
-        _, end, name = next(segments)
-        pos = 0
-        for flat in batches:
-            ids = vocab.encode_array(flat)
-            while len(ids):
-                if pos == end:
-                    _, end, name = next(segments)
-                take = min(len(ids), end - pos)
-                arrays[name][filled[name]:filled[name] + take] = ids[:take]
-                filled[name] += take
-                pos += take
-                ids = ids[take:]
+        # Each split's tokens come in order (the plan's segments are in text order, and so are a
+        # split's own), so its files are written front to back in one pass: memory stays at one
+        # row group, with no memory map of the whole split.
+        writers = {s: _SplitWriter(os.path.join(tmp, s), sizes[s], token_bytes) for s in names}
+        try:
+            segments = iter(plan)
+            _, end, name = next(segments)
+            pos = 0
+            for flat in batches:
+                ids = vocab.encode_array(flat)
+                while len(ids):
+                    if pos == end:
+                        _, end, name = next(segments)
+                    take = min(len(ids), end - pos)
+                    writers[name].write(ids[:take])
+                    pos += take
+                    ids = ids[take:]
+        finally:
+            for w in writers.values():
+                w.close()
         offsets = split_offsets(plan, starts)
+        written = []
         for s in names:
-            arr = arrays.pop(s)
-            arr.flush()
-            sha256 = storage.sha256_file(os.path.join(tmp, f"{s}.npy"))
-            fs.put(os.path.join(tmp, f"{s}.npy"), f"{path}/{s}.npy")
+            w = writers[s]
             np.save(os.path.join(tmp, f"{s}.offsets.npy"), offsets[s])
-            fs.put(os.path.join(tmp, f"{s}.offsets.npy"), f"{path}/{s}.offsets.npy")
-            n_bytes = 0
-            schema = pa.schema([("token_id", pa.int32())])
-            with fs.open(f"{path}/{s}.parquet", "wb") as f, pq.ParquetWriter(f, schema, compression="zstd") as w:
-                for i in range(0, len(arr), ROW_GROUP_IDS):
-                    ids = np.asarray(arr[i:i + ROW_GROUP_IDS])
-                    w.write_table(pa.table({"token_id": pa.array(ids, pa.int32())}, schema=schema))
-                    n_bytes += int(token_bytes[ids].sum())
-            written.append(WrittenSplit(s, sizes[s], n_bytes, sha256))
-            del arr
+            for ext in ("npy", "offsets.npy", "parquet"):
+                fs.put(os.path.join(tmp, f"{s}.{ext}"), f"{path}/{s}.{ext}")
+            written.append(WrittenSplit(s, sizes[s], w.n_bytes, w.sha256.hexdigest()))
     return written
+
+
+class _SplitWriter:
+    """One split's `.npy` (its header first, then the ids as they come) and `.parquet`
+    (`token_id: int32`, ROW_GROUP_IDS a row group), with the .npy's sha256 and the UTF-8 bytes
+    the ids stand for, counted as they are written."""
+
+    def __init__(self, base: str, n: int, token_bytes: np.ndarray):
+        import hashlib
+        import io
+
+        self.token_bytes, self.n_bytes, self.sha256 = token_bytes, 0, hashlib.sha256()
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.int32).str, "fortran_order": False,
+                                                      "shape": (n,)})
+        self.npy = open(f"{base}.npy", "wb")
+        self._npy(header.getvalue())
+        self.schema = pa.schema([("token_id", pa.int32())])
+        self.parquet = pq.ParquetWriter(f"{base}.parquet", self.schema, compression="zstd")
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+
+    def _npy(self, data: bytes) -> None:
+        self.sha256.update(data)
+        self.npy.write(data)
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        self._npy(ids.tobytes())
+        self.n_bytes += int(self.token_bytes[ids].sum())
+        self.pending.append(ids)
+        self.n_pending += len(ids)
+        if self.n_pending >= ROW_GROUP_IDS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            ids = np.concatenate(self.pending)
+            for i in range(0, len(ids), ROW_GROUP_IDS):
+                self.parquet.write_table(pa.table({"token_id": pa.array(ids[i:i + ROW_GROUP_IDS])}, schema=self.schema))
+            self.pending, self.n_pending = [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self.parquet.close()
+        self.npy.close()
