@@ -23,7 +23,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[list[str]], typer.Option(
-    "--source", "-s", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
+    "--source", "-s", metavar="URL", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
     "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
 TaskRunner = Annotated[Optional[str], typer.Option(
     "--task-runner", metavar="RUNNER",

@@ -132,7 +132,14 @@ class DataConfig(_Section):
     bad_files: Literal["fail", "skip"] = "fail"
     # Where the per-file work of a many-file source runs: processes (one per core), threads, or
     # dask://HOST:PORT (a running Dask scheduler, through prefect-dask).
-    task_runner: str = Field("processes", pattern=r"^(processes|threads|dask://\S+)$")
+    task_runner: str = "processes"
+
+    @model_validator(mode="after")
+    def _runner(self) -> "DataConfig":
+        r = self.task_runner
+        if r not in ("processes", "threads") and not (r.startswith("dask://") and ":" in r[len("dask://"):]):
+            raise ValueError(f"task_runner {r!r} is none of processes, threads or dask://HOST:PORT")
+        return self
 
     @property
     def sources(self) -> list[str]:
