@@ -302,7 +302,7 @@ def _packs_link(url: str, key: str | None) -> dict[str, Any]:
 def _manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
     """A many-file corpus: its manifest, whose file digests must digest to the corpus's, and every
     stored copy, there and of the size it had."""
-    from tasks.corpus import corpus_digest
+    from tasks.corpus import corpus_digest, file_key
 
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
@@ -314,7 +314,7 @@ def _manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
     fields["files"] = len(listed)
     if files:
         fields["file_list"] = [{"source": f["source"], "sha256": f["sha256"], "bytes": f["bytes"]} for f in listed]
-    if (again := corpus_digest([f["sha256"] for f in listed])) != sha:
+    if (again := corpus_digest([file_key(f["url"], f["sha256"]) for f in listed])) != sha:
         return _link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
     for f in listed:
         if not storage.exists(f["url"]):

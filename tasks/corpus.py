@@ -39,6 +39,16 @@ class FileRecord(BaseModel):
     stored_bytes: int | None = None  # of the stored copy: a copy of another size was changed in storage
     stamp: str | None = None  # the source's version as listed (mtime, ETag): see files.SourceFile
 
+    @property
+    def key(self) -> str:
+        return file_key(self.url, self.sha256)
+
+
+def file_key(url: str, sha256: str) -> str:
+    """A file's identity in a corpus, as its stored copy is named: the sha256 of its bytes, and for
+    JSONL or Parquet a digest of the text field its documents came from (`<sha256>-<field>`)."""
+    return url.rsplit("/", 1)[-1].split(".", 1)[0] if url else sha256
+
 
 class PackSpec(BaseModel):
     key: str
@@ -74,8 +84,10 @@ def _download_file(f: files.SourceFile, text_field: str, bad_files: str, root: s
                                          got.source)
             record = FileRecord(source=got.source, sha256=got.sha256, bytes=got.bytes, documents=1, url=got.url)
         else:
+            # The documents are those of one field: another field of the same file is another copy.
+            field = storage.digest(text_field)[:8]
             rec = files.download_records(f.url, f.format, text_field,
-                                         lambda sha: storage.join(root, "raw", f"{sha}.parquet"))
+                                         lambda sha: storage.join(root, "raw", f"{sha}-{field}.parquet"))
             record = FileRecord(source=rec.source, sha256=rec.sha256, bytes=rec.bytes, format=f.format,
                                 documents=rec.documents, url=rec.url)
         fs, path = storage.filesystem(record.url)
@@ -96,7 +108,7 @@ def corpus_digest(shas: list[str]) -> str:
 def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | None, root: str) -> RawText:
     """The corpus manifest, `corpora/<digest>.json`: every file with its source, bytes, digest and
     documents, and the files left out."""
-    kept = {r.sha256: r for r in sorted(records, key=lambda r: (r.sha256, r.source)) if not r.skipped}
+    kept = {r.key: r for r in sorted(records, key=lambda r: (r.key, r.source)) if not r.skipped}
     skipped = [r for r in records if r.skipped]
     if not kept:
         raise UserError(f"no usable file in {', '.join(sources)}: all {len(records)} were left out "
@@ -132,7 +144,8 @@ def download_source(d: DataConfig, root: str) -> RawText:
     found = list_source(sources)
     if len(found) == 1 and found[0].format == "text":
         return download(found[0].url, d.sha256, root)
-    index_url = storage.join(root, "corpora", f"seen-{storage.digest(sources)}.json")
+    # What was read depends on the text field too (a JSONL file's documents are that field's).
+    index_url = storage.join(root, "corpora", f"seen-{storage.digest([sources, d.text_field])}.json")
     known = _known(index_url, root) if not d.sha256 else {}  # a pinned corpus is read whole, always
     todo = [f for f in found if _quick_key(f) not in known]
     batches = _batches(todo, len(os.sched_getaffinity(0)))
@@ -237,7 +250,7 @@ def manifest_files(raw: RawText) -> list[FileRecord]:
 def _sample(records: list[FileRecord], cap: int) -> list[tuple[FileRecord, int]]:
     """The BPE training sample: whole files in digest order up to `cap` bytes, the last one cut."""
     out, left = [], cap
-    for r in sorted(records, key=lambda r: r.sha256):
+    for r in sorted(records, key=lambda r: r.key):
         if left <= 0:
             break
         out.append((r, min(r.bytes, left)))
@@ -246,7 +259,7 @@ def _sample(records: list[FileRecord], cap: int) -> list[tuple[FileRecord, int]]
 
 
 def _sample_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
-    sample = [(r.sha256, n) for r, n in _sample(manifest_files(raw), cfg.train_bytes)]
+    sample = [(r.key, n) for r, n in _sample(manifest_files(raw), cfg.train_bytes)]
     return storage.digest(["bpe", sample, cfg.model_dump(exclude={"train_bytes"}), code_digest(files, text)])
 
 
@@ -342,11 +355,11 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
         if not storage.exists(tokenizer):
             storage.write_text(tokenizer, text.build_tokenizer(cfg).to_json())
     existing = _existing_packs(folder)
-    reused = {r.sha256: existing[r.sha256] for r in records if r.sha256 in existing}
-    new = [r for r in records if r.sha256 not in existing]
-    by_sha = {r.sha256: r for r in records}
+    reused = {r.key: existing[r.key] for r in records if r.key in existing}
+    new = [r for r in records if r.key not in existing]
+    by_sha = {r.key: r for r in records}
     specs = {m["key"]: PackSpec(key=m["key"], url=m["url"], files=[]) for m in reused.values()}
-    for shas in packs.group([(r.sha256, r.bytes) for r in new], PACK_BYTES):
+    for shas in packs.group([(r.key, r.bytes) for r in new], PACK_BYTES):
         k = packs.pack_key(key, shas)
         specs[k] = PackSpec(key=k, url=storage.join(folder, f"pack-{k}"), files=[(s, by_sha[s].url) for s in shas])
     logger = get_run_logger()
@@ -395,10 +408,10 @@ def corpus_changes(data: Any, root: str) -> dict[str, int]:
     before_url = storage.join(root, "corpora", f"{previous}.json") if previous else None
     before = ([FileRecord.model_validate(f) for f in storage.read_json(before_url)["files"]]
               if before_url and storage.exists(before_url) else [])
-    old_sha, old_names = {f.sha256 for f in before}, {f.source for f in before}
-    new_sha, new_names = {f.sha256 for f in now}, {f.source for f in now}
-    changed = sum(f.sha256 not in old_sha and f.source in old_names for f in now)
-    return {"files": len(now), "new": sum(f.sha256 not in old_sha and f.source not in old_names for f in now),
-            "changed": changed, "removed": sum(f.sha256 not in new_sha and f.source not in new_names for f in before),
+    old_sha, old_names = {f.key for f in before}, {f.source for f in before}
+    new_sha, new_names = {f.key for f in now}, {f.source for f in now}
+    changed = sum(f.key not in old_sha and f.source in old_names for f in now)
+    return {"files": len(now), "new": sum(f.key not in old_sha and f.source not in old_names for f in now),
+            "changed": changed, "removed": sum(f.key not in new_sha and f.source not in new_names for f in before),
             "reused": len(new_sha & old_sha), "tokenized": data.tokens.files_tokenized or 0,
             "skipped": len(data.raw_skipped)}

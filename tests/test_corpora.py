@@ -392,3 +392,28 @@ def test_a_stored_copy_changed_in_storage_is_written_again(tmp_path: Path) -> No
                    "data.split.span_bytes=2048", cwd=tmp_path)
         assert out.returncode == 0, out.stderr
     assert single.read_bytes() == book.read_bytes() and many.read_bytes() == (folder / "book00.txt").read_bytes()
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_another_text_field_of_the_same_records_is_another_corpus(tmp_path: Path) -> None:
+    from flows.launch import data_runner, with_results
+    from flows.pipeline import prepare
+    from mllm.resolve import resolve
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for part in range(2):
+        lines = [json.dumps({"title": f"THE TITLE NUMBER {i}", "body": make_text(200, seed=i, gutenberg=False).lower()})
+                 for i in range(part * 20, part * 20 + 20)]
+        (folder / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
+    root = str(tmp_path / "storage")
+    made = {}
+    for field in ("body", "title", "body"):
+        cfg = resolve("smoke", overrides=[f"data.text_field={field}", "data.split.span_bytes=64",
+                                          "data.split.val_fraction=0.3"], source=str(folder))
+        made.setdefault(field, []).append(with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root))
+    body, title = made["body"][0], made["title"][0]
+    assert body.raw_sha256 != title.raw_sha256 and body.tokens.key != title.tokens.key
+    assert set(Vocab.load(title.vocab.url).itos[1:]) <= set("THE TITLE NUMBER 0123456789")
+    assert not set("ABCDEFGHIJKLMNOPQRSTUVWXYZ") & set(Vocab.load(body.vocab.url).itos)
+    assert made["body"][1].tokens.files_tokenized == 0  # the body's packs were kept beside the title's
