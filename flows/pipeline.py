@@ -7,7 +7,7 @@ plain arguments; caching, retries and where results live are configured on the t
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -211,6 +211,8 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
         + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
+        f"| precision | {t.precision()} |",
+        f"| MFU | {_mfu(t)} |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",
         f"| MLflow run | {link or f'`{r.mlflow_run_id}`'} |",
@@ -226,6 +228,12 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         shown = "\n".join(t.strip() for t in texts) or "(no prompt fits the vocabulary)"
         lines += [f"**{method}**", "", "```", shown, "```", ""]
     return "\n".join(lines)
+
+
+def _mfu(t: Any) -> str:
+    if t.mfu is None or not t.peak_flops:
+        return "n/a"
+    return f"{t.mfu:.1%} of {t.peak_flops / 1e12:.3g} TFLOP/s ({t.peak_source})"
 
 
 def _f(x: float | None) -> str:

@@ -44,6 +44,8 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         "recipe": names.get(r.info.experiment_id, "?"),
         "commit": (r.data.tags.get("git.commit") or "")[:10] + ("+dirty" if r.data.tags.get("git.dirty") == "true" else ""),
         "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
+        "mfu": r.data.metrics.get("final_mfu", r.data.metrics.get("mfu")),
+        "dtype": r.data.params.get("train.dtype_used"),
         "status": r.info.status,
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
         "reproduces": r.data.tags.get("reproduces"),
