@@ -33,9 +33,9 @@ import torch.nn as nn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # bf16 is chosen when its probe step is at least this much shorter: within it, the two are
 # equal as far as a shared machine can tell, and float32 does not round.
-MARGIN = 0.05
+MARGIN = 0.10
 PROBE_TARGETS = 512  # targets (tokens) per probe step: enough rows for the matmuls to dominate
-PROBE_REPS = 2  # timed steps per precision, after one warm-up; the fastest counts
+PROBE_REPS = 2  # timed steps of bf16 (float32 gets one more), after a warm-up; the fastest counts
 # A model whose float32 probe step is shorter is left in float32 without timing bf16: what bf16
 # could save there is within a shared machine's timing noise, and it would round for nothing.
 SMALL_MS = 10
@@ -96,8 +96,12 @@ def machine(device: torch.device) -> str:
     """The device in a line, as figures are reported beside it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    flags = sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
-    return f"{cpu_model()} ({' '.join(flags) or 'no AVX2'}), {torch.get_num_threads()} threads"
+    return f"{cpu_model()} ({' '.join(matmul_flags()) or 'no AVX2'}), {torch.get_num_threads()} threads"
+
+
+def matmul_flags() -> list[str]:
+    """The CPU flags that decide its matrix-multiply speed, as figures are reported beside them."""
+    return sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -120,17 +124,24 @@ def cache_file() -> Path:
 
 
 def _cached(key: list, measure: Callable[[], dict]) -> dict:
-    """measure(), or what it returned before for the same key on this machine."""
+    """measure(), or what it returned before for the same key on this machine.
+
+    A figure measured while the machine was busy (a load average above its core count: other
+    jobs took the cores it timed) is used, and measured again at the first quiet moment.
+    """
     machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
                    torch.cuda.get_device_name() if torch.cuda.is_available() else None]
     digest = hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = cache_file()
-    if (hit := _read(path).get(digest)) is not None:
-        return hit
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    hit = _read(path).get(digest)
+    if isinstance(hit, dict) and "value" in hit and (busy or not hit.get("busy")):
+        return hit["value"]
     value = measure()
     with contextlib.suppress(OSError):  # a read-only home costs a probe per run, nothing more
         path.parent.mkdir(parents=True, exist_ok=True)
-        entries = {**_read(path), digest: value}  # read again: another process may have added some
+        entry = {"value": value, "busy": busy, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entries = {**_read(path), digest: entry}  # read again: another process may have added some
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(entries, f)
         os.replace(f.name, path)
@@ -162,10 +173,7 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     shape = [type(model).__name__, _shape(model), [list(x.shape) for x in sample]]
 
     def measure() -> dict[str, float]:
-        ms = {"float32": 1000 * _step_s(model, sample, contextlib.nullcontext)}
-        if ms["float32"] >= SMALL_MS:
-            ms["bfloat16"] = 1000 * _step_s(model, sample, Precision("bfloat16", "").autocast(device))
-        return {k: round(v, 1) for k, v in ms.items()}
+        return _probe(model, tuple(x.to(device) for x in sample), Precision("bfloat16", "").autocast(device))
 
     ms = _cached(["precision", shape], measure)
     if "bfloat16" not in ms:
@@ -188,20 +196,30 @@ def _slice(batch: tuple, targets: int) -> tuple:
     return tuple(x[:n] if x.dim() and len(x) == rows else x for x in batch)
 
 
-def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
-    """The fastest of a few forward and backward passes; the model and the RNG are left as they were."""
-    device = next(model.parameters()).device
-    batch = tuple(x.to(device) for x in batch)
-    times = []
+def _probe(model: nn.Module, batch: tuple, bf16: Callable) -> dict[str, float]:
+    """Milliseconds of the fastest forward and backward pass in each precision, after a warm-up
+    of each. The two alternate (A B A B), so that a burst of load on a shared machine slows both
+    rather than deciding the choice. The model and the RNG are left as they were."""
+    precisions = {"float32": contextlib.nullcontext, "bfloat16": bf16}
+    times: dict[str, list[float]] = {"float32": []}
     with torch.random.fork_rng(devices=[]):  # dropout draws here must not shift the training's
-        for _ in range(1 + PROBE_REPS):
-            start = time.perf_counter()
-            with autocast():
-                _, loss, _ = model(*batch)
-            loss.backward()
-            times.append(time.perf_counter() - start)
+        for _ in range(2):  # a warm-up, then a first timing
+            times["float32"].append(_step_s(model, batch, precisions["float32"]))
+        if 1000 * times["float32"][1] >= SMALL_MS:
+            times["bfloat16"] = [_step_s(model, batch, bf16)]
+            for _ in range(PROBE_REPS):
+                for name in ("bfloat16", "float32"):
+                    times[name].append(_step_s(model, batch, precisions[name]))
     model.zero_grad(set_to_none=True)
-    return min(times[1:])
+    return {name: round(1000 * min(ts[1:]), 1) for name, ts in times.items()}
+
+
+def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
+    start = time.perf_counter()
+    with autocast():
+        _, loss, _ = model(*batch)
+    loss.backward()
+    return time.perf_counter() - start
 
 
 # --- utilisation ----------------------------------------------------------------------------
