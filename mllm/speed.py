@@ -227,17 +227,24 @@ def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(FLOP/s, where the figure comes from) for dense matrix multiplies on `device` in `dtype`."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tf32 = torch.backends.cuda.matmul.allow_tf32
-        for key, (bf16, tf32_peak, fp32) in GPU_PEAKS:
-            spec = bf16 if dtype == "bfloat16" else tf32_peak if tf32 else fp32
-            if key in name and spec:
-                return spec, f"{key} spec sheet"
-    size = 4096 if device.type == "cuda" else 1024
+        spec = spec_peak(torch.cuda.get_device_name(device), dtype, torch.backends.cuda.matmul.allow_tf32)
+        if spec:
+            return spec
+    size = 1024 if device.type == "cpu" else 4096
     flops = _cached(["matmul", device.type, dtype, size],
                     lambda: {"flops": matmul_flops(device, DTYPES[dtype], size)})["flops"]
     return flops, f"measured ({size}x{size} matmul, {torch.get_num_threads()} threads)" \
         if device.type == "cpu" else f"measured ({size}x{size} matmul)"
+
+
+def spec_peak(gpu: str, dtype: str, tf32: bool = False) -> tuple[float, str] | None:
+    """A GPU's dense peak from its spec sheet (GPU_PEAKS), by the name CUDA gives it; None for a
+    GPU or precision the table does not hold."""
+    for key, (bf16, tf32_peak, fp32) in GPU_PEAKS:
+        if key in gpu:
+            spec = bf16 if dtype == "bfloat16" else tf32_peak if tf32 else fp32
+            return (spec, f"{key} spec sheet") if spec else None
+    return None
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
@@ -261,6 +268,8 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, second
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def flops_per_target(model: nn.Module, batch: tuple) -> float:

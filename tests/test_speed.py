@@ -119,3 +119,14 @@ def test_auto_is_float32_without_fast_bf16_and_otherwise_probes_once(tmp_path, m
     cache.write_text(json.dumps({key: {**entry, "busy": False}}))
     assert speed.choose_precision("auto", torch.device("cpu"), model, (x, x)) == first
     assert speed.choose_precision("float32", torch.device("cpu"), model, (x, x)).dtype == "float32"
+
+
+def test_a_gpus_peak_comes_from_its_spec_sheet_by_name():
+    assert speed.spec_peak("NVIDIA H100 80GB HBM3", "bfloat16") == (989e12, "H100 spec sheet")
+    assert speed.spec_peak("NVIDIA H100 PCIe", "bfloat16")[0] == 756e12
+    assert speed.spec_peak("NVIDIA A100-SXM4-40GB", "float32") == (19.5e12, "A100 spec sheet")
+    assert speed.spec_peak("NVIDIA A100-SXM4-40GB", "float32", tf32=True)[0] == 156e12
+    assert speed.spec_peak("NVIDIA L40S", "bfloat16")[0] == 362e12  # not the L4's
+    # No bf16 on a V100, and a GPU the table lacks: measured instead.
+    assert speed.spec_peak("Tesla V100-SXM2-16GB", "bfloat16") is None
+    assert speed.spec_peak("Quadro RTX 4000", "float32") is None
