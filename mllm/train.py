@@ -2,8 +2,9 @@
 
 nanoGPT's train.py, as a function: AdamW (fused on CUDA), linear warmup then cosine decay,
 gradient clipping and accumulation, bf16 autocast where it is faster (mllm.speed), optional
-torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler, step, RNG states, data
-position), so a run stopped at any checkpoint resumes to the same weights it would have reached.
+torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
+step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
+it would have reached.
 """
 
 from __future__ import annotations
