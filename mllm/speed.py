@@ -35,10 +35,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # equal as far as a shared machine can tell, and float32 does not round.
 MARGIN = 0.10
 PROBE_TARGETS = 512  # targets (tokens) per probe step: enough rows for the matmuls to dominate
-PROBE_REPS = 2  # timed steps of bf16 (float32 gets one more), after a warm-up; the fastest counts
-# A model whose float32 probe step is shorter is left in float32 without timing bf16: what bf16
-# could save there is within a shared machine's timing noise, and it would round for nothing.
-SMALL_MS = 10
+PROBE_REPS = 2  # timed passes per precision, after a warm-up; the fastest counts
+# A model with fewer training FLOPs in a probe step (about 10 ms of one core's float32 matrix
+# multiply) stays in float32 unprobed: what bf16 could save there is within a shared machine's
+# timing noise, it would round for nothing, and a count, unlike a timing, decides the same way
+# under any load.
+SMALL_FLOPS = 1e9
 
 # Dense peaks from the spec sheets, FLOP/s: (bf16, tf32, fp32 without tensor cores). The first
 # name found in torch.cuda.get_device_name wins, so the longer names come first.
@@ -170,14 +172,15 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     if not fast_bf16():
         return Precision("float32", "this CPU has neither AMX nor AVX512-BF16")
     sample = _slice(batch, PROBE_TARGETS)
+    flops = flops_per_target(model, sample) * int((sample[-1] >= 0).sum())
+    if flops < SMALL_FLOPS:
+        return Precision("float32", f"a model this small ({flops / 1e6:,.0f} MFLOP a probe step) gains nothing from bf16")
     shape = [type(model).__name__, _shape(model), [list(x.shape) for x in sample]]
 
     def measure() -> dict[str, float]:
         return _probe(model, tuple(x.to(device) for x in sample), Precision("bfloat16", "").autocast(device))
 
     ms = _cached(["precision", shape], measure)
-    if "bfloat16" not in ms:
-        return Precision("float32", f"a step under {SMALL_MS} ms gains nothing from bf16", ms)
     bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
     return Precision("bfloat16" if bf16 else "float32", f"bf16 probed {'faster' if bf16 else 'no faster'}", ms)
 
@@ -201,15 +204,11 @@ def _probe(model: nn.Module, batch: tuple, bf16: Callable) -> dict[str, float]:
     of each. The two alternate (A B A B), so that a burst of load on a shared machine slows both
     rather than deciding the choice. The model and the RNG are left as they were."""
     precisions = {"float32": contextlib.nullcontext, "bfloat16": bf16}
-    times: dict[str, list[float]] = {"float32": []}
+    times: dict[str, list[float]] = {name: [] for name in precisions}
     with torch.random.fork_rng(devices=[]):  # dropout draws here must not shift the training's
-        for _ in range(2):  # a warm-up, then a first timing
-            times["float32"].append(_step_s(model, batch, precisions["float32"]))
-        if 1000 * times["float32"][1] >= SMALL_MS:
-            times["bfloat16"] = [_step_s(model, batch, bf16)]
-            for _ in range(PROBE_REPS):
-                for name in ("bfloat16", "float32"):
-                    times[name].append(_step_s(model, batch, precisions[name]))
+        for _ in range(1 + PROBE_REPS):  # the first pass of each is a warm-up
+            for name, autocast in precisions.items():
+                times[name].append(_step_s(model, batch, autocast))
     model.zero_grad(set_to_none=True)
     return {name: round(1000 * min(ts[1:]), 1) for name, ts in times.items()}
 
