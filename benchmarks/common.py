@@ -69,16 +69,18 @@ def load() -> float:
 def machine() -> dict[str, Any]:
     import torch
 
+    from mllm import speed
+
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "machine": platform.machine(),
-            "loadavg_start": list(os.getloadavg())}
+            "python": platform.python_version(), "machine": platform.machine(), "cpu": speed.cpu_model(),
+            "cpu_flags": speed.matmul_flags(), "loadavg_start": list(os.getloadavg())}
 
 
 def header(name: str, quick: bool) -> dict[str, Any]:
     m = machine()
     print(f"# {name}{' (quick)' if quick else ''}\n")
-    print(f"torch {m['torch']}, {m['threads']} torch threads, {m['cpus']} CPUs, python {m['python']}, "
-          f"load average {m['loadavg_start'][0]:.2f}\n", flush=True)
+    print(f"{m['cpu']} ({' '.join(m['cpu_flags']) or 'no AVX2'}), torch {m['torch']}, {m['threads']} torch "
+          f"threads, {m['cpus']} CPUs, python {m['python']}, load average {m['loadavg_start'][0]:.2f}\n", flush=True)
     return m
 
 

@@ -15,7 +15,9 @@ tokens/s is the tokens of the measured steps over their summed step times, taken
 per-step records `train` hands to on_metrics (log_interval 1). The validation split is cut to a
 few windows so the evaluation `train` always runs at its end costs nothing here; what the
 recipes' evaluations would cost is measured on its own (eval-mode forward passes of one batch)
-and added to the full-run estimates. MFU is left out: peak FLOPs mean nothing on a CPU.
+and added to the full-run estimates. Each model trains in its default precision (`train.dtype:
+auto`, the precision column), and MFU is the median of the measured steps' `mfu` (against this
+CPU's measured matrix-multiply peak in that precision, mllm.speed).
 """
 
 from __future__ import annotations
@@ -68,19 +70,21 @@ def measure(name: str, recipe: str | None, paths: dict, folder: Path, overrides:
     cfg.paths.val_ids = short_val(paths, folder, t.window)
     tokens_per_step = t.batch_size * t.window
     step_s: dict[int, float] = {}
+    mfu: dict[int, float] = {}
     loads: list[float] = []
 
     def on_metrics(records: list[dict]) -> None:
         for r in records:
             if "tokens_per_s" in r:
                 step_s[r["step"]] = tokens_per_step / r["tokens_per_s"]
+                mfu[r["step"]] = r["mfu"]
                 loads.append(load())
 
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads or default_threads)
     try:
         t0 = time.perf_counter()
-        train(cfg, on_metrics=on_metrics, resume=False)
+        result = train(cfg, on_metrics=on_metrics, resume=False)
         wall = time.perf_counter() - t0
     finally:
         torch.set_num_threads(default_threads)
@@ -92,9 +96,10 @@ def measure(name: str, recipe: str | None, paths: dict, folder: Path, overrides:
         "step_s": median(measured), "tokens_per_s": tokens_per_step / median(measured),
         "tokens_per_s_mean": tokens_per_step * len(measured) / sum(measured),
         "wall_s": wall, "load": max(loads[warmup:] or loads), "config": cfg.to_dict(),
+        "precision": result.dtype_used, "mfu": median([v for k, v in mfu.items() if k > warmup]),
     }
-    print(f"  {name}, {row['threads']} threads: {row['tokens_per_s']:,.0f} tokens/s "
-          f"({row['step_s']:.3f} s/step over {len(measured)} steps, load {row['load']})", flush=True)
+    print(f"  {name}, {row['threads']} threads, {row['precision']}: {row['tokens_per_s']:,.0f} tokens/s, MFU "
+          f"{row['mfu']:.1%} ({row['step_s']:.3f} s/step over {len(measured)} steps, load {row['load']})", flush=True)
     return row
 
 
@@ -160,7 +165,8 @@ def main() -> None:
 
     print()
     print(table(rows, [("model", "model"), ("threads", "threads"), ("tokens_per_step", "tokens/step"), ("measured_steps", "steps timed"),
-                       ("step_s", "s/step (median)"), ("tokens_per_s", "tokens/s (median step)"),
+                       ("precision", "precision"), ("step_s", "s/step (median)"),
+                       ("tokens_per_s", "tokens/s (median step)"), ("mfu", "MFU"),
                        ("first_step_s", "first step s"), ("load", "load avg")]))
     print()
     print(table(estimates, [("recipe", "full recipe"), ("steps", "steps"), ("step_s", "s/step"),

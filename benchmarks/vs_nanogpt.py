@@ -1,19 +1,23 @@
 """mllm against nanoGPT, side by side in one run: training tokens/s and generation tokens/s.
 
-    python -m benchmarks.vs_nanogpt [--quick] [--threads N] [--only train|generate] [--variants ...]
+    python -m benchmarks.vs_nanogpt [--quick] [--threads N] [--only train|generate] [--shapes ...] [--variants ...]
 
 The anchor is karpathy/nanoGPT as kept in ../shared/anchors/nanoGPT (see its README); without it
 this benchmark says so and exits 0. On a shared machine an absolute speed means little, so every
 figure here is a ratio of two measurements taken in the same run, alternating the contenders
 (A B A B ...) at the same torch thread count, with the load average next to it.
 
-Training: War and Peace with the reference char normalisation, 90/10, GPT 4 layers, 4 heads,
-128 wide, block 64, batch 12, dropout 0 (nanoGPT's CPU size, anchors README). nanoGPT runs as a
-subprocess of its own train.py on the same ids written as it expects them (data/<dataset>/
-train.bin, val.bin as uint16 and meta.pkl); mllm as a subprocess of `python -m mllm.train`. Both
-print one line per step; the figure is the median step time after a warm-up (first steps, and
-for train.compile the compilation), and the last column compares the mean training loss of the last
-50 steps, which should agree within seed noise (the two do not draw the same batches).
+Training: War and Peace with the reference char normalisation, 90/10, dropout 0, at two shapes:
+nanoGPT's CPU size (GPT 4 layers, 4 heads, 128 wide, block 64, batch 12; anchors README) and the
+shakespeare-gpt recipe's network (6/6/384, block 256) at batch 16. nanoGPT runs as a subprocess of
+its own train.py on the same ids written as it expects them (data/<dataset>/train.bin, val.bin as
+uint16 and meta.pkl), in float32 (its CPU path has no autocast); mllm as a subprocess of `python -m
+mllm.train` with its default precision (`train.dtype: auto`, which the precision column shows) and
+any --variants. Both print one line per step; the figure is the median step time after a warm-up
+(first steps, and for train.compile the compilation). MFU is tokens/s times nanoGPT's FLOPs per
+token over this CPU's measured matrix-multiply peak in the precision used (mllm.speed), at the
+same thread count. The last column compares the mean training loss of the last steps (50 at
+most), which should agree within seed noise (the two do not draw the same batches).
 
 Generation: `generate` of nanoGPT's model.py (imported by path, here only), which recomputes the
 whole context per token, against `mllm.lm.generate.generate` with its KV cache: 500 new tokens after
@@ -42,7 +46,11 @@ from benchmarks.common import (REPO, corpus, header, load, median, parse_args, r
 
 ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
 
-SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, dropout=0.0)
+# name: (shape, steps, quick steps, warm-up steps)
+TRAIN_SHAPES = {
+    "nanogpt-cpu": (dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12), 300, 120, 20),
+    "shakespeare-gpt": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16), 40, 25, 5),
+}
 GENERATE_SHAPES = {"4/4/128 block 64": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
                    "6/6/384 block 256": dict(n_layer=6, n_head=6, n_embd=384, block_size=256)}
 
@@ -78,19 +86,19 @@ def _env(threads: int) -> dict:
     return env
 
 
-def train_nanogpt(workdir: Path, steps: int, threads: int) -> tuple[list[float], list[float]]:
-    """Per-step seconds and losses of nanoGPT's own train.py (its README's CPU command)."""
+def train_nanogpt(workdir: Path, shape: dict, steps: int, threads: int) -> tuple[list[float], list[float], str]:
+    """Per-step seconds and losses of nanoGPT's own train.py (its README's CPU command), and its precision."""
     cmd = [sys.executable, str(ANCHOR / "train.py"), str(ANCHOR / "config" / "train_shakespeare_char.py"),
            "--device=cpu", "--compile=False", "--eval_iters=2", "--log_interval=1", "--dataset=wp",
-           f"--block_size={SHAPE['block_size']}", f"--batch_size={SHAPE['batch_size']}",
-           f"--n_layer={SHAPE['n_layer']}", f"--n_head={SHAPE['n_head']}", f"--n_embd={SHAPE['n_embd']}",
+           f"--block_size={shape['block_size']}", f"--batch_size={shape['batch_size']}",
+           f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
            f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0",
            f"--eval_interval={10 * steps}", f"--out_dir={workdir / 'out'}"]
     out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"nanoGPT train.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     rows = re.findall(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", out.stdout, re.M)
-    return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows]
+    return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows], "float32"
 
 
 def run_mllm_train(cfg, config: Path, threads: int, what: str = "mllm.train") -> str:
@@ -103,13 +111,15 @@ def run_mllm_train(cfg, config: Path, threads: int, what: str = "mllm.train") ->
     return out.stdout
 
 
-def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict) -> tuple[list[float], list[float]]:
-    """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule."""
+def train_mllm(paths: dict, folder: Path, shape: dict, steps: int, threads: int,
+               extra: dict) -> tuple[list[float], list[float], str]:
+    """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule, and
+    the precision it trained in."""
     n = len(list(folder.glob("mllm-*")))
     cfg = run_config(None, paths, folder / f"mllm-{n}", {
-        "model.arch": "gpt", "model.n_layer": SHAPE["n_layer"], "model.n_head": SHAPE["n_head"],
-        "model.n_embd": SHAPE["n_embd"], "model.block_size": SHAPE["block_size"], "model.dropout": 0.0,
-        "model.bias": False, "train.batch_size": SHAPE["batch_size"], "train.window": SHAPE["block_size"],
+        "model.arch": "gpt", "model.n_layer": shape["n_layer"], "model.n_head": shape["n_head"],
+        "model.n_embd": shape["n_embd"], "model.block_size": shape["block_size"], "model.dropout": 0.0,
+        "model.bias": False, "train.batch_size": shape["batch_size"], "train.window": shape["block_size"],
         "train.sampling": "random", "train.optimizer": "adamw", "train.lr": 1e-3, "train.min_lr": 1e-4,
         "train.lr_schedule": "cosine", "train.warmup_steps": 100, "train.weight_decay": 0.1,
         "train.beta2": 0.99, "train.grad_clip": 1.0, "train.max_steps": steps, "train.log_interval": 1,
@@ -118,47 +128,78 @@ def train_mllm(paths: dict, folder: Path, steps: int, threads: int, extra: dict)
     })
     stdout = run_mllm_train(cfg, folder / f"mllm-{n}.yaml", threads)
     rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", stdout, re.M)
-    tokens = SHAPE["batch_size"] * SHAPE["block_size"]
-    return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows]
+    tokens = shape["batch_size"] * shape["block_size"]
+    precision = re.search(r"^done: .*, (float32|bfloat16), [\d.]+s;", stdout, re.M).group(1)
+    return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows], precision
 
 
 # Options of mllm's trainer measured as contenders of their own (--variants).
-VARIANTS = {"compile": {"train.compile": True}, "bf16": {"train.dtype": "bfloat16"},
-            "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"}}
+VARIANTS = {"float32": {"train.dtype": "float32"}, "bf16": {"train.dtype": "bfloat16"},
+            "compile": {"train.compile": True}, "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"}}
 
 
-def bench_train(paths: dict, folder: Path, threads_list: list[int], steps: int, warmup: int, repeats: int,
-                variants: list[str]) -> list[dict]:
+def bench_train(paths: dict, folder: Path, threads_list: list[int], shapes: list[str], quick: bool,
+                steps: int | None, repeats: int, variants: list[str]) -> list[dict]:
     workdir = nanogpt_data(paths, folder / "nanogpt")
-    contenders = {"nanoGPT": lambda n: train_nanogpt(workdir, steps, n),
-                  "mllm": lambda n: train_mllm(paths, folder, steps, n, {})}
-    for v in variants:
-        contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, steps, n, VARIANTS[v])
     rows = []
-    for n_threads in threads_list:
-        got = {name: {"step_s": [], "loss": [], "first_s": [], "load": []} for name in contenders}
-        for rep in range(repeats):
-            for name, run in contenders.items():  # A B A B: a burst of load hits both
-                step_s, losses = run(n_threads)
-                g = got[name]
-                g["step_s"].append(median(step_s[warmup:]))
-                g["first_s"].append(sum(step_s[:warmup]))
-                g["loss"].append(float(np.mean(losses[-50:])))
-                g["load"].append(load())
-                print(f"  train, {n_threads} threads, {name} (run {rep + 1}): "
-                      f"{SHAPE['batch_size'] * SHAPE['block_size'] / g['step_s'][-1]:,.0f} tokens/s, "
-                      f"loss (last 50) {g['loss'][-1]:.3f}, load {g['load'][-1]}", flush=True)
-        for name, g in got.items():
-            s = median(g["step_s"])
-            # Ratio within each round, then the median: the load drifts between rounds far more
-            # than within one, so pooling the rounds first would mix loads into the ratio.
-            ratio = median([a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])])
-            rows.append({"what": "train", "contender": name, "threads": n_threads, "s_per_step": s,
-                         "tokens_per_s": SHAPE["batch_size"] * SHAPE["block_size"] / s,
-                         "ratio": ratio, "ratios": [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])],
-                         "warmup_s": median(g["first_s"]),
-                         "loss_last50": median(g["loss"]), "load": max(g["load"])})
+    for shape_name in shapes:
+        shape, full, short, warmup = TRAIN_SHAPES[shape_name]
+        n_steps = steps or (short if quick else full)
+        contenders = {"nanoGPT": lambda n: train_nanogpt(workdir, shape, n_steps, n),
+                      "mllm": lambda n: train_mllm(paths, folder, shape, n_steps, n, {})}
+        for v in variants:
+            contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, shape, n_steps, n, VARIANTS[v])
+        for n_threads in threads_list:
+            rows += _train_rounds(shape_name, shape, contenders, n_threads, warmup, repeats)
     return rows
+
+
+def _train_rounds(shape_name: str, shape: dict, contenders: dict, n_threads: int, warmup: int,
+                  repeats: int) -> list[dict]:
+    tokens = shape["batch_size"] * shape["block_size"]
+    shape_name = (f"{shape_name} ({shape['n_layer']}/{shape['n_head']}/{shape['n_embd']}, block "
+                  f"{shape['block_size']}, batch {shape['batch_size']})")
+    got = {name: {"step_s": [], "loss": [], "first_s": [], "load": [], "precision": set()} for name in contenders}
+    for rep in range(repeats):
+        for name, run in contenders.items():  # A B A B: a burst of load hits both
+            step_s, losses, precision = run(n_threads)
+            g = got[name]
+            g["step_s"].append(median(step_s[warmup:]))
+            g["first_s"].append(sum(step_s[:warmup]))
+            g["loss"].append(float(np.mean(losses[-50:])))
+            g["load"].append(load())
+            g["precision"].add(precision)
+            print(f"  train {shape_name}, {n_threads} threads, {name} ({precision}, run {rep + 1}): "
+                  f"{tokens / g['step_s'][-1]:,.0f} tokens/s, loss (last steps) {g['loss'][-1]:.3f}, "
+                  f"load {g['load'][-1]}", flush=True)
+    rows = []
+    for name, g in got.items():
+        s = median(g["step_s"])
+        # Ratio within each round, then the median: the load drifts between rounds far more
+        # than within one, so pooling the rounds first would mix loads into the ratio.
+        ratios = [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])]
+        precision = "/".join(sorted(g["precision"]))
+        rows.append({"what": f"train {shape_name}", "contender": name, "threads": n_threads,
+                     "precision": precision, "s_per_step": s, "tokens_per_s": tokens / s,
+                     "mfu": _mfu(shape, tokens / s, precision, n_threads),
+                     "ratio": median(ratios), "ratios": ratios, "warmup_s": median(g["first_s"]),
+                     "loss_last50": median(g["loss"]), "load": max(g["load"])})
+    return rows
+
+
+def _mfu(shape: dict, tokens_per_s: float, precision: str, n_threads: int) -> float | None:
+    """nanoGPT's FLOPs per token at `shape` times tokens/s, over this CPU's measured peak."""
+    from mllm import speed
+    from mllm.config import GPTConfig
+    from mllm.models import build_model
+
+    if "/" in precision:
+        return None  # the rounds trained in different precisions
+    model = build_model(GPTConfig(vocab_size=80, dropout=0.0, bias=False,
+                                  **{k: v for k, v in shape.items() if k != "batch_size"}))
+    with threads(n_threads):
+        peak, _ = speed.peak_flops(torch.device("cpu"), precision)
+    return tokens_per_s * model.flops_per_token(shape["block_size"]) / peak
 
 
 def _nanogpt_model_module():
@@ -222,9 +263,12 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--only", choices=("train", "generate")),
         p.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
-                       help="also train mllm with these options (compile: train.compile=true, "
-                            "bf16: train.dtype=bfloat16, autocast on the CPU)"),
-        p.add_argument("--steps", type=int, help="training steps per run (default 300, quick 120)"),
+                       help="also train mllm with these options (float32/bf16: train.dtype forced, "
+                            "compile: train.compile=true)"),
+        p.add_argument("--shapes", nargs="*", default=list(TRAIN_SHAPES), choices=list(TRAIN_SHAPES),
+                       metavar="SHAPE", help=f"training shapes (default all: {', '.join(TRAIN_SHAPES)})"),
+        p.add_argument("--steps", type=int, help="training steps per run (default 300 for nanogpt-cpu, 40 for "
+                                                 "shakespeare-gpt; quick 120 and 25)"),
         p.add_argument("--repeats", type=int, help="runs of each contender (default 2, quick 1)"),
     ))
     m = header("vs_nanogpt", args.quick)
@@ -238,17 +282,16 @@ def main() -> None:
         folder = Path(tmp)
         paths = token_ids(wp, folder / "wp")
         if args.only in (None, "train"):
-            steps = args.steps or (120 if q else 300)
-            rows += bench_train(paths, folder, threads_list, steps, warmup=20, repeats=repeats,
-                                variants=args.variants)
+            rows += bench_train(paths, folder, threads_list, args.shapes, q, args.steps, repeats, args.variants)
         if args.only in (None, "generate"):
             ids = np.load(paths["train_ids"])
             prompt = [int(i) for i in ids[1000:1004]]
             rows += bench_generate(paths["vocab_size"], prompt, threads_list, 200 if q else 500, repeats)
     print()
     print(table(rows, [("what", "what"), ("contender", "contender"), ("threads", "threads"),
-                       ("tokens_per_s", "tokens/s"), ("ratio", "x nanoGPT"), ("warmup_s", "warm-up s"),
-                       ("loss_last50", "loss, last 50 steps"), ("load", "load avg (max)")]))
+                       ("precision", "precision"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
+                       ("ratio", "x nanoGPT"), ("warmup_s", "warm-up s"), ("loss_last50", "loss, last steps"),
+                       ("load", "load avg (max)")]))
     save("vs_nanogpt", {"machine": m, "quick": q, "rows": rows})
 
 

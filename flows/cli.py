@@ -179,6 +179,8 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
         trained = _run_stages(_resolve(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
+        mfu = "" if trained.mfu is None else f", MFU {trained.mfu:.1%}"
+        typer.echo(f"precision: {trained.precision()}{mfu}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
 
 
@@ -292,7 +294,7 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
               recipe: Annotated[Optional[str], typer.Option(help="Only this recipe's runs.")] = None,
               json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
               storage: Storage = None) -> None:
-    """Recent training runs in MLflow: id, recipe, commit, val loss, status."""
+    """Recent training runs in MLflow: id, recipe, commit, val loss, MFU, precision, status."""
     with user_errors():
         from flows.launch import check_tracked
 
@@ -304,10 +306,13 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
         if json_:
             typer.echo(runs.as_json(rows))
             return
-        typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9}  {'status':9} {'decision':9} started")
+        typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9} {'mfu':>6} {'dtype':8}  {'status':9} "
+                   f"{'decision':9} started")
         for r in rows:
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
-            typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9}  {r['status']:9} "
+            mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+            typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9} {mfu:>6} "
+                       f"{r['dtype'] or '-':8}  {r['status']:9} "
                        f"{r['decision'] or '-':9} {r['started']}"
                        + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else "")
                        + (f"  model {r['model_id']}" if r["model_id"] else ""))

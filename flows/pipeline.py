@@ -7,7 +7,7 @@ plain arguments; caching, retries and where results live are configured on the t
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+from typing import Any, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -220,6 +220,8 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
         + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
+        f"| precision | {t.precision()} |",
+        f"| MFU | {_mfu(t)} |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",
         f"| MLflow run | {link or f'`{r.mlflow_run_id}`'} |",
@@ -238,10 +240,16 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
 
 
 def files_line(c: dict[str, int]) -> str:
-    """A corpus's files against the champion's: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
+    """A corpus's files against the last read of its sources: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
     line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
             f"{c['tokenized']} tokenized")
     return line + (f"; {c['skipped']} left out" if c.get("skipped") else "")
+
+
+def _mfu(t: Any) -> str:
+    if t.mfu is None or not t.peak_flops:
+        return "n/a"
+    return f"{t.mfu:.1%} of {t.peak_flops / 1e12:.3g} TFLOP/s ({t.peak_source})"
 
 
 def _f(x: float | None) -> str:

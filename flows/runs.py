@@ -44,6 +44,8 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         "recipe": names.get(r.info.experiment_id, "?"),
         "commit": (r.data.tags.get("git.commit") or "")[:10] + ("+dirty" if r.data.tags.get("git.dirty") == "true" else ""),
         "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
+        "mfu": r.data.metrics.get("final_mfu", r.data.metrics.get("mfu")),
+        "dtype": r.data.params.get("train.dtype_used"),
         "status": r.info.status,
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
         "reproduces": r.data.tags.get("reproduces"),
@@ -127,6 +129,10 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     sha = tags.get("data.raw_sha256")
     if sha:
         cfg.setdefault("data", {})["sha256"] = sha  # a changed source is an error, not a new result
+    if used := run.data.params.get("train.dtype_used"):
+        # The precision the run trained in, not what a probe picks today: `auto` may decide
+        # otherwise on another machine or load, and bf16 rounds differently from float32.
+        cfg.setdefault("train", {})["dtype"] = used
     recipe = cfg.pop("recipe", None) or run.data.params.get("recipe", "default")
     # JSON values: YAML reads them back exactly (a quoted prompt keeps its trailing space).
     overrides = [f"{k}={json.dumps(v)}" for k, v in _leaves(cfg).items()]

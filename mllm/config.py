@@ -317,7 +317,7 @@ class TrainConfig(_Section):
     checkpoint_interval: int = Field(1000, ge=1)
     early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on CUDA
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.speed)
     compile: bool = False
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)

@@ -1,9 +1,10 @@
 """The training loop, and `python -m mllm.train --config run.yaml`.
 
 nanoGPT's train.py, as a function: AdamW (fused on CUDA), linear warmup then cosine decay,
-gradient clipping and accumulation, bf16 autocast on CUDA, optional torch.compile, DDP under
-torchrun. Checkpoints hold the full state (model, optimizer, scheduler, step, RNG states, data
-position), so a run stopped at any checkpoint resumes to the same weights it would have reached.
+gradient clipping and accumulation, bf16 autocast where it is faster (mllm.speed), optional
+torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
+step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
+it would have reached.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-from mllm import UserError, storage
+from mllm import UserError, speed, storage
 from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
 from mllm.config import RunConfig, TrainConfig, validate
 from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
@@ -46,6 +47,12 @@ class TrainResult:
     elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
     stop_reason: str  # max_steps | epochs | max_minutes | early_stopping
     resumed_from_step: int
+    dtype_used: str = "float32"  # what train.dtype resolved to (mllm.speed)
+    dtype_reason: str = ""
+    dtype_probe_ms: dict[str, float] | None = None  # a probe step per precision, when probed
+    mfu: float | None = None  # model FLOPs utilisation over this run's training time
+    peak_flops: float | None = None  # the device's peak in dtype_used, FLOP/s, all ranks together
+    peak_source: str = ""
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
@@ -84,11 +91,18 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
     return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type in ("cuda", "cpu") or None)
 
 
-def _autocast(t: TrainConfig, device: torch.device):
-    bf16 = t.dtype == "bfloat16" or (t.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    if bf16:
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext
+def _precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
+               metrics: dict[str, float], d: Dist) -> speed.Precision:
+    """train.dtype resolved (mllm.speed). Rank 0 decides for every rank, and a resumed training
+    keeps the precision it started in (the checkpoint's metrics hold it)."""
+    p = speed.choose_precision(t.dtype, device, model, batch) if d.master else None
+    if d.world_size > 1:
+        p = gather(p, d)[0]
+    if "bf16" in metrics and t.dtype == "auto" and (metrics["bf16"] == 1.0) != (p.dtype == "bfloat16"):
+        p = speed.Precision("bfloat16" if metrics["bf16"] else "float32",
+                            f"kept from the start of this training (the probe now says {p.dtype})", p.probe_ms)
+    metrics["bf16"] = float(p.dtype == "bfloat16")
+    return p
 
 
 def _samples(batch: tuple) -> int:
@@ -178,12 +192,16 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     best = metrics.get("best_val_loss", math.inf)
     evals_since_best = int(metrics.get("evals_since_best", 0))
 
+    precision = _precision(t, device, raw, val_batches[0], metrics, d)
+    peak, peak_source = speed.peak_flops(device, precision.dtype)
+    peak *= d.world_size
+    flops_per_target = speed.flops_per_target(raw, val_batches[0])
     compiled = model = torch.compile(raw) if t.compile else raw
     if d.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(compiled, device_ids=[d.local_rank] if device.type == "cuda" else None)
-    autocast = _autocast(t, device)
+    autocast = precision.autocast(device)
     pin = device.type == "cuda"
 
     def limit_reason(step: int, elapsed: float) -> str | None:
@@ -245,8 +263,10 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             now = time.perf_counter()
             metrics["train_loss"] = (loss_sum / loss_count).item()
             metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(now - mark, 1e-9)
+            metrics["mfu"] = metrics["tokens_per_s"] * flops_per_target / peak
             records.append({"step": step, "train_loss": metrics["train_loss"], "lr": lr,
-                            "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"]})
+                            "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"],
+                            "mfu": metrics["mfu"]})
             loss_sum.zero_()
             loss_count, mark, tokens_mark = 0, now, tokens_run
         improved = False
@@ -273,13 +293,15 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     run_s = time.perf_counter() - t0
     if d.world_size > 1:
         tdist.barrier()  # no rank returns before rank 0 has written the checkpoint it names
+    tokens_per_s = tokens_run / run_s if tokens_run else metrics.get("tokens_per_s", 0.0)
     return TrainResult(
         steps=step, train_loss=metrics.get("train_loss"), val_loss=metrics.get("val_loss"),
         best_val_loss=best if math.isfinite(best) else None, checkpoint=last_url,
         best_checkpoint=best_url if math.isfinite(best) else None,
-        tokens_per_s=tokens_run / run_s if tokens_run else metrics.get("tokens_per_s", 0.0),
-        elapsed_s=metrics.get("elapsed_s", elapsed_before), stop_reason=stop,
-        resumed_from_step=resumed_from,
+        tokens_per_s=tokens_per_s, elapsed_s=metrics.get("elapsed_s", elapsed_before), stop_reason=stop,
+        resumed_from_step=resumed_from, dtype_used=precision.dtype, dtype_reason=precision.reason,
+        dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
+        peak_flops=peak, peak_source=peak_source,
     )
 
 
@@ -287,7 +309,7 @@ def _print_records(records: Records) -> None:
     for r in records:
         if "train_loss" in r:
             print(f"step {r['step']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}, "
-                  f"grad norm {r['grad_norm']:.3f}, {r['tokens_per_s']:,.0f} tok/s", flush=True)
+                  f"grad norm {r['grad_norm']:.3f}, {r['tokens_per_s']:,.0f} tok/s, mfu {r['mfu']:.1%}", flush=True)
         if "val_loss" in r:
             print(f"step {r['step']}: val loss {r['val_loss']:.4f}, perplexity {r['val_perplexity']:.2f}, "
                   f"{r['val_bits_per_token']:.3f} bits/token", flush=True)
@@ -345,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
         resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
+        mfu = f", mfu {result.mfu:.1%}" if result.mfu is not None else ""
         print(f"done: {result.steps} steps ({result.stop_reason}{resumed}), val loss {val}, best {best}, "
-              f"{result.tokens_per_s:,.0f} tok/s, {result.elapsed_s:.1f}s; checkpoint {result.checkpoint}")
+              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}, {result.elapsed_s:.1f}s; "
+              f"checkpoint {result.checkpoint}")
     return 0
 
 

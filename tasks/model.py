@@ -22,7 +22,7 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 import mllm.train
-from mllm import UserError, checkpoint, storage
+from mllm import UserError, checkpoint, speed, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.family import family_of, samples_text
 import tasks
@@ -65,6 +65,15 @@ class Trained(BaseModel):
     elapsed_s: float
     stop_reason: str
     resumed_from_step: int
+    dtype_used: str = "float32"  # what train.dtype resolved to, and why (mllm.speed)
+    dtype_reason: str = ""
+    dtype_probe_ms: dict[str, float] | None = None
+    mfu: float | None = None  # model FLOPs utilisation over the training
+    peak_flops: float | None = None
+    peak_source: str = ""
+
+    def precision(self) -> str:
+        return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()
 
     def samples_url(self, method: str) -> str:
         return storage.join(self.run_dir, "samples", f"{method}.txt")

@@ -295,6 +295,16 @@ def _requirements() -> list[str]:
 
 # --- the pipeline's registry tasks -----------------------------------------------------------
 
+def training_params(trained: Any) -> dict[str, Any]:
+    """What the training found out about this machine: the precision it chose and why, with the
+    probe's step times, and the peak its MFU is measured against."""
+    params = {"train.dtype_used": trained.dtype_used, "train.dtype_reason": trained.dtype_reason,
+              **{f"train.dtype_probe_{k}_ms": v for k, v in (trained.dtype_probe_ms or {}).items()}}
+    if trained.peak_flops:
+        params.update({"train.peak_tflops": f"{trained.peak_flops / 1e12:.4g}", "train.peak_source": trained.peak_source})
+    return params
+
+
 @task(name="log-skipped", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reason: str) -> Outcome:
     """A run that did not train: the champion it deferred to, and why."""
@@ -312,8 +322,9 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
-    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss,
+    run.log_metrics([{"step": trained.steps, "final_val_loss": e.loss, "final_mfu": trained.mfu,
                       **{f"final_{k}": v for k, v in e.metrics.items() if k != "val_loss"}}])
+    run.log_params(training_params(trained))
     run.log_text(storage.read_text(e.report), "evaluation.md")
     for name in e.files:
         if storage.exists(storage.join(trained.run_dir, name)):

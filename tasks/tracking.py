@@ -310,6 +310,12 @@ class RunTracker:
     def log_dict(self, d: dict, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, scrub(d), artifact_file)
 
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params found out while the run ran (the precision training chose), beside the config's."""
+        entries = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in scrub({k: str(v) for k, v in params.items()}).items()]
+        for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         for k, v in scrub({k: str(v) for k, v in tags.items()}).items():
             self.client.set_tag(self.run_id, k, v[:MAX_TAG_VALUE])

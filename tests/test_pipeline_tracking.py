@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import make_text
-from flows.pipeline import pipeline
+from flows.pipeline import pipeline, summary
 from mllm.resolve import resolve
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401 (fixtures)
 from tasks.tracking import flatten
@@ -43,7 +43,15 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
 
     assert client.get_experiment(run.info.experiment_id).name == "smoke"
     assert run.info.status == "FINISHED"
-    assert run.data.params == flatten(cfg.to_dict())
+    # The config, and what training found out: the precision it chose and the peak behind its MFU.
+    chosen = {k: v for k, v in run.data.params.items() if k not in flatten(cfg.to_dict())}
+    assert {k: v for k, v in run.data.params.items() if k not in chosen} == flatten(cfg.to_dict())
+    assert chosen["train.dtype_used"] == r.trained.dtype_used and chosen["train.dtype_reason"]
+    assert float(chosen["train.peak_tflops"]) > 0 and chosen["train.peak_source"].startswith("measured")
+    assert all(0 < m.value <= 1 for m in client.get_metric_history(run.info.run_id, "mfu"))
+    assert run.data.metrics["final_mfu"] == pytest.approx(r.trained.mfu)
+    text = summary(r)  # the Prefect artifact's text
+    assert f"| precision | {r.trained.dtype_used} (" in text and f"| MFU | {r.trained.mfu:.1%} of " in text
     # Batched per-step metrics: every log step and every evaluation, with its step.
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [3, 6, 9, 12]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [6, 12]
@@ -87,7 +95,9 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     out = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--json"], capture_output=True, text=True,
                          env=env, timeout=300)
     rows = json.loads(out.stdout)
-    assert any(row["run_id"] == r.mlflow_run_id and row["val_loss"] == pytest.approx(r.evaluation.loss) for row in rows)
+    [row] = [row for row in rows if row["run_id"] == r.mlflow_run_id]
+    assert row["val_loss"] == pytest.approx(r.evaluation.loss) and row["mfu"] == pytest.approx(r.trained.mfu)
+    assert row["dtype"] == r.trained.dtype_used
 
 
 def _scratch_repo(tmp_path: Path) -> Path:
@@ -135,6 +145,8 @@ def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
                                filter_string=f"tags.reproduces = '{original['run_id']}'")
     old = client.get_run(original["run_id"])
     assert new.data.tags["git.commit"] == first
+    # It trains in the precision the original ran in, whatever `auto` would pick today.
+    assert new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
     assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)
     assert new.data.tags["storage.root"].startswith(str(storage / "reproductions"))
     assert not (tmp_path / "worktrees").exists() and git(repo, "worktree", "list").count("\n") == 0

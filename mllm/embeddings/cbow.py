@@ -200,6 +200,14 @@ class CBOW(nn.Module):
         self.embedding = nn.Embedding(config.vocab_size, config.n_embd)
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
+    def flops_per_target(self) -> int:
+        """Training FLOPs per centre word (mllm.speed): the output layer's product with the mean
+        context, over every word of the vocabulary (softmax) or the centre and noise words only
+        (negative sampling). Averaging the context is additions, and is left out."""
+        c = self.config
+        scored = c.vocab_size if c.objective == "softmax" else 1 + c.n_negative
+        return 6 * c.n_embd * scored
+
     @torch.no_grad()
     def renorm_(self) -> None:
         """nn.Embedding(max_norm=...)'s rule, torch's formula (1e-7 included), on every row.

@@ -1,0 +1,289 @@
+"""How fast this machine is for a model: the precision to train in, and the peak to measure against.
+
+`train.dtype: auto` picks bf16 autocast where it is faster for the run's own model on this
+device. On CUDA that is wherever bf16 is supported. On a CPU it is decided by a probe: a few
+forward and backward steps of the model on a slice of a real batch in either precision. A CPU
+without AMX or AVX512-BF16 emulates bf16 and is never faster, so it is not probed. The probe
+(seconds) and the matrix-multiply peak (below) are cached per machine and model shape in
+`speed.json` under $MLLM_CACHE_DIR, else $XDG_CACHE_HOME/mllm, else ~/.cache/mllm.
+
+MFU (model FLOPs utilisation) is FLOPs done over FLOPs available: the model's training FLOPs per
+target (nanoGPT's estimate, PaLM appendix B) times targets per second, over the device's peak in
+the precision used. A GPU's peak is its spec sheet's dense figure; a CPU's is measured, a square
+matrix multiply at the thread count in use, since the same model number spans 2x between
+machines of one family.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# bf16 is chosen when its probe step is at least this much shorter: within it, the two are
+# equal as far as a shared machine can tell, and float32 does not round.
+MARGIN = 0.10
+PROBE_TARGETS = 512  # targets (tokens) per probe step: enough rows for the matmuls to dominate
+PROBE_REPS = 2  # timed passes per precision, after a warm-up; the fastest counts
+# A model with fewer training FLOPs in a probe step (about 10 ms of one core's float32 matrix
+# multiply) stays in float32 unprobed: what bf16 could save there is within a shared machine's
+# timing noise, it would round for nothing, and a count, unlike a timing, decides the same way
+# under any load.
+SMALL_FLOPS = 1e9
+
+# Dense peaks from the spec sheets, FLOP/s: (bf16, tf32, fp32 without tensor cores). The first
+# name found in torch.cuda.get_device_name wins, so the longer names come first.
+GPU_PEAKS = (
+    ("H100 PCIe", (756e12, 378e12, 51.2e12)),
+    ("H100", (989e12, 494e12, 66.9e12)),
+    ("H200", (989e12, 494e12, 66.9e12)),
+    ("A100", (312e12, 156e12, 19.5e12)),
+    ("L40S", (362e12, 183e12, 91.6e12)),
+    ("L4", (121e12, 60e12, 30.3e12)),
+    ("A10", (125e12, 62.5e12, 31.2e12)),
+    ("RTX 4090", (165e12, 82.6e12, 82.6e12)),
+    ("V100", (None, None, 15.7e12)),
+    ("T4", (None, None, 8.1e12)),
+)
+
+
+@dataclass
+class Precision:
+    """The precision a training runs in, and why."""
+
+    dtype: str  # float32 | bfloat16
+    reason: str  # in a few words: forced, cuda, probe, ...
+    probe_ms: dict[str, float] | None = None  # one training step per precision, when probed
+
+    def autocast(self, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+        if self.dtype == "bfloat16":
+            return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext
+
+    def describe(self) -> str:
+        if not self.probe_ms:
+            return f"{self.dtype} ({self.reason})"
+        times = ", ".join(f"{k} {v:.0f} ms" for k, v in self.probe_ms.items())
+        return f"{self.dtype} ({self.reason}; a probe step: {times})"
+
+
+# --- the machine ----------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
+
+
+def fast_bf16(flags: set[str] | None = None) -> bool:
+    """Whether the CPU multiplies bf16 in hardware (Intel AMX, or AVX512-BF16 on Intel and AMD)."""
+    flags = cpu_flags() if flags is None else flags
+    return bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+def machine(device: torch.device) -> str:
+    """The device in a line, as figures are reported beside it."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} ({' '.join(matmul_flags()) or 'no AVX2'}), {torch.get_num_threads()} threads"
+
+
+def matmul_flags() -> list[str]:
+    """The CPU flags that decide its matrix-multiply speed, as figures are reported beside them."""
+    return sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
+
+
+def _cpuinfo() -> dict[str, str]:
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if not line.strip():
+                break  # the first processor says it for all
+            info.setdefault(key.strip(), value.strip())
+    return info
+
+
+# --- the cache ------------------------------------------------------------------------------
+
+def cache_file() -> Path:
+    root = os.environ.get("MLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mllm")
+    return Path(root) / "speed.json"
+
+
+def _cached(key: list, measure: Callable[[], dict]) -> dict:
+    """measure(), or what it returned before for the same key on this machine.
+
+    A figure measured while the machine was busy (a load average above its core count: other
+    jobs took the cores it timed) is used, and measured again at the first quiet moment.
+    """
+    machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
+                   torch.cuda.get_device_name() if torch.cuda.is_available() else None]
+    digest = hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
+    path = cache_file()
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    hit = _read(path).get(digest)
+    if isinstance(hit, dict) and "value" in hit and (busy or not hit.get("busy")):
+        return hit["value"]
+    value = measure()
+    with contextlib.suppress(OSError):  # a read-only home costs a probe per run, nothing more
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entry = {"value": value, "busy": busy, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        entries = {**_read(path), digest: entry}  # read again: another process may have added some
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(entries, f)
+        os.replace(f.name, path)
+    return value
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+# --- precision ------------------------------------------------------------------------------
+
+def choose_precision(requested: str, device: torch.device, model: nn.Module, batch: tuple) -> Precision:
+    """The precision for `train.dtype` = requested, probing `model` on `batch` where it must."""
+    if requested != "auto":
+        return Precision(requested, "forced by train.dtype")
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        return Precision("bfloat16" if bf16 else "float32", "CUDA" if bf16 else "this GPU has no bf16")
+    if device.type != "cpu":
+        return Precision("float32", f"no bf16 autocast probe on {device.type}")
+    if not fast_bf16():
+        return Precision("float32", "this CPU has neither AMX nor AVX512-BF16")
+    sample = _slice(batch, PROBE_TARGETS)
+    flops = flops_per_target(model, sample) * int((sample[-1] >= 0).sum())
+    if flops < SMALL_FLOPS:
+        return Precision("float32", f"a model this small ({flops / 1e6:,.0f} MFLOP a probe step) gains nothing from bf16")
+    shape = [type(model).__name__, _shape(model), [list(x.shape) for x in sample]]
+
+    def measure() -> dict[str, float]:
+        return _probe(model, tuple(x.to(device) for x in sample), Precision("bfloat16", "").autocast(device))
+
+    ms = _cached(["precision", shape], measure)
+    bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
+    return Precision("bfloat16" if bf16 else "float32", f"bf16 probed {'faster' if bf16 else 'no faster'}", ms)
+
+
+def _shape(model: nn.Module) -> list:
+    """What decides a model's speed: its parameters' shapes (dropout and weights do not)."""
+    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+
+
+def _slice(batch: tuple, targets: int) -> tuple:
+    """The first rows of a batch holding about `targets` targets (every family's batch is
+    batch-first)."""
+    rows = len(batch[-1])
+    per_row = max(1, batch[-1][0].numel())
+    n = min(rows, max(1, -(-targets // per_row)))
+    return tuple(x[:n] if x.dim() and len(x) == rows else x for x in batch)
+
+
+def _probe(model: nn.Module, batch: tuple, bf16: Callable) -> dict[str, float]:
+    """Milliseconds of the fastest forward and backward pass in each precision, after a warm-up
+    of each. The two alternate (A B A B), so that a burst of load on a shared machine slows both
+    rather than deciding the choice. The model and the RNG are left as they were."""
+    precisions = {"float32": contextlib.nullcontext, "bfloat16": bf16}
+    times: dict[str, list[float]] = {name: [] for name in precisions}
+    with torch.random.fork_rng(devices=[]):  # dropout draws here must not shift the training's
+        for _ in range(1 + PROBE_REPS):  # the first pass of each is a warm-up
+            for name, autocast in precisions.items():
+                times[name].append(_step_s(model, batch, autocast))
+    model.zero_grad(set_to_none=True)
+    return {name: round(1000 * min(ts[1:]), 1) for name, ts in times.items()}
+
+
+def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
+    start = time.perf_counter()
+    with autocast():
+        _, loss, _ = model(*batch)
+    loss.backward()
+    return time.perf_counter() - start
+
+
+# --- utilisation ----------------------------------------------------------------------------
+
+def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from) for dense matrix multiplies on `device` in `dtype`."""
+    if device.type == "cuda":
+        spec = spec_peak(torch.cuda.get_device_name(device), dtype, torch.backends.cuda.matmul.allow_tf32)
+        if spec:
+            return spec
+    size = 1024 if device.type == "cpu" else 4096
+    flops = _cached(["matmul", device.type, dtype, size],
+                    lambda: {"flops": matmul_flops(device, DTYPES[dtype], size)})["flops"]
+    return flops, f"measured ({size}x{size} matmul, {torch.get_num_threads()} threads)" \
+        if device.type == "cpu" else f"measured ({size}x{size} matmul)"
+
+
+def spec_peak(gpu: str, dtype: str, tf32: bool = False) -> tuple[float, str] | None:
+    """A GPU's dense peak from its spec sheet (GPU_PEAKS), by the name CUDA gives it; None for a
+    GPU or precision the table does not hold."""
+    for key, (bf16, tf32_peak, fp32) in GPU_PEAKS:
+        if key in gpu:
+            spec = bf16 if dtype == "bfloat16" else tf32_peak if tf32 else fp32
+            return (spec, f"{key} spec sheet") if spec else None
+    return None
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
+    """FLOP/s of the fastest of repeated n x n matrix multiplies (after a warm-up)."""
+    g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
+    a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
+    best, spent = float("inf"), 0.0
+    for i in range(50):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        took = time.perf_counter() - start
+        if i:
+            best, spent = min(best, took), spent + took
+        if spent > seconds and i >= 3:
+            break
+    return 2 * n ** 3 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def flops_per_target(model: nn.Module, batch: tuple) -> float:
+    """Training FLOPs (forward and backward) per target of `batch`.
+
+    A model that knows better says so: the GPT (flops_per_token, which adds attention over its
+    context), CBOW with negative sampling (flops_per_target). Any other: 6 FLOPs per weight a
+    target passes through (2 forward, 4 backward), counting the weights of every layer but the
+    embedding tables, which are looked up rather than multiplied.
+    """
+    if hasattr(model, "flops_per_token"):
+        return float(model.flops_per_token(batch[0].shape[-1]))
+    if hasattr(model, "flops_per_target"):
+        return float(model.flops_per_target())
+    multiplied = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
+                  for p in m.parameters(recurse=False)}
+    return 6.0 * sum(p.numel() for p in model.parameters() if id(p) in multiplied)
+
