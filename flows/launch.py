@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from mllm import UserError
+from mllm import UserError, storage
 from mllm.resolve import LAUNCH_SECTION, recipe_dict
 from mllm.redact import strip_userinfo
 
@@ -53,7 +53,8 @@ def preflight(root: str) -> None:
 
 def check_storage(root: str) -> None:
     if "://" in root and not root.startswith("file://"):
-        return  # an object store: an unreachable endpoint fails the first stage with one line
+        storage.check_writable(root, "choose another --storage (or MLLM_STORAGE)")
+        return
     path = Path(root.removeprefix("file://"))
     fix = "choose another folder with --storage or MLLM_STORAGE"
     for folder in [path, *path.parents]:

@@ -65,7 +65,7 @@ class PipelineResult(BaseModel):
     recipe: str
     storage: str
     data: Prepared
-    decision: Literal["promoted", "kept", "skipped"]
+    decision: Literal["promoted", "kept", "skipped", "reproduction"]
     reason: str
     trained: Trained | None  # None when skipped
     evaluation: Evaluation | None
@@ -92,7 +92,7 @@ def _run_name() -> str:
 @flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
 def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
-             train_on: str | None = None, force: bool = False) -> PipelineResult:
+             train_on: str | None = None, force: bool = False, reproduces: str | None = None) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
     The source is always read again. When a version of the recipe's model was trained on the same
@@ -108,6 +108,8 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         train_on: A work pool whose worker trains the model [the recipe's pipeline.pool, else this process].
         force: Do not skip when a version was already trained on the same data, config and code: evaluate,
             register and judge again (a finished training of the same key in storage is reused, not repeated).
+        reproduces: The MLflow run this run reproduces (`mllm-pipeline reproduce` sets it): it trains and
+            evaluates, registers nothing and moves no alias; the run is tagged `reproduces`.
     """
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
@@ -118,11 +120,14 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     data = with_results(prepare, root)(cfg, root)
     key = model_tasks.train_key(cfg, data)
     registry = tracking_client(root)
-    champion = current_champion(registry, cfg.recipe)
-    skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+    # A reproduction never reads or touches the registry: it verifies a run, it never competes.
+    champion = None if reproduces else current_champion(registry, cfg.recipe)
+    skip = None if force or reproduces else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
     trained = evaluation = None
     samples: dict[str, list[str]] = {}
     where = {"train.pool": pool} if pool else {}
+    if reproduces:
+        where["reproduces"] = reproduces
     # A skipped run says so in its name: it would otherwise share the name of the run that trained.
     name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
     with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
@@ -137,7 +142,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         else:
             trained = run_training(cfg, data, root, run.run_id, pool)
             evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
+            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome)
@@ -146,14 +151,17 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
 
 
 def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: Evaluation,
-          samples: dict[str, list[str]], data: Prepared, champion: Champion | None) -> Outcome:
+          samples: dict[str, list[str]], data: Prepared, champion: Champion | None,
+          reproduces: str | None = None) -> Outcome:
     """Register the challenger; it becomes champion only if it beats the champion on the same
-    validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
+    validation split (the champion's checkpoint is scored on this run's split when its own differs).
+    A reproduction is logged the same way but registered and judged not at all."""
     score = None
     if champion and champion.checkpoint and champion.splits_key != data.splits.key:
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
-    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score)
+    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,
+                       reproduces)
 
 
 def publish(result: PipelineResult) -> None:
@@ -184,6 +192,8 @@ def decision_table(r: PipelineResult, link: str | None = None) -> str:
     rows = [("corpus sha256", f"`{r.data.raw_sha256[:16]}`"), ("MLflow run", link or f"`{r.mlflow_run_id}`")]
     if r.decision == "skipped":
         rows.append(("champion", f"{c.name} v{c.version}"))
+    elif r.decision == "reproduction":
+        rows.append(("evaluation", describe(r.evaluation, cfg)))
     else:
         rows.append(("this model", f"{c.name} v{c.version}"))
         rows.append(("evaluation", describe(r.evaluation, cfg)))
@@ -202,8 +212,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
     lines = [
         f"# {r.recipe}",
         "",
-        f"| model | {r.champion.name} v{r.champion.version}, "
-        f"{'now champion' if r.champion.promoted else 'champion kept'} |",
+        f"| model | {_model_cell(r.champion)} |",
         "|---|---|",
         f"| corpus | {d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}` |",
         f"| tokens | {d.tokens.n_tokens:,} |",
@@ -226,6 +235,12 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         shown = "\n".join(t.strip() for t in texts) or "(no prompt fits the vocabulary)"
         lines += [f"**{method}**", "", "```", shown, "```", ""]
     return "\n".join(lines)
+
+
+def _model_cell(c: Outcome) -> str:
+    if c.decision == "reproduction":
+        return "not registered (a reproduction)"
+    return f"{c.name} v{c.version}, {'now champion' if c.promoted else 'champion kept'}"
 
 
 def _f(x: float | None) -> str:
