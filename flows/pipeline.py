@@ -7,7 +7,9 @@ plain arguments; caching, retries and where results live are configured on the t
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+import functools
+import re
+from typing import Any, Callable, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
+from mllm import UserError
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
@@ -89,7 +92,32 @@ def _run_name() -> str:
     return f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+# The pipeline's parameters as the Prefect UI's Run form names them, for the CLI options of the same.
+FORM_FIELDS = {"--set": "overrides", "--storage": "storage_url", "--source": "source", "--train-on": "train_on",
+               "--recipe": "recipe", "--tag": "tags", "--force": "force"}
+
+
+def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A run started from a deployment (the UI's Run form, a schedule) has no command line: its
+    error names the form's fields (`overrides`, `storage_url`) where the CLI's names its options."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            from prefect.runtime import deployment
+
+            if not deployment.id:
+                raise
+            pattern = r"--(?:" + "|".join(f[2:] for f in FORM_FIELDS) + r")\b"
+            raise UserError(re.sub(pattern, lambda m: FORM_FIELDS[m.group(0)], str(e))) from None
+
+    return wrapper
+
+
 @flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
+@_form_fields
 def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
              train_on: str | None = None, force: bool = False, reproduces: str | None = None) -> PipelineResult:

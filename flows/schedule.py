@@ -68,9 +68,9 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
     from flows.launch import storage_root
     from flows.pipeline import pipeline
 
-    _require_server()
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
     schedule = _schedule(cron, interval, timezone)
+    _require_server()
     root = storage_root(storage_url)
     params: dict[str, Any] = {"recipe": recipe, "storage_url": root, "overrides": list(overrides)}
     if source:

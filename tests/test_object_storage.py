@@ -213,3 +213,44 @@ def test_a_store_that_hangs_mid_training_ends_the_run_like_a_dead_one_and_keeps_
 def _keys(server, prefix: str, suffix: str) -> list[str]:
     listing = server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     return [o["Key"] for o in listing.get("Contents", []) if o["Key"].endswith(suffix)]
+
+
+def test_the_clis_own_advice_works_on_a_run_in_s3(s3, stores, tmp_path):
+    env = {**s3.env, **stores}
+    fast = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "sample.max_new_tokens=20"]
+    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", f"s3://{BUCKET}/advice",
+              *[a for s in fast for a in ("--set", s)], env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    checkpoint = next(line.split()[-1] for line in out.stdout.splitlines() if line.strip().startswith("checkpoint:"))
+    run_id = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("mlflow run:"))
+    assert checkpoint.startswith(f"s3://{BUCKET}/advice/")
+    greedy = ["--prompt", "The ", "--method", "greedy", "--max-new-tokens", "10"]
+
+    # `auto`, which the error for a missing GPU recommends, works for a checkpoint and a registered model.
+    out = cli("sample", "--checkpoint", checkpoint, "--device", "auto", *greedy, env=env)
+    assert out.returncode == 0 and out.stdout.startswith("The "), out.stderr[-3000:]
+    text = out.stdout
+    out = cli("sample", "--model", "smoke@champion", "--device", "auto", *greedy, env=env)
+    assert out.returncode == 0 and out.stdout == text, out.stderr[-3000:]
+    import torch
+
+    if not torch.cuda.is_available():  # --device with --model is honoured, so a missing GPU is refused
+        one_line_error(cli("sample", "--model", "smoke@champion", "--device", "cuda", *greedy, env=env),
+                       "no CUDA GPU is visible here", "auto")
+    one_line_error(cli("sample", "--checkpoint", checkpoint, "--method", "beam", "--top-p", "0.5", env=env),
+                   "--top-p does not apply to --method beam", "--method top-p")
+
+    one_line_error(cli("lineage", "--corpus", "a" * 66, "--storage", f"s3://{BUCKET}/advice", env=env),
+                   "66 hex characters, a sha256 has 64")
+    # A recorded commit that the repository does not hold is a broken link, not "ok".
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(stores["MLFLOW_TRACKING_URI"]).set_tag(run_id, "git.commit", "f" * 40)
+    out = cli("lineage", run_id, "--storage", f"s3://{BUCKET}/advice", env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "[MISSING]" in next(line for line in out.stdout.splitlines() if line.startswith("code"))
+    assert "commit ffffffffffff is not in the repository" in out.stdout and "broken links: code" in out.stdout
+
+    # The time zone of an interval schedule is checked as a cron's is, and named.
+    one_line_error(cli("schedule", "--recipe", "smoke", "--interval", "60", "--timezone", "Mars/Olympus", env=env),
+                   "unknown --timezone 'Mars/Olympus'")
