@@ -222,19 +222,30 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTime
                 "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "FSTimeoutError"}
 
 
-def unreachable(exc: BaseException) -> str | None:
-    """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
-    saying so and what to do; else None."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and what caused it, in turn."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if {c.__name__ for c in type(exc).__mro__} & _UNREACHABLE:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _code(exc: BaseException) -> str:
+    """botocore's error code (NoSuchBucket, AccessDenied, ...), or ""."""
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+
+def unreachable(exc: BaseException) -> str | None:
+    """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
+    saying so and what to do; else None."""
+    for e in _chain(exc):
+        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
-            detail = " ".join(str(exc).split())[:200] or "no answer in time"
-            return (f"storage unreachable ({type(exc).__name__}: {detail}): check that {where} is up and "
+            detail = " ".join(str(e).split())[:200] or "no answer in time"
+            return (f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "
                     "reachable, then run the same command again (finished stages are reused)")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -246,19 +257,14 @@ _DENIED = {"AccessDenied", "Forbidden", "403", "AllAccessDisabled"}
 def credentials_problem(exc: BaseException, url: str) -> str | None:
     """If `exc` (or what caused it) says the credentials for `url` are missing, refused or not
     allowed there, one line saying so and where they were read from; else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        name = type(exc).__name__
-        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-        if name in ("NoCredentialsError", "PartialCredentialsError"):
+    for e in _chain(exc):
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             return (f"no credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
                     "naming a profile of ~/.aws/credentials (botocore reads them from there)")
-        if code in _REFUSED or code in _DENIED:
+        if (code := _code(e)) in _REFUSED | _DENIED:
             what = "were refused" if code in _REFUSED else "may not do this"
-            return (f"the credentials for {url} {what} ({code}: {_detail(exc)}): they were read from "
+            return (f"the credentials for {url} {what} ({code}: {_detail(e)}): they were read from "
                     f"{_credentials_source(url)}; fix them there, or give ones allowed to use {url}")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -290,19 +296,11 @@ def check_writable(root: str, fix: str) -> None:
         fs.rm_file(probe)
     except Exception as e:
         message = credentials_problem(e, root) or unreachable(e)
-        if message is None and _is_no_such_bucket(e):
+        if message is None and any(_code(x) == "NoSuchBucket" for x in _chain(e)):
             message = f"bucket {path.split('/')[0]} does not exist: create it or {fix}"
         if message is None:
             message = f"storage root {root} cannot be written ({type(e).__name__}: {_detail(e)}): {fix}"
         raise UserError(message) from None
-
-
-def _is_no_such_bucket(exc: BaseException | None) -> bool:
-    while exc is not None:
-        if str(getattr(exc, "response", {}).get("Error", {}).get("Code", "")) == "NoSuchBucket":
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 DONE = "_SUCCESS"
