@@ -19,7 +19,9 @@ def storage_root(storage_url: str | None = None) -> str:
     """The storage root: --storage, else $MLLM_STORAGE, else ./storage."""
     root = storage_url or os.environ.get("MLLM_STORAGE") or "storage"
     if "://" not in root:
-        root = os.path.abspath(os.path.expanduser(root))
+        # The real folder: a stage Prefect finds cached hands back the paths of the run that made
+        # it, and a root given once through a symlink and once not would mix two names for one folder.
+        root = os.path.realpath(os.path.expanduser(root))
     return root.rstrip("/")
 
 
