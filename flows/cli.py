@@ -51,13 +51,15 @@ TrainOn = Annotated[Optional[str], typer.Option(
     help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
 
 
+# Set by `reproduce` (hidden: a reproduction is asked for with that command).
+Reproduces = Annotated[Optional[str], typer.Option("--reproduces", hidden=True, metavar="RUN_ID")]
 Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]
 
 
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
-        task_runner: TaskRunner = None) -> None:
+        task_runner: TaskRunner = None, reproduces: Reproduces = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
     with user_errors():
         from flows.launch import training_pool
@@ -68,7 +70,8 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
             result = fl.pipeline(recipe=recipe, source=source, storage_url=fl.storage_root(storage),
-                                 overrides=set_ or [], tags=tags, train_on=train_on, force=force)
+                                 overrides=set_ or [], tags=tags, train_on=train_on, force=force,
+                                 reproduces=reproduces)
         c = result.champion
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
@@ -80,7 +83,11 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
         method, texts = next(iter(result.samples.items()))
         shown = "; ".join(x.strip().replace("\n", "; ") for x in texts) or "none (no sample prompt fits the vocabulary)"
         typer.echo(f"sample ({method}): {shown[:200]}")
-        typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: {c.reason})")
+        if result.decision == "reproduction":
+            typer.echo(f"model: not registered ({c.reason})")
+        else:
+            typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: "
+                       f"{c.reason})")
         _echo_mlflow_run(fl, result)
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
@@ -216,7 +223,9 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
            seed: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
            neighbours: Annotated[Optional[int], typer.Option(
                help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
-           device: Annotated[str, typer.Option(help="--checkpoint: cpu, cuda, cuda:N or mps.")] = "cpu",
+           device: Annotated[Optional[str], typer.Option(
+               help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
+                    "for --run/--model a GPU when there is one.")] = None,
            storage: Storage = None) -> None:
     """Sample from a checkpoint, an MLflow run's model or a registered model.
 
@@ -232,11 +241,18 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
         prompts = _prompt_lines(prompt_file) if prompt_file else None if prompt is None else [prompt]
         options = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                        top_p=top_p, beam_width=beam_width, seed=seed, neighbours=neighbours)
+        from mllm.sample import check_method_options
+
+        check_method_options(options)
+        if device is not None:
+            from mllm.models import resolve_device
+
+            resolve_device(device)  # a device this machine lacks: one line, before anything loads
         if checkpoint:
             from mllm.checkpoint import load_checkpoint
             from mllm.sample import answer
 
-            loaded = load_checkpoint(checkpoint, device=device)
+            loaded = load_checkpoint(checkpoint, device=device or "cpu")
             _print_answers(lambda p: answer(loaded, p, **options), prompts, prompt_file)
             return
         from flows.launch import check_tracked
@@ -245,7 +261,7 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
         check_tracked(root)  # seconds, not MLflow's minutes of retries
         from flows import runs
 
-        served = runs.served(root, runs.model_uri(root, run, model))
+        served = runs.served(root, runs.model_uri(root, run, model), device)
         _print_answers(lambda p: runs.generate(served, p, options), prompts, prompt_file)
 
 
@@ -330,8 +346,16 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
         from flows import runs
 
         result = runs.reproduce(root, run_id)
-        typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']}")
-        typer.echo(runs.comparison_table(result))
+        typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']} "
+                   "(registered nothing)")
+        if result["compared_with"] != run_id:
+            typer.echo(f"run {run_id} skipped training (it reused run {result['compared_with']}'s): "
+                       f"compared with run {result['compared_with']}")
+        if all(a is None for a, _ in result["metrics"].values()):
+            typer.echo(f"nothing to compare: run {result['compared_with']} recorded none of "
+                       f"{', '.join(result['metrics'])}")
+        else:
+            typer.echo(runs.comparison_table(result))
 
 
 @app.command()

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from mllm import UserError
+from mllm import UserError, storage
 from mllm.resolve import LAUNCH_SECTION, recipe_dict
 from mllm.redact import strip_userinfo
 
@@ -19,7 +19,9 @@ def storage_root(storage_url: str | None = None) -> str:
     """The storage root: --storage, else $MLLM_STORAGE, else ./storage."""
     root = storage_url or os.environ.get("MLLM_STORAGE") or "storage"
     if "://" not in root:
-        root = os.path.abspath(os.path.expanduser(root))
+        # The real folder: a stage Prefect finds cached hands back the paths of the run that made
+        # it, and a root given once through a symlink and once not would mix two names for one folder.
+        root = os.path.realpath(os.path.expanduser(root))
     return root.rstrip("/")
 
 
@@ -74,7 +76,8 @@ def preflight(root: str) -> None:
 
 def check_storage(root: str) -> None:
     if "://" in root and not root.startswith("file://"):
-        return  # an object store: an unreachable endpoint fails the first stage with one line
+        storage.check_writable(root, "choose another --storage (or MLLM_STORAGE)")
+        return
     path = Path(root.removeprefix("file://"))
     fix = "choose another folder with --storage or MLLM_STORAGE"
     for folder in [path, *path.parents]:

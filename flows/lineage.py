@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -167,7 +169,17 @@ def _short(e: BaseException) -> str:
 def _code_link(t: dict[str, str]) -> dict[str, Any]:
     if not t.get("git.commit"):
         return _link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
-    return _link("code", OK, commit=t["git.commit"], dirty=t.get("git.dirty") == "true", branch=t.get("git.branch"))
+    commit = t["git.commit"]
+    fields = dict(commit=commit, dirty=t.get("git.dirty") == "true", branch=t.get("git.branch"))
+    here = Path(__file__).resolve().parents[1]
+    top = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    if top.returncode:
+        return _link("code", UNCHECKED, **fields, detail=f"{here} is no git checkout: the commit was not looked up")
+    repo = top.stdout.strip()
+    if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        return _link("code", MISSING, **fields, detail=f"commit {commit[:12]} is not in the repository {repo}: "
+                     "fetch it (git fetch), or its history was rewritten and the code is gone")
+    return _link("code", OK, **fields)
 
 
 def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
@@ -383,6 +395,9 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
     """The runs trained (or skipped) on every corpus whose sha256 starts with `prefix`, newest
     first, with the model version each made and its headline metric."""
     prefix = prefix.strip().lower()
+    if re.fullmatch(r"[0-9a-f]{65,}", prefix):
+        raise UserError(f"{prefix!r} has {len(prefix)} hex characters, a sha256 has 64: give the corpus's sha256 "
+                        "or its first characters (at least 4)")
     if not re.fullmatch(r"[0-9a-f]{4,64}", prefix):
         raise UserError(f"{prefix!r} is no sha256 prefix: give at least 4 hex characters of the corpus's sha256")
     client = tracking.client(root)

@@ -7,7 +7,9 @@ plain arguments; caching, retries and where results live are configured on the t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+import functools
+import re
+from typing import Any, Callable, Literal
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -17,6 +19,7 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
+from mllm import UserError
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
@@ -67,7 +70,7 @@ class PipelineResult(BaseModel):
     recipe: str
     storage: str
     data: Prepared
-    decision: Literal["promoted", "kept", "skipped"]
+    decision: Literal["promoted", "kept", "skipped", "reproduction"]
     reason: str
     trained: Trained | None  # None when skipped
     evaluation: Evaluation | None
@@ -92,10 +95,35 @@ def _run_name() -> str:
     return f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+# The pipeline's parameters as the Prefect UI's Run form names them, for the CLI options of the same.
+FORM_FIELDS = {"--set": "overrides", "--storage": "storage_url", "--source": "source", "--train-on": "train_on",
+               "--recipe": "recipe", "--tag": "tags", "--force": "force"}
+
+
+def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A run started from a deployment (the UI's Run form, a schedule) has no command line: its
+    error names the form's fields (`overrides`, `storage_url`) where the CLI's names its options."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except UserError as e:
+            from prefect.runtime import deployment
+
+            if not deployment.id:
+                raise
+            pattern = r"--(?:" + "|".join(f[2:] for f in FORM_FIELDS) + r")\b"
+            raise UserError(re.sub(pattern, lambda m: FORM_FIELDS[m.group(0)], str(e))) from None
+
+    return wrapper
+
+
 @flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
+@_form_fields
 def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
-             train_on: str | None = None, force: bool = False) -> PipelineResult:
+             train_on: str | None = None, force: bool = False, reproduces: str | None = None) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
     The source is always read again. When a version of the recipe's model was trained on the same
@@ -111,6 +139,8 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         train_on: A work pool whose worker trains the model [the recipe's pipeline.pool, else this process].
         force: Do not skip when a version was already trained on the same data, config and code: evaluate,
             register and judge again (a finished training of the same key in storage is reused, not repeated).
+        reproduces: The MLflow run this run reproduces (`mllm-pipeline reproduce` sets it): it trains and
+            evaluates, registers nothing and moves no alias; the run is tagged `reproduces`.
     """
     cfg = resolve(recipe, overrides=overrides, source=source)
     root = storage_root(storage_url)
@@ -121,11 +151,14 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
     data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
     key = model_tasks.train_key(cfg, data)
     registry = tracking_client(root)
-    champion = current_champion(registry, cfg.recipe)
-    skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+    # A reproduction never reads or touches the registry: it verifies a run, it never competes.
+    champion = None if reproduces else current_champion(registry, cfg.recipe)
+    skip = None if force or reproduces else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
     trained = evaluation = None
     samples: dict[str, list[str]] = {}
     where = {"train.pool": pool} if pool else {}
+    if reproduces:
+        where["reproduces"] = reproduces
     # A skipped run says so in its name: it would otherwise share the name of the run that trained.
     name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
     with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
@@ -143,7 +176,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         else:
             trained = run_training(cfg, data, root, run.run_id, pool)
             evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
+            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome, corpus_changes=changes)
@@ -152,14 +185,17 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
 
 
 def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: Evaluation,
-          samples: dict[str, list[str]], data: Prepared, champion: Champion | None) -> Outcome:
+          samples: dict[str, list[str]], data: Prepared, champion: Champion | None,
+          reproduces: str | None = None) -> Outcome:
     """Register the challenger; it becomes champion only if it beats the champion on the same
-    validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
+    validation split (the champion's checkpoint is scored on this run's split when its own differs).
+    A reproduction is logged the same way but registered and judged not at all."""
     score = None
     if champion and champion.checkpoint and champion.splits_key != data.splits.key:
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
-    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score)
+    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,
+                       reproduces)
 
 
 def publish(result: PipelineResult) -> None:
@@ -192,6 +228,8 @@ def decision_table(r: PipelineResult, link: str | None = None) -> str:
         rows.insert(1, ("corpus files", files_line(r.corpus_changes)))
     if r.decision == "skipped":
         rows.append(("champion", f"{c.name} v{c.version}"))
+    elif r.decision == "reproduction":
+        rows.append(("evaluation", describe(r.evaluation, cfg)))
     else:
         rows.append(("this model", f"{c.name} v{c.version}"))
         rows.append(("evaluation", describe(r.evaluation, cfg)))
@@ -210,8 +248,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
     lines = [
         f"# {r.recipe}",
         "",
-        f"| model | {r.champion.name} v{r.champion.version}, "
-        f"{'now champion' if r.champion.promoted else 'champion kept'} |",
+        f"| model | {_model_cell(r.champion)} |",
         "|---|---|",
         f"| corpus | {d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}` |",
         *([f"| corpus files | {files_line(r.corpus_changes)} |"] if r.corpus_changes else []),
@@ -250,6 +287,12 @@ def _mfu(t: Any) -> str:
     if t.mfu is None or not t.peak_flops:
         return "n/a"
     return f"{t.mfu:.1%} of {t.peak_flops / 1e12:.3g} TFLOP/s ({t.peak_source})"
+
+
+def _model_cell(c: Outcome) -> str:
+    if c.decision == "reproduction":
+        return "not registered (a reproduction)"
+    return f"{c.name} v{c.version}, {'now champion' if c.promoted else 'champion kept'}"
 
 
 def _f(x: float | None) -> str:

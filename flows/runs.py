@@ -74,15 +74,22 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
     return uri
 
 
-def served(root: str, uri: str) -> Any:
-    """The registered model at `uri`, loaded as MLflow serves it."""
+def served(root: str, uri: str, device: str | None = None) -> Any:
+    """The registered model at `uri`, loaded as MLflow serves it (on a GPU when there is one),
+    moved to `device` when one is named."""
     import mlflow.pyfunc
 
     tracking_uri(root)
     try:
-        return mlflow.pyfunc.load_model(uri)
+        model = mlflow.pyfunc.load_model(uri)
     except MlflowException as e:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
+    loaded = getattr(model.unwrap_python_model(), "loaded", None)
+    if device is not None and loaded is not None:
+        from mllm.models import resolve_device
+
+        loaded.model.to(resolve_device(device))
+    return model
 
 
 def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> list[str]:
@@ -143,14 +150,22 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", str(worktree), commit],
                    check=True, capture_output=True)
     try:
-        env = dict(os.environ, PYTHONPATH=str(worktree), MLFLOW_TRACKING_URI=tracking_uri(root))
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage,
-               "--tag", f"reproduces={run_id}"]
+        # Code from before `--reproduces` registers its model and judges it against the champion:
+        # it gets a registry of its own, thrown away after, so the real one is never touched.
+        env = dict(os.environ, PYTHONPATH=str(worktree), MLFLOW_TRACKING_URI=tracking_uri(root),
+                   MLFLOW_REGISTRY_URI=f"sqlite:///{out / 'throwaway-registry.db'}")
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage]
         for o in overrides:
             cmd += ["--set", o]
-        # Since `--force` exists, a run on unchanged data and code skips training: not here.
-        if (worktree / "flows" / "cli.py").read_text().count('"--force"'):
-            cmd.append("--force")
+        cli = (worktree / "flows" / "cli.py").read_text()
+        old_code = '"--reproduces"' not in cli
+        if not old_code:
+            cmd += ["--reproduces", run_id]
+        else:
+            cmd += ["--tag", f"reproduces={run_id}"]
+            # Since `--force` exists, a run on unchanged data and code skips training: not here.
+            if '"--force"' in cli:
+                cmd.append("--force")
         proc = subprocess.run(cmd, cwd=worktree, env=env)
         if proc.returncode:
             raise UserError(f"the reproduction of {run_id} at {commit[:12]} failed (exit {proc.returncode}): see its output above")
@@ -158,9 +173,31 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", str(worktree)], capture_output=True)
         shutil.rmtree(out, ignore_errors=True)
     new = _latest_reproduction(root, run_id)
+    if old_code:  # what it says about a registration happened in the throwaway registry
+        c = client(root)
+        for tag in ("model_version", "champion.decision"):
+            if tag in new.data.tags:
+                c.delete_tag(new.info.run_id, tag)
+        c.set_tag(new.info.run_id, "decision", "reproduction")
+        c.set_tag(new.info.run_id, "decision.reason", f"reproduces run {run_id}: registered nothing, no alias moved")
+    baseline = _trained_by(root, run)
     return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
-            "versions": changed,
-            "metrics": {m: (run.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
+            "versions": changed, "compared_with": baseline.info.run_id,
+            "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
+
+
+def _trained_by(root: str, run: Any) -> Any:
+    """The run whose training `run` stands for: itself, or for a run that skipped training the
+    earliest finished run that trained the same training key (what it reused)."""
+    tags = run.data.tags
+    key = tags.get("train.key")
+    if tags.get("decision") != "skipped" or not key:
+        return run
+    found = client(root).search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`train.key` = '{key}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"])
+    trained = [r for r in found if "final_val_loss" in r.data.metrics and "reproduces" not in r.data.tags]
+    return trained[0] if trained else run
 
 
 def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -41,12 +41,17 @@ def _schedule(cron: str | None, interval: float | None, timezone: str) -> Any:
     if (cron is None) == (interval is None):
         raise UserError("give one of --cron \"MIN HOUR DAY MONTH WEEKDAY\" (e.g. \"0 3 * * 0\") or --interval SECONDS")
     try:
+        CronSchedule(cron="0 0 * * *", timezone=timezone)  # Prefect checks the name for a cron only
+    except ValueError:
+        raise UserError(f"unknown --timezone {timezone!r}: give an IANA name such as UTC, Europe/Paris or "
+                        "America/New_York") from None
+    try:
         if cron is not None:
             return CronSchedule(cron=cron, timezone=timezone)
         if interval <= 0:
             raise ValueError("must be above 0")
         return IntervalSchedule(interval=dt.timedelta(seconds=interval),
-                                anchor_date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0))
+                                anchor_date=dt.datetime.now(dt.timezone.utc).replace(microsecond=0), timezone=timezone)
     except ValueError as e:  # pydantic's ValidationError included
         what = f"--cron {cron!r}" if cron is not None else f"--interval {interval}"
         errors = getattr(e, "errors", None)
@@ -63,9 +68,9 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
     from flows.launch import storage_root
     from flows.pipeline import pipeline
 
-    _require_server()
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
     schedule = _schedule(cron, interval, timezone)
+    _require_server()
     root = storage_root(storage_url)
     params: dict[str, Any] = {"recipe": recipe, "storage_url": root, "overrides": list(overrides)}
     if source:

@@ -98,6 +98,7 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
 
     With `vocab`, refuses a checkpoint trained on another vocabulary: its ids would mean other tokens.
     """
+    device = resolve_device(str(device))  # "auto" too, as train.device takes it
     state = read_checkpoint(url, device)
     if vocab is not None:
         check_vocab(state, vocab, url)

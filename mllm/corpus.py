@@ -74,6 +74,8 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         cause = e.__cause__ if isinstance(e, FileNotFoundError) else e
         if isinstance(e, FileNotFoundError) and (cause is None or _is_http_status(cause)):
             raise UserError(f"source {source} not found: check the URL or path") from None
+        if credentials := storage.credentials_problem(e, source):
+            raise UserError(credentials) from None  # no retry or local copy mends it
         raise SourceUnreachable(
             f"cannot download {source} ({short(cause)}): pass a local copy with "
             "--source path/to/file.txt (make run SOURCE=path/to/file.txt)"

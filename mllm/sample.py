@@ -22,6 +22,25 @@ OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_wi
            "use_cache")
 
 
+# The options each method reads (the others it would ignore without a word).
+TUNING = {"greedy": (), "temperature": ("temperature",), "top-k": ("top_k", "temperature"),
+          "top-p": ("top_p", "temperature"), "beam": ("beam_width",)}
+
+
+def check_method_options(given: dict[str, Any]) -> None:
+    """Refuse an option (--top-p, --top-k, --temperature, --beam-width) that the method asked
+    for (`given["method"]`) does not read."""
+    method = given.get("method")
+    if method not in TUNING:
+        return
+    for name in [n for n in ("temperature", "top_k", "top_p", "beam_width") if given.get(n) is not None]:
+        if name not in TUNING[method]:
+            takers = [m for m, names in TUNING.items() if name in names]
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} does not apply to --method {method} (it tunes {' and '.join(takers)}): "
+                            f"drop it, or choose --method {takers[0]}")
+
+
 def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> list[str]:
     """One answer per prompt (None: the run's own prompts) from a loaded checkpoint."""
     from mllm.family import family_of
@@ -51,13 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int)
     p.add_argument("--neighbours", type=int, help="word embeddings: neighbours per word")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one)")
     args = p.parse_args(argv)
     try:
         from mllm.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(args.checkpoint, device=args.device)
         options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}
+        check_method_options(options)
         out = answer(loaded, args.prompt, use_cache=not args.no_cache, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

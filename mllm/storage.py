@@ -12,10 +12,12 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from typing import Any, Iterator
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from mllm import UserError
@@ -48,7 +50,9 @@ def storage_options(url: str) -> dict[str, Any]:
                                           if url.startswith(prefix.rstrip("/") + "/")), None)
     if protocol in ("s3", "s3a"):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        options: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+        options: dict[str, Any] = {"config_kwargs": s3_timeouts()}
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
         if auth:
             options.update(key=auth[0], secret=auth[1])
         return options
@@ -60,6 +64,46 @@ def storage_options(url: str) -> dict[str, Any]:
             kwargs["auth"] = aiohttp.BasicAuth(*auth)
         return {"client_kwargs": kwargs}
     return {}
+
+
+# Every S3 request gives up after CONNECT_S without a connection or READ_S without a byte, and
+# is tried S3_ATTEMPTS times in all (botocore's standard retries; AWS_MAX_ATTEMPTS and
+# AWS_RETRY_MODE, when set, win): a store that hangs fails a storage call in about
+# attempts * READ_S seconds, as one that is down does; Prefect's retries of the stage come on
+# top (README, "Object storage", gives the whole bound).
+CONNECT_S, READ_S, S3_ATTEMPTS = 5, 10, 3
+MIN_UPLOAD_BYTES_PER_S = 1 << 20
+
+
+def attempts() -> int:
+    return int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_ATTEMPTS)
+
+
+def transfer_deadline(nbytes: int) -> float:
+    """Seconds an upload of `nbytes` may take in all: every attempt's timeouts, and a second
+    per MiB (a store that takes less than 1 MiB/s on average counts as hung)."""
+    return attempts() * (CONNECT_S + READ_S) + nbytes / MIN_UPLOAD_BYTES_PER_S
+
+
+def s3_timeouts() -> dict[str, Any]:
+    """botocore's client config for S3 (JSON: Prefect saves it in its result-storage block)."""
+    import botocore.handlers
+    import s3fs
+
+    # s3fs retries a timed-out request 5 times on top of botocore's attempts, and a read again
+    # around that: 25 to 125 attempts, half an hour of silence on a hung store. botocore's
+    # retries are the one layer.
+    s3fs.S3FileSystem.retries = 1
+    # botocore sends every upload with "Expect: 100-continue", and aiohttp waits for the
+    # "100 Continue" with no timeout at all (its read timeout starts once the body is sent): a
+    # store that hangs would hold any upload, Prefect's results included, for ever. Without
+    # it the body goes at once and the read timeout applies. (Set before the first S3 client.)
+    botocore.handlers.BUILTIN_HANDLERS[:] = [h for h in botocore.handlers.BUILTIN_HANDLERS
+                                             if h[1] is not botocore.handlers.add_expect_header]
+    config: dict[str, Any] = {"connect_timeout": CONNECT_S, "read_timeout": READ_S}
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        config["retries"] = {"mode": "standard", "max_attempts": S3_ATTEMPTS}
+    return config
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -97,6 +141,16 @@ def read_json(url: str) -> Any:
 def atomic_open(url: str, mode: str = "wb") -> Iterator[Any]:
     """Open `url` for writing so that it appears whole or not at all."""
     fs, path = filesystem(url)
+    if isinstance(fs, AsyncFileSystem):
+        # Written here, then uploaded in one call with a deadline: aiohttp times out a silent
+        # read, never a body that a hung store stops taking (nor the wait for its 100-continue).
+        with tempfile.TemporaryDirectory(prefix="mllm-upload-") as tmp:
+            local = os.path.join(tmp, "part")
+            with open(local, mode) as f:
+                yield f
+            fs.put_file(local, path, timeout=transfer_deadline(os.path.getsize(local)))
+        fs.invalidate_cache(path)
+        return
     if not isinstance(fs, LocalFileSystem):
         with fs.open(path, mode) as f:
             yield f
@@ -166,23 +220,88 @@ def require(url: str, what: str) -> None:
 # endpoint could not be reached or dropped the connection.
 _UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
                 "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ConnectionRefusedError",
-                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError"}
+                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "FSTimeoutError"}
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and what caused it, in turn."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _code(exc: BaseException) -> str:
+    """botocore's error code (NoSuchBucket, AccessDenied, ...), or ""."""
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
 
 
 def unreachable(exc: BaseException) -> str | None:
     """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
     saying so and what to do; else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if {c.__name__ for c in type(exc).__mro__} & _UNREACHABLE:
+    for e in _chain(exc):
+        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
-            detail = " ".join(str(exc).split())[:200]
-            return (f"storage unreachable ({type(exc).__name__}: {detail}): check that {where} is up and "
+            detail = " ".join(str(e).split())[:200] or "no answer in time"
+            return (f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "
                     "reachable, then run the same command again (finished stages are reused)")
-        exc = exc.__cause__ or exc.__context__
     return None
+
+
+# What an object store answers about its credentials: none found, not accepted, not allowed.
+_REFUSED = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidClientTokenId"}
+_DENIED = {"AccessDenied", "Forbidden", "403", "AllAccessDisabled"}
+
+
+def credentials_problem(exc: BaseException, url: str) -> str | None:
+    """If `exc` (or what caused it) says the credentials for `url` are missing, refused or not
+    allowed there, one line saying so and where they were read from; else None."""
+    for e in _chain(exc):
+        if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            return (f"no credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
+                    "naming a profile of ~/.aws/credentials (botocore reads them from there)")
+        if (code := _code(e)) in _REFUSED | _DENIED:
+            what = "were refused" if code in _REFUSED else "may not do this"
+            return (f"the credentials for {url} {what} ({code}: {_detail(e)}): they were read from "
+                    f"{_credentials_source(url)}; fix them there, or give ones allowed to use {url}")
+    return None
+
+
+def _detail(exc: BaseException) -> str:
+    error = getattr(exc, "response", {}).get("Error", {})
+    return " ".join(str(error.get("Message") or exc).split())[:160]
+
+
+def _credentials_source(url: str) -> str:
+    if url in _CREDENTIALS:
+        return "the user:password in the URL"
+    import botocore.session
+
+    method = getattr(botocore.session.Session().get_credentials(), "method", None)
+    return {"env": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+            "shared-credentials-file": "~/.aws/credentials (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE)",
+            "config-file": "~/.aws/config (AWS_CONFIG_FILE, AWS_PROFILE)"}.get(method, f"botocore's {method} provider")
+
+
+def check_writable(root: str, fix: str) -> None:
+    """Write and remove a small object under an object-store `root`: a missing bucket, missing or
+    refused credentials and an unreachable store each end here in one UserError, before any
+    stage runs and before anything is made (a later write through Prefect would create the
+    bucket). `fix` says how to choose another root."""
+    fs, path = filesystem(root)
+    probe = f"{path}/.mllm-write-test-{uuid.uuid4().hex[:8]}"
+    try:
+        fs.pipe_file(probe, b"", timeout=transfer_deadline(0))
+        fs.rm_file(probe)
+    except Exception as e:
+        message = credentials_problem(e, root) or unreachable(e)
+        if message is None and any(_code(x) == "NoSuchBucket" for x in _chain(e)):
+            message = f"bucket {path.split('/')[0]} does not exist: create it or {fix}"
+        if message is None:
+            message = f"storage root {root} cannot be written ({type(e).__name__}: {_detail(e)}): {fix}"
+        raise UserError(message) from None
 
 
 DONE = "_SUCCESS"

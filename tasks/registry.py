@@ -45,7 +45,7 @@ from tasks.tracking import RunTracker
 CHAMPION = "champion"
 TRAINING_ONLY = ("optimizer", "scheduler", "rng", "data_state")  # checkpoint keys the model needs not
 
-Decision = Literal["promoted", "kept", "skipped"]
+Decision = Literal["promoted", "kept", "skipped", "reproduction"]
 
 
 class Champion(BaseModel):
@@ -80,7 +80,7 @@ class Outcome(BaseModel):
     """What a pipeline run did about the recipe's model."""
 
     name: str
-    version: str  # the new version; the champion's when skipped
+    version: str  # the new version; the champion's when skipped; "" for a reproduction
     decision: Decision
     reason: str
     promoted: bool = False
@@ -164,12 +164,13 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 
 def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | None = None,
               champion_score: ChampionScore | None = None, model_name: str | None = None,
-              last_url: str | None = None, last_step: int | None = None) -> Outcome:
+              last_url: str | None = None, last_step: int | None = None, reproduces: str | None = None) -> Outcome:
     """Log the evaluated checkpoint as a pyfunc model (tasks/served_model.py), register a version
     under `model_name` (default: the recipe), and move `champion` to it only if `decide` says its
     headline metric beats the champion's. The logged model carries the checkpoint's step and its
     validation metrics; the last checkpoint (`last_url` at `last_step`), when another, is a
-    logged model of its own (see `checkpoint_models`)."""
+    logged model of its own (see `checkpoint_models`). A reproduction (`reproduces`: the run it
+    reproduces) logs its model and registers nothing: it verifies, it never competes."""
     name = model_name or run.cfg.recipe
     checkpoint_url, e = evaluation.checkpoint, evaluation
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
@@ -196,6 +197,12 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
                              run_id=run.run_id, step=best_step,
                              tags={"checkpoint": scrub(checkpoint_url), "checkpoint.kind": "best"})
     checkpoint_models(run, info.model_id, best_step, e, last_url, last_step)
+    if reproduces:
+        outcome = Outcome(name=name, version="", decision="reproduction", run_id=run.run_id,
+                          reason=f"reproduces run {reproduces}: registered nothing, no alias moved",
+                          model_uri=info.model_uri, val_loss=float(e.loss))
+        record_decision(run, outcome)
+        return outcome
     previous = current_champion(run.client, name)
     tags = {"val_loss": repr(float(e.loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
             "headline": e.headline, "headline.value": repr(float(e.score)), **(version_tags or {})}
@@ -318,7 +325,8 @@ def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reas
 
 @task(name="log-outcome", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
-                samples: dict[str, list[str]], data: Any, champion_score: ChampionScore | None = None) -> Outcome:
+                samples: dict[str, list[str]], data: Any, champion_score: ChampionScore | None = None,
+                reproduces: str | None = None) -> Outcome:
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
@@ -339,6 +347,7 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
                   "train.key": trained.key})
     version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
     outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score,
-                        last_url=trained.checkpoint, last_step=trained.steps)
-    run.set_tags({"model_uri": outcome.model_uri, "model_version": f"{outcome.name}/{outcome.version}"})
+                        last_url=trained.checkpoint, last_step=trained.steps, reproduces=reproduces)
+    run.set_tags({"model_uri": outcome.model_uri,
+                  **({"model_version": f"{outcome.name}/{outcome.version}"} if outcome.version else {})})
     return outcome

@@ -139,6 +139,7 @@ class S3Server:
     direct_url: str
     proxy: TcpProxy
     env: dict[str, str]
+    process: Service  # moto itself: SIGSTOP makes it a store that hangs
 
     def client(self, direct: bool = True):
         import boto3
@@ -149,17 +150,19 @@ class S3Server:
 
 
 @contextlib.contextmanager
-def run_s3_server(folder: Path) -> Iterator[S3Server]:
+def run_s3_server(folder: Path, env: dict[str, str] | None = None) -> Iterator[S3Server]:
+    """moto's S3 server; `env` for moto itself (INITIAL_NO_AUTH_ACTION_COUNT=N: it checks
+    credentials after its first N requests)."""
     port = free_port()
     direct = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with serving(cmd, f"{direct}/moto-api/", folder / "moto.log", quiet_env(folder / "home")):
+    with serving(cmd, f"{direct}/moto-api/", folder / "moto.log", {**quiet_env(folder / "home"), **(env or {})}) as moto:
         proxy = TcpProxy(port).start()
         try:
             env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
                    "MLFLOW_S3_ENDPOINT_URL": proxy.url}
-            yield S3Server(proxy.url, direct, proxy, env)
+            yield S3Server(proxy.url, direct, proxy, env, moto)
         finally:
             proxy.stop()
 

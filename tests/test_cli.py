@@ -233,3 +233,16 @@ def test_a_recipe_names_its_default_work_pool_outside_the_run_config(tmp_path: P
     assert launch.training_pool("smoke", "local") == "local"  # --train-on wins
     monkeypatch.setattr(launch, "recipe_dict", recipe_dict)
     assert launch.training_pool("smoke", None) is None
+
+
+def test_a_storage_root_through_a_symlink_is_named_by_its_real_folder(corpus: Path, tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    printed = []
+    for root in ("link", "real"):  # the second finds every stage cached by the first
+        out = cli("prepare", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / root),
+                  MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        assert out.returncode == 0, out.stderr[-3000:]
+        printed.append([line.split()[-1] for line in out.stdout.splitlines()[1:]])
+    assert printed[0] == printed[1]
+    assert all(path.startswith(str(tmp_path / "real") + "/") for path in printed[0]), printed

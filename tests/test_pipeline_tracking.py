@@ -153,3 +153,54 @@ def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
 
     out = cli("reproduce", "0" * 32, "--storage", str(storage))
     assert out.returncode == 2 and "no MLflow run" in out.stderr
+
+
+def test_reproducing_a_skipped_run_on_s3_compares_with_the_training_it_reused_and_registers_nothing(
+        tmp_path: Path) -> None:
+    from servers import run_s3_server
+
+    repo = _scratch_repo(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(), encoding="utf-8")
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with run_s3_server(tmp_path / "s3") as s3:
+        s3.client().create_bucket(Bucket="runs")
+        env = dict(os.environ, **s3.env, PYTHONPATH=str(repo), MLFLOW_TRACKING_URI=tracking,
+                   PREFECT_HOME=str(tmp_path / "prefect"))
+
+        def cli(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--storage", "s3://runs/r"], cwd=repo,
+                                  env=env, capture_output=True, text=True, timeout=600)
+
+        sets = [a for s in FAST for a in ("--set", s)]
+        for _ in range(2):  # the second finds the champion trained on the same data, config and code
+            out = cli("run", "--recipe", "smoke", "--source", str(corpus), *sets)
+            assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.startswith("skipped:")
+        trained, skipped = sorted(json.loads(cli("runs", "--json").stdout), key=lambda r: r["started"] + r["decision"])
+        assert (trained["decision"], skipped["decision"]) == ("promoted", "skipped")
+
+        client = MlflowClient(tracking)
+
+        def registry() -> list[tuple[str, list[str]]]:
+            return sorted((str(v.version), sorted(client.get_model_version("smoke", v.version).aliases))
+                          for v in client.search_model_versions("name = 'smoke'"))
+
+        before = registry()
+        assert before == [("1", ["champion"])]
+        out = cli("reproduce", skipped["run_id"])
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert registry() == before  # no version registered, no alias moved
+        lines = out.stdout.splitlines()  # the reproduction's own output, then the comparison
+        lines = lines[next(i for i, line in enumerate(lines) if line.startswith("reproduced ")):]
+        assert "(registered nothing)" in lines[0]
+        assert any(line == "model: not registered (reproduces run " + skipped["run_id"]
+                   + ": registered nothing, no alias moved)" for line in out.stdout.splitlines())
+        assert f"compared with run {trained['run_id']}" in lines[1]
+        row = next(line.split() for line in lines if line.startswith("final_val_loss"))
+        assert row[1] != "-" and float(row[3]) < 1e-6  # the training it reused, matched
+
+        [new] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
+                                   filter_string=f"tags.reproduces = '{skipped['run_id']}'")
+        assert new.data.tags["decision"] == "reproduction" and "model_version" not in new.data.tags
+        assert new.data.tags["storage.root"].startswith("s3://runs/r/reproductions/")

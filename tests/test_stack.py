@@ -358,3 +358,21 @@ def test_a_sweep_on_the_pool_trains_its_points_side_by_side_on_the_worker(stack_
     assert len(trains) == 2 and all(t.work_pool_name == "local" and t.state.is_completed() for t in trains)
     assert max(t.created for t in trains) < min(t.end_time for t in trains), [
         (t.created, t.start_time, t.end_time) for t in trains]
+
+
+def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: Stack, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "schedule", "--recipe", "default", "--cron", "0 3 1 1 *",
+                          "--storage", f"s3://{BUCKET}/form"], cwd=tmp_path, text=True, capture_output=True,
+                         env={**os.environ, **stack_env.env}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    with get_client(sync_client=True) as prefect:
+        deployment = prefect.read_deployment_by_name("pipeline/default")
+        bad = {"overrides": {"overrides": ["train.nope=1"]}, "storage_url": {"storage_url": "s3://no-such-bucket-9/x"}}
+        runs = {field: prefect.create_flow_run_from_deployment(deployment.id, parameters=params)
+                for field, params in bad.items()}
+    for field, run in runs.items():
+        final = _wait_for(f"the form's run with a bad {field}", lambda: (r := _flow_run(run.id)).state.is_final() and r,
+                          240)
+        message = final.state.message
+        assert final.state.is_failed() and field in message and "--" not in message, message
+    assert "no-such-bucket-9" not in {b["Name"] for b in stack_env.s3.client().list_buckets()["Buckets"]}
