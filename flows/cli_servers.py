@@ -95,6 +95,8 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             raise UserError(f"--slots {slots}: give at least 1 (the trainings the pool runs at once)")
         root = flows_module().storage_root(storage)
         folder = stack.stack_home(home)
+        if slots is None and not any(ok for _, ok in stack.status(folder)):
+            slots = stack.default_slots()  # a new stack; a running one keeps the limit it has
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
             state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots)

@@ -194,7 +194,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
        mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
        database_url: str | None = None, slots: int | None = None) -> dict:
     """Start the stack and return its state (services, env). A stack already running is left
-    as it is; a worker that died is started again. `slots`: the pool's concurrency limit."""
+    as it is; a worker that died is started again. `slots`: the pool's concurrency limit (None:
+    no limit on a new stack, the limit unchanged on a running one; the CLI gives its default)."""
     state = load(home)
     servers = [s for s in state["services"] if s.name != "worker"]
     if servers and all(s.healthy() for s in servers):
@@ -241,7 +242,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         for s in services:
             s.wait_ready(timeout)
         start_worker(home, timeout)
-        set_slots(api, pool, slots or default_slots())
+        set_slots(api, pool, slots)
     except BaseException:
         for s in reversed(load(home)["services"] or started):
             s.stop()
@@ -293,8 +294,21 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
         return
     req = urllib.request.Request(f"{api}/work_pools/{pool}", data=json.dumps({"concurrency_limit": slots}).encode(),
                                  method="PATCH", headers={"Content-Type": "application/json"})
-    with _DIRECT.open(req, timeout=30):
-        pass
+    # A server on SQLite answers 503 while another write holds the database (the new worker's):
+    # such an answer is tried again for a while, anything else is raised.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with _DIRECT.open(req, timeout=30):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code < 500 or time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: "
+                                   f"HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: {e}") from None
+        time.sleep(1.0)
 
 
 def slots_of(api: str, pool: str) -> int | None:

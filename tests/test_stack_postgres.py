@@ -196,11 +196,17 @@ def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_now
     home = open_dir / "team-stack"
     url = f"postgresql://team:{TEAM_PASSWORD}@127.0.0.1:{team_server}/shared"
     up = _cli("stack", "up", "--home", str(home), "--database-url", url, "--prefect-port", "0", "--mlflow-port", "0",
-              "--storage", str(open_dir / "team-storage"), "--slots", "3", cwd=tmp_path, timeout=300)
+              "--storage", str(open_dir / "team-storage"), cwd=tmp_path, timeout=300)
+    status = up
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         assert f"PostgreSQL at postgresql://team@127.0.0.1:{team_server} (databases shared_prefect, shared_mlflow)" in up.stdout
-        assert "slots           3" in up.stdout
+        # The default: one slot per GPU, else one per two cores.
+        assert f"slots           {stack.default_slots()} " in up.stdout
+        # `up --slots` on the running stack changes the pool's limit, nothing else.
+        resize = _cli("stack", "up", "--home", str(home), "--slots", "3", cwd=tmp_path)
+        assert resize.returncode == 0 and "slots           3 " in resize.stdout, resize.stderr[-2000:]
+        assert TEAM_PASSWORD not in resize.stdout + resize.stderr
         state = stack.load(home)
         assert [s.name for s in state["services"]] == ["prefect-server", "mlflow-server", "worker"]  # no cluster of its own
         client = MlflowClient(state["env"]["MLFLOW_TRACKING_URI"])
