@@ -380,9 +380,13 @@ def sweep(recipe: Recipe = "default",
           grid: Annotated[Optional[list[str]], typer.Option(
               "--grid", metavar="FIELD=V1,V2,...",
               help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).")] = None,
-          source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None) -> None:
+          source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None,
+          parallel: Annotated[Optional[int], typer.Option(
+              metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None) -> None:
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""
     with user_errors():
+        if parallel is not None and parallel < 1:
+            raise UserError(f"--parallel {parallel}: give at least 1 (the points that run at once)")
         from flows.launch import training_pool
         from flows.sweep import PointsFailed, parse_grid, resolve_points, split_values, text_table
 
@@ -398,7 +402,8 @@ def sweep(recipe: Recipe = "default",
             failure = ""
             try:
                 result = sweep_flow(recipe=recipe, grid=grid, source=source,
-                                    storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on)
+                                    storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on,
+                                    parallel=parallel)
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)
         typer.echo(text_table(result.outcomes))

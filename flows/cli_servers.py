@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -78,19 +79,33 @@ StackHome = Annotated[Optional[str], typer.Option(
 def stack_up(home: StackHome = None, storage: Storage = None,
              pool: Annotated[str, typer.Option(help="The process work pool its worker serves.")] = "local",
              prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
-             mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000) -> None:
+             mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000,
+             database_url: Annotated[Optional[str], typer.Option(
+                 metavar="postgresql://USER:PASSWORD@HOST:PORT/NAME",
+                 help="Keep Prefect's and MLflow's records on this PostgreSQL server (databases NAME_prefect, "
+                      "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
+                      "else SQLite]. The password stays in the servers' environment only.")] = None,
+             slots: Annotated[Optional[int], typer.Option(
+                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None) -> None:
     """Start the stack (MLflow's artifacts go to the storage root) and print its URLs."""
     with user_errors():
-        from flows import stack
+        from flows import database, stack
 
+        if slots is not None and slots < 1:
+            raise UserError(f"--slots {slots}: give at least 1 (the trainings the pool runs at once)")
         root = flows_module().storage_root(storage)
         folder = stack.stack_home(home)
+        if slots is None and not any(ok for _, ok in stack.status(folder)):
+            slots = stack.default_slots()  # a new stack; a running one keeps the limit it has
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
-            state = stack.up(folder, root, pool, prefect_port, mlflow_port)
+            state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots)
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
-        _print_stack(state)
+        note = database.recorded(folder).get("note")
+        if note:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        _print_stack(state, folder)
 
 
 @stack_app.command("down")
@@ -120,13 +135,21 @@ def stack_status(home: StackHome = None) -> None:
         typer.echo(f"{s.name:15} {'running' if ok else 'NOT RUNNING':12} {s.url or ''}  (pid {s.pid}, log {s.log})")
     if not all(ok for _, ok in services):
         raise typer.Exit(1)
-    _print_stack(stack.load(folder), services=False)
+    _print_stack(stack.load(folder), folder, services=False)
 
 
-def _print_stack(state: dict, services: bool = True) -> None:
+def _print_stack(state: dict, home: Path, services: bool = True) -> None:
+    from flows import database, stack
+
     if services:
         for s in state["services"]:
             typer.echo(f"{s.name:15} {s.url or ''}")
+    if database.recorded(home):
+        typer.echo(f"{'database':15} {database.recorded(home)['database']}")
+    if state.get("env"):
+        limit = stack.slots_of(state["env"]["PREFECT_API_URL"], state.get("pool", "local"))
+        typer.echo(f"{'slots':15} {limit if limit is not None else 'no limit'} (trainings pool "
+                   f"{state.get('pool', 'local')!r} runs at once)")
     typer.echo("Use it from a shell with:")
     typer.echo("  export " + " ".join(f"{k}={v}" for k, v in state["env"].items()))
     typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")

@@ -191,19 +191,29 @@ def _quiet_env(home: Path) -> dict[str, str]:
 
 
 def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
-       mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0) -> dict:
+       mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
+       database_url: str | None = None, slots: int | None = None) -> dict:
     """Start the stack and return its state (services, env). A stack already running is left
-    as it is; a worker that died is started again."""
+    as it is; a worker that died is started again. `slots`: the pool's concurrency limit (None:
+    no limit on a new stack, the limit unchanged on a running one; the CLI gives its default)."""
     state = load(home)
     servers = [s for s in state["services"] if s.name != "worker"]
     if servers and all(s.healthy() for s in servers):
         if not any(s.name == "worker" and s.alive() for s in state["services"]):
             start_worker(home, timeout)
+        set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
         return load(home)
     if any(s.alive() for s in state["services"]):
         raise UserError(f"a stack in {home} is partly running: run `mllm-pipeline stack down` first")
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
+    # -- the database (flows/database.py): PostgreSQL started here, or SQLite ------------------
+    from flows import database
+
+    home.mkdir(parents=True, exist_ok=True)
+    db = database.choose(home, database_url, timeout)
+    db.record(home)
+    # ------------------------------------------------------------------------------------------
     logs = home / "logs"
     quiet = _quiet_env(home)
     api = f"http://127.0.0.1:{prefect_port}/api"
@@ -218,14 +228,13 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
-                env={**quiet, "PREFECT_UI_API_URL": api}),
-        Service("mlflow-server", [py, "-m", "mlflow", "server", "--backend-store-uri",
-                                  f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination", artifacts,
+                env={**quiet, "PREFECT_UI_API_URL": api, **db.prefect_env}),
+        Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
                                   "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
-                str(logs / "mlflow-server.log"), f"{tracking}/health", tracking, env=mlflow_env),
+                str(logs / "mlflow-server.log"), f"{tracking}/health", tracking, env={**mlflow_env, **db.mlflow_env}),
     ]
     extra = {"pool": pool, "storage": storage_root, "worker_env": worker_env or {}}
-    started: list[Service] = []
+    started: list[Service] = list(db.services)  # the database's server, already running
     try:
         for s in services:
             started.append(s.start())
@@ -233,6 +242,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         for s in services:
             s.wait_ready(timeout)
         start_worker(home, timeout)
+        set_slots(api, pool, slots)
     except BaseException:
         for s in reversed(load(home)["services"] or started):
             s.stop()
@@ -269,6 +279,44 @@ def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
     started = _started_at(pid)
     return any(w.get("status") == "ONLINE" and (started is None or _timestamp(w["last_heartbeat_time"]) > started)
                for w in workers)
+
+
+def default_slots() -> int:
+    """Trainings a pool runs at once unless told: one per GPU, else one per two cores."""
+    import torch
+
+    return torch.cuda.device_count() or max(1, (os.cpu_count() or 1) // 2)
+
+
+def set_slots(api: str, pool: str, slots: int | None) -> None:
+    """Set the work pool's concurrency limit: flow runs beyond it wait, Scheduled, for a slot."""
+    if slots is None:
+        return
+    req = urllib.request.Request(f"{api}/work_pools/{pool}", data=json.dumps({"concurrency_limit": slots}).encode(),
+                                 method="PATCH", headers={"Content-Type": "application/json"})
+    # A server on SQLite answers 503 while another write holds the database (the new worker's):
+    # such an answer is tried again for a while, anything else is raised.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with _DIRECT.open(req, timeout=30):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code < 500 or time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: "
+                                   f"HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, OSError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: {e}") from None
+        time.sleep(1.0)
+
+
+def slots_of(api: str, pool: str) -> int | None:
+    try:
+        with _DIRECT.open(f"{api}/work_pools/{pool}", timeout=5) as r:
+            return json.loads(r.read()).get("concurrency_limit")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
 
 
 def _started_at(pid: int | None) -> float | None:

@@ -10,6 +10,7 @@ no two points ever write the same stage at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import csv
 import io
 import itertools
@@ -188,7 +189,7 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
       on_failure=[forget_exception], on_crashed=[forget_exception])
 def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | list[str] | None = None,  # noqa: B006
           storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
-          train_on: str | None = None) -> SweepResult:
+          train_on: str | None = None, parallel: int | None = None) -> SweepResult:
     """Run the pipeline at every point of a grid of config fields and compare their headlines.
 
     Args:
@@ -198,6 +199,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         storage_url: The storage root [$MLLM_STORAGE or ./storage].
         overrides: Config fields fixed for every point, as section.field=value.
         train_on: A work pool whose workers train the points side by side [this process, one at a time].
+        parallel: At most this many points at once on the pool [as many as the pool's slots take].
     """
     fields = parse_grid(grid)
     points = expand(fields)
@@ -212,7 +214,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         keys = [model_tasks.train_key(cfg, with_results(prepare, root)(cfg, root)) for cfg in cfgs]
     parent = ParentRun(cfgs[0], root, fields, overrides)
     with parent:
-        futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool)
+        futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel)
         outcomes = parent.with_run_ids([outcome(point, future) for point, future in zip(points, futures)])
         parent.failed = [o.label for o in outcomes if not o.ok]
         outputs = record(parent, recipe, fields, outcomes)
@@ -224,13 +226,17 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
 
 
 def submit_points(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], points: list[dict[str, str]],
-                  keys: list[str | None], parent_id: str, pool: str | None) -> list[PrefectFuture]:
-    """Start every point: all at once on a pool (as many train as its workers take), else one
-    after another. Points with the same training key (a sweep of a sample setting) wait for each
-    other: they would train into the same folder."""
+                  keys: list[str | None], parent_id: str, pool: str | None,
+                  parallel: int | None = None) -> list[PrefectFuture]:
+    """Start every point: all at once on a pool (as many train as its slots take), or `parallel`
+    at a time, else one after another. Points with the same training key (a sweep of a sample
+    setting) wait for each other: they would train into the same folder."""
     futures: list[PrefectFuture] = []
     last_of_key: dict[str, PrefectFuture] = {}
     for point, key in zip(points, keys):
+        running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
+        if parallel and len(running) >= parallel:  # the next point starts when one ends
+            concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         after = [allow_failure(last_of_key[key])] if key in last_of_key else []
         future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
             recipe, source, root, point_overrides(overrides, point),

@@ -1,0 +1,242 @@
+"""The stack's database: where the Prefect server and MLflow's backend store keep their records.
+
+PostgreSQL when the machine has its server: a cluster of the stack's own under `<home>/postgres`
+(created once with initdb, kept across `stack down`/`up`, listening on 127.0.0.1 only, with a
+role `mllm` whose password is in `<home>/postgres/password`, mode 0600); or a team's server
+given as `--database-url postgresql://USER:PASSWORD@HOST:PORT/NAME`, whose password is kept only in
+the environment of the two servers' processes (never in stack.json, a log or the terminal).
+Either way the stack uses two databases, `<NAME>_prefect` and `<NAME>_mlflow` (NAME defaults to
+`mllm`): both Prefect and MLflow keep an `alembic_version` table, so they cannot share one.
+Without PostgreSQL the stack stays on SQLite files in its home, which is fine for one user.
+
+As root the cluster runs as the unprivileged user `postgres` (PostgreSQL refuses root), through
+`runuser`; its folder belongs to that user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flows.stack import Service, free_port, port_free
+from mllm import UserError
+
+ROLE = "mllm"
+DEFAULT_NAME = "mllm"
+INSTALL = "apt-get install postgresql"  # Debian/Ubuntu; the command the SQLite line names
+
+
+@dataclass
+class Database:
+    """What the stack's servers need: `services` to start before them (the cluster's server),
+    the Prefect server's and the MLflow server's environment, and a line for the user."""
+
+    describe: str
+    services: list[Service] = field(default_factory=list)
+    prefect_env: dict[str, str] = field(default_factory=dict, repr=False)
+    mlflow_env: dict[str, str] = field(default_factory=dict, repr=False)
+    mlflow_args: list[str] = field(default_factory=list)  # no secret: these are saved in stack.json
+    note: str | None = None  # why it is on SQLite, and how to change that
+
+    def record(self, home: Path) -> None:
+        (home / "database.json").write_text(json.dumps({"database": self.describe, "note": self.note}) + "\n")
+
+
+def recorded(home: Path) -> dict:
+    try:
+        return json.loads((home / "database.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def server_bin() -> Path | None:
+    """The folder of PostgreSQL's server binaries: $MLLM_POSTGRES_BIN, Debian's newest
+    /usr/lib/postgresql/N/bin, or wherever `initdb` is on PATH."""
+    if os.environ.get("MLLM_POSTGRES_BIN"):
+        return Path(os.environ["MLLM_POSTGRES_BIN"])
+    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name)
+                    if p.parent.parent.name.isdigit() else 0)
+    if debian:
+        return debian[-1].parent
+    found = shutil.which("initdb")
+    return Path(found).parent if found else None
+
+
+def owner() -> str | None:
+    """The user the cluster runs as: None for this process's own user, `postgres` (or
+    $MLLM_POSTGRES_USER) when this process is root."""
+    return os.environ.get("MLLM_POSTGRES_USER", "postgres") if os.geteuid() == 0 else None
+
+
+def as_owner(cmd: list[str]) -> list[str]:
+    user = owner()
+    return ["runuser", "-u", user, "--", *cmd] if user else cmd
+
+
+def choose(home: Path, url: str | None = None, timeout: float = 60.0) -> Database:
+    """The stack's database, its PostgreSQL server started and its two databases there."""
+    if url:
+        return _given(url)
+    cluster = home / "postgres"
+    sqlite = home / "mlflow.db"
+    if sqlite.exists() and not (cluster / "data").exists():
+        return _sqlite(home, f"this stack's records are in SQLite files in {home}; they stay there "
+                             "(a new --home starts on PostgreSQL)")
+    binaries = server_bin()
+    if binaries is None:
+        return _sqlite(home, f"PostgreSQL's server is not installed, so the stack runs on SQLite (fine for one "
+                             f"user, not for a team's load): `{INSTALL}` installs it")
+    return _cluster(home, binaries, timeout)
+
+
+def _sqlite(home: Path, note: str) -> Database:
+    return Database(f"SQLite in {home}", mlflow_args=["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"],
+                    note=note)
+
+
+def _urls(user: str, password: str, host: str, port: int, name: str) -> tuple[str, str]:
+    cred = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@"
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    return (f"postgresql+asyncpg://{cred}{where}/{name}_prefect", f"postgresql+psycopg://{cred}{where}/{name}_mlflow")
+
+
+def _database(describe: str, urls: tuple[str, str], services: list[Service] = ()) -> Database:
+    prefect, mlflow = urls
+    return Database(describe, list(services), prefect_env={"PREFECT_SERVER_DATABASE_CONNECTION_URL": prefect},
+                    mlflow_env={"MLFLOW_BACKEND_STORE_URI": mlflow})
+
+
+# -- a team's server -----------------------------------------------------------------------------
+
+
+def _given(url: str) -> Database:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.split("+")[0]
+    if scheme not in ("postgresql", "postgres") or not parts.hostname:
+        raise UserError("--database-url takes a PostgreSQL server's URL: postgresql://USER:PASSWORD@HOST:PORT/NAME")
+    if parts.query or parts.fragment:
+        raise UserError("--database-url takes no ?options: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
+    user = urllib.parse.unquote(parts.username or "")
+    if not user:
+        raise UserError("--database-url names no user: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
+    password = urllib.parse.unquote(parts.password or "")
+    name = parts.path.strip("/") or DEFAULT_NAME
+    try:
+        port = parts.port or 5432
+    except ValueError:
+        raise UserError(f"--database-url has a bad port: give postgresql://USER:PASSWORD@{parts.hostname}:PORT/NAME") from None
+    shown = f"postgresql://{user}@{parts.hostname}:{port}"
+    create_databases(user, password, parts.hostname, port, name, shown)
+    return _database(f"PostgreSQL at {shown} (databases {name}_prefect, {name}_mlflow)",
+                     _urls(user, password, parts.hostname, port, name))
+
+
+def create_databases(user: str, password: str, host: str, port: int, name: str, shown: str) -> None:
+    """Create `<name>_prefect` and `<name>_mlflow` where missing; one clear line if the server
+    cannot be reached or refuses."""
+    import psycopg
+
+    wanted = [f"{name}_prefect", f"{name}_mlflow"]
+    try:
+        with psycopg.connect(host=host, port=port, user=user, password=password, dbname="postgres",
+                             connect_timeout=10, autocommit=True) as conn:
+            have = {r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", [wanted])}
+            for db in wanted:
+                if db not in have:
+                    conn.execute(f'CREATE DATABASE "{db}"')
+    except psycopg.Error as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise UserError(f"the database server {shown} did not take the stack's databases {', '.join(wanted)}: "
+                        f"{reason} (check --database-url; the role needs CREATEDB, or create them)") from None
+
+
+# -- the stack's own cluster ---------------------------------------------------------------------
+
+
+def _cluster(home: Path, binaries: Path, timeout: float) -> Database:
+    folder = home / "postgres"
+    data, info_file, password_file = folder / "data", folder / "cluster.json", folder / "password"
+    if not (data / "PG_VERSION").exists():
+        note = _init(folder, binaries)
+        if note:
+            return _sqlite(home, note)
+    info = json.loads(info_file.read_text())
+    port = info["port"] if port_free(info["port"]) else free_port()
+    if port != info["port"]:
+        info_file.write_text(json.dumps({**info, "port": port}) + "\n")
+    password = password_file.read_text().strip()
+    server = Service("postgres", as_owner([str(binaries / "postgres"), "-D", str(data), "-p", str(port),
+                                           "-h", "127.0.0.1", "-c", "unix_socket_directories="]),
+                     str(home / "logs" / "postgres.log"), url=f"postgresql://{ROLE}@127.0.0.1:{port}")
+    server.start()
+    try:
+        server.wait_ready(timeout, ready=lambda: _accepts(binaries, port))
+        create_databases(ROLE, password, "127.0.0.1", port, DEFAULT_NAME, server.url)
+    except BaseException:
+        server.stop()
+        raise
+    version = (data / "PG_VERSION").read_text().strip()
+    return _database(f"PostgreSQL {version} in {folder} on 127.0.0.1:{port}",
+                     _urls(ROLE, password, "127.0.0.1", port, DEFAULT_NAME), [server])
+
+
+def _private(path: Path, text: str, user: str | None = None) -> Path:
+    """Write `text` to a file only its owner (this process's user, or `user`) can read."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    if user:
+        os.chown(path, pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid)
+    return path
+
+
+def _accepts(binaries: Path, port: int) -> bool:
+    return subprocess.run([str(binaries / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def _init(folder: Path, binaries: Path) -> str | None:
+    """initdb a cluster in `folder`/data with the role `mllm` and a new password; a reason to
+    stay on SQLite if the cluster's user cannot have it."""
+    user = owner()
+    if user:
+        try:
+            uid, gid = pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid
+        except KeyError:
+            return (f"PostgreSQL refuses to run as root and there is no user {user!r} to run it as, so the stack "
+                    "runs on SQLite: create that user (or set MLLM_POSTGRES_USER) and start a new stack")
+    folder.mkdir(parents=True, exist_ok=True)
+    if user:
+        os.chown(folder, uid, gid)
+        reach = subprocess.run(as_owner(["test", "-w", str(folder)]), capture_output=True)
+        if reach.returncode != 0:
+            folder.rmdir()
+            return (f"user {user!r}, who runs PostgreSQL, cannot reach {folder} (a folder above it is private), "
+                    "so the stack runs on SQLite: give --home in a folder that user can enter")
+    password = secrets.token_urlsafe(24)
+    secret = _private(folder / "password", password)
+    # initdb reads the role's password from a file (never a command line); the cluster's user
+    # reads it from a copy of its own that is gone once the cluster exists.
+    copy = _private(folder / "initdb-password", password, user)
+    try:
+        done = subprocess.run(as_owner([str(binaries / "initdb"), "-D", str(folder / "data"), "-U", ROLE,
+                                        f"--pwfile={copy}", "--auth=scram-sha-256", "-E", "UTF8", "--no-locale"]),
+                              text=True, capture_output=True)
+    finally:
+        copy.unlink(missing_ok=True)
+    if done.returncode != 0:
+        shutil.rmtree(folder / "data", ignore_errors=True)
+        secret.unlink()
+        raise UserError(f"initdb could not create the stack's PostgreSQL cluster in {folder}: "
+                        f"{' '.join(done.stderr.split())[-400:]}")
+    (folder / "cluster.json").write_text(json.dumps({"port": free_port(), "role": ROLE}) + "\n")
+    return None
+

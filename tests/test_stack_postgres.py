@@ -1,0 +1,242 @@
+"""The stack on PostgreSQL, for real: its own cluster (initdb under the stack's home) with training
+on its pool, kept across `down`/`up`; a team's server given by `--database-url` whose password
+reaches no file, log or terminal; and a sweep with more points than the pool has slots.
+
+The servers run from the machine's PostgreSQL binaries (Debian's /usr/lib/postgresql/N/bin;
+`.ci/run` installs them). As root they run as the user `postgres`, so their folders are made in
+/tmp where that user can enter (pytest's own temp folders are private to root). Without the
+binaries these tests skip, unless MLLM_REQUIRE_POSTGRES=1 (CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from conftest import make_text
+from flows import database, stack
+
+pytestmark = pytest.mark.integration
+
+BIN = database.server_bin()
+if BIN is None:
+    if os.environ.get("MLLM_REQUIRE_POSTGRES") == "1":
+        raise RuntimeError("MLLM_REQUIRE_POSTGRES=1 but PostgreSQL's server is not installed (apt-get install postgresql)")
+    pytest.skip("PostgreSQL's server is not installed (apt-get install postgresql)", allow_module_level=True)
+
+FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
+        "sample.max_new_tokens=20"]
+TEAM_PASSWORD = "s3cret-Team-pw"  # noqa: S105 (the test's own server)
+
+
+@pytest.fixture(scope="module")
+def open_dir() -> Iterator[Path]:
+    """A folder the cluster's user (postgres, when we are root) can enter."""
+    folder = Path(tempfile.mkdtemp(prefix="mllm-pg-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def team_server(open_dir: Path) -> Iterator[int]:
+    """A PostgreSQL server of the test's own on a free port: role `team` (CREATEDB) with a password."""
+    folder = open_dir / "team"
+    folder.mkdir()
+    user = database.owner()
+    if user:
+        shutil.chown(folder, user, user)
+    pwfile = folder / "pw"
+    pwfile.write_text(TEAM_PASSWORD + "\n")
+    if user:
+        shutil.chown(pwfile, user, user)
+    subprocess.run(database.as_owner([str(BIN / "initdb"), "-D", str(folder / "data"), "-U", "team",
+                                      f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8", "--no-locale"]),
+                   check=True, capture_output=True)
+    port = stack.free_port()
+    server = stack.Service("team-postgres", database.as_owner([str(BIN / "postgres"), "-D", str(folder / "data"),
+                                                               "-p", str(port), "-h", "127.0.0.1",
+                                                               "-c", "unix_socket_directories="]),
+                           str(folder / "server.log"))
+    server.start()
+    try:
+        server.wait_ready(60, ready=lambda: database._accepts(BIN, port))
+        yield port
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def pg_stack(open_dir: Path) -> Iterator[dict]:
+    """The stack on a PostgreSQL cluster of its own, its pool with 2 slots."""
+    home = open_dir / "stack"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HOME", str(open_dir / "home"))
+    try:
+        state = stack.up(home, str(open_dir / "storage"), prefect_port=0, mlflow_port=0, slots=2,
+                         worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+        for k, v in state["env"].items():
+            mp.setenv(k, v)
+        with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
+            yield {"home": home, "state": state, "root": str(open_dir / "storage"), "dir": open_dir}
+    finally:
+        stack.down(home)
+        mp.undo()
+
+
+def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True, capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
+
+
+def _cluster_query(home: Path, db: str, sql: str) -> list[tuple]:
+    port = database.recorded(home)["database"].rsplit(":", 1)[1]
+    password = (home / "postgres" / "password").read_text().strip()
+    with psycopg.connect(host="127.0.0.1", port=int(port), user="mllm", password=password, dbname=db) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_across_restarts(
+        pg_stack: dict, tmp_path: Path) -> None:
+    home, env = pg_stack["home"], pg_stack["state"]["env"]
+    assert [s.name for s in pg_stack["state"]["services"]] == ["postgres", "prefect-server", "mlflow-server", "worker"]
+    assert database.recorded(home)["database"].startswith(f"PostgreSQL {(home / 'postgres/data/PG_VERSION').read_text().strip()} in ")
+    assert not list(home.rglob("*.db"))  # no SQLite file: both servers are on PostgreSQL
+    assert oct((home / "postgres" / "password").stat().st_mode & 0o777) == "0o600"
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000))
+    done = _cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on",
+                "local", *[a for s in FAST for a in ("--set", s)], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("mlflow run:"))
+    assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).data.tags["train.pool"] == "local"
+    # The rows are in the cluster's databases: MLflow's run, Prefect's training flow run on the pool.
+    assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
+    assert ("COMPLETED", "local") in _cluster_query(
+        home, "mllm_prefect", "SELECT f.state_type::text, w.name FROM flow_run f JOIN work_queue q ON f.work_queue_id = q.id "
+                              "JOIN work_pool w ON q.work_pool_id = w.id")
+
+    # Down stops the cluster with the rest; up starts the same cluster again, records and all.
+    stopped = dict(stack.down(home))
+    assert stopped["postgres"] is True and not any(s.alive() for s in pg_stack["state"]["services"])
+    again = stack.up(home, pg_stack["root"], prefect_port=0, mlflow_port=0, slots=2,
+                     worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    pg_stack["state"] = again
+    assert MlflowClient(again["env"]["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "FINISHED"
+    assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
+
+
+def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_finishes_every_point(
+        pg_stack: dict, tmp_path: Path) -> None:
+    env = pg_stack["state"]["env"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=5))
+    started = datetime.now().astimezone()
+    steps = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=10"]
+    done = _cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
+                "--grid", "train.lr=1e-3,2e-3,3e-3,4e-3", *[a for s in steps for a in ("--set", s)], cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
+        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
+                                        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+    assert len(trains) == 4 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
+    assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
+
+
+def test_sweep_parallel_bounds_one_sweep_below_the_pools_slots(pg_stack: dict, tmp_path: Path) -> None:
+    env = pg_stack["state"]["env"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=6))
+    started = datetime.now().astimezone()
+    steps = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=10"]
+    done = _cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
+                "--parallel", "1", "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in steps for a in ("--set", s)],
+                cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
+        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
+                                        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+    assert len(trains) == 3 and all(t.state.is_completed() for t in trains)
+    # The pool has 2 slots; the sweep took one at a time: each training was submitted after the last ended.
+    assert _most_at_once(trains) == 1
+    ordered = sorted(trains, key=lambda t: t.created)
+    assert all(later.created >= earlier.end_time for earlier, later in zip(ordered, ordered[1:]))
+
+    bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --parallel 0: give at least 1 (the points that run at once)"
+
+
+def _most_at_once(runs) -> int:
+    events = sorted([(r.start_time, 1) for r in runs] + [(r.end_time, -1) for r in runs], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_nowhere(
+        team_server: int, open_dir: Path, tmp_path: Path) -> None:
+    home = open_dir / "team-stack"
+    url = f"postgresql://team:{TEAM_PASSWORD}@127.0.0.1:{team_server}/shared"
+    up = _cli("stack", "up", "--home", str(home), "--database-url", url, "--prefect-port", "0", "--mlflow-port", "0",
+              "--storage", str(open_dir / "team-storage"), cwd=tmp_path, timeout=300)
+    status = up
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"PostgreSQL at postgresql://team@127.0.0.1:{team_server} (databases shared_prefect, shared_mlflow)" in up.stdout
+        # The default: one slot per GPU, else one per two cores.
+        assert f"slots           {stack.default_slots()} " in up.stdout
+        # `up --slots` on the running stack changes the pool's limit, nothing else.
+        resize = _cli("stack", "up", "--home", str(home), "--slots", "3", cwd=tmp_path)
+        assert resize.returncode == 0 and "slots           3 " in resize.stdout, resize.stderr[-2000:]
+        assert TEAM_PASSWORD not in resize.stdout + resize.stderr
+        state = stack.load(home)
+        assert [s.name for s in state["services"]] == ["prefect-server", "mlflow-server", "worker"]  # no cluster of its own
+        client = MlflowClient(state["env"]["MLFLOW_TRACKING_URI"])
+        client.create_experiment("team-experiment")
+        status = _cli("stack", "status", "--home", str(home), cwd=tmp_path)
+        assert status.returncode == 0 and "shared_prefect" in status.stdout
+        with psycopg.connect(host="127.0.0.1", port=team_server, user="team", password=TEAM_PASSWORD,
+                             dbname="shared_mlflow") as conn:
+            assert conn.execute("SELECT name FROM experiments WHERE name = 'team-experiment'").fetchall()
+        with psycopg.connect(host="127.0.0.1", port=team_server, user="team", password=TEAM_PASSWORD,
+                             dbname="shared_prefect") as conn:
+            assert conn.execute("SELECT concurrency_limit FROM work_pool WHERE name = 'local'").fetchall() == [(3,)]
+    finally:
+        down = _cli("stack", "down", "--home", str(home), cwd=tmp_path)
+    assert down.returncode == 0
+    for text in (up.stdout, up.stderr, status.stdout, status.stderr, down.stdout, down.stderr):
+        assert TEAM_PASSWORD not in text
+    files = [p for p in home.rglob("*") if p.is_file()]
+    assert any(p.name == "prefect-server.log" for p in files)
+    for path in files:
+        assert TEAM_PASSWORD.encode() not in path.read_bytes(), path
+
+    # A wrong password: one line naming the server (not the password), exit 2, nothing left running.
+    bad = _cli("stack", "up", "--home", str(open_dir / "bad"), "--database-url",
+               f"postgresql://team:wrong-{TEAM_PASSWORD}@127.0.0.1:{team_server}/shared", "--prefect-port", "0",
+               "--mlflow-port", "0", cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2
+    lines = bad.stderr.strip().splitlines()
+    # (the terminal's scrubber hides a URL's user as well)
+    assert lines[-1].startswith("error: the database server postgresql://")
+    assert f"@127.0.0.1:{team_server} did not take the stack's databases shared_prefect, shared_mlflow" in lines[-1]
+    assert "password authentication failed" in lines[-1] and TEAM_PASSWORD not in bad.stderr + bad.stdout
+    assert "Traceback" not in bad.stderr and not stack.load(open_dir / "bad")["services"]
