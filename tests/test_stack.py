@@ -257,7 +257,7 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     for i in range(3):
         stack_env.s3.client().put_object(Bucket=BUCKET, Key=f"weekly/book{i}.txt", Body=make_text(3000, seed=11 + i).encode())
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
-    fast = FAST + ["data.split.span_bytes=2048"]
+    fast = FAST + ["data.split.span_bytes=1024"]  # these books give 45 spans, 4 of them val; with the fourth 60 and 5
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, text=True, capture_output=True,
