@@ -188,6 +188,7 @@ def _start_temporary_server() -> Callable[[], None] | None:
 
     server = SubprocessASGIServer()
     _servers.append(server)
+    _log_to_file(server)
 
     def start() -> None:
         # The server process inherits this thread's signal mask: with SIGINT blocked it does not
@@ -208,6 +209,31 @@ def _start_temporary_server() -> Callable[[], None] | None:
             raise failure[0]
 
     return wait
+
+
+def _log_to_file(server: Any) -> None:
+    """The temporary server's own lines go to `$PREFECT_HOME/temporary-server.log`, not the
+    terminal: stopped right after a run failed, its services log the events they could not flush
+    with a traceback, around the one `error:` line. Its process takes stderr when it is started,
+    so stderr is that file for the moment of the start."""
+    from prefect.settings import PREFECT_HOME
+
+    start = server._run_uvicorn_command
+
+    def started_with_log() -> Any:
+        path = PREFECT_HOME.value() / "temporary-server.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as log:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            os.dup2(log.fileno(), 2)
+            try:
+                return start()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+
+    server._run_uvicorn_command = started_with_log
 
 
 @contextlib.contextmanager
