@@ -43,7 +43,7 @@ def user_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
                       "same command to continue from them", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + (interrupted_by[0] if interrupted_by else signal.SIGINT)) from None
 
 
 class _QuietAfterUserError(logging.Filter):
@@ -63,6 +63,9 @@ class _QuietAfterUserError(logging.Filter):
         message = record.getMessage()
         if " - Retry " in message:
             return True  # a passing failure that a retry may mend: the user wants to see it
+        if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
+            self.failed = True
+            return False
         if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
@@ -75,6 +78,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 _quiet = _QuietAfterUserError()
+interrupted_by: list[int] = []  # the signal that stopped this command, if one did
 _servers: list[Any] = []  # the temporary Prefect servers this process started
 
 
@@ -141,18 +145,23 @@ def _ctrl_c() -> Iterator[None]:
         for server in _servers:
             with contextlib.suppress(Exception):
                 server.server_process.kill()
-        os._exit(130)
+        os._exit(128 + signum)
 
     def first(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, again)
+        signal.signal(signal.SIGTERM, again)
         _quiet.failed = True  # the terminal shows our one line, not Prefect's "Crash detected!"
+        interrupted_by[:] = [signum]
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, first)
+    # SIGTERM (docker stop, Kubernetes, a spot reclaim) ends the command as Ctrl-C does: training
+    # writes its checkpoint first (mllm.train), the runs are marked, the exit status says which.
+    previous = {s: signal.signal(s, first) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _cancel_interrupted_runs(since: datetime.datetime) -> None:
@@ -167,7 +176,7 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
             for run in runs:
-                if "interrupt signal" in (run.state.message or ""):
+                if any(w in (run.state.message or "") for w in ("interrupt signal", "termination signal")):
                     client.set_flow_run_state(run.id, Cancelled(message="interrupted from the terminal (Ctrl-C)"),
                                               force=True)
 

@@ -30,6 +30,7 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import task
+from prefect.exceptions import TerminationSignal
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
@@ -205,7 +206,7 @@ class RunTracker:
         if exc_type is None:
             status = RunStatus.to_string(RunStatus.FINISHED)
         else:
-            killed = issubclass(exc_type, KeyboardInterrupt)
+            killed = issubclass(exc_type, (KeyboardInterrupt, TerminationSignal))  # Ctrl-C, SIGTERM
             status = RunStatus.to_string(RunStatus.KILLED if killed else RunStatus.FAILED)
             with contextlib.suppress(Exception):  # the training error matters more than ours
                 message = str(exc).splitlines()[0] if str(exc) else ""

@@ -31,3 +31,53 @@ def test_the_same_model_trained_twice_from_two_copies_of_its_text_keeps_the_cham
     assert str(client.get_model_version_by_alias("smoke", "champion").version) == "1"
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id], order_by=["start_time"])
     assert [r.data.tags["decision"] for r in runs] == ["promoted", "kept"]
+
+
+def _logged_steps(client, experiment: str) -> list[int]:
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, "train_loss")]
+
+
+def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, own_stores):
+    import json
+    import signal
+    import subprocess
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    env, _, _, storage = own_stores
+    # No periodic checkpoint before the signal: by steps or by minutes, none would come.
+    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=3000",
+            "--set", "train.checkpoint_interval=3000", "--set", "train.checkpoint_minutes=60",
+            "--set", "train.eval_interval=3000", "--set", "train.log_interval=10"]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "COLUMNS": "200", **env})
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    deadline = time.monotonic() + 300
+    while max(_logged_steps(client, "smoke"), default=0) < 50:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "training never logged step 50"
+        time.sleep(0.2)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # to the command alone, as docker stop or Kubernetes send it
+    _, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if "error" in line.lower() or "Crash" in line] == [
+        "error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
+        "from them"], stderr[-3000:]
+    assert took < 30, took
+    [ckpt] = storage.glob("runs/*/checkpoints/last.pt")
+    import torch
+
+    step = torch.load(ckpt, weights_only=True)["step"]
+    assert max(_logged_steps(client, "smoke")) <= step < 3000
+    [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+    assert run.info.status == "KILLED"
+
+    again = cli(*args, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    trained = json.loads(next(storage.glob("runs/*/trained.json")).read_text())
+    assert trained["steps"] == 3000 and trained["resumed_from_step"] == step
