@@ -22,6 +22,7 @@ from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
 from tasks import data as data_tasks
 from tasks import model as model_tasks
+from tasks import outage
 from tasks.caching import forget_exception, result_storage
 from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
@@ -137,6 +138,7 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         else:
             trained = run_training(cfg, data, root, run.run_id, pool)
             evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+            outage.check_back(trained.run_dir)
             outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,

@@ -36,7 +36,9 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
-        message = unreachable(e)
+        from tasks.outage import tracking_down
+
+        message = tracking_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)
@@ -66,7 +68,9 @@ class _QuietAfterUserError(logging.Filter):
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
-        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
+        from tasks.outage import tracking_down
+
+        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False

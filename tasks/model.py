@@ -26,7 +26,7 @@ from mllm import UserError, checkpoint, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.family import family_of, samples_text
 import tasks
-from tasks import assets
+from tasks import assets, outage
 from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
@@ -190,12 +190,15 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
 
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
+    # A tracking server that goes away does not stop the training (tasks/outage.py).
     with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
-            system_metrics(run_id, root):
+            outage.fail_fast(), system_metrics(run_id, root):
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:
             result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+        if on_metrics is not None:
+            on_metrics.flush()
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
     trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))

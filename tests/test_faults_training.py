@@ -81,3 +81,103 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
     assert again.returncode == 0, again.stderr[-3000:]
     trained = json.loads(next(storage.glob("runs/*/trained.json")).read_text())
     assert trained["steps"] == 3000 and trained["resumed_from_step"] == step
+
+
+def _start_training(args: list[str], env: dict[str, str]):
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200", **env})
+
+
+def _wait_for_logged_step(client, proc, step: int, timeout: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while max(_logged_steps(client, "smoke"), default=0) < step:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"training never logged step {step}"
+        time.sleep(0.3)
+
+
+def _kill(server) -> float:
+    """SIGKILL to the server's process (and the workers it started), as a crash or the OOM killer would."""
+    import signal
+    import time
+
+    os.killpg(server.process.pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def test_a_tracking_server_killed_mid_training_and_back_gets_every_metric(corpus, own_stores, tmp_path):
+    import time
+
+    from mlflow.tracking import MlflowClient
+    from servers import run_mlflow_server
+
+    env, *_ = own_stores
+    folder = tmp_path / "mlflow-server"
+    with run_mlflow_server(folder) as server:
+        env = {**env, "MLFLOW_TRACKING_URI": server.url}
+        client = MlflowClient(server.url)
+        proc = _start_training(["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=8000",
+                                "--set", "train.log_interval=10"], env)
+        _wait_for_logged_step(client, proc, 100)
+        killed = _kill(server)
+    # Started again on its port (that takes 10-20 s), while the training goes on without it.
+    with run_mlflow_server(folder, port=int(server.url.rsplit(":", 1)[1])):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        _, stderr = proc.communicate(timeout=600)
+        took = time.monotonic() - killed
+        assert proc.returncode == 0, stderr[-3000:]
+        print(f"killed at step >= 100; command finished normally {took:.1f} s after the kill")
+        assert "Traceback" not in stderr and "Retrying" not in stderr and "storage unreachable" not in stderr
+        assert stderr.count(f"the MLflow tracking server {server.url} stopped answering at step") == 1, stderr[-3000:]
+        assert "answers again: sent the metrics held since step" in stderr, [l for l in stderr.splitlines() if "MLflow" in l]
+        [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+        assert run.info.status == "FINISHED" and run.data.tags["decision"] == "promoted"
+        # Each step logged once, none lost while the server was away.
+        assert sorted(_logged_steps(client, "smoke")) == list(range(10, 8001, 10))
+
+
+def test_a_tracking_server_that_stays_away_ends_the_run_in_one_line_and_is_told_later(corpus, own_stores, tmp_path):
+    import subprocess
+    import time
+
+    from mlflow.tracking import MlflowClient
+    from servers import run_mlflow_server
+
+    env, _, _, storage = own_stores
+    folder = tmp_path / "mlflow-server"
+    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=800"]
+    with run_mlflow_server(folder) as server:
+        env = {**env, "MLFLOW_TRACKING_URI": server.url}
+        client = MlflowClient(server.url)
+        proc = _start_training(args, env)
+        _wait_for_logged_step(client, proc, 50)
+        [first] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
+        killed = _kill(server)
+    stdout, stderr = proc.communicate(timeout=600)
+    took = time.monotonic() - killed
+    print(f"the command's outcome {took:.1f} s after the kill")
+    line = _one_line_error(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), f"the MLflow tracking server {server.url} stopped answering during the run",
+                           "the training is finished and kept in", "run the same command")
+    assert "storage unreachable" not in stderr and "Retrying" not in stderr
+    assert json_steps(storage) == 800, line  # the training went on to its end
+    assert took < 120, took
+
+    with run_mlflow_server(folder, port=int(server.url.rsplit(":", 1)[1])):
+        again = cli(*args, env=env)
+        assert again.returncode == 0, again.stderr[-3000:]
+        runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("smoke").experiment_id])}
+        assert runs[first.info.run_id].info.status == "FAILED"  # closed when the server came back
+        assert "stopped answering" in runs[first.info.run_id].data.tags["error"]
+        [second] = [r for r in runs.values() if r.info.run_id != first.info.run_id]
+        assert second.info.status == "FINISHED" and second.data.tags["train.resumed_from_step"] == "800"
+    assert not list(storage.glob("tracking/unfinished/*.json"))
+
+
+def json_steps(storage: Path) -> int:
+    import json
+
+    return json.loads(next(storage.glob("runs/*/trained.json")).read_text())["steps"]
