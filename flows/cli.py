@@ -123,7 +123,9 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
 def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
     """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
     return the last one's result."""
-    with flow_session() as fl, progress():
+    from mllm.storage import room_on
+
+    with flow_session() as fl, progress(), room_on(fl.storage_root(storage)):
         root = fl.storage_root(storage)
         data = fl.with_results(fl.prepare, root)(cfg, root)
         if last == "prepare":

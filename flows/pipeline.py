@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
+from mllm import storage
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
@@ -116,30 +117,33 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
     pool = training_pool(recipe, train_on)
     if pool:
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
-    data = with_results(prepare, root)(cfg, root)
-    key = model_tasks.train_key(cfg, data)
-    registry = tracking_client(root)
-    champion = current_champion(registry, cfg.recipe)
-    skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
-    trained = evaluation = None
-    samples: dict[str, list[str]] = {}
-    where = {"train.pool": pool} if pool else {}
-    # A skipped run says so in its name: it would otherwise share the name of the run that trained.
-    name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
-    with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
-        # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
-        # to its last string and records any piece that came out of a subflow (the prepare flow
-        # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
-        # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
-        log_data(run.run_id, quote(cfg), root, quote(data))
-        run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
-        if skip:
-            outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
-        else:
-            trained = run_training(cfg, data, root, run.run_id, pool)
-            evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-            outage.check_back(trained.run_dir)
-            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
+    # A full disk (storage, or the MLflow store beside it) is one line naming the root: no retry
+    # makes room, and the same command goes on from what was kept.
+    with storage.room_on(root):
+        data = with_results(prepare, root)(cfg, root)
+        key = model_tasks.train_key(cfg, data)
+        registry = tracking_client(root)
+        champion = current_champion(registry, cfg.recipe)
+        skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+        trained = evaluation = None
+        samples: dict[str, list[str]] = {}
+        where = {"train.pool": pool} if pool else {}
+        # A skipped run says so in its name: it would otherwise share the name of the run that trained.
+        name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
+        with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
+            # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
+            # to its last string and records any piece that came out of a subflow (the prepare flow
+            # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
+            # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
+            log_data(run.run_id, quote(cfg), root, quote(data))
+            run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
+            if skip:
+                outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
+            else:
+                trained = run_training(cfg, data, root, run.run_id, pool)
+                evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+                outage.check_back(trained.run_dir)
+                outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome)

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
 from mllm.redact import scrub
-from mllm.storage import unreachable
+from mllm.storage import disk_full, unreachable
 
 console = Console(stderr=True)
 
@@ -65,12 +65,15 @@ class _QuietAfterUserError(logging.Filter):
         message = record.getMessage()
         if " - Retry " in message:
             return True  # a passing failure that a retry may mend: the user wants to see it
+        if message.startswith(("Running hook '", "Hook '")) and exc is None:
+            return False  # our own clean-up hooks (forget_exception): nothing for the user to do
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
         from tasks.outage import tracking_down
 
-        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc))) or any(
+        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
+                                 or disk_full(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False

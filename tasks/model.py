@@ -188,6 +188,28 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
             last_log[0] = time.monotonic()
             logger.info(progress_line(p))
 
+    try:
+        with storage.room_on(root):
+            result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger)
+    except BaseException:
+        # Nothing written (a full disk at the first checkpoint, a crash before it): no empty
+        # checkpoints folder is left to look like a training.
+        storage.remove_empty(job.paths.checkpoint_dir)
+        raise
+    logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
+                f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
+    trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
+    assets.describe(trained.checkpoint, key=trained.key, steps=trained.steps, train_loss=trained.train_loss,
+                    val_loss=trained.val_loss, stop_reason=trained.stop_reason)
+    if trained.best_checkpoint:
+        assets.materializes(trained.best_checkpoint, reads=reads, name="checkpoint (best)")
+        assets.describe(trained.best_checkpoint, key=trained.key, best_val_loss=trained.best_val_loss)
+    storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
+    return trained
+
+
+def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metrics: Any, on_progress: Any,
+           logger: Any) -> mllm.train.TrainResult:
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
     # A tracking server that goes away does not stop the training (tasks/outage.py).
@@ -199,16 +221,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
             result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
         if on_metrics is not None:
             on_metrics.flush()
-    logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
-                f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
-    trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
-    assets.describe(trained.checkpoint, key=trained.key, steps=trained.steps, train_loss=trained.train_loss,
-                    val_loss=trained.val_loss, stop_reason=trained.stop_reason)
-    if trained.best_checkpoint:
-        assets.materializes(trained.best_checkpoint, reads=reads, name="checkpoint (best)")
-        assets.describe(trained.best_checkpoint, key=trained.key, best_val_loss=trained.best_val_loss)
-    storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
-    return trained
+    return result
 
 
 def data_assets(data: Prepared) -> list[str]:

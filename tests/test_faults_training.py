@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_faults import _one_line_error, cli, own_stores  # noqa: F401 (a fixture)
 
 
@@ -181,3 +183,40 @@ def json_steps(storage: Path) -> int:
     import json
 
     return json.loads(next(storage.glob("runs/*/trained.json")).read_text())["steps"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs (mounting needs root: where it cannot be mounted, the test is skipped)."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_empty_folder(corpus, own_stores,
+                                                                                          small_disk):
+    import shutil
+
+    env, _, _, _ = own_stores
+    storage = small_disk / "storage"
+    args = ("--recipe", "smoke", "--source", str(corpus), "--storage", str(storage))
+    assert cli("prepare", *args, env=env).returncode == 0  # the data stages fit
+    # Fill the disk but for a few KB: the first checkpoint (about 150 KB) cannot be written.
+    free = shutil.disk_usage(small_disk).free
+    (small_disk / "filler").write_bytes(b"\0" * (free - 40_000))
+    out = cli("run", *args, env=env)
+    line = _one_line_error(out, f"storage root {storage} is on a full disk (", "MB free of", "--storage")
+    assert "Traceback" not in out.stderr and "OSError" not in out.stderr and "Retry" not in out.stderr, out.stderr
+    assert out.stderr.count("training smoke lstm") == 1, out.stderr  # not retried from step 0
+    assert not list(storage.glob("runs/*/checkpoints")), line  # no empty checkpoints folder
+    # Room made, the same command goes on from the finished stages.
+    (small_disk / "filler").unlink()
+    again = cli("run", *args, env=env)
+    assert again.returncode == 0 and "promoted to champion" in again.stdout, again.stderr[-3000:]
