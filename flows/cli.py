@@ -23,7 +23,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[str], typer.Option("--source", "-s", help="Corpus: a path, file://, s3:// or https:// URL.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 

@@ -124,7 +124,11 @@ def pipeline(recipe: RecipeName = "default", source: str | None = None, storage_
         key = model_tasks.train_key(cfg, data)
         registry = tracking_client(root)
         champion = current_champion(registry, cfg.recipe)
-        skip = None if force else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+        # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
+        # run skips only when this root holds the finished training, so a new --storage trains.
+        trained_here = storage.exists(storage.join(root, "runs", key, "trained.json"))
+        skip = None if force or not trained_here else skip_reason(
+            champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
         trained = evaluation = None
         samples: dict[str, list[str]] = {}
         where = {"train.pool": pool} if pool else {}
@@ -156,7 +160,7 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     """Register the challenger; it becomes champion only if it beats the champion on the same
     validation split (the champion's checkpoint is scored on this run's split when its own differs)."""
     score = None
-    if champion and champion.checkpoint and champion.splits_key != data.splits.key:
+    if champion and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
     return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score)

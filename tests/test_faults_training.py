@@ -220,3 +220,27 @@ def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_em
     (small_disk / "filler").unlink()
     again = cli("run", *args, env=env)
     assert again.returncode == 0 and "promoted to champion" in again.stdout, again.stderr[-3000:]
+
+
+def test_sibling_storage_roots_share_the_default_store_and_a_new_root_trains(corpus, own_stores, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    env, *_ = own_stores
+    env = {**env, "MLFLOW_TRACKING_URI": ""}  # the default store: mlflow.db beside the root
+    args = ("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=30")
+    a, b = tmp_path / "a", tmp_path / "b"
+    first = cli(*args, "--storage", str(a), env=env)
+    assert first.returncode == 0 and "promoted to champion" in first.stdout, first.stderr[-3000:]
+    assert (tmp_path / "mlflow.db").exists()  # shared by every root in tmp_path
+    # The champion in the shared store has this very training key, but its training is in a/:
+    # b trains its own (README: a new --storage trains), and the same weights keep the champion.
+    second = cli(*args, "--storage", str(b), env=env)
+    assert second.returncode == 0 and "skipped" not in second.stdout, second.stdout
+    assert "champion kept" in second.stdout and "ties" in second.stdout, second.stdout
+    assert list(b.glob("runs/*/checkpoints/best.pt")) and list(b.glob("runs/*/trained.json"))
+    # Where the training is there, the run skips.
+    third = cli(*args, "--storage", str(a), env=env)
+    assert third.returncode == 0 and third.stdout.startswith("skipped: "), third.stdout
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id], order_by=["start_time"])
+    assert [r.data.tags["decision"] for r in runs] == ["promoted", "kept", "skipped"]
