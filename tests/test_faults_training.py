@@ -244,3 +244,40 @@ def test_sibling_storage_roots_share_the_default_store_and_a_new_root_trains(cor
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id], order_by=["start_time"])
     assert [r.data.tags["decision"] for r in runs] == ["promoted", "kept", "skipped"]
+
+
+@pytest.mark.parametrize("case", ["newer format", "config field", "empty file"])
+def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_stores, tmp_path):
+    import subprocess
+
+    import torch
+
+    from conftest import write_char_ids
+    from mllm.config import RunConfig
+    from mllm.train import train
+
+    env, *_ = own_stores
+    write_char_ids(tmp_path, 300)
+    cfg = RunConfig.model_validate({
+        "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1},
+        "train": {"batch_size": 4, "window": 8, "max_steps": 2, "eval_interval": 2, "eval_batches": 1},
+        "paths": {"train_ids": str(tmp_path / "train.npy"), "val_ids": str(tmp_path / "val.npy"),
+                  "vocab": str(tmp_path / "vocab.json"), "checkpoint_dir": str(tmp_path / "ck")}})
+    path = Path(train(cfg).checkpoint)
+    state = torch.load(path, weights_only=True)
+    assert state["format"] == 1  # every checkpoint says its format
+    needle = {"newer format": "was written by a newer mllm (checkpoint format 2; this one reads formats up to 1): "
+                              "upgrade mllm-pipeline",
+              "config field": "has a config this mllm cannot read: model.n_layer:",
+              "empty file": "is empty (0 bytes)"}[case]
+    if case == "newer format":
+        torch.save({**state, "format": 2}, path)
+    elif case == "config field":
+        state["config"]["model"]["n_layer"] = "four"
+        torch.save(state, path)
+    else:
+        path.write_bytes(b"")
+    _one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
+    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
+                         capture_output=True, text=True, timeout=120)
+    _one_line_error(out, needle)
