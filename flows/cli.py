@@ -6,7 +6,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.terminal import console, flow_session, flows_module, progress, user_errors
+from flows.terminal import console, escape, flow_session, flows_module, progress, user_errors
 from mllm import UserError
 from mllm.config import METHODS
 from mllm.resolve import recipe_names, resolve
@@ -311,16 +311,17 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 
 @app.command()
 def recipes() -> None:
-    """List the shipped recipes: model, tokens, size and training length."""
+    """List the shipped recipes: model, tokens, size, training length and the extra a recipe needs."""
     from mllm.family import family_of
 
-    rows = [("recipe", "arch", "tokens", "size", "length")]
+    rows = [("recipe", "arch", "tokens", "size", "length", "needs")]
     for name in recipe_names():
         cfg = resolve(name)
         m, t, family = cfg.model, cfg.train, family_of(cfg)
         size, tokens = family.size(m), family.tokens(cfg.data)
         length = f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
-        rows.append((name, m.arch, tokens, size, length))
+        needs = f"pip install 'mllm-pipeline[{family.extra}]'" if family.extra else ""
+        rows.append((name, m.arch, tokens, size, length, needs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -356,7 +357,7 @@ def sweep(recipe: Recipe = "default",
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
         if result.failed:
-            console.print(f"[bold red]error:[/] {scrub(failure)}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(scrub(failure))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
@@ -24,7 +25,8 @@ console = Console(stderr=True)
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {scrub(message)}", highlight=False, soft_wrap=True)
+    # Escaped: a message's [brackets] are text ('mllm-pipeline[embeddings]'), not markup.
+    console.print(f"[bold red]error:[/] {escape(scrub(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

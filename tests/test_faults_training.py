@@ -281,3 +281,18 @@ def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_store
     out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
                          capture_output=True, text=True, timeout=120)
     _one_line_error(out, needle)
+
+
+def test_a_missing_extra_is_named_with_its_brackets_and_recipes_say_which_need_one(corpus, own_stores, tmp_path):
+    env, *_ = own_stores
+    listed = cli("recipes", env=env).stdout
+    assert [line.split()[0] for line in listed.splitlines() if "mllm-pipeline[embeddings]" in line] == [
+        "cbow", "cbow-smoke"]
+    assert {line.split()[0] for line in listed.splitlines() if "mllm-pipeline[seq2seq]" in line} >= {"seq2seq-smoke"}
+    # An environment without gensim: a module that is not there, first on the path.
+    (tmp_path / "missing").mkdir()
+    (tmp_path / "missing" / "gensim.py").write_text('raise ModuleNotFoundError("No module named gensim", name="gensim")\n')
+    path = os.pathsep.join([str(tmp_path / "missing"), os.environ.get("PYTHONPATH", "")])
+    out = cli("run", "--recipe", "cbow-smoke", "--source", str(corpus), "--set", "train.max_steps=5",
+              env={**env, "PYTHONPATH": path})
+    _one_line_error(out, "pip install 'mllm-pipeline[embeddings]'")
