@@ -103,7 +103,10 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | None, storage: s
         resolve_device(cfg.train.device)  # a worker on a pool has its own devices
     # (Data made from the config has no source to open; parallel text may be made too: numbers.)
     if cfg.data.source or family.data == "corpus":
-        corpus.open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
+        try:
+            corpus.open_source(cfg.data.source)[2].close()  # a missing file or unreachable host: seconds, not minutes
+        except corpus.SourceServerError:
+            pass  # a server error may pass: the download stage retries it
         if "://" not in cfg.data.source or cfg.data.source.startswith("file://"):
             # A local file is read through once here, as the download stage will read it.
             corpus.download(cfg.data.source, None, cfg.data.sha256)
