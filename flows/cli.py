@@ -169,7 +169,8 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 @app.command()
 def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
              set_: Sets = None) -> None:
-    """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
+    """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
+    this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
         cfg = _resolve(recipe, set_, source, storage)
         evaluation, _ = _run_stages(cfg, storage, "evaluate")

@@ -344,3 +344,13 @@ def test_a_symbolic_link_loop_is_called_one(form, own_stores, tmp_path):
     source = str(a) if form == "path" else f"file://{a}"
     line = _one_line_error(cli("prepare", "--recipe", "smoke", "--source", source, env=env), "symbolic link loop")
     assert "not found" not in line and "local copy" not in line
+
+
+def test_the_readme_synopsis_names_options_that_exist(own_stores):
+    env, *_ = own_stores
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    synopsis = readme[readme.index("## The CLI"):readme.index("```", readme.index("## The CLI") + 20)]
+    for command, option in [(("run",), "--tag"), (("run",), "--force"), (("sample",), "--storage"),
+                            (("schedule",), "--timezone"), (("stack", "up"), "--pool"), (("stack", "up"), "--storage")]:
+        assert option in synopsis, option
+        assert option in cli(*command, "--help", env=env).stdout, (command, option)
