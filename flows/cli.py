@@ -6,7 +6,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.terminal import console, flow_session, flows_module, progress, user_errors
+from flows.terminal import console, escape, flow_session, flows_module, progress, user_errors
 from mllm import UserError
 from mllm.config import METHODS
 from mllm.resolve import recipe_names, resolve
@@ -29,7 +29,7 @@ TaskRunner = Annotated[Optional[str], typer.Option(
     "--task-runner", metavar="RUNNER",
     help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
          "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
 Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 
@@ -129,7 +129,10 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | list[str] | None
             found, _ = files.list_files(cfg.data.sources)
             single = found[0].url if len(found) == 1 and found[0].format == "text" else None
         if single:
-            corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
+            try:
+                corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
+            except corpus.SourceServerError:
+                pass  # a server error may pass: the download stage retries it
             if "://" not in single or single.startswith("file://"):
                 # A local file is read through once here, as the download stage will read it.
                 corpus.download(single, None, cfg.data.sha256)
@@ -149,7 +152,9 @@ def _key_value(item: str, option: str) -> tuple[str, str]:
 def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
     """Run the flows up to `last` (prepare, train or evaluate), each reusing what is done, and
     return the last one's result."""
-    with flow_session() as fl, progress():
+    from mllm.storage import room_on
+
+    with flow_session() as fl, progress(), room_on(fl.storage_root(storage)):
         root = fl.storage_root(storage)
         data = fl.with_results(fl.prepare, root, fl.data_runner(cfg.data.task_runner))(cfg, root)
         if last == "prepare":
@@ -194,7 +199,8 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 @app.command()
 def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
              set_: Sets = None, task_runner: TaskRunner = None) -> None:
-    """Evaluate and sample the trained checkpoint of a recipe (training it first if needed)."""
+    """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
+    this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
         source, set_ = _without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage)
@@ -360,16 +366,17 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 
 @app.command()
 def recipes() -> None:
-    """List the shipped recipes: model, tokens, size and training length."""
+    """List the shipped recipes: model, tokens, size, training length and the extra a recipe needs."""
     from mllm.family import family_of
 
-    rows = [("recipe", "arch", "tokens", "size", "length")]
+    rows = [("recipe", "arch", "tokens", "size", "length", "needs")]
     for name in recipe_names():
         cfg = resolve(name)
         m, t, family = cfg.model, cfg.train, family_of(cfg)
         size, tokens = family.size(m), family.tokens(cfg.data)
         length = f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
-        rows.append((name, m.arch, tokens, size, length))
+        needs = f"pip install 'mllm-pipeline[{family.extra}]'" if family.extra else ""
+        rows.append((name, m.arch, tokens, size, length, needs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -410,7 +417,7 @@ def sweep(recipe: Recipe = "default",
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
         if result.failed:
-            console.print(f"[bold red]error:[/] {scrub(failure)}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(scrub(failure))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli import Sets, Source, Storage, TrainOn, app
+from flows.cli import Sets, Source, Storage, app
 from flows.terminal import console, flows_module, user_errors
 from mllm import UserError
 
@@ -26,7 +26,10 @@ def schedule(ctx: typer.Context,
              interval: Annotated[Optional[float], typer.Option(help="Or every this many seconds.")] = None,
              timezone: Annotated[str, typer.Option(help="The schedule's time zone (an IANA name).")] = "UTC",
              pool: Annotated[str, typer.Option(help="The work pool whose worker runs the pipeline.")] = "local",
-             train_on: TrainOn = None, source: Source = None, storage: Storage = None, set_: Sets = None,
+             train_on: Annotated[Optional[str], typer.Option(
+                 "--train-on", help="A work pool whose worker trains the model (default: the recipe's pipeline.pool, "
+                 "else the --pool worker that runs the scheduled pipeline).")] = None,
+             source: Source = None, storage: Storage = None, set_: Sets = None,
              pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
              resume: Annotated[bool, typer.Option("--resume", help="Resume it.")] = False,
              delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:

@@ -19,13 +19,14 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
-from mllm import UserError
+from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
 from tasks import corpus as corpus_tasks
 from tasks import data as data_tasks
 from tasks import model as model_tasks
+from tasks import outage
 from tasks.caching import forget_exception, result_storage
 from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
@@ -148,35 +149,43 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
     pool = training_pool(recipe, train_on)
     if pool:
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
-    data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
-    key = model_tasks.train_key(cfg, data)
-    registry = tracking_client(root)
-    # A reproduction never reads or touches the registry: it verifies a run, it never competes.
-    champion = None if reproduces else current_champion(registry, cfg.recipe)
-    skip = None if force or reproduces else skip_reason(champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
-    trained = evaluation = None
-    samples: dict[str, list[str]] = {}
-    where = {"train.pool": pool} if pool else {}
-    if reproduces:
-        where["reproduces"] = reproduces
-    # A skipped run says so in its name: it would otherwise share the name of the run that trained.
-    name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
-    with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
-        # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
-        # to its last string and records any piece that came out of a subflow (the prepare flow
-        # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
-        # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
-        log_data(run.run_id, quote(cfg), root, quote(data))
-        run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
-        # A corpus of many files: what changed since its sources were last read (a schedule's question).
-        changes = corpus_tasks.corpus_changes(data, root)
-        run.log_params({f"corpus.{k}": v for k, v in changes.items()})
-        if skip:
-            outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
-        else:
-            trained = run_training(cfg, data, root, run.run_id, pool)
-            evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-            outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces)
+    # A full disk (storage, or the MLflow store beside it) is one line naming the root: no retry
+    # makes room, and the same command goes on from what was kept.
+    with storage.room_on(root):
+        data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
+        key = model_tasks.train_key(cfg, data)
+        registry = tracking_client(root)
+        # A reproduction never reads or touches the registry: it verifies a run, it never competes.
+        champion = None if reproduces else current_champion(registry, cfg.recipe)
+        # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
+        # run skips only when this root holds the finished training, so a new --storage trains.
+        trained_here = storage.exists(storage.join(root, "runs", key, "trained.json"))
+        skip = None if force or reproduces or not trained_here else skip_reason(
+            champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+        trained = evaluation = None
+        samples: dict[str, list[str]] = {}
+        where = {"train.pool": pool} if pool else {}
+        if reproduces:
+            where["reproduces"] = reproduces
+        # A skipped run says so in its name: it would otherwise share the name of the run that trained.
+        name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
+        with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
+            # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
+            # to its last string and records any piece that came out of a subflow (the prepare flow
+            # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
+            # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
+            log_data(run.run_id, quote(cfg), root, quote(data))
+            run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
+            # A corpus of many files: what changed since its sources were last read (a schedule's question).
+            changes = corpus_tasks.corpus_changes(data, root)
+            run.log_params({f"corpus.{k}": v for k, v in changes.items()})
+            if skip:
+                outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
+            else:
+                trained = run_training(cfg, data, root, run.run_id, pool)
+                evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+                outage.check_back(trained.run_dir)
+                outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome, corpus_changes=changes)
@@ -191,7 +200,7 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     validation split (the champion's checkpoint is scored on this run's split when its own differs).
     A reproduction is logged the same way but registered and judged not at all."""
     score = None
-    if champion and champion.checkpoint and champion.splits_key != data.splits.key:
+    if champion and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
     return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,

@@ -14,17 +14,19 @@ from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from mllm import UserError
 from mllm.redact import scrub
-from mllm.storage import unreachable
+from mllm.storage import disk_full, unreachable
 
 console = Console(stderr=True)
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {scrub(message)}", highlight=False, soft_wrap=True)
+    # Escaped: a message's [brackets] are text ('mllm-pipeline[embeddings]'), not markup.
+    console.print(f"[bold red]error:[/] {escape(scrub(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -36,14 +38,16 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
-        message = unreachable(e)
+        from tasks.outage import tracking_down
+
+        message = tracking_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
                       "same command to continue from them", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(128 + (interrupted_by[0] if interrupted_by else signal.SIGINT)) from None
 
 
 class _QuietAfterUserError(logging.Filter):
@@ -63,7 +67,15 @@ class _QuietAfterUserError(logging.Filter):
         message = record.getMessage()
         if " - Retry " in message:
             return True  # a passing failure that a retry may mend: the user wants to see it
-        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc))) or any(
+        if message.startswith(("Running hook '", "Hook '")) and exc is None:
+            return False  # our own clean-up hooks (forget_exception): nothing for the user to do
+        if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
+            self.failed = True
+            return False
+        from tasks.outage import tracking_down
+
+        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
+                                 or disk_full(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False
@@ -75,6 +87,7 @@ def _subclasses(cls: type) -> list[type]:
 
 
 _quiet = _QuietAfterUserError()
+interrupted_by: list[int] = []  # the signal that stopped this command, if one did
 _servers: list[Any] = []  # the temporary Prefect servers this process started
 
 
@@ -141,18 +154,23 @@ def _ctrl_c() -> Iterator[None]:
         for server in _servers:
             with contextlib.suppress(Exception):
                 server.server_process.kill()
-        os._exit(130)
+        os._exit(128 + signum)
 
     def first(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGINT, again)
+        signal.signal(signal.SIGTERM, again)
         _quiet.failed = True  # the terminal shows our one line, not Prefect's "Crash detected!"
+        interrupted_by[:] = [signum]
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, first)
+    # SIGTERM (docker stop, Kubernetes, a spot reclaim) ends the command as Ctrl-C does: training
+    # writes its checkpoint first (mllm.train), the runs are marked, the exit status says which.
+    previous = {s: signal.signal(s, first) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _cancel_interrupted_runs(since: datetime.datetime) -> None:
@@ -167,7 +185,7 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
             for run in runs:
-                if "interrupt signal" in (run.state.message or ""):
+                if any(w in (run.state.message or "") for w in ("interrupt signal", "termination signal")):
                     client.set_flow_run_state(run.id, Cancelled(message="interrupted from the terminal (Ctrl-C)"),
                                               force=True)
 

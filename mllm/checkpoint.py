@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
@@ -23,6 +24,9 @@ from mllm.text import Tokenizer, tokenizer_from_json
 from mllm.vocab import Vocab
 
 REQUIRED = ("model", "step", "config", "vocab", "vocab_digest", "tokenizer")
+# The layout of a checkpoint's dict: raised when a change means an older mllm would misread it.
+# Absent (checkpoints written before it existed) reads as 0, which this version still reads.
+FORMAT = 1
 
 
 @dataclass
@@ -42,7 +46,7 @@ class Loaded:
 def save_checkpoint(url: str, state: dict[str, Any]) -> None:
     """Write `state` so that `url` holds either the previous checkpoint or this one, never half."""
     with storage.atomic_open(url, "wb") as f:
-        torch.save(state, f)
+        torch.save({"format": FORMAT, **state}, f)
 
 
 def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, Any]:
@@ -56,6 +60,8 @@ def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, A
         raise UserError(f"checkpoint {url} is a folder: give a checkpoint file in it, e.g. "
                         f"{storage.join(folder, 'best.pt')} or {storage.join(folder, 'last.pt')}")
     blob = storage.read_bytes(url)
+    if not blob:
+        raise UserError(f"checkpoint {url} is empty (0 bytes): give a run's checkpoints/best.pt or checkpoints/last.pt")
     if not blob.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
         what = "text" if _looks_like_text(blob[:4096]) else "not a zip archive"
         raise UserError(f"checkpoint {url} is not a checkpoint ({what}; torch.save writes a zip archive): give a "
@@ -74,7 +80,27 @@ def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, A
         ) from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED):
         raise UserError(f"checkpoint {url} is not an mllm checkpoint (it lacks {', '.join(REQUIRED)})")
+    written = state.get("format", 0)
+    if not isinstance(written, int) or written > FORMAT:
+        raise UserError(f"checkpoint {url} was written by a newer mllm (checkpoint format {written}; this one reads "
+                        f"formats up to {FORMAT}): upgrade mllm-pipeline to load it")
     return state
+
+
+def _field(config: Any, loc: tuple) -> str:
+    """A validation error's location as the config's own keys (pydantic adds a union's tag, e.g.
+    model.recurrent.n_layer, which no config file holds)."""
+    names, here = [], config
+    for part in loc:
+        if isinstance(here, dict) and part in here:
+            names.append(str(part))
+            here = here[part]
+        elif isinstance(here, list) and isinstance(part, int) and part < len(here):
+            names.append(str(part))
+            here = here[part]
+        elif not isinstance(here, (dict, list)):
+            break
+    return ".".join(names)
 
 
 def _looks_like_text(head: bytes) -> bool:
@@ -108,6 +134,12 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
         tokenizer = tokenizer_from_json(state["tokenizer"])
         src_vocab = Vocab.from_json(state["src_vocab"]) if "src_vocab" in state else None
         src_tokenizer = tokenizer_from_json(state["src_tokenizer"]) if "src_tokenizer" in state else None
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = _field(state["config"], first["loc"]) or "(the whole config)"
+        more = f" and {e.error_count() - 1} more" if e.error_count() > 1 else ""
+        raise UserError(f"checkpoint {url} has a config this mllm cannot read: {field}: {first['msg']}{more} "
+                        "(written by another version of mllm?)") from None
     except (ValueError, KeyError, TypeError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise UserError(f"checkpoint {url} has an unreadable config, vocabulary or tokenizer ({reason})") from None

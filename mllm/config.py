@@ -315,6 +315,9 @@ class TrainConfig(_Section):
     eval_batches: int = Field(20, ge=1)
     log_interval: int = Field(10, ge=1)
     checkpoint_interval: int = Field(1000, ge=1)
+    # Also write last.pt after this many minutes of training since the last write (None: by steps
+    # only); SIGINT and SIGTERM write it too, at the end of the step they arrive in.
+    checkpoint_minutes: float | None = Field(5.0, gt=0)
     early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.speed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bz2
 import codecs
 import contextlib
+import errno
 import gzip
 import hashlib
 import io
@@ -44,6 +45,10 @@ class SourceUnreachable(UserError):
     transient = True
 
 
+class SourceServerError(SourceUnreachable):
+    """The source's server answered with an error of its own (HTTP 5xx, 429): it may pass."""
+
+
 def describe(source: str) -> str:
     """How to name a source to the user: a URL as given, a path made absolute."""
     return source if "://" in source else os.path.abspath(source)
@@ -54,6 +59,9 @@ def open_source(source: str) -> tuple[Any, str, Any]:
     a UserError; a network failure is SourceUnreachable, which a caller may retry."""
     if not source:
         raise UserError("no data source: pass --source URL (a path, file://, s3:// or https://)")
+    local = source.removeprefix("file://") if "://" not in source or source.startswith("file://") else None
+    if local is not None:
+        _check_link_loop(source, local)
     if "://" not in source:
         if os.path.isdir(source):
             raise UserError(f"source {describe(source)} is a folder: give the text file in it, "
@@ -72,6 +80,11 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
         # FileNotFoundError too; its cause tells them from a real 404.
         cause = e.__cause__ if isinstance(e, FileNotFoundError) else e
+        status = getattr(cause, "status", None)
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            # The server is there but failing: that may pass, as a cut connection may.
+            raise SourceServerError(f"the server of {source} answered HTTP {status} ({short(cause)}): a server "
+                                    "error, not a missing file; try again later or pass a local copy with --source") from None
         if isinstance(e, FileNotFoundError) and (cause is None or _is_http_status(cause)):
             raise UserError(f"source {source} not found: check the URL or path") from None
         if credentials := storage.credentials_problem(e, source):
@@ -295,6 +308,15 @@ def _size(fs: Any, path: str) -> int | None:
         return int(fs.size(path))
     except Exception:  # a server that does not say; progress then just counts
         return None
+
+
+def _check_link_loop(source: str, path: str) -> None:
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"source {describe(source)} is a symbolic link loop (a link that leads back to itself): "
+                            "point it, or --source, at the file") from None
 
 
 def _is_http_status(e: BaseException) -> bool:

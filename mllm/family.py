@@ -67,6 +67,7 @@ class Family:
     higher_is_better: ClassVar[bool]
     # Samples: the methods and sample options it understands (the rest of `sample` it ignores).
     methods: ClassVar[tuple[str, ...]] = ("greedy",)
+    extra: ClassVar[str | None] = None  # the pip extra it needs beyond the base install, if any
 
     @property
     def archs(self) -> tuple[str, ...]:

@@ -107,6 +107,7 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
                                 "or give a file or a glob")
         else:
             if not fs.exists(path):
+                open_source(source)[2].close()  # says what it is: not found, a link loop, refused...
                 raise UserError(f"source {describe(source)} not found: check the path or URL")
             info = fs.info(path)
             return [SourceFile(source, _size(info), file_format(path), _stamp(info))], []

@@ -49,6 +49,12 @@ def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> lis
     if unknown := sorted(set(options) - set(OPTIONS)):
         raise UserError(f"unknown sample option {', '.join(unknown)}: the options are {', '.join(OPTIONS)}")
     method = options.get("method")
+    given = [k for k in ("method", "temperature", "top_k", "top_p", "beam_width", "max_new_tokens")
+             if options.get(k) is not None]
+    if not family.methods and given:  # a model with no sampling methods (CBOW: nearest neighbours)
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UserError(f"a {family.name} model answers with nearest neighbours: {flags} do not apply "
+                        "(--neighbours sets how many)")
     if method is not None and family.methods and method not in family.methods:
         raise UserError(f"a {family.name} model samples with {', '.join(family.methods)}, not {method!r}")
     return family.sample(loaded, prompts, {k: v for k, v in options.items() if v is not None})

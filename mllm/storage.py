@@ -8,12 +8,14 @@ so they are written in place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
 
 import fsspec
@@ -378,3 +380,49 @@ def exclusive(url: str, on_wait: Any = None) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_empty(url: str) -> None:
+    """Remove a local folder that holds nothing (object stores have no empty folders)."""
+    fs, path = filesystem(url)
+    if isinstance(fs, LocalFileSystem):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # fails, as it should, on a folder with anything in it
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) says a disk is full: ENOSPC, a quota, SQLite's "database
+    or disk is full" (torch's checkpoint writer wraps the OSError in a RuntimeError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(t in str(exc) for t in ("No space left on device", "database or disk is full")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def full_disk_message(root: str) -> str:
+    """One line for a full disk under the storage root, with the space left there."""
+    space = ""
+    fs, path = filesystem(root)
+    if isinstance(fs, LocalFileSystem):
+        folder = next((p for p in [path, *map(str, Path(path).parents)] if os.path.isdir(p)), "/")
+        usage = shutil.disk_usage(folder)
+        space = f" ({usage.free / 1e6:,.1f} MB free of {usage.total / 1e6:,.0f} MB)"
+    return (f"storage root {root} is on a full disk{space}: free space there or give another --storage (or "
+            "MLLM_STORAGE); finished stages and checkpoints are kept, and the same command goes on from them")
+
+
+@contextlib.contextmanager
+def room_on(root: str) -> Iterator[None]:
+    """A full disk while the block runs ends it with `full_disk_message`, a UserError: no retry
+    can make room."""
+    try:
+        yield
+    except Exception as e:
+        if disk_full(e):
+            raise UserError(full_disk_message(root)) from None
+        raise

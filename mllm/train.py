@@ -4,7 +4,10 @@ nanoGPT's train.py, as a function: AdamW (fused on CUDA), linear warmup then cos
 gradient clipping and accumulation, bf16 autocast where it is faster (mllm.speed), optional
 torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
 step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
-it would have reached.
+it would have reached. last.pt is written every `checkpoint_interval` steps, every
+`checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (at the end of
+that step, before the signal takes its usual course), so an interrupt, `docker stop` or a spot
+reclaim loses no finished step.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -145,14 +150,16 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     cfg, vocab, tokenizer, train, val, carry = load_inputs(cfg)
     t = cfg.train
     d, device = join(resolve_device(t.device))
+    signals = _Signals()
     try:
-        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume)
+        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals)
     finally:
+        signals.restore()
         if d.owns_group:
             tdist.destroy_process_group()
 
 
-def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume) -> TrainResult:
+def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
@@ -229,6 +236,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     stop = limit_reason(step, elapsed_before)
     loss_sum = torch.zeros((), device=device)
     loss_count, tokens_run, mark, tokens_mark = 0, 0, t0, 0
+    saved_at = elapsed_before  # training seconds when last.pt was last written
     while stop is None:
         lr = scheduler.get_last_lr()[0]
         for micro in range(t.grad_accum):
@@ -252,11 +260,13 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         step += 1
 
         elapsed = elapsed_before + time.perf_counter() - t0
-        if t.max_minutes is not None and d.world_size > 1:
-            # Clocks differ between ranks; rank 0's decides, or the ranks would part ways.
-            clock = torch.tensor([elapsed], dtype=torch.float64, device=device)
-            tdist.broadcast(clock, 0)
-            elapsed = clock.item()
+        signalled = signals.received is not None
+        if d.world_size > 1:
+            # Clocks and signals differ between ranks; every rank takes the latest clock and any
+            # rank's signal, or they would part ways (a checkpoint is a collective).
+            shared = torch.tensor([elapsed, float(signalled)], dtype=torch.float64, device=device)
+            tdist.all_reduce(shared, op=tdist.ReduceOp.MAX)
+            elapsed, signalled = shared[0].item(), bool(shared[1].item())
         stop = limit_reason(step, elapsed)
         records: Records = []
         if step % t.log_interval == 0 or stop:
@@ -283,12 +293,16 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             on_metrics(records)
         if improved:
             save(best_url)
-        if step % t.checkpoint_interval == 0 or stop:
+        timed = t.checkpoint_minutes is not None and elapsed - saved_at >= 60 * t.checkpoint_minutes
+        if step % t.checkpoint_interval == 0 or stop or timed or signalled:
             save(last_url)
+            saved_at = elapsed
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
             on_progress({"step": step, "total_steps": total_steps, "epoch": batches.epoch,
                          "elapsed_s": elapsed, "train_loss": metrics.get("train_loss"), "lr": lr,
                          "tokens_per_s": metrics.get("tokens_per_s")})
+        if signalled:
+            signals.deliver(step)
 
     run_s = time.perf_counter() - t0
     if d.world_size > 1:
@@ -303,6 +317,50 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
         peak_flops=peak, peak_source=peak_source,
     )
+
+
+class _Signals:
+    """SIGINT and SIGTERM, while the loop runs in the main thread, only noted: the loop writes
+    last.pt at the end of the step, then hands the signal to the handler it displaced (a
+    terminal's Ctrl-C, Prefect's termination, Python's default), which stops the run as before.
+    A second signal before that goes to the displaced handler at once."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only; there the caller's handlers stay
+        for signum in self.NAMES:
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                self.previous[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        else:
+            self._hand_on(signum, frame)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def deliver(self, step: int) -> None:
+        """The checkpoint is written: let the signal take its course."""
+        if self.received is not None:
+            self._hand_on(self.received, None)
+        # A handler that only took note (or a signal from another rank): stop here all the same.
+        raise KeyboardInterrupt(f"stopped by a signal after step {step}; last.pt holds it")
+
+    def _hand_on(self, signum: int, frame) -> None:
+        handler = self.previous.get(signum) or signal.SIG_DFL  # None: one set outside Python
+        self.restore()
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)
 
 
 def _print_records(records: Records) -> None:
@@ -363,6 +421,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted: last.pt holds the last finished step; run the same command to resume",
+              file=sys.stderr)
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:
         val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"

@@ -55,6 +55,8 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     exc = state.data if isinstance(state.data, BaseException) else None
     if exc is None:
         return True
+    if storage.disk_full(exc):
+        return False  # no retry makes room
     return not isinstance(exc, UserError) or getattr(exc, "transient", False)
 
 
@@ -62,6 +64,8 @@ def io_error(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition for costly stages: retry only when storage or the network failed (the
     stage then resumes from what it had written), not a bug or a user's mistake."""
     exc = state.data if isinstance(state.data, BaseException) else None
+    if storage.disk_full(exc):
+        return False  # no retry makes room (a training would start again from its last checkpoint)
     while exc is not None:
         if isinstance(exc, UserError):
             return getattr(exc, "transient", False)

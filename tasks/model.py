@@ -26,7 +26,7 @@ from mllm import UserError, checkpoint, speed, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.family import family_of, samples_text
 import tasks
-from tasks import assets
+from tasks import assets, outage
 from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.provenance import code_git_info
@@ -204,14 +204,14 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
             last_log[0] = time.monotonic()
             logger.info(progress_line(p))
 
-    # Two pipelines training the same thing at once: the second waits, then resumes from (or
-    # returns at once with) what the first wrote, instead of both writing the same checkpoints.
-    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
-            system_metrics(run_id, root):
-        if job.train.nproc_per_node > 1:
-            result = _torchrun(job, on_metrics, on_progress)
-        else:
-            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+    try:
+        with storage.room_on(root):
+            result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger)
+    except BaseException:
+        # Nothing written (a full disk at the first checkpoint, a crash before it): no empty
+        # checkpoints folder is left to look like a training.
+        storage.remove_empty(job.paths.checkpoint_dir)
+        raise
     logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
                 f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
     trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
@@ -222,6 +222,22 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
         assets.describe(trained.best_checkpoint, key=trained.key, best_val_loss=trained.best_val_loss)
     storage.write_json(storage.join(run_dir, "trained.json"), trained.model_dump(mode="json"))
     return trained
+
+
+def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metrics: Any, on_progress: Any,
+           logger: Any) -> mllm.train.TrainResult:
+    # Two pipelines training the same thing at once: the second waits, then resumes from (or
+    # returns at once with) what the first wrote, instead of both writing the same checkpoints.
+    # A tracking server that goes away does not stop the training (tasks/outage.py).
+    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
+            outage.fail_fast(), system_metrics(run_id, root):
+        if job.train.nproc_per_node > 1:
+            result = _torchrun(job, on_metrics, on_progress)
+        else:
+            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+        if on_metrics is not None:
+            on_metrics.flush()
+    return result
 
 
 def data_assets(data: Prepared) -> list[str]:

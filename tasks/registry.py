@@ -106,18 +106,27 @@ def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha2
     return f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); force retrains"
 
 
+# A challenger must beat the champion by more than this fraction of the champion's value: the
+# same weights scored on another machine or thread count differ in the last digits, and a model
+# must never beat itself.
+TIE_TOLERANCE = 1e-4
+
+
 def decide(headline: str, value: float, higher_is_better: bool, champion: Champion | None,
            champion_score: ChampionScore | None = None) -> tuple[bool, str]:
     """(promoted, why): the challenger's headline value against the champion's, measured on this
     run's validation split when `champion_score` is given (the champion's data differed), else
     against the value recorded on the champion's version (the same split, or a headline that does
-    not depend on the split). A tie keeps the champion."""
+    not depend on the split). Both come from the family's one scoring (`Family.evaluate` and
+    `Family.rescore` share their setting); a tie within TIE_TOLERANCE keeps the champion."""
     if not math.isfinite(value):
         return False, f"{headline} {value} is not finite"
     if champion is None:
         return True, "no champion yet"
 
     def beats(theirs: float) -> tuple[bool, str]:
+        if abs(value - theirs) <= TIE_TOLERANCE * max(abs(value), abs(theirs)):
+            return False, f"ties (within {TIE_TOLERANCE:.2%})"
         better = value > theirs if higher_is_better else value < theirs
         sign = (">" if better else "<=") if higher_is_better else ("<" if better else ">=")
         return better, sign

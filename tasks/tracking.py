@@ -30,10 +30,12 @@ from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import task
+from prefect.exceptions import TerminationSignal
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
+from tasks import outage
 from tasks.caching import forget_exception
 from tasks.datasets import MAX_DIGEST, TokenDataset, dataset_source
 from tasks.provenance import code_git_info, run_tags
@@ -181,6 +183,7 @@ class RunTracker:
         tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
             k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
+        outage.settle_unfinished(self.client, self.storage_root)
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
@@ -202,15 +205,21 @@ class RunTracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.run_id is None:
             return
+        error = None
         if exc_type is None:
             status = RunStatus.to_string(RunStatus.FINISHED)
         else:
-            killed = issubclass(exc_type, KeyboardInterrupt)
+            killed = issubclass(exc_type, (KeyboardInterrupt, TerminationSignal))  # Ctrl-C, SIGTERM
             status = RunStatus.to_string(RunStatus.KILLED if killed else RunStatus.FAILED)
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            error = scrub(f"{exc_type.__name__}: {message}")[:MAX_TAG_VALUE]
+        if not outage.answers():
+            # Not minutes of MLflow's retries: closed by the next run that reaches the server.
+            outage.note_unfinished(self.storage_root, self.run_id, status, error or "")
+            return
+        if error:
             with contextlib.suppress(Exception):  # the training error matters more than ours
-                message = str(exc).splitlines()[0] if str(exc) else ""
-                self.client.set_tag(self.run_id, "error",
-                                    scrub(f"{exc_type.__name__}: {message}")[:MAX_TAG_VALUE])
+                self.client.set_tag(self.run_id, "error", error)
         self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
@@ -249,10 +258,11 @@ class RunTracker:
         for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
 
-    def metrics_after_resume(self) -> Callable[[list[dict]], None]:
+    def metrics_after_resume(self) -> outage.HeldMetrics:
         """`log_metrics` for a training that may resume: records at steps this run already holds
         (logged between its last checkpoint and a crash, and trained again identically since
-        resume is exact) are left out, so the history holds each step once."""
+        resume is exact) are left out, so the history holds each step once. What a tracking
+        server that is away cannot take is held for when it answers again."""
         history = [m.step for name in ("train_loss", "val_loss")
                    for m in self.client.get_metric_history(self.run_id, name)]
         logged = max(history, default=-1)
@@ -262,7 +272,7 @@ class RunTracker:
             if fresh:
                 self.log_metrics(fresh)
 
-        return log
+        return outage.HeldMetrics(log)
 
     def log_loss_curve(self) -> str | None:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""

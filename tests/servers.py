@@ -180,16 +180,17 @@ class MlflowServer:
 
 
 @contextlib.contextmanager
-def run_mlflow_server(folder: Path, wait: bool = True) -> Iterator[MlflowServer]:
-    """`mlflow server` on a free loopback port: SQLite in `folder`, artifacts proxied by the
-    server into `folder/artifacts` (clients upload over HTTP, as they would to a remote one).
-    wait=False returns while it starts (10-30 s): call `wait_ready()` before the first request."""
+def run_mlflow_server(folder: Path, wait: bool = True, port: int | None = None) -> Iterator[MlflowServer]:
+    """`mlflow server` on a free loopback port (or `port`: one started again after it died):
+    SQLite in `folder`, artifacts proxied by the server into `folder/artifacts` (clients upload
+    over HTTP, as they would to a remote one). wait=False returns while it starts (10-30 s):
+    call `wait_ready()` before the first request."""
     folder.mkdir(parents=True, exist_ok=True)
     env = quiet_env(folder / "home")
     # The job runner starts a dozen consumer processes for GenAI jobs that no test uses.
     env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     backend = f"sqlite:///{folder / 'mlflow.db'}"
-    port = free_port()
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
            "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",

@@ -227,6 +227,37 @@ def test_time_budget_stops_training(data_dir, tmp_path):
     assert load_checkpoint(result.checkpoint).step == result.steps
 
 
+def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path):
+    def saved_steps(minutes):
+        seen = []
+        last = tmp_path / str(minutes) / "last.pt"
+        train(make_config(data_dir, last.parent, max_steps=6, checkpoint_interval=1000, checkpoint_minutes=minutes),
+              on_progress=lambda p: seen.append(load_checkpoint(str(last)).step if last.exists() else None))
+        return seen
+
+    assert saved_steps(None) == [None, None, 6]  # by steps only: nothing before the end
+    assert saved_steps(1e-7) == [2, 4, 6]  # a few microseconds of training each time: every step
+
+
+def test_sigterm_writes_the_checkpoint_of_the_step_it_arrives_in(data_dir, tmp_path):
+    cfg = make_config(data_dir, tmp_path, max_steps=10_000, checkpoint_interval=10_000, checkpoint_minutes=None,
+                      log_interval=1, eval_interval=10_000)
+    (tmp_path / "run.yaml").write_text(cfg.to_yaml())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mllm.train", "--config", str(tmp_path / "run.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    logged = []
+    for line in proc.stdout:
+        logged.append(int(line.split(":")[0].split()[1]))
+        if len(logged) == 20:
+            proc.terminate()  # SIGTERM, as docker stop sends
+            break
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -15, stderr[-2000:]  # then Python's default: the signal ends the process
+    step = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
+    assert 20 <= step < 10_000  # no step printed before the signal is lost
+
+
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from mllm.config import RunConfig

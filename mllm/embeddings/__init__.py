@@ -27,6 +27,7 @@ class WordEmbeddings(Family):
     headline = HEADLINE
     higher_is_better = True
     methods = ()  # a sample is a word's neighbours, whatever the method
+    extra = "embeddings"  # gensim: its evaluation sets
 
     def check(self, cfg: Any) -> None:
         if cfg.data.tokenizer.kind != "basic_english":

@@ -18,6 +18,18 @@ from mllm.family import Evaluation, Family, Samples, ids_in_vocab, option, regis
 from mllm.vocab import Vocab
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
+# One evaluation setting for every model, whatever it trained with: a recurrent model's score
+# depends on how many streams the split is cut into, and the champion and a challenger must be
+# scored alike (the same weights trained twice must score the same, to the last bit).
+EVAL_STREAMS = 64
+
+
+def _score(loaded: Any, cfg: Any, ids: Any, n_bytes: int | None) -> dict[str, float]:
+    """The one scoring of a split, for a run's own model and for the champion it is judged against."""
+    from mllm.lm.evaluate import evaluate
+
+    return evaluate(loaded.model, ids, window=cfg.train.window, batch_size=EVAL_STREAMS,
+                    device=next(loaded.model.parameters()).device, n_bytes=n_bytes)
 
 
 @register
@@ -67,11 +79,10 @@ class LanguageModel(Family):
         return [windows(ids, starts[i:i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
 
     def evaluate(self, loaded: Any, cfg: Any, part: Any, train_part: Any, out: str) -> Evaluation:
-        from mllm.lm.evaluate import evaluate, ngram_baseline
+        from mllm.lm.evaluate import ngram_baseline
 
         ids = load_ids(part.ids)
-        s = evaluate(loaded.model, ids, window=cfg.train.window, batch_size=max(1, min(cfg.train.batch_size, 256)),
-                     device=next(loaded.model.parameters()).device, n_bytes=part.n_bytes)
+        s = _score(loaded, cfg, ids, part.n_bytes)
         train_ids = load_ids(train_part.ids)
         size = len(loaded.vocab)
         unigram = ngram_baseline(train_ids, ids, size, order=1)["bits_per_token"]
@@ -94,11 +105,8 @@ class LanguageModel(Family):
         # The split's tokens in the checkpoint's own vocabulary (a token it never saw becomes
         # <unk>), so a champion trained on other data is scored on exactly the same text; bits per
         # byte compare across vocabularies, loss only within one.
-        from mllm.lm.evaluate import evaluate
-
         ids = ids_in_vocab(load_ids(part.ids), Vocab.load(vocab_url).itos, loaded.vocab)
-        s = evaluate(loaded.model, ids, window=cfg.train.window, batch_size=64,
-                     device=next(loaded.model.parameters()).device, n_bytes=part.n_bytes)
+        s = _score(loaded, cfg, ids, part.n_bytes)
         metrics = {"val_loss": s["loss"], "val_bits_per_byte": s["bits_per_byte"]}
         return Evaluation(self.headline, self.higher_is_better, s["loss"], int(s["tokens"]), metrics, "")
 

@@ -26,6 +26,7 @@ class SequenceToSequence(Family):
     headline = "chrf"
     higher_is_better = True
     methods = ("greedy", "beam", "temperature")
+    extra = "seq2seq"  # sacrebleu (BLEU, chrF), num2words (the numbers corpus)
 
     def check(self, cfg: Any) -> None:
         d = cfg.data

@@ -18,6 +18,8 @@ from mllm.seq2seq.pairs import PairSplit, eval_batches, load_split
 from mllm.seq2seq.translate import decode, evaluate as score_pairs, translate_texts
 
 HEATMAPS = 3  # held-out pairs drawn as attention pictures
+# Whatever the run trained with: a run's own pairs and the champion's rescoring are decoded alike.
+EVAL_BATCH = 256
 
 
 def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
@@ -25,8 +27,7 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
     split = load_split(part.parquet)
     if len(split) == 0:
         raise UserError(f"the held-out pairs at {part.parquet} are empty: give more pairs or raise the split's fraction")
-    batch = max(1, min(cfg.train.batch_size * 4, 256))
-    report = score_pairs(loaded.model, split, loaded.tokenizer, loaded.vocab, method="greedy", batch_size=batch,
+    report = score_pairs(loaded.model, split, loaded.tokenizer, loaded.vocab, method="greedy", batch_size=EVAL_BATCH,
                          table_rows=10, bleu_tokenize=cfg.data.pairs.bleu_tokenize)
     pictures = []
     src, _, _ = next(eval_batches(split, min(HEATMAPS, len(split))))
@@ -57,7 +58,7 @@ def score_texts(loaded: Loaded, part: Any, bleu_tokenize: str) -> dict[str, floa
     src = [loaded.src_vocab.encode(loaded.src_tokenizer.split(t))[:m.max_src_len] for t in split.source]
     tgt = [loaded.vocab.encode(loaded.tokenizer.split(t))[:m.max_tgt_len] for t in split.target]
     ours = PairSplit(split.source, split.target, *_flat(src), *_flat(tgt))
-    report = score_pairs(loaded.model, ours, loaded.tokenizer, loaded.vocab, batch_size=256, table_rows=0,
+    report = score_pairs(loaded.model, ours, loaded.tokenizer, loaded.vocab, batch_size=EVAL_BATCH, table_rows=0,
                          bleu_tokenize=bleu_tokenize)
     return {"val_loss": report["loss"], "exact_match": report["exact_match"], "bleu": report["bleu"],
             "chrf": report["chrf"], "targets": int(sum(len(t) + 1 for t in tgt))}

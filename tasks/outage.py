@@ -1,0 +1,185 @@
+"""An MLflow tracking server that stops answering while a pipeline runs.
+
+Training does not wait for it: during training MLflow's requests fail in seconds instead of
+retrying for minutes (`fail_fast`), and metrics that cannot be sent are held and sent when the
+server answers again (`HeldMetrics`), with one warning. After training the pipeline asks the
+server once (`check_back`): still down, the command ends with one line naming it, the training
+kept in storage; the MLflow run it leaves open is noted in storage (`note_unfinished`) and closed
+by the next run against that storage root that reaches the server (`settle_unfinished`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Iterator
+
+from mllm import UserError, storage
+from mllm.redact import strip_userinfo
+
+log = logging.getLogger(__name__)
+
+
+def _logger() -> Any:
+    """The Prefect run's logger inside a task or flow (its lines reach the terminal), else ours."""
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 (no run context)
+        return log
+
+# Exceptions that mean nothing answered (urllib3's, requests', the stdlib's), by name: MLflow
+# wraps them in an MlflowException whose message names the server.
+_NO_ANSWER = {"ConnectionError", "MaxRetryError", "NewConnectionError", "ConnectTimeout", "ReadTimeout",
+              "ConnectionRefusedError", "RemoteDisconnected", "ProtocolError", "TimeoutError"}
+_NO_ANSWER_TEXT = ("Max retries exceeded", "Connection refused", "Connection aborted", "timed out")
+HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
+
+
+def server() -> str | None:
+    """The tracking server's URL (without credentials), or None for a local store."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    return strip_userinfo(uri)[0].rstrip("/") if uri.startswith(("http://", "https://")) else None
+
+
+def answers(timeout: float = 3.0) -> bool:
+    """Whether the tracking server answers its health check (a local store always does)."""
+    url = server()
+    if url is None:
+        return True
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered (a proxy in front may guard /health)
+    except (OSError, ValueError):
+        return False
+
+
+def tracking_down(exc: BaseException | None) -> str | None:
+    """One line when `exc` (or what caused it) is the tracking server not answering; else None."""
+    url = server()
+    seen: set[int] = set()
+    while url and exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        names = {c.__name__ for c in type(exc).__mro__}
+        if (names & _NO_ANSWER or any(t in text for t in _NO_ANSWER_TEXT)) and (
+                url.split("://", 1)[1] in text or "API request to" in text):
+            return (f"the MLflow tracking server {url} stopped answering: start it again (`mllm-pipeline stack up` "
+                    "restarts one) and run the same command; finished stages and training are kept in storage "
+                    "and reused, and the unfinished MLflow run is closed then")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextlib.contextmanager
+def fail_fast(timeout: float = 10.0) -> Iterator[None]:
+    """MLflow's requests without its retries (minutes of them) while the block runs: a request to
+    a server that is away fails in seconds and its caller decides what to do."""
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout))}
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update({k: v for k, v in wanted.items() if before[k] is None})  # the user's own settings win
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+class HeldMetrics:
+    """`send` (a RunTracker's log_metrics) that holds what it could not send while the tracking
+    server is away, and sends it with the next records once the server answers again."""
+
+    def __init__(self, send: Callable[[list[dict]], None], every_s: float = 10.0):
+        self.send, self.every_s = send, every_s
+        self.held: list[dict] = []
+        self.dropped = 0
+        self.away_since_step: int | None = None
+        self.next_try = 0.0
+
+    def __call__(self, records: list[dict]) -> None:
+        self.held += records
+        if len(self.held) > HOLD_AT_MOST:
+            self.dropped += len(self.held) - HOLD_AT_MOST
+            self.held = self.held[-HOLD_AT_MOST:]
+        if not self.held:
+            return
+        if self.away_since_step is not None:
+            if time.monotonic() < self.next_try:
+                return
+            if not answers(2.0):  # one look every few seconds, not a request per log step
+                self.next_try = time.monotonic() + self.every_s
+                return
+        try:
+            self.send(self.held)
+        except Exception as e:
+            if tracking_down(e) is None:
+                raise
+            if self.away_since_step is None:
+                self.away_since_step = int(self.held[0]["step"]) if self.held else -1
+                _logger().warning("the MLflow tracking server %s stopped answering at step %d: training goes on; its "
+                            "metrics are held and sent when the server answers again", server(), self.away_since_step)
+            self.next_try = time.monotonic() + self.every_s
+            return
+        if self.away_since_step is not None:
+            lost = f" ({self.dropped} of the oldest were dropped)" if self.dropped else ""
+            _logger().warning("the MLflow tracking server answers again: sent the metrics held since step %d%s",
+                        self.away_since_step, lost)
+            self.away_since_step, self.dropped = None, 0
+        self.held = []
+
+    def flush(self) -> None:
+        """A last try at what is held (training ended); what the server cannot take is dropped."""
+        self.next_try = 0.0
+        if self.held:
+            self([])
+        if self.held:
+            _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
+                        "records since step %d were not sent", server(), len(self.held), self.away_since_step)
+            self.held = []
+
+
+def check_back(run_dir: str) -> None:
+    """After training: the server must answer before the outcome is recorded (MLflow's client
+    would retry for minutes, then fail naming no server)."""
+    if not answers(5.0):
+        raise UserError(f"the MLflow tracking server {server()} stopped answering during the run: the training is "
+                        f"finished and kept in {run_dir}; start the server again (`mllm-pipeline stack up` restarts "
+                        "one) and run the same command to evaluate, register and record it (training is reused)")
+
+
+def _unfinished(root: str) -> str:
+    return storage.join(root, "tracking", "unfinished")
+
+
+def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
+    """A run the away server could not close, for `settle_unfinished` to close later."""
+    with contextlib.suppress(Exception):  # the error the user sees matters more than this note
+        storage.write_json(storage.join(_unfinished(root), f"{run_id}.json"),
+                           {"run_id": run_id, "status": status, "error": error, "server": server()})
+
+
+def settle_unfinished(client: Any, root: str) -> None:
+    """Close the runs an away server left open, with the status and error they ended with."""
+    folder = _unfinished(root)
+    with contextlib.suppress(Exception):
+        if not storage.exists(folder):
+            return
+        fs, path = storage.filesystem(folder)
+        for name in fs.glob(f"{path.rstrip('/')}/*.json"):
+            url = storage.join(folder, os.path.basename(name))
+            note = storage.read_json(url)
+            if note.get("server") != server():
+                continue  # another server's run
+            client.set_tag(note["run_id"], "error", note["error"])
+            client.set_terminated(note["run_id"], note["status"])
+            _logger().info("closed MLflow run %s, left %s when the tracking server stopped answering",
+                     note["run_id"], note["status"])
+            storage.remove(url)
