@@ -113,10 +113,12 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
             return [SourceFile(source, _size(info), file_format(path), _stamp(info))], []
     except UserError:
         raise
-    except PermissionError as e:
-        raise UserError(f"source {source} cannot be listed ({short(e)}): check its credentials "
-                        "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)") from None
     except Exception as e:  # noqa: BLE001  (any filesystem's own network errors)
+        if credentials := storage.credentials_problem(e, source):
+            raise UserError(credentials) from None  # no retry mends it
+        if isinstance(e, PermissionError):
+            raise UserError(f"source {source} cannot be listed ({short(e)}): check its credentials "
+                            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)") from None
         raise SourceUnreachable(f"cannot list {source} ({short(e)}): check that it is reachable, then "
                                 "run the same command again") from None
     files, hidden = [], []
