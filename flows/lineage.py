@@ -288,7 +288,9 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     key = t.get("data.tokens_key")
     if t.get("data.tokens_corpus"):
-        return _packs_link(t["data.tokens_corpus"], key)
+        from flows.lineage_corpus import packs_link
+
+        return packs_link(t["data.tokens_corpus"], key)
     fields, manifest = _stage_folder("tokens", "token chunks", t.get("data.tokens"), key)
     if manifest is None:
         return fields
@@ -298,51 +300,14 @@ def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     return _link("tokens", OK, **fields)
 
 
-def _packs_link(url: str, key: str | None) -> dict[str, Any]:
-    """A many-file corpus's tokens: the packs its tokens list, each still complete."""
-    fields: dict[str, Any] = {"key": key, "uri": url}
-    if not storage.exists(url):
-        return _link("tokens", MISSING, **fields, detail=f"{url} is gone")
-    doc = storage.read_json(url)
-    fields.update(n_tokens=doc.get("n_tokens"), packs=len(doc["packs"]))
-    for p in doc["packs"]:
-        if not storage.is_complete(p["url"]):
-            return _link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
-    return _link("tokens", OK, **fields)
-
-
-def _manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
-    """A many-file corpus: its manifest, whose file digests must digest to the corpus's, and every
-    stored copy, there and of the size it had."""
-    from tasks.corpus import corpus_digest, file_key
-
-    sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
-    fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
-                              "bytes": _int(t.get("data.raw_bytes")), "files": _int(t.get("data.raw_files"))}
-    if not storage.exists(url):
-        return _link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
-    doc = storage.read_json(url)
-    listed = doc["files"]
-    fields["files"] = len(listed)
-    if files:
-        fields["file_list"] = [{"source": f["source"], "sha256": f["sha256"], "bytes": f["bytes"]} for f in listed]
-    if (again := corpus_digest([file_key(f["url"], f["sha256"]) for f in listed])) != sha:
-        return _link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
-    for f in listed:
-        if not storage.exists(f["url"]):
-            return _link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
-        size = storage.filesystem(f["url"])[0].size(storage.filesystem(f["url"])[1])
-        if f.get("stored_bytes") is not None and size != f["stored_bytes"]:
-            return _link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
-    return _link("corpus", OK, **fields)
-
-
 def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
     """The stored copy of the corpus, hashed again where it holds the source's bytes unchanged
     (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count.
-    A corpus of many files: its manifest (`_manifest_link`)."""
+    A corpus of many files: its manifest (flows.lineage_corpus.manifest_link)."""
     if t.get("data.raw_files", "1") != "1" or (t.get("data.raw_url") or "").endswith(".json"):
-        return _manifest_link(t, files)
+        from flows.lineage_corpus import manifest_link
+
+        return manifest_link(t, files)
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
                               "bytes": int(t["data.raw_bytes"]) if t.get("data.raw_bytes") else None}
@@ -388,72 +353,6 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-# --- from a corpus forward to the models --------------------------------------------------
-
-
-def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
-    """The runs trained (or skipped) on every corpus whose sha256 starts with `prefix`, newest
-    first, with the model version each made and its headline metric."""
-    prefix = prefix.strip().lower()
-    if re.fullmatch(r"[0-9a-f]{65,}", prefix):
-        raise UserError(f"{prefix!r} has {len(prefix)} hex characters, a sha256 has 64: give the corpus's sha256 "
-                        "or its first characters (at least 4)")
-    if not re.fullmatch(r"[0-9a-f]{4,64}", prefix):
-        raise UserError(f"{prefix!r} is no sha256 prefix: give at least 4 hex characters of the corpus's sha256")
-    client = tracking.client(root)
-    experiments = {e.experiment_id: e.name for e in client.search_experiments()}
-    if not experiments:
-        return []
-    runs = client.search_runs(list(experiments), f"tags.`data.raw_sha256` LIKE '{prefix}%'",
-                              order_by=["attributes.start_time DESC"], max_results=1000)
-    # A file of a many-file corpus: the corpora (manifests under the storage root) that hold it.
-    holding = _corpora_holding(root, prefix)
-    seen = {r.info.run_id for r in runs}
-    for digest in holding:
-        runs += [r for r in client.search_runs(list(experiments), f"tags.`data.raw_sha256` = '{digest}'",
-                                               max_results=1000) if r.info.run_id not in seen]
-    runs.sort(key=lambda r: -r.info.start_time)
-    rows = []
-    for r in runs:
-        t = r.data.tags
-        version = None
-        if t.get("model_version"):
-            name, _, number = t["model_version"].rpartition("/")
-            version = _get(client.get_model_version, name, number)
-        vt = version.tags if version is not None else {}
-        rows.append({
-            "sha256": t["data.raw_sha256"], "source": t.get("data.source"), "run_id": r.info.run_id,
-            "run_name": r.info.run_name, "recipe": experiments.get(r.info.experiment_id),
-            "status": r.info.status, "decision": t.get("decision"),
-            "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
-            "model_version": t.get("model_version") or (f"{experiments.get(r.info.experiment_id)}/"
-                                                        f"{t['champion.version']} (champion, not retrained)"
-                                                        if t.get("champion.version") else None),
-            "aliases": list(version.aliases or []) if version is not None else [],
-            "model_id": _model_id(version) if version is not None else None,
-            "headline": vt.get("headline"), "headline_value": _float(vt.get("headline.value")),
-            "holds_file": holding.get(t["data.raw_sha256"]),
-        })
-    return _clean(rows)
-
-
-def _corpora_holding(root: str, prefix: str) -> dict[str, str]:
-    """Corpus digest -> the file (source and sha256) whose digest starts with `prefix`, for every
-    corpus manifest under `root/corpora`."""
-    fs, path = storage.filesystem(storage.join(root, "corpora"))
-    try:
-        names = [p for p in fs.ls(path, detail=False) if not p.rsplit("/", 1)[-1].startswith(("seen-", "last-"))]
-    except FileNotFoundError:
-        return {}
-    found = {}
-    for name in names:
-        doc = storage.read_json(storage.join(root, "corpora", name.rsplit("/", 1)[-1]))
-        hit = next((f for f in doc.get("files", []) if f["sha256"].startswith(prefix)), None)
-        if hit:
-            found[doc["digest"]] = f"{hit['source']} (sha256 {hit['sha256'][:16]})"
-    return found
-
-
 # --- printing ------------------------------------------------------------------------------
 
 
@@ -495,25 +394,6 @@ def render(chain: dict[str, Any]) -> str:
             out.append(f"{'':11} {status}: {link['detail']}" if status != OK else f"{'':11} note: {link['detail']}")
     broken = [link["link"] for link in chain["links"] if link["status"] in BROKEN]
     out.append(f"broken links: {', '.join(broken)}" if broken else "every link checked against storage: ok")
-    return "\n".join(out)
-
-
-def render_corpus(prefix: str, rows: list[dict[str, Any]]) -> str:
-    if not rows:
-        return f"no run was trained on a corpus whose sha256 starts with {prefix}"
-    out = []
-    for sha in dict.fromkeys(r["sha256"] for r in rows):
-        mine = [r for r in rows if r["sha256"] == sha]
-        out.append(f"corpus sha256 {sha}" + (f"  {mine[0]['source']}" if mine[0].get("source") else "")
-                   + (f"\n  holds {mine[0]['holds_file']}" if mine[0].get("holds_file") else ""))
-        for r in mine:
-            metric = f"{r['headline']} {r['headline_value']:.4f}" if r.get("headline_value") is not None else "-"
-            model = r.get("model_version") or "-"
-            if r.get("aliases"):
-                model += " @" + ", @".join(r["aliases"])
-            out.append(f"  {r['started']}  run {r['run_id']}  {r['recipe']:16} {r['status']:9} "
-                       f"{r.get('decision') or '-':9} {model}  {metric}"
-                       + (f"  logged model {r['model_id']}" if r.get("model_id") else ""))
     return "\n".join(out)
 
 

@@ -22,7 +22,8 @@ import pyarrow as pa
 
 from mllm import UserError
 from mllm.config import TokenizerConfig
-from mllm.corpus import read_chunks, strip_gutenberg  # noqa: F401  (part of this module's API)
+from mllm.corpus import read_chunks  # noqa: F401  (part of this module's API)
+from mllm.gutenberg import strip_gutenberg  # noqa: F401  (part of this module's API)
 
 # -----------------------------------------------------------------------------
 # tokenizers

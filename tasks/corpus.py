@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from prefect import get_run_logger, task, unmapped
 from pydantic import BaseModel
 
-from mllm import UserError, corpus, files, packs, storage, text
+from mllm import UserError, corpus, files, gutenberg, packs, storage, text
 from mllm.config import DataConfig, TokenizerConfig
 from tasks import assets
 from tasks.caching import code_digest, forget_exception, stage_cache, transient
@@ -260,7 +260,7 @@ def _sample(records: list[FileRecord], cap: int) -> list[tuple[FileRecord, int]]
 
 def _sample_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
     sample = [(r.key, n) for r, n in _sample(manifest_files(raw), cfg.train_bytes)]
-    return storage.digest(["bpe", sample, cfg.model_dump(exclude={"train_bytes"}), code_digest(files, text)])
+    return storage.digest(["bpe", sample, cfg.model_dump(exclude={"train_bytes"}), code_digest(files, text, gutenberg)])
 
 
 def _sample_chunks(sample: list[tuple[FileRecord, int]], strip: bool):
@@ -333,7 +333,7 @@ def _existing_packs(folder: str) -> dict[str, dict[str, Any]]:
 
 def _tokens_key(raw: RawText, cfg: TokenizerConfig, span_bytes: int, tokenizer: str) -> str:
     what = cfg.model_dump(exclude={"train_bytes"})
-    return storage.digest(["corpus-tokens", what, span_bytes, tokenizer, code_digest(files, packs, text, corpus)])
+    return storage.digest(["corpus-tokens", what, span_bytes, tokenizer, code_digest(files, packs, text, corpus, gutenberg)])
 
 
 def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:

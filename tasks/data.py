@@ -17,7 +17,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import corpus, splits, storage, text, tokens as token_chunks
+from mllm import corpus, gutenberg, splits, storage, text, tokens as token_chunks
 from mllm.seq2seq import pairs as parallel
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
@@ -134,7 +134,7 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
 
 
 def _tokens_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
-    return storage.digest(["tokens", raw.sha256, cfg.model_dump(), code_digest(corpus, text, token_chunks)])
+    return storage.digest(["tokens", raw.sha256, cfg.model_dump(), code_digest(corpus, gutenberg, text, token_chunks)])
 
 
 @task(name="tokenize", on_failure=[forget_exception], cache_key_fn=stage_cache(_tokens_key),
