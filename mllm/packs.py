@@ -209,6 +209,7 @@ class CorpusPacks:
 
     def __init__(self, packs: list[tuple[str, list[str] | None]]):
         self.packs = packs
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None  # read once: the split plan and offsets both need them
 
     def _groups(self, columns: list[str]) -> Iterator[pa.Table]:
         for url, files in self.packs:
@@ -225,6 +226,11 @@ class CorpusPacks:
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's token count and span digest, in reading order."""
+        if self._rows is None:
+            self._rows = self._read_rows()
+        return self._rows
+
+    def _read_rows(self) -> tuple[np.ndarray, np.ndarray]:
         n, spans = [], []
         for t in self._groups(["n", "span"]):
             n.append(t.column("n").to_numpy())
