@@ -237,6 +237,7 @@ class BpeTokenizer(_CutTokenizer):
         for piece, i in hf.get_vocab().items():
             self._itos[i] = piece
         self._pieces_arrow = pa.array(self._itos, pa.string())
+        self._encoder = None  # mllm.fastbpe.FastEncoder, made on first use
 
     @classmethod
     def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":
@@ -255,7 +256,7 @@ class BpeTokenizer(_CutTokenizer):
         return max(_last_match(self._SAFE_CUT, text), 0)
 
     def _ids(self, text: str) -> np.ndarray:
-        # Encoding pieces as a batch lets the Rust side use every core.
+        # Pieces in a batch: the encoder's threads take one each.
         pieces, i = [], 0
         while len(text) - i > self._PIECE:
             m = self._SAFE_CUT.search(text, i + self._PIECE)
@@ -264,9 +265,11 @@ class BpeTokenizer(_CutTokenizer):
             pieces.append(text[i:m.start()])
             i = m.start()
         pieces.append(text[i:])
-        # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which we do not need.
-        encode = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
-        ids = [np.asarray(enc.ids, dtype=np.int32) for enc in encode(pieces, add_special_tokens=False)]
+        if self._encoder is None:
+            from mllm.fastbpe import FastEncoder
+
+            self._encoder = FastEncoder(self.hf)
+        ids = self._encoder.encode(pieces)
         return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
 
     def _tokens(self, text: str) -> list[str]:

@@ -18,7 +18,6 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 from mllm import corpus, gutenberg, splits, storage, text, tokens as token_chunks
-from mllm.seq2seq import pairs as parallel
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
 from tasks import assets, report_progress
@@ -246,16 +245,24 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
 # --- parallel text (the seq2seq family) -----------------------------------------------------
 
 
+def _pairs():
+    """mllm.seq2seq.pairs, imported when a parallel-text stage runs: the seq2seq package brings
+    torch (seconds), which the text stages' process-pool workers have no use for."""
+    from mllm.seq2seq import pairs
+
+    return pairs
+
+
 @task(name="numbers-corpus", on_failure=[forget_exception])
 def numbers_corpus(cfg: NumbersConfig, root: str) -> str:
     """Write the numbers corpus (English words -> the same number in cfg.language) as a TSV file
     under the storage root, once per config: from there it is a source like any other."""
-    key = storage.digest(["numbers", cfg.model_dump(), code_digest(parallel), _num2words_version()])
+    key = storage.digest(["numbers", cfg.model_dump(), code_digest(_pairs()), _num2words_version()])
     url = storage.join(root, "numbers", f"{key}.tsv")
     assets.materializes(url, name="numbers corpus")  # made from its config: no upstream asset
     assets.describe(url, pairs=cfg.count, seed=cfg.seed, max_number=cfg.max_number, language=cfg.language)
     if not storage.exists(url):
-        n = parallel.write_numbers_tsv(url, cfg.count, cfg.seed, cfg.max_number, cfg.language)
+        n = _pairs().write_numbers_tsv(url, cfg.count, cfg.seed, cfg.max_number, cfg.language)
         get_run_logger().info("numbers corpus: %d pairs in [0, %d], seed %d, en -> %s", n, cfg.max_number,
                               cfg.seed, cfg.language)
     return url
@@ -273,7 +280,7 @@ def _num2words_version() -> str:
 def _pairs_key(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> str:
     what = cfg.model_dump(include={"tokenizer", "vocab", "split", "pairs"}, exclude={"pairs": {"numbers"}})
     return storage.digest(["pairs", raw.sha256, what, max_src_len, max_tgt_len,
-                           code_digest(parallel, text, Vocab)])
+                           code_digest(_pairs(), text, Vocab)])
 
 
 @task(name="prepare-pairs", on_failure=[forget_exception], cache_key_fn=stage_cache(_pairs_key),
@@ -291,6 +298,7 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
     if done := _finished(url, Pairs):
         return done
     logger = get_run_logger()
+    parallel = _pairs()
     found, bad = parallel.read_tsv(raw.url, name=raw.source)
     with storage.staged_dir(url) as out:
         s = parallel.prepare_pairs(found, cfg, out, max_src_len, max_tgt_len, bad)

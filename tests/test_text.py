@@ -191,6 +191,44 @@ def test_bpe_encodes_long_text_in_pieces_with_the_same_tokens(bpe, monkeypatch):
     assert flat(bpe.tokenize([text])) == bpe.hf.encode(text).tokens
 
 
+def test_bpe_fast_encoder_gives_hugging_faces_ids_on_a_book():
+    """The tokenize stage encodes with tiktoken over the BPE's own merges (five times faster);
+    the ids must be Hugging Face's, accents, dashes and digits included."""
+    from conftest import SHARED_DATA
+
+    book = SHARED_DATA / "warandpeace.txt"
+    if not book.exists():
+        pytest.skip("the shared books are not beside the repository")
+    text = book.read_text(encoding="utf-8")
+    tok = build_tokenizer(TokenizerConfig(kind="bpe", bpe_vocab_size=2000), lambda: [text[:600_000]])
+    other = text[1_000_000:1_600_000] + make_text(2000, seed=3) + " unseen: ☃ ß 你好\r\n"
+    ids = tok._ids(other)
+    assert tok._encoder.tiktoken is not None  # the fast path ran, and agreed on its first piece
+    assert len(other) > 600_000 and ids.tolist() == tok.hf.encode(other).ids
+
+
+def test_bpe_fast_encoder_falls_back_where_tiktoken_would_differ():
+    """A BPE whose merges tiktoken's rule would not follow (b+c before a+b, then ab+c: Hugging
+    Face leaves "abc" as a|bc, tiktoken would join it): the encoder notices on its first text and
+    keeps Hugging Face's ids."""
+    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
+
+    from mllm.fastbpe import FastEncoder
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({"bc": 256, "ab": 257, "abc": 258})
+    hf = HF(models.BPE(vocab=vocab, merges=[("b", "c"), ("a", "b"), ("ab", "c")]))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    enc = FastEncoder(hf)
+    assert enc.tiktoken is not None
+    assert [ids.tolist() for ids in enc.encode(["abc abc"])] == [hf.encode("abc abc").ids]
+    assert hf.encode("abc").ids == [vocab["a"], 256]
+    assert enc.tiktoken is None  # and it stays on Hugging Face from then on
+    assert enc.encode(["xabc"])[0].tolist() == hf.encode("xabc").ids
+
+
 def test_bpe_training_is_deterministic(bpe):
     text = make_text(3000, seed=1)
     again = build_tokenizer(TokenizerConfig(kind="bpe", bpe_vocab_size=300), lambda: iter([text]))
