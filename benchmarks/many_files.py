@@ -67,6 +67,7 @@ from prefect import flow
 from mllm.resolve import resolve
 from flows.launch import data_runner, with_results
 from tasks import corpus as corpus_tasks, data as data_tasks
+from tasks.corpus_split import split_source
 
 source, root, sets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 cfg = resolve("default", overrides=sets, source=source)
@@ -85,7 +86,7 @@ def stages():
     vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
     times["vocabulary"] = time.perf_counter() - t
     t = time.perf_counter()
-    split = data_tasks.split(tokens, vocab, d.split, root)
+    split = split_source(tokens, vocab, d, root)
     times["split"] = time.perf_counter() - t
     return {"bytes": raw.bytes, "files": raw.files, "tokens": tokens.n_tokens, "tokenized": tokens.files_tokenized,
             "train": split.train.n_tokens, "val": split.val.n_tokens}

@@ -28,6 +28,7 @@ from tasks import data as data_tasks
 from tasks import model as model_tasks
 from tasks import outage
 from tasks.caching import forget_exception, result_storage
+from tasks.corpus_split import split_source
 from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
 from tasks.tracking import RunTracker, log_data, run_url
@@ -53,7 +54,7 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
     raw = corpus_tasks.download_source(d, root)  # one file, or many: listed, then file by file
     tokens = corpus_tasks.tokenize_source(raw, d, root)  # each file once per tokenizer
     vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
-    splits = data_tasks.split(tokens, vocab, d.split, root)
+    splits = split_source(tokens, vocab, d, root)  # one file contiguous; many span by span, pack by pack
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                     tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
                     raw_skipped=raw.skipped, raw_previous=raw.previous)

@@ -16,7 +16,7 @@ keep their split however the corpus grows, and the same text in two files lands 
     groups = group(new_files, target_bytes=32 << 20)
     info = tokenize_pack([(sha, raw_url), ...], tokenizer, out, strip=True, span_chars=16384)
     corpus = CorpusPacks([(pack_url, None), ...])
-    plan = span_plan(*corpus.rows(), cfg)
+    pieces = [route_pack(url, files, vocab, token_bytes, cfg, out) for url, files in corpus.packs]  # mllm.splits
 """
 
 from __future__ import annotations
@@ -211,7 +211,8 @@ class CorpusPacks:
         self.packs = packs
         self._rows: tuple[np.ndarray, np.ndarray] | None = None  # read once: the split plan and offsets both need them
 
-    def _groups(self, columns: list[str]) -> Iterator[pa.Table]:
+    def tables(self, columns: list[str]) -> Iterator[pa.Table]:
+        """The rows of the corpus, row group by row group: `columns` of each (file, span, n, tokens)."""
         for url, files in self.packs:
             fs, path = storage.filesystem(url)
             keep = pa.array(sorted(files), pa.string()) if files is not None else None
@@ -232,7 +233,7 @@ class CorpusPacks:
 
     def _read_rows(self) -> tuple[np.ndarray, np.ndarray]:
         n, spans = [], []
-        for t in self._groups(["n", "span"]):
+        for t in self.tables(["n", "span"]):
             n.append(t.column("n").to_numpy())
             spans.append(t.column("span").to_numpy())
         if not n:
@@ -241,7 +242,7 @@ class CorpusPacks:
 
     def batches(self) -> Iterator[pa.ChunkedArray]:
         """The tokens of each row group, flat (dictionary-encoded where the packs are)."""
-        for t in self._groups(["tokens"]):
+        for t in self.tables(["tokens"]):
             yield pc.list_flatten(t.column("tokens"))
 
     def piece_starts(self) -> np.ndarray:

@@ -6,6 +6,9 @@ group, so memory stays bounded whatever the corpus's size.
 
     plan = split_plan(n_tokens, cfg)
     parts = write_splits(tokens_folder, vocab, tokenizer, plan, out_folder)
+
+A corpus of many files is split span by span instead: `route_pack` routes each token pack's
+rows by their content digest, and `assemble` puts the packs' pieces together.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mllm import UserError, storage
@@ -86,28 +90,6 @@ def bytes_per_token(vocab: Vocab, tokenizer: Tokenizer) -> np.ndarray:
                     dtype=np.int64)
 
 
-def span_plan(lengths: np.ndarray, spans: np.ndarray, cfg: SplitConfig) -> Plan:
-    """Segments for token rows (spans) routed by their content digest (mllm.packs.span_owner):
-    neighbouring rows of one split make one segment."""
-    from mllm.packs import span_owner
-
-    owner = span_owner(spans, cfg)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    # A segment ends where the owner changes (or at the last row).
-    last = np.flatnonzero(np.append(owner[1:] != owner[:-1], True)) if len(owner) else np.zeros(0, np.int64)
-    first = np.concatenate([[0], last[:-1] + 1]) if len(last) else last
-    plan = [(int(starts[a]), int(ends[b]), NAMES[owner[a]]) for a, b in zip(first, last) if ends[b] > starts[a]]
-    sizes = plan_sizes(plan)
-    if sizes["val"] == 0 or (cfg.test_fraction and sizes["test"] == 0) or sizes["train"] < 2:
-        raise UserError(
-            f"the corpus has {len(lengths)} spans of about data.split.span_bytes characters, and none went to "
-            f"{'validation' if sizes['val'] == 0 else 'test' if sizes['train'] >= 2 else 'training'}: give "
-            "more text, or a smaller data.split.span_bytes"
-        )
-    return plan
-
-
 def split_offsets(plan: Plan, starts: np.ndarray) -> dict[str, np.ndarray]:
     """Each split's piece boundaries in its own coordinates: 0, where a piece (paragraph) starts
     inside it, where a segment of the plan ends, and its length. CBOW's contexts stay inside them."""
@@ -170,36 +152,20 @@ def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
 
 
 class _SplitWriter:
-    """One split's `.npy` (its header first, then the ids as they come) and `.parquet`
-    (`token_id: int32`, ROW_GROUP_IDS a row group), with the .npy's sha256 and the UTF-8 bytes
-    the ids stand for, counted as they are written."""
+    """One split's `.npy` and `.parquet` (`token_id: int32`, ROW_GROUP_IDS a row group), with the
+    UTF-8 bytes the ids stand for, counted as they are written."""
 
     def __init__(self, base: str, n: int, token_bytes: np.ndarray):
-        import hashlib
-        import io
-
-        self.token_bytes, self.n_bytes, self.sha256 = token_bytes, 0, hashlib.sha256()
-        header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.int32).str, "fortran_order": False,
-                                                      "shape": (n,)})
-        self.npy = open(f"{base}.npy", "wb")
-        self._npy(header.getvalue())
-        self.schema = pa.schema([("token_id", pa.int32())])
-        # Byte-stream split: ids of a small vocabulary leave the high bytes zero, which zstd then
-        # all but removes; twice as fast to write as dictionary encoding, a third smaller, and
-        # several times faster to read (measured in docs/benchmarks.md, many files).
-        self.parquet = pq.ParquetWriter(f"{base}.parquet", self.schema, compression="zstd", use_dictionary=False,
-                                        column_encoding={"token_id": "BYTE_STREAM_SPLIT"})
+        self.token_bytes, self.n_bytes = token_bytes, 0
+        self.npy = _NpyWriter(f"{base}.npy", n)
+        self.sha256 = self.npy.sha256
+        self.parquet = pq.ParquetWriter(f"{base}.parquet", _IDS_SCHEMA, **_IDS_PARQUET)
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
 
-    def _npy(self, data: bytes) -> None:
-        self.sha256.update(data)
-        self.npy.write(data)
-
     def write(self, ids: np.ndarray) -> None:
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        self._npy(ids.tobytes())
+        self.npy.write(ids)
         self.n_bytes += int(self.token_bytes[ids].sum())
         self.pending.append(ids)
         self.n_pending += len(ids)
@@ -210,10 +176,142 @@ class _SplitWriter:
         if self.pending:
             ids = np.concatenate(self.pending)
             for i in range(0, len(ids), ROW_GROUP_IDS):
-                self.parquet.write_table(pa.table({"token_id": pa.array(ids[i:i + ROW_GROUP_IDS])}, schema=self.schema))
+                self.parquet.write_table(pa.table({"token_id": pa.array(ids[i:i + ROW_GROUP_IDS])}, schema=_IDS_SCHEMA))
             self.pending, self.n_pending = [], 0
 
     def close(self) -> None:
         self._flush()
         self.parquet.close()
         self.npy.close()
+
+
+_IDS_SCHEMA = pa.schema([("token_id", pa.int32())])
+# Byte-stream split: ids of a small vocabulary leave the high bytes zero, which zstd then all but
+# removes; twice as fast to write as dictionary encoding, a third smaller, and several times
+# faster to read (measured in docs/benchmarks.md, many files).
+_IDS_PARQUET = {"compression": "zstd", "use_dictionary": False, "column_encoding": {"token_id": "BYTE_STREAM_SPLIT"}}
+
+
+class _NpyWriter:
+    """A flat int32 `.npy` of n ids, written front to back, with its sha256."""
+
+    def __init__(self, path: str, n: int):
+        import hashlib
+        import io
+
+        self.sha256 = hashlib.sha256()
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.int32).str, "fortran_order": False,
+                                                      "shape": (n,)})
+        self.f = open(path, "wb")
+        self.write_bytes(header.getvalue())
+
+    def write_bytes(self, data: bytes) -> None:
+        self.sha256.update(data)
+        self.f.write(data)
+
+    def write(self, ids: np.ndarray) -> None:
+        self.write_bytes(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self) -> "_NpyWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --- a corpus of many files: each pack routed on its own, then the splits put together ----------
+
+PIECES = "pieces.json"
+
+
+def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np.ndarray, cfg: SplitConfig,
+               out: str) -> dict[str, dict[str, int]]:
+    """The rows of one pack (those of `files`, or all) encoded and routed by their span digest
+    (mllm.packs.span_owner) to `out/<split>.parquet` (`token_id: int32`), with each split's row
+    lengths in `out/<split>.lengths.npy`. A pack's piece depends on the pack, the vocabulary and
+    the split's seed and fractions alone, so a corpus that grows by one file routes one pack.
+    Returns {split: {tokens, bytes, rows}} for the splits that got rows."""
+    from mllm.packs import CorpusPacks, span_owner
+
+    fs, path = storage.filesystem(out)
+    fs.makedirs(path, exist_ok=True)
+    summary: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory(prefix="mllm-route-") as tmp:
+        writers: dict[str, Any] = {}
+        lengths: dict[str, list[np.ndarray]] = {}
+        try:
+            for table in CorpusPacks([(pack, files)]).tables(["n", "span", "tokens"]):
+                owner = span_owner(table.column("span").to_numpy(), cfg)
+                for k in np.unique(owner):
+                    name, rows = NAMES[k], table.filter(pa.array(owner == k))
+                    ids = vocab.encode_array(pc.list_flatten(rows.column("tokens")))
+                    if name not in writers:
+                        writers[name] = pq.ParquetWriter(os.path.join(tmp, f"{name}.parquet"), _IDS_SCHEMA,
+                                                         **_IDS_PARQUET)
+                        summary[name] = {"tokens": 0, "bytes": 0, "rows": 0}
+                    writers[name].write_table(pa.table({"token_id": pa.array(ids, pa.int32())}))
+                    lengths.setdefault(name, []).append(rows.column("n").to_numpy())
+                    s = summary[name]
+                    s["tokens"] += len(ids)
+                    s["bytes"] += int(token_bytes[ids].sum())
+                    s["rows"] += rows.num_rows
+        finally:
+            for w in writers.values():
+                w.close()
+        for name in writers:
+            np.save(os.path.join(tmp, f"{name}.lengths.npy"), np.concatenate(lengths[name]).astype(np.int64))
+            for ext in ("parquet", "lengths.npy"):
+                fs.put(os.path.join(tmp, f"{name}.{ext}"), f"{path}/{name}.{ext}")
+    storage.write_json(f"{out.rstrip('/')}/{PIECES}", summary)
+    return summary
+
+
+def check_span_sizes(sizes: dict[str, int], n_rows: int, cfg: SplitConfig) -> None:
+    """A corpus split span by span needs a span in validation (and test, if asked) and some in training."""
+    if sizes.get("val", 0) == 0 or (cfg.test_fraction and sizes.get("test", 0) == 0) or sizes.get("train", 0) < 2:
+        missing = "validation" if not sizes.get("val") else "training" if sizes.get("train", 0) < 2 else "test"
+        raise UserError(
+            f"the corpus has {n_rows} spans of about data.split.span_bytes characters, and none went to {missing}: "
+            "give more text, or a smaller data.split.span_bytes"
+        )
+
+
+def assemble(pieces: list[str], out: str) -> list[WrittenSplit]:
+    """The splits of a corpus from its packs' routed pieces (`route_pack`), in pack order: each
+    split's ids `.npy` (written front to back), its piece boundaries (`.offsets.npy`, every row
+    a piece), and its Parquet as a folder `<split>.parquet/` of the pieces' files, which every
+    Parquet reader takes as one table."""
+    summaries = [storage.read_json(f"{p.rstrip('/')}/{PIECES}") for p in pieces]
+    fs, path = storage.filesystem(out)
+    fs.makedirs(path, exist_ok=True)
+    written = []
+    with tempfile.TemporaryDirectory(prefix="mllm-split-") as tmp:
+        for name in NAMES:
+            mine = [(p, s[name]) for p, s in zip(pieces, summaries) if name in s]
+            if not mine:
+                continue
+            n = sum(s["tokens"] for _, s in mine)
+            npy = _NpyWriter(os.path.join(tmp, f"{name}.npy"), n)
+            lengths = []
+            with npy:
+                for i, (piece, _) in enumerate(mine):
+                    pfs, ppath = storage.filesystem(piece)
+                    with pfs.open(f"{ppath}/{name}.parquet", "rb") as f:
+                        pf = pq.ParquetFile(f)
+                        for g in range(pf.num_row_groups):
+                            npy.write(pf.read_row_group(g).column(0).to_numpy())
+                    with pfs.open(f"{ppath}/{name}.lengths.npy", "rb") as f:
+                        lengths.append(np.load(f))
+                    # A piece's Parquet is a pack's share of one split: some MB, read whole.
+                    fs.makedirs(f"{path}/{name}.parquet", exist_ok=True)
+                    fs.pipe_file(f"{path}/{name}.parquet/part-{i:05d}.parquet", pfs.cat_file(f"{ppath}/{name}.parquet"))
+            offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
+            np.save(os.path.join(tmp, f"{name}.offsets.npy"), offsets)
+            for ext in ("npy", "offsets.npy"):
+                fs.put(os.path.join(tmp, f"{name}.{ext}"), f"{path}/{name}.{ext}")
+            written.append(WrittenSplit(name, n, sum(s["bytes"] for _, s in mine), npy.sha256.hexdigest()))
+    return written

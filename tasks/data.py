@@ -224,10 +224,9 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
         from tasks.corpus import corpus_packs
 
         source, n_files = corpus_packs(tokens)
-        # One file keeps its contiguous split; many are split span by span, by content.
-        plan = splits.split_plan(tokens.n_tokens, cfg) if n_files == 1 else splits.span_plan(*source.rows(), cfg)
-    else:
-        plan = splits.split_plan(tokens.n_tokens, cfg)
+        if n_files > 1:  # split span by span, by content: tasks.corpus_split
+            raise ValueError("a corpus of many files is split by tasks.corpus_split.split_source")
+    plan = splits.split_plan(tokens.n_tokens, cfg)
     with storage.staged_dir(url) as out:
         written = splits.write_splits(source, vocab, tokenizer, plan, out)
         parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),

@@ -151,7 +151,48 @@ def test_a_spans_split_depends_on_its_content_alone() -> None:
 
 def test_a_corpus_too_small_for_a_val_span_is_one_clear_error() -> None:
     with pytest.raises(UserError, match="none went to validation.*smaller data.split.span_bytes"):
-        splits.span_plan(np.array([100, 100]), np.array([1, 2]), SplitConfig(val_fraction=0.01, seed=3))
+        splits.check_span_sizes({"train": 200, "val": 0}, 2, SplitConfig(val_fraction=0.01, seed=3))
+
+
+def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: Path) -> None:
+    """Each pack's rows go to the split their span digest picks, and the put-together splits are
+    those rows in corpus order: ids, the UTF-8 bytes they stand for, row boundaries, and a Parquet
+    folder with the same ids."""
+
+    tok = build_tokenizer(TokenizerConfig(kind="char"))
+    books = []
+    for i in range(4):
+        b = tmp_path / f"b{i}.txt"
+        b.write_text(make_text(3000, seed=40 + i))
+        books.append(b)
+    packs_dir = [tmp_path / "p0", tmp_path / "p1"]
+    for d, group in zip(packs_dir, (books[:3], books[3:])):
+        d.mkdir()
+        packs.tokenize_pack([(f"sha-{b.stem}", str(b)) for b in group], tok, str(d), strip=True, span_chars=500)
+    corpus = packs.CorpusPacks([(str(packs_dir[0]), ["sha-b0", "sha-b2"]), (str(packs_dir[1]), None)])
+    vocab = Vocab.build(corpus.counts())
+    cfg = SplitConfig(val_fraction=0.2, test_fraction=0.1, seed=5)
+    token_bytes = splits.bytes_per_token(vocab, tok)
+    pieces = []
+    for i, (url, files) in enumerate(corpus.packs):
+        pieces.append(str(tmp_path / f"piece{i}"))
+        splits.route_pack(url, files, vocab, token_bytes, cfg, pieces[-1])
+    written = {w.name: w for w in splits.assemble(pieces, str(tmp_path / "out"))}
+    want: dict[str, list] = {"train": [], "val": [], "test": []}
+    bounds: dict[str, list] = {"train": [0], "val": [0], "test": [0]}
+    for table in corpus.tables(["n", "span", "tokens"]):
+        for span, row in zip(table.column("span").to_pylist(), table.column("tokens").to_pylist()):
+            name = splits.NAMES[packs.span_owner(np.array([span]), cfg)[0]]
+            want[name] += vocab.encode(row)
+            bounds[name].append(len(want[name]))
+    assert set(written) == {"train", "val", "test"}
+    for name, ids in want.items():
+        got = np.load(tmp_path / "out" / f"{name}.npy")
+        assert got.dtype == np.int32 and got.tolist() == ids
+        assert written[name].n_tokens == len(ids)
+        assert written[name].n_bytes == int(token_bytes[np.array(ids)].sum())
+        assert np.load(tmp_path / "out" / f"{name}.offsets.npy").tolist() == bounds[name]
+        assert pq.read_table(tmp_path / "out" / f"{name}.parquet").column("token_id").to_pylist() == ids
 
 
 def test_grouping_packs_small_files_and_leaves_large_ones_alone() -> None:

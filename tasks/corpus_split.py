@@ -1,0 +1,100 @@
+"""The split stage of a corpus of many files: each token pack's rows routed to train, val and test
+as a mapped task on the flow's task runner, then the splits put together in pack order.
+
+A pack's routed piece is stored under `splits/pieces/<key>`, keyed by the pack (and which of its
+files the corpus holds), the vocabulary and the split's settings: a corpus that grows by a file
+routes the new file's pack only (as long as the vocabulary stays the same), and the put-together
+step reads the pieces instead of every pack's tokens. A source of one file, or a corpus of one
+file, keeps the single `split` task of tasks.data and its contiguous split.
+
+    splits = split_source(tokens, vocab, cfg.data, root)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+from mllm import splits, storage, text
+from mllm.config import DataConfig, SplitConfig
+from mllm.vocab import Vocab
+from tasks import assets
+from tasks.caching import code_digest, forget_exception, stage_cache, transient
+from tasks.corpus import corpus_packs, fan_out
+from tasks.data import SplitPart, Splits, Tokens, Vocabulary, _finished, _manifest, _split_key, split
+
+
+class PackRows(BaseModel):
+    url: str  # the pack's folder
+    files: list[str] | None  # the corpus's files in it, or None for all
+
+
+def _route_key(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
+    # The span size is the tokens stage's (it made the rows); seed and fractions decide the owner.
+    return storage.digest(["route", pack.model_dump(), vocabulary.digest, cfg.model_dump(exclude={"span_bytes"}),
+                           code_digest(Vocab, splits)])
+
+
+@task(name="route-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_route_key),
+      retries=1, retry_condition_fn=transient)
+def route_pack(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> dict[str, Any]:
+    """One pack's rows encoded and routed to their splits; a piece already stored is reused."""
+    url = storage.join(root, "splits", "pieces", _route_key(pack, vocabulary, tokenizer, cfg, root))
+    if not storage.is_complete(url):
+        vocab = Vocab.load(vocabulary.url)
+        tok = text.tokenizer_from_json(storage.read_text(tokenizer), source=tokenizer)
+        with storage.staged_dir(url) as out:
+            splits.route_pack(pack.url, pack.files, vocab, splits.bytes_per_token(vocab, tok), cfg, out)
+    return {"url": url, "splits": storage.read_json(storage.join(url, splits.PIECES))}
+
+
+def _assembled_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str, pieces: list[str]) -> str:
+    return _split_key(tokens, vocabulary, cfg, root)
+
+
+@task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_assembled_key),
+      retries=1, retry_condition_fn=transient)
+def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str, pieces: list[str]) -> Splits:
+    """The corpus's splits from its packs' routed pieces, in pack order."""
+    key = _split_key(tokens, vocabulary, cfg, root)
+    url = storage.join(root, "splits", key)
+    assets.materializes(url, reads=[tokens.url, vocabulary.url], name="split")
+    if done := _finished(url, Splits):
+        return done
+    with storage.staged_dir(url) as out:
+        written = splits.assemble(pieces, out)
+        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"), ids=storage.join(url, f"{w.name}.npy"),
+                                   n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
+                                   offsets=storage.join(url, f"{w.name}.offsets.npy"))
+                 for w in written}
+        result = Splits(key=key, url=url, **parts)
+        _manifest(out, result)
+    assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
+                    **{f"{w.name}_bytes": w.n_bytes for w in written})
+    get_run_logger().info("split: %s (from %d packs)", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written),
+                          len(pieces))
+    return result
+
+
+def split_source(tokens: Tokens, vocabulary: Vocabulary, d: DataConfig, root: str) -> Splits:
+    """The split stage for any source: one file (or a corpus of one) contiguous, in one task; a
+    corpus of many files span by span, pack by pack."""
+    cfg = d.split
+    if not tokens.corpus:
+        return split(tokens, vocabulary, cfg, root)
+    corpus, n_files = corpus_packs(tokens)
+    if n_files == 1:
+        return split(tokens, vocabulary, cfg, root)
+    pieces: list[str] = []
+    if not storage.is_complete(storage.join(root, "splits", _split_key(tokens, vocabulary, cfg, root))):
+        refs = [PackRows(url=url, files=files) for url, files in corpus.packs]
+        routed = fan_out(route_pack, refs, tokens.n_tokens, d.task_runner, vocabulary, tokens.tokenizer, cfg, root)
+        sizes = {name: sum(r["splits"].get(name, {}).get("tokens", 0) for r in routed) for name in splits.NAMES}
+        rows = sum(s["rows"] for r in routed for s in r["splits"].values())
+        splits.check_span_sizes(sizes, rows, cfg)
+        pieces = [r["url"] for r in routed]
+    return assemble_splits(tokens, vocabulary, cfg, root, pieces)
+
+
