@@ -174,7 +174,8 @@ def main(total_mb: int, n_files: int, kinds: list[str]) -> dict:
                     print(rows[-1])
                     extra.unlink()
                 shutil.rmtree(root, ignore_errors=True)
-    cols = ["tokenizer", "processes", "run", "files tokenized", "download+tokenize s", "MB/s", "all stages s",
+    cols = ["tokenizer", "processes", "run", "files tokenized", "download+tokenize s", "MB/s", "tokenize MB/s",
+            "split s", "all stages s",
             "CPU s", "peak RSS one MB", "peak anon one MB", "peak anon all MB"]
     print(table(rows, [(c, c) for c in cols]))
     result = {"machine": m, "rows": rows, "mb": total_mb, "files": n_files}
@@ -187,6 +188,7 @@ def _row(kind: str, procs: int, what: str, size: int, r: dict) -> dict:
     dt = t["download"] + t["tokenize"]
     return {"tokenizer": kind, "processes": procs, "run": what, "files tokenized": r["tokenized"],
             "download+tokenize s": round(dt, 1), "MB/s": round(size / 1e6 / dt, 1),
+            "tokenize MB/s": round(size / 1e6 / t["tokenize"], 1), "split s": round(t["split"], 1),
             "all stages s": round(sum(t.values()), 1), "CPU s": round(r["cpu_s"], 1),
             "peak RSS one MB": round(r["max_rss_one_mb"]), "peak anon one MB": round(r["anon_one_mb"]),
             "peak anon all MB": round(r["anon_tree_mb"]),
