@@ -246,3 +246,23 @@ def test_a_storage_root_through_a_symlink_is_named_by_its_real_folder(corpus: Pa
         printed.append([line.split()[-1] for line in out.stdout.splitlines()[1:]])
     assert printed[0] == printed[1]
     assert all(path.startswith(str(tmp_path / "real") + "/") for path in printed[0]), printed
+
+
+def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(corpus: Path, tmp_path: Path) -> None:
+    """The smoke recipe's char tokenizer normalised ':', quotes, newlines and accents out of the
+    corpus: a prompt holding them is sampled as the corpus would have read it, and what the corpus
+    never had (here 'j', 'z' and digits) is named in one line."""
+    root = tmp_path / "storage"
+    out = cli("train", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    [checkpoint] = root.glob("runs/*/checkpoints/best.pt")
+    out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Pierre:\n  'war' café",
+              "--max-new-tokens", "5", "--method", "greedy")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Pierre war caf") and len(out.stdout.rstrip("\n")) == len("Pierre war caf") + 5
+    out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Jazz: 42 'x'", "--method", "greedy")
+    _assert_one_line_error(out, "characters that are not in the model's vocabulary: 'J' 'z' '4' '2' 'x'",
+                           "training corpus, normalised as the prompt was, had none of them",
+                           "leave them out of the prompt")
+    assert "':'" not in out.stderr and '"\'"' not in out.stderr
