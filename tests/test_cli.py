@@ -266,3 +266,34 @@ def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_
                            "training corpus, normalised as the prompt was, had none of them",
                            "leave them out of the prompt")
     assert "':'" not in out.stderr and '"\'"' not in out.stderr
+
+
+def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothing_else(corpus: Path,
+                                                                                       tmp_path: Path) -> None:
+    """A fresh Prefect home and MLflow store, a storage path with a space, progress bars drawn as
+    at a terminal: no MLflow table creation lines, no asset-key warnings, no Prefect line through
+    the bars; stderr is the bars, stdout the outcome."""
+    root = tmp_path / "my storage"
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "fresh" / "mlflow.db").exists() and list(root.glob("runs/*/checkpoints/best.pt"))
+    printed = out.stdout + out.stderr
+    for noise in ("MLflow database tables", "Updating database tables", "alembic", "asset key", "| INFO",
+                  "| WARNING", "Stopping temporary server", "Traceback"):
+        assert noise not in printed, (noise, printed)
+    bars = [line.split()[0] for line in out.stderr.splitlines() if line.strip()]
+    assert set(bars) == {"download", "tokenize", "train"}, out.stderr
+    assert "model: smoke v1 (promoted to champion" in out.stdout and f"checkpoint: {root}/runs/" in out.stdout
+
+    # Run again: a stage reused is said (one Cached line each, above the bars), and nothing else.
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if "| INFO" in line]
+    assert all("Finished in state Cached" in line for line in said) and len(said) == 3, out.stderr
+    assert {line.split()[0] for line in lines if line not in said} <= {"download", "tokenize", "train"}, out.stderr
+    assert out.stdout.startswith("skipped: data, config and code unchanged")
