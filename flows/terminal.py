@@ -296,6 +296,7 @@ def progress() -> Iterator[None]:
 
     def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
         if stage not in bars:
+            progress.start()  # at the first bar: a command that ends before one leaves no blank line
             bars[stage] = progress.add_task(stage, total=total, info="")
         info = ""
         if stage == "train":
@@ -317,9 +318,10 @@ def progress() -> Iterator[None]:
     try:
         for h in handlers:
             h.console = _AboveTheBars()
-        with progress:
-            yield
+        yield
     finally:
         tasks.progress_hook = None
+        if bars:
+            progress.stop()
         for h, own_console in own.items():
             h.console = own_console

@@ -297,3 +297,15 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     assert all("Finished in state Cached" in line for line in said) and len(said) == 3, out.stderr
     assert {line.split()[0] for line in lines if line not in said} <= {"download", "tokenize", "train"}, out.stderr
     assert out.stdout.startswith("skipped: data, config and code unchanged")
+
+
+def test_a_mistake_found_inside_the_flows_at_a_terminal_is_the_one_error_line(tmp_path: Path) -> None:
+    """Found by a stage (too little text to split), after the bars were set up: stderr is the
+    `error:` line alone, with no Prefect line and no blank line left by bars never drawn."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"b{i}.txt").write_text(make_text(1500, seed=i), encoding="utf-8")
+    out = cli("run", "--recipe", "smoke", "--source", str(books), "--storage", str(tmp_path / "s"), MLLM_PROGRESS="1")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: the corpus has 3 spans")
