@@ -281,6 +281,8 @@ def test_a_prompt_is_normalised_as_the_corpus_was(checkpoint):
     loaded = load_checkpoint(checkpoint)
     assert sample_text(loaded, "the:\n\n  'c'", "greedy", max_new_tokens=18) == "the cat sat on the mat."
     assert sample_text(loaded, "thé\r\nc", "greedy", max_new_tokens=0) == "th c"
+    with pytest.raises(UserError, match="is empty once normalised as the model's corpus was"):
+        sample_text(loaded, "«»", "greedy")
 
 
 def test_cli_prints_continuation_and_repeats_with_a_seed(checkpoint, capsys):

@@ -189,6 +189,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
 def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
     """The prompt and its continuation as text; keyword arguments go to `generate`."""
     tokens = loaded.tokenizer.split(prompt)
+    if prompt.strip() and not tokens:
+        raise UserError(f"the prompt {prompt!r} is empty once normalised as the model's corpus was (it holds only "
+                        "characters that normalisation drops): give text the corpus could have held")
     if missing := loaded.vocab.missing(tokens):
         raise UserError(not_in_vocabulary(loaded.config.data, missing, loaded.tokenizer.normalize))
     ids = loaded.vocab.encode(tokens)
