@@ -248,7 +248,8 @@ def test_a_storage_root_through_a_symlink_is_named_by_its_real_folder(corpus: Pa
     assert all(path.startswith(str(tmp_path / "real") + "/") for path in printed[0]), printed
 
 
-def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(corpus: Path, tmp_path: Path) -> None:
+def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(corpus: Path,
+                                                                                     tmp_path: Path) -> None:
     """The smoke recipe's char tokenizer normalised ':', quotes, newlines and accents out of the
     corpus: a prompt holding them is sampled as the corpus would have read it, and what the corpus
     never had (here 'j', 'z' and digits) is named in one line."""
