@@ -61,7 +61,8 @@ class _QuietAfterUserError(logging.Filter):
     failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
     from the console from the first of them on. Prefect's run record keeps them all.
 
-    Once progress bars are drawn (`terse`), the bars and the outcome are what the terminal shows:
+    Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
+    are what the terminal shows:
     of the info lines only a retry, a stage reused (Cached) and the stages' notices
     (`tasks.NOTICE`: a wait, a converted source) stay; warnings and errors always do. Without a
     terminal (a log file, CI) every line stays: there they are the progress."""
