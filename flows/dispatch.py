@@ -115,7 +115,8 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
     for attempt in range(restarts + 1):
         flow_run = run_deployment(name, parameters=params, timeout=0, job_variables=job_variables,
                                   tags=["mllm-pipeline"])
-        logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id)
+        logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id,
+                    extra=tasks.NOTICE)
         try:
             final = _follow(flow_run, pool, lost_after)
         except KeyboardInterrupt:  # Ctrl-C stops the training it started, on the worker too
@@ -164,7 +165,7 @@ def _follow(flow_run: FlowRun, pool: str, lost_after: float) -> FlowRun:
             if run.state and run.state.is_final():
                 return run
             if run.state_type in (StateType.SCHEDULED, StateType.PENDING) and not waiting_said:
-                logger.info("waiting for a worker of pool %r to pick up %r", pool, run.name)
+                logger.info("waiting for a worker of pool %r to pick up %r", pool, run.name, extra=tasks.NOTICE)
                 waiting_said = True
             if run.state_type == StateType.RUNNING and time.monotonic() - seen_at > lost_after:
                 message = (f"no log from the training run for {lost_after:.0f} s: its worker or machine "
@@ -190,7 +191,7 @@ def _relay(message: str, logger: Any) -> None:
     if progress and tasks.progress_hook is not None:
         tasks.report_progress("train", progress["step"], progress["total_steps"], train_loss=progress["train_loss"])
     else:
-        logger.info("[worker] %s", message)
+        logger.info("[worker] %s", message, extra=tasks.NOTICE)
 
 
 def _docker_error(message: str) -> str:

@@ -23,6 +23,12 @@ from mllm.storage import disk_full, unreachable
 
 console = Console(stderr=True)
 
+# A first run on a new SQLite tracking store: MLflow announces the tables it creates ("Creating
+# initial MLflow database tables...", "Updating database tables") and alembic its migrations, at
+# INFO. Nothing for the user to do; a warning still shows.
+for _name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
 
 def fail(message: str) -> None:
     # Escaped: a message's [brackets] are text ('mllm-pipeline[embeddings]'), not markup.
@@ -53,11 +59,18 @@ def user_errors() -> Iterator[None]:
 class _QuietAfterUserError(logging.Filter):
     """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
     failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
-    from the console from the first of them on. Prefect's run record keeps them all."""
+    from the console from the first of them on. Prefect's run record keeps them all.
+
+    Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
+    are what the terminal shows:
+    of the info lines only a retry, a stage reused (Cached) and the stages' notices
+    (`tasks.NOTICE`: a wait, a converted source) stay; warnings and errors always do. Without a
+    terminal (a log file, CI) every line stays: there they are the progress."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failed = False
+        self.terse = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         if self.failed:
@@ -79,7 +92,25 @@ class _QuietAfterUserError(logging.Filter):
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False
+        if self.terse and record.levelno < logging.WARNING:
+            return "Finished in state Cached" in message or bool(getattr(record, "notice", False))
         return True
+
+
+def _console_handlers() -> set[logging.Handler]:
+    """The handlers through which Prefect's lines reach the terminal (not its run record)."""
+    from prefect.logging.handlers import APILogHandler
+
+    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
+    return {h for n in names for h in logging.getLogger(n).handlers if not isinstance(h, APILogHandler)}
+
+
+class _AboveTheBars:
+    """Stands in for a Prefect console handler's own console while bars are drawn: its lines go
+    through the console the bars live on, which prints them above the bars, not through them."""
+
+    def print(self, message: Any, **_: Any) -> None:
+        console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -94,11 +125,9 @@ _servers: list[Any] = []  # the temporary Prefect servers this process started
 def flows_module():
     """The flows module, imported on first use (Prefect takes seconds to import)."""
     from flows import pipeline
-    from prefect.logging.handlers import APILogHandler
 
-    names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
-    for handler in {h for n in names for h in logging.getLogger(n).handlers}:
-        if not isinstance(handler, APILogHandler) and _quiet not in handler.filters:
+    for handler in _console_handlers():
+        if _quiet not in handler.filters:
             handler.addFilter(_quiet)
     # A flow that fails within a second can race its own heartbeat thread against the shutdown
     # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
@@ -268,6 +297,7 @@ def progress() -> Iterator[None]:
 
     def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
         if stage not in bars:
+            progress.start()  # at the first bar: a command that ends before one leaves no blank line
             bars[stage] = progress.add_task(stage, total=total, info="")
         info = ""
         if stage == "train":
@@ -280,9 +310,19 @@ def progress() -> Iterator[None]:
             info = f"{int(completed):,} tokens"
         progress.update(bars[stage], completed=completed, total=total, info=info)
 
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    handlers = [h for h in _console_handlers() if isinstance(h, PrefectConsoleHandler)]
+    own = {h: h.console for h in handlers}
+    _quiet.terse = True  # for good: the temporary server's "Stopping" line comes after the bars
     tasks.progress_hook = hook
     try:
-        with progress:
-            yield
+        for h in handlers:
+            h.console = _AboveTheBars()
+        yield
     finally:
         tasks.progress_hook = None
+        if bars:
+            progress.stop()
+        for h, own_console in own.items():
+            h.console = own_console

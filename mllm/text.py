@@ -64,7 +64,9 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def split(self, text: str) -> list[str]:
-        """Tokens of a prompt. Nothing is dropped, so the caller can name what the vocab lacks."""
+        """Tokens of a prompt, normalised as the corpus was (what normalisation drops from a
+        corpus it drops here too); nothing else is dropped, so the caller can name what the
+        vocabulary lacks."""
 
     def detokenize(self, tokens: list[str]) -> str:
         return "".join(tokens)
@@ -101,7 +103,6 @@ class CharTokenizer(Tokenizer):
     """
 
     kind = "char"
-    _SPACE = re.compile(r"[ \n]+")
 
     def _normalized(self, chunks: Iterable[str]) -> Iterator[np.ndarray]:
         """The normalised text of each chunk as ASCII bytes (uint8), empty pieces skipped."""
@@ -138,9 +139,8 @@ class CharTokenizer(Tokenizer):
             yield pa.DictionaryArray.from_arrays(pa.array(b.view(np.int8)), _ASCII)
 
     def split(self, text):
-        if self.normalize:
-            text = self._SPACE.sub(" ", text)
-        return list(text)
+        # The corpus's own path: a prompt's ':' or newline becomes what it became in the corpus.
+        return [t for piece in self.tokenize([text]) for t in piece]
 
 
 def _utf8_characters(text: str) -> pa.Array:

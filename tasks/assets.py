@@ -71,8 +71,10 @@ def materializes(url: str, reads: Iterable[str | None] = (), name: str | None = 
     if key is None:
         from prefect import get_run_logger
 
-        get_run_logger().warning("%s cannot be a Prefect asset key (it holds a space or another character Prefect "
-                                 "refuses, or is over %d characters): not recorded as an asset", scrub(url), _MAX_KEY)
+        # Debug, not a warning: a storage root with a space would repeat it for every stage of every
+        # run, and the lineage through MLflow does not depend on it.
+        get_run_logger().debug("%s cannot be a Prefect asset key (it holds a space or another character Prefect "
+                               "refuses, or is over %d characters): not recorded as an asset", scrub(url), _MAX_KEY)
         return None
     from prefect.assets import Asset, AssetProperties
 

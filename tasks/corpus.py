@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from mllm import UserError, corpus, files, gutenberg, packs, storage, text
 from mllm.config import DataConfig, TokenizerConfig
-from tasks import assets
+from tasks import NOTICE, assets
 from tasks.caching import code_digest, forget_exception, stage_cache, transient
 from tasks.data import RawText, Tokens, download, tokenize
 
@@ -64,7 +64,7 @@ def list_source(sources: list[str]) -> list[files.SourceFile]:
     found, hidden = files.list_files(sources)
     if hidden:
         shown = ", ".join(hidden[:5]) + (f" and {len(hidden) - 5} more" if len(hidden) > 5 else "")
-        get_run_logger().info("skipped %d hidden or marker files: %s", len(hidden), shown)
+        get_run_logger().info("skipped %d hidden or marker files: %s", len(hidden), shown, extra=NOTICE)
     return found
 
 

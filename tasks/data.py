@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from mllm import corpus, gutenberg, splits, storage, text, tokens as token_chunks
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
 from mllm.vocab import Vocab
-from tasks import assets, report_progress
+from tasks import NOTICE, assets, report_progress
 from tasks.caching import code_digest, forget_exception, package_digest, stage_cache, transient
 
 
@@ -122,9 +122,9 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
         logger.warning("the stored copy %s no longer held the source's text (changed in storage): written again",
                        got.url)
     if got.compression:
-        logger.info("source %s is %s-compressed: stored decompressed", got.source, got.compression)
+        logger.info("source %s is %s-compressed: stored decompressed", got.source, got.compression, extra=NOTICE)
     if got.encoding != "utf-8":
-        logger.info("source %s is %s: stored converted to UTF-8", got.source, got.encoding.upper())
+        logger.info("source %s is %s: stored converted to UTF-8", got.source, got.encoding.upper(), extra=NOTICE)
     logger.info("source %s: %d bytes, sha256 %s", got.source, got.bytes, got.sha256[:12])
     return RawText(source=got.source, url=got.url, sha256=got.sha256, bytes=got.bytes, encoding=got.encoding)
 

@@ -229,7 +229,8 @@ def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metri
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
     # A tracking server that goes away does not stop the training (tasks/outage.py).
-    with storage.exclusive(run_dir, lambda: logger.info("another training of %s is running: waiting for it", run_dir)), \
+    waiting = "another training of %s is running: waiting for it"
+    with storage.exclusive(run_dir, lambda: logger.info(waiting, run_dir, extra=tasks.NOTICE)), \
             outage.fail_fast(), system_metrics(run_id, root):
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)

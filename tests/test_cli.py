@@ -246,3 +246,67 @@ def test_a_storage_root_through_a_symlink_is_named_by_its_real_folder(corpus: Pa
         printed.append([line.split()[-1] for line in out.stdout.splitlines()[1:]])
     assert printed[0] == printed[1]
     assert all(path.startswith(str(tmp_path / "real") + "/") for path in printed[0]), printed
+
+
+def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(corpus: Path,
+                                                                                     tmp_path: Path) -> None:
+    """The smoke recipe's char tokenizer normalised ':', quotes, newlines and accents out of the
+    corpus: a prompt holding them is sampled as the corpus would have read it, and what the corpus
+    never had (here 'j', 'z' and digits) is named in one line."""
+    root = tmp_path / "storage"
+    out = cli("train", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    [checkpoint] = root.glob("runs/*/checkpoints/best.pt")
+    out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Pierre:\n  'war' café",
+              "--max-new-tokens", "5", "--method", "greedy")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Pierre war caf") and len(out.stdout.rstrip("\n")) == len("Pierre war caf") + 5
+    out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Jazz: 42 'x'", "--method", "greedy")
+    _assert_one_line_error(out, "characters that are not in the model's vocabulary: 'J' 'z' '4' '2' 'x'",
+                           "training corpus, normalised as the prompt was, had none of them",
+                           "leave them out of the prompt")
+    assert "':'" not in out.stderr and '"\'"' not in out.stderr
+
+
+def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothing_else(corpus: Path,
+                                                                                       tmp_path: Path) -> None:
+    """A fresh Prefect home and MLflow store, a storage path with a space, progress bars drawn as
+    at a terminal: no MLflow table creation lines, no asset-key warnings, no Prefect line through
+    the bars; stderr is the bars, stdout the outcome."""
+    root = tmp_path / "my storage"
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "fresh" / "mlflow.db").exists() and list(root.glob("runs/*/checkpoints/best.pt"))
+    printed = out.stdout + out.stderr
+    for noise in ("MLflow database tables", "Updating database tables", "alembic", "asset key", "| INFO",
+                  "| WARNING", "Stopping temporary server", "Traceback"):
+        assert noise not in printed, (noise, printed)
+    bars = [line.split()[0] for line in out.stderr.splitlines() if line.strip()]
+    assert set(bars) == {"download", "tokenize", "train"}, out.stderr
+    assert "model: smoke v1 (promoted to champion" in out.stdout and f"checkpoint: {root}/runs/" in out.stdout
+
+    # Run again: a stage reused is said (one Cached line each, above the bars), and nothing else.
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    said = [line for line in lines if "| INFO" in line]
+    assert all("Finished in state Cached" in line for line in said) and len(said) == 3, out.stderr
+    assert {line.split()[0] for line in lines if line not in said} <= {"download", "tokenize", "train"}, out.stderr
+    assert out.stdout.startswith("skipped: data, config and code unchanged")
+
+
+def test_a_mistake_found_inside_the_flows_at_a_terminal_is_the_one_error_line(tmp_path: Path) -> None:
+    """Found by a stage (too little text to split), after the bars were set up: stderr is the
+    `error:` line alone, with no Prefect line and no blank line left by bars never drawn."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for i in range(3):
+        (books / f"b{i}.txt").write_text(make_text(1500, seed=i), encoding="utf-8")
+    out = cli("run", "--recipe", "smoke", "--source", str(books), "--storage", str(tmp_path / "s"), MLLM_PROGRESS="1")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: the corpus has 3 spans")

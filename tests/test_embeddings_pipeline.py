@@ -82,6 +82,11 @@ def test_cbow_smoke_trains_evaluates_exports_and_registers_a_model_that_answers(
     out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
                           "--prompt", "prinse"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and "'prinse' is not in the vocabulary; did you mean 'prince'?" in out.stderr
+    # A prompt is tokenized as the corpus was (basic_english: lower case, ':' dropped).
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
+                          "--prompt", "War: PRINCE", "--neighbours", "3"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == answer, out.stderr[-2000:]
     # Sampling options of a language model do not apply to neighbours: refused, not ignored.
     out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
                           "--prompt", "war", "--method", "top-p", "--top-p", "0.9"], capture_output=True, text=True,

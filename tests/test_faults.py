@@ -242,7 +242,8 @@ def test_a_corpus_without_a_character_of_the_recipes_prompt_still_trains_samples
     # A prompt the user gives keeps its clear error.
     [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
     line = _one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
-                           "the prompt has characters the vocabulary lacks: 'T'")
+                           "the prompt has characters that are not in the model's vocabulary: 'T' (its "
+                           "training corpus, normalised as the prompt was, had none of them)")
     assert "leave them out of the prompt" in line
 
 

@@ -269,10 +269,20 @@ def test_sample_text_continues_the_prompt(checkpoint):
 def test_sample_text_names_characters_the_vocabulary_lacks(checkpoint):
     loaded = load_checkpoint(checkpoint)
     with pytest.raises(UserError) as e:
-        sample_text(loaded, "The cat ate ë", "greedy", max_new_tokens=5)
+        sample_text(loaded, "The cat ate Q", "greedy", max_new_tokens=5)
     msg = str(e.value)
-    assert "characters" in msg and "'T'" in msg and "'ë'" in msg and "'c'" not in msg
+    assert "characters" in msg and "'T' 'Q'" in msg and "'c'" not in msg and "training corpus" in msg
     assert "\n" not in msg
+
+
+def test_a_prompt_is_normalised_as_the_corpus_was(checkpoint):
+    """The char tokenizer with normalize=true dropped ':', quotes and accents from the corpus and
+    folded newlines and spaces: a prompt gets the same, so the model sees what it learned."""
+    loaded = load_checkpoint(checkpoint)
+    assert sample_text(loaded, "the:\n\n  'c'", "greedy", max_new_tokens=18) == "the cat sat on the mat."
+    assert sample_text(loaded, "thé\r\nc", "greedy", max_new_tokens=0) == "th c"
+    with pytest.raises(UserError, match="is empty once normalised as the model's corpus was"):
+        sample_text(loaded, "«»", "greedy")
 
 
 def test_cli_prints_continuation_and_repeats_with_a_seed(checkpoint, capsys):

@@ -124,9 +124,14 @@ def test_char_raw_mode_keeps_everything():
     assert tok.detokenize(tokens) == text
 
 
-def test_char_split_keeps_characters_the_vocabulary_may_lack():
+def test_char_split_normalises_a_prompt_as_the_corpus_was():
+    """A prompt loses what the corpus lost (so ':' or "'" cannot be refused by a model whose
+    corpus had them normalised away); without normalisation it keeps every character."""
     tok = build_tokenizer(TokenizerConfig(kind="char", normalize=True))
-    assert tok.split("Hé  said\n\n(x)") == list("Hé said (x)")
+    text = "Hé  said:\r\n\n'(x)'"
+    assert tok.split(text) == flat(tok.tokenize([text])) == list("H said x")
+    raw = build_tokenizer(TokenizerConfig(kind="char", normalize=False))
+    assert raw.split(text) == list(text)
 
 
 # -- word tokenizer -----------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class WordEmbeddings(Family):
         prompts = [" ".join(loaded.config.sample.probes)] if prompts is None else prompts
         out = []
         for prompt in prompts:
-            words = prompt.split()
+            words = loaded.tokenizer.split(prompt)  # as the corpus was: "War" is the corpus's "war"
             if not words:
                 raise UserError("the prompt holds no word: give the words whose neighbours to list, e.g. "
                                 "--prompt \"war mother\"")

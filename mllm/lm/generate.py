@@ -12,7 +12,7 @@ block and the refill is paid once per block_size // 2 tokens.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -189,11 +189,11 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
 def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
     """The prompt and its continuation as text; keyword arguments go to `generate`."""
     tokens = loaded.tokenizer.split(prompt)
-    missing = loaded.vocab.missing(tokens)
-    if missing:
-        what = {"char": "characters", "word": "words"}.get(loaded.config.data.tokenizer.kind, "tokens")
-        shown = " ".join(repr(t) for t in missing[:20]) + (" ..." if len(missing) > 20 else "")
-        raise UserError(f"the prompt has {what} the vocabulary lacks: {shown}; leave them out of the prompt")
+    if prompt.strip() and not tokens:
+        raise UserError(f"the prompt {prompt!r} is empty once normalised as the model's corpus was (it holds only "
+                        "characters that normalisation drops): give text the corpus could have held")
+    if missing := loaded.vocab.missing(tokens):
+        raise UserError(not_in_vocabulary(loaded.config.data, missing, loaded.tokenizer.normalize))
     ids = loaded.vocab.encode(tokens)
     stoi = loaded.vocab.stoi
     if not ids and "<bos>" in stoi:
@@ -202,6 +202,19 @@ def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
     kw.setdefault("eos_id", stoi.get("<eos>"))
     new = generate(loaded.model, ids, method=method, **kw)
     return loaded.tokenizer.detokenize(tokens + loaded.vocab.decode(new))
+
+
+def not_in_vocabulary(data: Any, missing: list[str], normalized: bool) -> str:
+    """The one line naming the tokens of a prompt that the model's vocabulary lacks, and why: its
+    corpus (tokenized and normalised as the prompt was) did not have them, or too rarely."""
+    what = {"char": "characters", "word": "words", "basic_english": "words"}.get(data.tokenizer.kind, "tokens")
+    shown = " ".join(repr(t) for t in missing[:20]) + (" ..." if len(missing) > 20 else "")
+    how = "normalised as the prompt was, " if normalized else ""
+    rare = data.vocab.min_freq > 1 or data.vocab.max_size is not None
+    why = (f"too rarely (data.vocab.min_freq {data.vocab.min_freq}, max_size {data.vocab.max_size}) or not at all"
+           if rare else "none of them")
+    return (f"the prompt has {what} that are not in the model's vocabulary: {shown} (its training corpus, "
+            f"{how}had {why}); leave them out of the prompt")
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
