@@ -13,10 +13,11 @@ rows by their content digest, and `assemble` puts the packs' pieces together.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -119,7 +120,7 @@ def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
     names = [s for s in NAMES if sizes[s]]
     token_bytes = bytes_per_token(vocab, tokenizer)
     fs, path = storage.filesystem(out)
-    with tempfile.TemporaryDirectory(prefix="mllm-split-") as tmp:
+    with _writing_to(fs, path, "mllm-split-") as (tmp, publish):
         # Each split's tokens come in order (the plan's segments are in text order, and so are a
         # split's own), so its files are written front to back in one pass: memory stays at one
         # row group, with no memory map of the whole split.
@@ -146,9 +147,22 @@ def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
             w = writers[s]
             np.save(os.path.join(tmp, f"{s}.offsets.npy"), offsets[s])
             for ext in ("npy", "offsets.npy", "parquet"):
-                fs.put(os.path.join(tmp, f"{s}.{ext}"), f"{path}/{s}.{ext}")
+                publish(f"{s}.{ext}")
             written.append(WrittenSplit(s, sizes[s], w.n_bytes, w.sha256.hexdigest()))
     return written
+
+
+@contextlib.contextmanager
+def _writing_to(fs: Any, path: str, prefix: str) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A local folder to write files bound for `path`, and what publishes each one there: on a
+    local disk the folder is `path` itself (a gigabyte's copy saved), elsewhere a temporary
+    folder whose files are put to `path`."""
+    if "file" in fs.protocol:
+        fs.makedirs(path, exist_ok=True)
+        yield path, lambda name: None
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield tmp, lambda name: fs.put(os.path.join(tmp, name), f"{path}/{name}")
 
 
 class _SplitWriter:
@@ -238,9 +252,8 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
     from mllm.packs import CorpusPacks, span_owner
 
     fs, path = storage.filesystem(out)
-    fs.makedirs(path, exist_ok=True)
     summary: dict[str, dict[str, int]] = {}
-    with tempfile.TemporaryDirectory(prefix="mllm-route-") as tmp:
+    with _writing_to(fs, path, "mllm-route-") as (tmp, publish):
         writers: dict[str, Any] = {}
         lengths: dict[str, list[np.ndarray]] = {}
         try:
@@ -265,7 +278,7 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
         for name in writers:
             np.save(os.path.join(tmp, f"{name}.lengths.npy"), np.concatenate(lengths[name]).astype(np.int64))
             for ext in ("parquet", "lengths.npy"):
-                fs.put(os.path.join(tmp, f"{name}.{ext}"), f"{path}/{name}.{ext}")
+                publish(f"{name}.{ext}")
     storage.write_json(f"{out.rstrip('/')}/{PIECES}", summary)
     return summary
 
@@ -287,9 +300,8 @@ def assemble(pieces: list[str], out: str) -> list[WrittenSplit]:
     Parquet reader takes as one table."""
     summaries = [storage.read_json(f"{p.rstrip('/')}/{PIECES}") for p in pieces]
     fs, path = storage.filesystem(out)
-    fs.makedirs(path, exist_ok=True)
     written = []
-    with tempfile.TemporaryDirectory(prefix="mllm-split-") as tmp:
+    with _writing_to(fs, path, "mllm-split-") as (tmp, publish):
         for name in NAMES:
             mine = [(p, s[name]) for p, s in zip(pieces, summaries) if name in s]
             if not mine:
@@ -312,6 +324,6 @@ def assemble(pieces: list[str], out: str) -> list[WrittenSplit]:
             offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
             np.save(os.path.join(tmp, f"{name}.offsets.npy"), offsets)
             for ext in ("npy", "offsets.npy"):
-                fs.put(os.path.join(tmp, f"{name}.{ext}"), f"{path}/{name}.{ext}")
+                publish(f"{name}.{ext}")
             written.append(WrittenSplit(name, n, sum(s["bytes"] for _, s in mine), npy.sha256.hexdigest()))
     return written
