@@ -40,6 +40,10 @@ class VocabConfig(_Section):
     max_size: int | None = Field(None, ge=2)
     # <unk> is always present; these are added on request.
     specials: list[Literal["<pad>", "<bos>", "<eos>"]] = []
+    # The order of the ids. frequency: most frequent first. token: in token order, so a corpus
+    # that grows keeps its ids while no new token arrives (and a many-file corpus's split is
+    # routed again for its new files only). auto: token for a corpus of many files, else frequency.
+    order: Literal["auto", "frequency", "token"] = "auto"
 
 
 class SplitConfig(_Section):

@@ -40,11 +40,12 @@ class Vocab:
 
     @classmethod
     def build(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None,
-              specials: Iterable[str] = ()) -> "Vocab":
-        """<unk>, then `specials`, then tokens seen at least `min_freq` times, most frequent first.
+              specials: Iterable[str] = (), order: str = "frequency") -> "Vocab":
+        """<unk>, then `specials`, then tokens seen at least `min_freq` times, most frequent first
+        (`order="token"`: the same tokens, in token order).
 
         Ties go in token order, so the same counts always give the same ids. `max_size` counts
-        every entry, <unk> and specials included.
+        every entry, <unk> and specials included, and keeps the most frequent in either order.
         """
         head = list(dict.fromkeys([UNK, *specials]))
         if max_size is not None and max_size < len(head):
@@ -53,8 +54,8 @@ class Vocab:
         reserved = set(head)
         kept = sorted(((t, c) for t, c in counts.items() if c >= min_freq and t not in reserved),
                       key=lambda tc: (-tc[1], tc[0]))
-        tokens = head + [t for t, _ in kept]
-        return cls(tokens if max_size is None else tokens[:max_size])
+        kept = kept if max_size is None else kept[:max(max_size - len(head), 0)]
+        return cls(head + (sorted(t for t, _ in kept) if order == "token" else [t for t, _ in kept]))
 
     def __len__(self) -> int:
         return len(self.itos)

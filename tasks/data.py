@@ -185,13 +185,16 @@ def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     assets.materializes(storage.join(url, "vocab.json"), reads=[tokens.url], name="vocabulary")
     if done := _finished(url, Vocabulary):
         return done
+    many = False
     if tokens.corpus:
         from tasks.corpus import corpus_packs
 
-        counts = corpus_packs(tokens)[0].counts()
+        corpus, n_files = corpus_packs(tokens)
+        counts, many = corpus.counts(), n_files > 1
     else:
         counts = token_chunks.count_tokens(tokens.url)
-    vocab = Vocab.build(counts, min_freq=cfg.min_freq, max_size=cfg.max_size, specials=cfg.specials)
+    order = cfg.order if cfg.order != "auto" else "token" if many else "frequency"
+    vocab = Vocab.build(counts, min_freq=cfg.min_freq, max_size=cfg.max_size, specials=cfg.specials, order=order)
     result = Vocabulary(key=key, url=storage.join(url, "vocab.json"), digest=vocab.digest, size=len(vocab))
     with storage.staged_dir(url) as out:
         vocab.save(storage.join(out, "vocab.json"))

@@ -30,6 +30,16 @@ def test_min_freq_and_max_size_counting_every_entry():
         Vocab.build(COUNTS, max_size=2, specials=["<bos>", "<eos>"])
 
 
+def test_token_order_keeps_ids_while_counts_change():
+    """A growing corpus: counts shift (b overtakes a) but no token arrives, so ids stay; the
+    most frequent still win the room max_size leaves."""
+    before = Vocab.build({"a": 5, "b": 4, "c": 1}, specials=["<pad>"], order="token")
+    after = Vocab.build({"a": 6, "b": 9, "c": 2}, specials=["<pad>"], order="token")
+    assert before.itos == after.itos == ["<unk>", "<pad>", "a", "b", "c"]
+    assert Vocab.build({"a": 6, "b": 9, "c": 2}, specials=["<pad>"]).itos == ["<unk>", "<pad>", "b", "a", "c"]
+    assert Vocab.build({"z": 9, "a": 1, "m": 5}, max_size=3, order="token").itos == ["<unk>", "m", "z"]
+
+
 def test_unknown_tokens_encode_to_unk():
     v = Vocab.build(COUNTS)
     assert v.encode(["a", "z", " ", "<unk>"]) == [2, 0, 1, 0]
