@@ -1,6 +1,7 @@
 """Train/val/test splits: which tokens go where, and the arrays training reads.
 
-Each split is written twice: a flat int32 `.npy` that training memory-maps, and a Parquet file
+Each split is written twice: a flat `.npy` that training memory-maps, in the narrowest type that
+holds the vocabulary's ids (`ids_dtype`: uint8, uint16, else int32), and a Parquet file
 (`token_id: int32`) for anything else that reads columns. Both are filled row group by row
 group, so memory stays bounded whatever the corpus's size.
 
@@ -171,7 +172,7 @@ class _SplitWriter:
 
     def __init__(self, base: str, n: int, token_bytes: np.ndarray):
         self.token_bytes, self.n_bytes = token_bytes, 0
-        self.npy = _NpyWriter(f"{base}.npy", n)
+        self.npy = _NpyWriter(f"{base}.npy", n, ids_dtype(len(token_bytes)))
         self.sha256 = self.npy.sha256
         self.parquet = pq.ParquetWriter(f"{base}.parquet", _IDS_SCHEMA, **_IDS_PARQUET)
         self.pending: list[np.ndarray] = []
@@ -206,16 +207,23 @@ _IDS_SCHEMA = pa.schema([("token_id", pa.int32())])
 _IDS_PARQUET = {"compression": "zstd", "use_dictionary": False, "column_encoding": {"token_id": "BYTE_STREAM_SPLIT"}}
 
 
-class _NpyWriter:
-    """A flat int32 `.npy` of n ids, written front to back, with its sha256."""
+def ids_dtype(n_vocab: int) -> np.dtype:
+    """The narrowest dtype that holds every id of a vocabulary: a character vocabulary's ids take
+    one byte each, most BPE and word vocabularies' two (training reads them as int64 anyway)."""
+    return np.dtype(np.uint8 if n_vocab <= 1 << 8 else np.uint16 if n_vocab <= 1 << 16 else np.int32)
 
-    def __init__(self, path: str, n: int):
+
+class _NpyWriter:
+    """A flat `.npy` of n ids (`dtype`), written front to back, with its sha256."""
+
+    def __init__(self, path: str, n: int, dtype: np.dtype):
         import hashlib
         import io
 
         self.sha256 = hashlib.sha256()
         header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": np.dtype(np.int32).str, "fortran_order": False,
+        self.dtype = np.dtype(dtype)
+        np.lib.format.write_array_header_1_0(header, {"descr": self.dtype.str, "fortran_order": False,
                                                       "shape": (n,)})
         self.f = open(path, "wb")
         self.write_bytes(header.getvalue())
@@ -225,7 +233,7 @@ class _NpyWriter:
         self.f.write(data)
 
     def write(self, ids: np.ndarray) -> None:
-        self.write_bytes(np.ascontiguousarray(ids, dtype=np.int32).tobytes())
+        self.write_bytes(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
 
     def close(self) -> None:
         self.f.close()
@@ -293,7 +301,7 @@ def check_span_sizes(sizes: dict[str, int], n_rows: int, cfg: SplitConfig) -> No
         )
 
 
-def assemble(pieces: list[str], out: str) -> list[WrittenSplit]:
+def assemble(pieces: list[str], n_vocab: int, out: str) -> list[WrittenSplit]:
     """The splits of a corpus from its packs' routed pieces (`route_pack`), in pack order: each
     split's ids `.npy` (written front to back), its piece boundaries (`.offsets.npy`, every row
     a piece), and its Parquet as a folder `<split>.parquet/` of the pieces' files, which every
@@ -307,23 +315,66 @@ def assemble(pieces: list[str], out: str) -> list[WrittenSplit]:
             if not mine:
                 continue
             n = sum(s["tokens"] for _, s in mine)
-            npy = _NpyWriter(os.path.join(tmp, f"{name}.npy"), n)
-            lengths = []
-            with npy:
+            npy = _NpyWriter(os.path.join(tmp, f"{name}.npy"), n, ids_dtype(n_vocab))
+            lengths: list[np.ndarray] = []
+
+            def piece_ids(name: str = name, mine: list = mine, lengths: list = lengths) -> Iterator[np.ndarray]:
                 for i, (piece, _) in enumerate(mine):
                     pfs, ppath = storage.filesystem(piece)
-                    with pfs.open(f"{ppath}/{name}.parquet", "rb") as f:
-                        pf = pq.ParquetFile(f)
-                        for g in range(pf.num_row_groups):
-                            npy.write(pf.read_row_group(g).column(0).to_numpy())
+                    # A piece's Parquet is a pack's share of one split, some MB compressed: read
+                    # once, its ids into the .npy and its bytes into the split's Parquet folder.
+                    data = pfs.cat_file(f"{ppath}/{name}.parquet")
+                    fs.makedirs(f"{path}/{name}.parquet", exist_ok=True)
+                    fs.pipe_file(f"{path}/{name}.parquet/part-{i:05d}.parquet", data)
                     with pfs.open(f"{ppath}/{name}.lengths.npy", "rb") as f:
                         lengths.append(np.load(f))
-                    # A piece's Parquet is a pack's share of one split: some MB, read whole.
-                    fs.makedirs(f"{path}/{name}.parquet", exist_ok=True)
-                    fs.pipe_file(f"{path}/{name}.parquet/part-{i:05d}.parquet", pfs.cat_file(f"{ppath}/{name}.parquet"))
+                    pf = pq.ParquetFile(pa.BufferReader(data))
+                    for g in range(pf.num_row_groups):
+                        yield pf.read_row_group(g).column(0).to_numpy()
+
+            with npy:
+                for ids in _ahead(piece_ids()):
+                    npy.write(ids)
             offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
             np.save(os.path.join(tmp, f"{name}.offsets.npy"), offsets)
             for ext in ("npy", "offsets.npy"):
                 publish(f"{name}.{ext}")
             written.append(WrittenSplit(name, n, sum(s["bytes"] for _, s in mine), npy.sha256.hexdigest()))
     return written
+
+
+def _ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """`items`, made in a thread of their own up to `depth` ahead: decoding Parquet there while
+    this thread writes and hashes the last batch (all three let go of the GIL) takes the
+    assembly from one core's time to about the longer of the two."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(depth)
+    done = object()
+    stop = threading.Event()
+
+    def make() -> None:
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                q.put(item)
+            q.put(done)
+        except BaseException as e:  # handed to the reader, which raises it
+            q.put(e)
+
+    worker = threading.Thread(target=make, daemon=True)
+    worker.start()
+    try:
+        while (item := q.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # let a blocked put through, so the thread ends
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                worker.join(0.05)

@@ -64,7 +64,7 @@ def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, ro
     if done := _finished(url, Splits):
         return done
     with storage.staged_dir(url) as out:
-        written = splits.assemble(pieces, out)
+        written = splits.assemble(pieces, vocabulary.size, out)
         parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"), ids=storage.join(url, f"{w.name}.npy"),
                                    n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
                                    offsets=storage.join(url, f"{w.name}.offsets.npy"))

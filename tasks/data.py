@@ -60,7 +60,7 @@ class Vocabulary(BaseModel):
 
 class SplitPart(BaseModel):
     parquet: str
-    ids: str  # flat int32 .npy, memory-mapped by training; parallel text: the pairs' Parquet
+    ids: str  # flat .npy (uint8, uint16 or int32: mllm.splits.ids_dtype), memory-mapped by training; pairs: their Parquet
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
     offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it

@@ -177,7 +177,7 @@ def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: P
     for i, (url, files) in enumerate(corpus.packs):
         pieces.append(str(tmp_path / f"piece{i}"))
         splits.route_pack(url, files, vocab, token_bytes, cfg, pieces[-1])
-    written = {w.name: w for w in splits.assemble(pieces, str(tmp_path / "out"))}
+    written = {w.name: w for w in splits.assemble(pieces, len(vocab), str(tmp_path / "out"))}
     want: dict[str, list] = {"train": [], "val": [], "test": []}
     bounds: dict[str, list] = {"train": [0], "val": [0], "test": [0]}
     for table in corpus.tables(["n", "span", "tokens"]):
@@ -188,7 +188,7 @@ def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: P
     assert set(written) == {"train", "val", "test"}
     for name, ids in want.items():
         got = np.load(tmp_path / "out" / f"{name}.npy")
-        assert got.dtype == np.int32 and got.tolist() == ids
+        assert got.dtype == np.uint8 and got.tolist() == ids  # a character vocabulary: one byte an id
         assert written[name].n_tokens == len(ids)
         assert written[name].n_bytes == int(token_bytes[np.array(ids)].sum())
         assert np.load(tmp_path / "out" / f"{name}.offsets.npy").tolist() == bounds[name]
