@@ -95,7 +95,7 @@ def pg_stack(open_dir: Path) -> Iterator[dict]:
         with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
             yield {"home": home, "state": state, "root": str(open_dir / "storage"), "dir": open_dir}
     finally:
-        stack.down(home)
+        stack.down(home, force=True)
         mp.undo()
 
 
