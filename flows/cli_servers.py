@@ -145,7 +145,8 @@ def stack_status(home: StackHome = None) -> None:
     for s, ok in services:
         typer.echo(f"{s.name:15} {'running' if ok else 'NOT RUNNING':12} {s.url or ''}  (pid {s.pid}, log {s.log})")
     if not all(ok for _, ok in services):
-        typer.echo("start what is down with `mllm-pipeline stack up` (what runs is reused)")
+        down = [f"{s.name} (the servers' database)" if s.name == "postgres" else s.name for s, ok in services if not ok]
+        typer.echo(f"down: {', '.join(down)}; start it again with `mllm-pipeline stack up` (what runs is reused)")
         raise typer.Exit(1)
     _print_stack(stack.load(folder), folder, services=False)
 

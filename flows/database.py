@@ -120,6 +120,29 @@ def reopen(home: Path, url: str | None, timeout: float, start: bool) -> Database
     return db
 
 
+DOWN = "the database of the Prefect and MLflow servers is down"
+
+
+def down_line(exc: BaseException | None) -> str | None:
+    """One line when `exc` is a server's failure because the Prefect and MLflow servers' database
+    is down (not the asyncpg or psycopg tracebacks the servers log), naming the stack's database
+    when $PREFECT_API_URL is the stack's in $MLLM_STACK_HOME (or ./.mllm-stack); else None."""
+    from flows import stack
+    from tasks import outage
+
+    if exc is None or not (outage.server_error(exc) or outage.tracking_down(exc)):
+        return None
+    api = outage.prefect_database_down()
+    if api is None:
+        return None
+    home = stack.stack_home()
+    ours = stack.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") == api
+    what = f"the stack's {recorded(home).get('database')}" if ours and recorded(home) else "their database"
+    return (f"{DOWN} ({what}; the Prefect server {api} answers "
+            "'Database is not available'): start it again (`mllm-pipeline stack up` starts what of the stack is "
+            "down) and run the same command; finished stages and trainings are kept in storage and reused")
+
+
 def _sqlite(home: Path, note: str | None) -> Database:
     return Database(f"SQLite in {home}", mlflow_args=["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"],
                     note=note)
