@@ -131,7 +131,9 @@ class Service:
                         popen.wait(timeout=0.2)
                 else:
                     time.sleep(0.2)
-                if not self.alive():
+                # The whole group: `runuser` returns before the PostgreSQL server under it has
+                # finished its shutdown checkpoint (whose lock file a new start would then meet).
+                if not self.alive() and not group(self.pid):
                     return True
         return not self.alive()
 
