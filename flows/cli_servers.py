@@ -78,7 +78,9 @@ StackHome = Annotated[Optional[str], typer.Option(
     "--home", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
 
 
-@stack_app.command("up")
+@stack_app.command("up", help=(
+    "Start the stack, or what of it is down: services that run are reused, a dead one is started again on its "
+    "port (the database's server first). MLflow's artifacts go to the storage root. Prints the stack's URLs."))
 def stack_up(home: StackHome = None, storage: Storage = None,
              pool: Annotated[str, typer.Option(help="The process work pool its worker serves.")] = "local",
              prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
@@ -90,7 +92,6 @@ def stack_up(home: StackHome = None, storage: Storage = None,
                       "else SQLite]. The password stays in the servers' environment only.")] = None,
              slots: Annotated[Optional[int], typer.Option(
                  help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None) -> None:
-    """Start the stack (MLflow's artifacts go to the storage root) and print its URLs."""
     with user_errors():
         from flows import database, stack
 
@@ -105,6 +106,10 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots)
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
+        if state["reused"]:
+            again = f"started again: {', '.join(state['restarted'])}; " if state["restarted"] else "nothing to start; "
+            console.print(f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False,
+                          soft_wrap=True)
         note = database.recorded(folder).get("note")
         if note:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
@@ -112,12 +117,15 @@ def stack_up(home: StackHome = None, storage: Storage = None,
 
 
 @stack_app.command("down")
-def stack_down(home: StackHome = None) -> None:
-    """Stop what `stack up` started, and only that."""
+def stack_down(home: StackHome = None,
+               force: Annotated[bool, typer.Option("--force", help="Stop it even under flow runs in flight "
+                                                   "(they crash; a re-run resumes them).")] = False) -> None:
+    """Stop what `stack up` started, and only that. Refused while flow runs on its Prefect server
+    are pending, running or cancelling (it names them), unless --force."""
     with user_errors():
         from flows import stack
 
-        stopped = stack.down(stack.stack_home(home))
+        stopped = stack.down(stack.stack_home(home), force=force)
         if not stopped:
             typer.echo("no stack was running")
         for name, was_running in stopped:
@@ -137,6 +145,8 @@ def stack_status(home: StackHome = None) -> None:
     for s, ok in services:
         typer.echo(f"{s.name:15} {'running' if ok else 'NOT RUNNING':12} {s.url or ''}  (pid {s.pid}, log {s.log})")
     if not all(ok for _, ok in services):
+        down = [f"{s.name} (the servers' database)" if s.name == "postgres" else s.name for s, ok in services if not ok]
+        typer.echo(f"down: {', '.join(down)}; start it again with `mllm-pipeline stack up` (what runs is reused)")
         raise typer.Exit(1)
     _print_stack(stack.load(folder), folder, services=False)
 

@@ -25,7 +25,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.stack import Service, free_port, port_free
+from flows.processes import Service, free_port, port_free
 from mllm import UserError
 
 ROLE = "mllm"
@@ -96,7 +96,54 @@ def choose(home: Path, url: str | None = None, timeout: float = 60.0) -> Databas
     return _cluster(home, binaries, timeout)
 
 
-def _sqlite(home: Path, note: str) -> Database:
+def reopen(home: Path, url: str | None, timeout: float, start: bool) -> Database:
+    """The database of a stack that runs, for a server of it started again: its cluster's server
+    started again too when `start`. A team's server takes its URL again: its password is kept
+    nowhere the stack could read it back."""
+    was = recorded(home)
+    describe = was.get("database", "")
+    if describe.startswith("PostgreSQL at "):
+        if not url:
+            raise UserError(f"the stack keeps its records on {describe.split(' (')[0][len('PostgreSQL at '):]}, "
+                            "whose password it does not keep: give it again with `mllm-pipeline stack up "
+                            "--database-url postgresql://USER:PASSWORD@HOST:PORT/NAME`")
+        db = _given(url)
+    elif describe.startswith("PostgreSQL "):
+        binaries = server_bin()
+        if binaries is None:
+            raise UserError(f"the stack's records are in its PostgreSQL cluster in {home / 'postgres'}, but "
+                            f"PostgreSQL's server is no longer installed: `{INSTALL}` installs it")
+        db = _cluster(home, binaries, timeout, start=start)
+    else:
+        db = _sqlite(home, None)
+    db.note = was.get("note")
+    return db
+
+
+DOWN = "the database of the Prefect and MLflow servers is down"
+
+
+def down_line(exc: BaseException | None) -> str | None:
+    """One line when `exc` is a server's failure because the Prefect and MLflow servers' database
+    is down (not the asyncpg or psycopg tracebacks the servers log), naming the stack's database
+    when $PREFECT_API_URL is the stack's in $MLLM_STACK_HOME (or ./.mllm-stack); else None."""
+    from flows import stack
+    from tasks import outage
+
+    if exc is None or not (outage.server_error(exc) or outage.tracking_down(exc)):
+        return None
+    api = outage.prefect_database_down()
+    if api is None:
+        return None
+    home = stack.stack_home()
+    ours = stack.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") == api
+    what = f"the stack's {recorded(home).get('database')}" if ours and recorded(home) else "their database"
+    return (f"{DOWN} ({what}; the Prefect server {api} answers "
+            "'Database is not available'): start it again (`mllm-pipeline stack up` starts what of the stack is "
+            "down) and run the same command; finished stages and trainings are kept in storage and reused")
+
+
+def _sqlite(home: Path, note: str | None) -> Database:
     return Database(f"SQLite in {home}", mlflow_args=["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"],
                     note=note)
 
@@ -160,7 +207,9 @@ def create_databases(user: str, password: str, host: str, port: int, name: str, 
 # -- the stack's own cluster ---------------------------------------------------------------------
 
 
-def _cluster(home: Path, binaries: Path, timeout: float) -> Database:
+def _cluster(home: Path, binaries: Path, timeout: float, start: bool = True) -> Database:
+    """The stack's cluster, its server started (on its port, or a free one if that is taken),
+    or as it runs (`start` False)."""
     folder = home / "postgres"
     data, info_file, password_file = folder / "data", folder / "cluster.json", folder / "password"
     if not (data / "PG_VERSION").exists():
@@ -168,10 +217,14 @@ def _cluster(home: Path, binaries: Path, timeout: float) -> Database:
         if note:
             return _sqlite(home, note)
     info = json.loads(info_file.read_text())
+    password = password_file.read_text().strip()
+    version = (data / "PG_VERSION").read_text().strip()
+    if not start:
+        return _database(f"PostgreSQL {version} in {folder} on 127.0.0.1:{info['port']}",
+                         _urls(ROLE, password, "127.0.0.1", info["port"], DEFAULT_NAME))
     port = info["port"] if port_free(info["port"]) else free_port()
     if port != info["port"]:
         info_file.write_text(json.dumps({**info, "port": port}) + "\n")
-    password = password_file.read_text().strip()
     server = Service("postgres", as_owner([str(binaries / "postgres"), "-D", str(data), "-p", str(port),
                                            "-h", "127.0.0.1", "-c", "unix_socket_directories="]),
                      str(home / "logs" / "postgres.log"), url=f"postgresql://{ROLE}@127.0.0.1:{port}")
@@ -182,7 +235,6 @@ def _cluster(home: Path, binaries: Path, timeout: float) -> Database:
     except BaseException:
         server.stop()
         raise
-    version = (data / "PG_VERSION").read_text().strip()
     return _database(f"PostgreSQL {version} in {folder} on 127.0.0.1:{port}",
                      _urls(ROLE, password, "127.0.0.1", port, DEFAULT_NAME), [server])
 

@@ -9,141 +9,18 @@ that stopping it stops its children too (the worker's flow runs, the servers' wo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flows import QUIET_ENV
+from flows.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
-
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def answers(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with _DIRECT.open(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def tail(path: str | Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-@dataclass
-class Service:
-    """A background command leading its own process group, ready when `health_url` answers
-    200 (or, with no URL, when `ready` says so)."""
-
-    name: str
-    cmd: list[str]
-    log: str
-    health_url: str | None = None
-    url: str | None = None  # what to show the user
-    pid: int | None = None
-    env: dict[str, str] = field(default_factory=dict, repr=False)  # not saved: may hold secrets
-
-    def start(self) -> "Service":
-        Path(self.log).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
-            popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env}, start_new_session=True,
-                                     cwd=Path(self.log).parent)
-        self.pid = popen.pid
-        self._popen = popen
-        return self
-
-    def alive(self) -> bool:
-        """Whether our process still runs: its pid exists and runs the command we started."""
-        if self.pid is None:
-            return False
-        popen = getattr(self, "_popen", None)
-        if popen is not None:
-            return popen.poll() is None
-        try:
-            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            try:
-                os.kill(self.pid, 0)  # no /proc (macOS): trust the pid
-                return True
-            except OSError:
-                return False
-        return [c.decode(errors="replace") for c in cmdline if c] == self.cmd
-
-    def healthy(self) -> bool:
-        return self.alive() and (self.health_url is None or answers(self.health_url))
-
-    def wait_ready(self, timeout: float = 120.0, ready=None) -> None:
-        """Block until healthy (and `ready()` if given); raise with the log's tail if never."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if not self.alive():
-                code = getattr(self, "_popen", None) and self._popen.returncode
-                raise RuntimeError(f"{self.name} exited (status {code}) before it was ready; "
-                                   f"its log {self.log} ends:\n{tail(self.log)}")
-            if (self.health_url is None or answers(self.health_url)) and (ready is None or ready()):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f} s; its log {self.log} "
-                                   f"ends:\n{tail(self.log)}")
-            time.sleep(0.25)
-
-    def stop(self, grace: float = 15.0) -> bool:
-        """SIGTERM the process group, then SIGKILL what is left. False if it was not running."""
-        if not self.alive():
-            return False
-        # A worker starts each flow run in a session of its own: signal those too.
-        others = [p for p in descendants(self.pid) if _pgid(p) != self.pid]
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            for pid in others:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, sig)
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                popen = getattr(self, "_popen", None)
-                if popen is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        popen.wait(timeout=0.2)
-                else:
-                    time.sleep(0.2)
-                if not self.alive():
-                    return True
-        return not self.alive()
-
-    def saved(self) -> dict:
-        d = asdict(self)
-        d.pop("env")
-        return d
 
 
 # -- the stack ---------------------------------------------------------------------------------
@@ -190,21 +67,34 @@ def _quiet_env(home: Path) -> dict[str, str]:
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
+def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
+    """A server's environment beyond this shell's: never saved (the database's may hold a password)."""
+    if name == "prefect-server":
+        return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env}
+    mlflow_env = _quiet_env(home)
+    if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
+        mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+    return {**mlflow_env, **db.mlflow_env}
+
+
 def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
        mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
        database_url: str | None = None, slots: int | None = None) -> dict:
-    """Start the stack and return its state (services, env). A stack already running is left
-    as it is; a worker that died is started again. `slots`: the pool's concurrency limit (None:
-    no limit on a new stack, the limit unchanged on a running one; the CLI gives its default)."""
+    """Start the stack, or what of it is not running, and return its state (services, env, and
+    the names of the services `restarted` and of those `reused` as they ran). What runs is reused; a
+    service that died is started again with its recorded command (its port, so its URL holds),
+    the options for a new stack (ports, pool, storage, database) then do not apply. `slots`: the
+    pool's concurrency limit (None: no limit on a new stack, the limit unchanged on a running
+    one; the CLI gives its default)."""
     state = load(home)
-    servers = [s for s in state["services"] if s.name != "worker"]
-    if servers and all(s.healthy() for s in servers):
-        if not any(s.name == "worker" and s.alive() for s in state["services"]):
-            start_worker(home, timeout)
-        set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
-        return load(home)
     if any(s.alive() for s in state["services"]):
-        raise UserError(f"a stack in {home} is partly running: run `mllm-pipeline stack down` first")
+        restarted = _restart_servers(home, state, database_url, timeout)
+        if not any(s.name == "worker" and s.alive() for s in load(home)["services"]):
+            start_worker(home, timeout)
+            restarted.append("worker")
+        set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
+        now = load(home)
+        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted]}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/database.py): PostgreSQL started here, or SQLite ------------------
@@ -215,23 +105,20 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     db.record(home)
     # ------------------------------------------------------------------------------------------
     logs = home / "logs"
-    quiet = _quiet_env(home)
     api = f"http://127.0.0.1:{prefect_port}/api"
     tracking = f"http://127.0.0.1:{mlflow_port}"
     artifacts = storage.join(storage_root, "mlflow-artifacts")
-    mlflow_env = dict(quiet)
-    if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
-        mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
     env = {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking, "MLLM_STORAGE": storage_root}
     py = sys.executable
     services = [
         Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
-                env={**quiet, "PREFECT_UI_API_URL": api, **db.prefect_env}),
+                env=_server_env("prefect-server", home, api, db)),
         Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
                                   "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
-                str(logs / "mlflow-server.log"), f"{tracking}/health", tracking, env={**mlflow_env, **db.mlflow_env}),
+                str(logs / "mlflow-server.log"), f"{tracking}/health", tracking,
+                env=_server_env("mlflow-server", home, api, db)),
     ]
     extra = {"pool": pool, "storage": storage_root, "worker_env": worker_env or {}}
     started: list[Service] = list(db.services)  # the database's server, already running
@@ -248,7 +135,48 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             s.stop()
         _state_file(home).unlink(missing_ok=True)
         raise
-    return load(home)
+    return {**load(home), "restarted": [], "reused": []}
+
+
+def _restart_servers(home: Path, state: dict, database_url: str | None, timeout: float) -> list[str]:
+    """Start again the database's server and the Prefect and MLflow servers of a running stack
+    that are down (a server that runs but does not answer is stopped first); the names of those
+    started. A database that comes back on another port takes both servers with it."""
+    from flows import database
+
+    services = state["services"]
+    cluster = next((s for s in services if s.name == "postgres"), None)
+    down = [s for s in services if s.name in ("prefect-server", "mlflow-server") and not s.healthy()]
+    if not down and (cluster is None or cluster.alive()):
+        return []
+    was = database.recorded(home).get("database")
+    db = database.reopen(home, database_url, timeout, start=cluster is not None and not cluster.alive())
+    restarted = [s.name for s in db.services]
+    if db.describe != was:  # the cluster is on another port now
+        down = [s for s in services if s.name in ("prefect-server", "mlflow-server")]
+    db.record(home)
+    new = {s.name: s for s in db.services}
+    try:
+        for old in down:
+            old.stop()
+            port = int(old.url.rsplit(":", 1)[1])
+            if not port_free(port):
+                raise UserError(f"port {port} of the stack's {old.name} is taken by another process: stop that, or "
+                                "start the stack on other ports (`mllm-pipeline stack down`, then `stack up "
+                                "--prefect-port PORT --mlflow-port PORT`)")
+            new[old.name] = Service(old.name, old.cmd, old.log, old.health_url, old.url,
+                                    env=_server_env(old.name, home, state["env"]["PREFECT_API_URL"], db)).start()
+            restarted.append(old.name)
+        _save(home, [new.get(s.name, s) for s in services], state["env"], state["pool"], state["storage"],
+              state.get("worker_env", {}))
+        for old in down:
+            new[old.name].wait_ready(timeout)
+    except BaseException:
+        for name in restarted:
+            if name != "postgres":  # the database runs for what already ran: keep it
+                new[name].stop()
+        raise
+    return restarted
 
 
 def start_worker(home: Path, timeout: float = 180.0) -> Service:
@@ -269,11 +197,8 @@ def start_worker(home: Path, timeout: float = 180.0) -> Service:
 
 def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
     """Whether a worker of `pool` has sent the server a heartbeat (since `pid` started)."""
-    req = urllib.request.Request(f"{api}/work_pools/{pool}/workers/filter", data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
     try:
-        with _DIRECT.open(req, timeout=5) as r:
-            workers = json.loads(r.read())
+        workers = _post(f"{api}/work_pools/{pool}/workers/filter", {}, timeout=5)
     except (urllib.error.URLError, OSError, ValueError):
         return False
     started = _started_at(pid)
@@ -332,34 +257,15 @@ def _timestamp(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes started by `pid`, its children's children included (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def down(home: Path) -> list[tuple[str, bool]]:
-    """Stop what `up` started: (service, whether it was running) for each."""
+def down(home: Path, force: bool = False) -> list[tuple[str, bool]]:
+    """Stop what `up` started: (service, whether it was running) for each. Refused while flow
+    runs on the stack's Prefect server are in flight (they would crash with it), unless `force`."""
     state = load(home)
+    busy = [] if force else in_flight(state)
+    if busy:
+        more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
+        raise UserError(f"flow runs use the stack: {', '.join(busy[:5])}{more}; let them finish (or cancel them), "
+                        "or stop the stack under them with `mllm-pipeline stack down --force`")
     result = [(s.name, s.stop()) for s in reversed(state["services"])]
     _state_file(home).unlink(missing_ok=True)
     return result
@@ -367,3 +273,26 @@ def down(home: Path) -> list[tuple[str, bool]]:
 
 def status(home: Path) -> list[tuple[Service, bool]]:
     return [(s, s.healthy()) for s in load(home)["services"]]
+
+
+def in_flight(state: dict) -> list[str]:
+    """The stack's flow runs that are Pending, Running or Cancelling, as `flow/run (STATE)`; none
+    when its Prefect server does not answer (nothing can then report to it)."""
+    api = state.get("env", {}).get("PREFECT_API_URL")
+    if not api:
+        return []
+    body = {"flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}}, "limit": 50}
+    try:
+        runs = _post(f"{api}/flow_runs/filter", body)
+        flows = {f["id"]: f["name"] for f in _post(f"{api}/flows/filter",
+                                                   {"flows": {"id": {"any_": list({r["flow_id"] for r in runs})}}})}
+    except (urllib.error.URLError, OSError, ValueError):
+        return []
+    return [f"{flows.get(r['flow_id'], '?')}/{r['name']} ({r['state_type']})" for r in runs]
+
+
+def _post(url: str, body: dict, timeout: float = 10) -> list:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with _DIRECT.open(req, timeout=timeout) as r:
+        return json.loads(r.read())

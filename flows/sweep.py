@@ -27,7 +27,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
-from flows import dispatch
+from flows import database, dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.training import train
@@ -36,6 +36,7 @@ from mllm.config import RunConfig
 from mllm.redact import scrub
 from mllm.resolve import resolve
 from tasks import model as model_tasks
+from tasks import outage
 from tasks.caching import forget_exception
 from tasks.provenance import code_git_info, run_tags
 from tasks.tracking import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
@@ -215,7 +216,10 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
     parent = ParentRun(cfgs[0], root, fields, overrides)
     with parent:
         futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel)
-        outcomes = parent.with_run_ids([outcome(point, future) for point, future in zip(points, futures)])
+        outcomes = [outcome(point, future) for point, future in zip(points, futures)]
+        if down := next((o.error for o in outcomes if not o.ok and o.error.startswith(database.DOWN)), None):
+            raise UserError(down)  # nothing can be recorded either: the points in flight end with this line
+        outcomes = parent.with_run_ids(outcomes)
         parent.failed = [o.label for o in outcomes if not o.ok]
         outputs = record(parent, recipe, fields, outcomes)
     result = SweepResult(recipe=recipe, grid=fields, mlflow_run_id=parent.run_id, outcomes=outcomes,
@@ -254,8 +258,9 @@ def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
         return future.result().model_copy(update={"point": point})
     except Exception as e:  # a failed point is reported with the others, not raised
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
-        return PointOutcome(point=point, ok=False,
-                            error=message if isinstance(e, UserError) else f"{type(e).__name__}: {message}")
+        if not isinstance(e, UserError):
+            message = database.down_line(e) or f"{type(e).__name__}: {message}"
+        return PointOutcome(point=point, ok=False, error=message)
 
 
 # --- tracking ------------------------------------------------------------------------------
@@ -296,6 +301,15 @@ class ParentRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "KILLED" if exc_type is KeyboardInterrupt else "FAILED" if exc_type or self.failed else "FINISHED"
+        if exc_type is not None:
+            # Without MLflow's minutes of retries (a server whose database is down answers 500 to
+            # each): a run that cannot be closed now is closed by the next run on this root.
+            try:
+                with outage.fail_fast():
+                    self.client.set_terminated(self.run_id, status)
+            except Exception:  # noqa: BLE001 (the sweep's own error is the one to raise)
+                outage.note_unfinished(self.root, self.run_id, status, f"{exc_type.__name__}: {exc}"[:MAX_TAG_VALUE])
+            return
         if self.failed:
             self.client.set_tag(self.run_id, "sweep.failed", ", ".join(self.failed)[:MAX_TAG_VALUE])
         self.client.set_terminated(self.run_id, status)

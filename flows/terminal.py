@@ -44,9 +44,10 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
+        from flows.database import down_line
         from tasks.outage import tracking_down
 
-        message = tracking_down(e) or unreachable(e)
+        message = down_line(e) or tracking_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)
@@ -85,10 +86,11 @@ class _QuietAfterUserError(logging.Filter):
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
+        from flows.database import down_line
         from tasks.outage import tracking_down
 
         if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
-                                 or disk_full(exc))) or any(
+                                 or disk_full(exc) or down_line(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False
@@ -132,6 +134,9 @@ def flows_module():
     # A flow that fails within a second can race its own heartbeat thread against the shutdown
     # of Prefect's event worker; Prefect then logs that (harmless) failure with a traceback.
     logging.getLogger("prefect.events.utilities").setLevel(logging.CRITICAL)
+    # Prefect's log sender writes each batch its server refused to stderr ("--- Error logging to
+    # API ---", a server whose database is down): the command's own error line says what is wrong.
+    logging.raiseExceptions = False
     return pipeline
 
 

@@ -78,6 +78,46 @@ def tracking_down(exc: BaseException | None) -> str | None:
     return None
 
 
+# A server's own failure, as Prefect's client (httpx) and MLflow's (its retries of 5xx) report it.
+_SERVER_ERROR_TEXT = ("500 Internal Server Error", "503 Service Unavailable", "500 error responses",
+                      "503 error responses")
+_probed: dict[str, tuple[float, bool]] = {}
+
+
+def server_error(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) is a 5xx answer of a server."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if (isinstance(status, int) and status >= 500) or any(t in str(exc) for t in _SERVER_ERROR_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def prefect_database_down() -> str | None:
+    """The Prefect server's API URL when that server answers that its database is not available
+    (its /ready says 503; the stack's MLflow server shares that database), else None. One look
+    every few seconds at most: the terminal's log filter asks for each failure it sees."""
+    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    if not api.startswith(("http://", "https://")):
+        return None
+    at, down = _probed.get(api, (0.0, False))
+    if time.monotonic() - at > 5.0:
+        try:
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}) if "127.0.0.1" in api else
+                                                 urllib.request.ProxyHandler())
+            with opener.open(f"{api}/ready", timeout=5):
+                down = False
+        except urllib.error.HTTPError as e:
+            down = e.code == 503
+        except (OSError, ValueError):
+            down = False  # the server itself is away: not its database's doing
+        _probed[api] = (time.monotonic(), down)
+    return strip_userinfo(api)[0] if down else None
+
+
 @contextlib.contextmanager
 def fail_fast(timeout: float = 10.0) -> Iterator[None]:
     """MLflow's requests without its retries (minutes of them) while the block runs: a request to

@@ -218,9 +218,18 @@ class RunTracker:
             outage.note_unfinished(self.storage_root, self.run_id, status, error or "")
             return
         if error:
-            with contextlib.suppress(Exception):  # the training error matters more than ours
-                self.client.set_tag(self.run_id, "error", error)
-        self.client.set_terminated(self.run_id, status)
+            # A failing run is closed without MLflow's minutes of retries (a server whose database
+            # is down answers 500 to each): if it cannot be closed now, the next run closes it.
+            try:
+                with outage.fail_fast():
+                    with contextlib.suppress(Exception):  # the training error matters more than ours
+                        self.client.set_tag(self.run_id, "error", error)
+                    self.client.set_terminated(self.run_id, status)
+            except Exception:  # noqa: BLE001 (the run's own error is the one to raise)
+                outage.note_unfinished(self.storage_root, self.run_id, status, error)
+                return
+        else:
+            self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
     def _experiment(self, name: str) -> str:

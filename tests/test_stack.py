@@ -85,7 +85,7 @@ def stack_env(s3, tmp_path_factory):
         with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
             yield Stack(home, {**s3.env, **state["env"], "OMP_NUM_THREADS": "1"}, s3)
     finally:
-        stack.down(home)
+        stack.down(home, force=True)
         mp.undo()
 
 
@@ -235,6 +235,73 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     finally:
         other.kill()
         ours.stop()
+
+
+def _time_wait(*ports: int) -> bool:
+    """Whether a TCP connection on one of `ports` (IPv4 loopback) is in TIME_WAIT."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return any(r[3] == "06" and int(r[1].split(":")[1], 16) in ports for r in rows)
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST")
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then_up_at_once_works(tmp_path: Path) -> None:
+    home, ports = tmp_path / "stack", [stack.free_port(), stack.free_port()]
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "MLLM_STACK_HOME": str(home)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "flows.cli", "stack", *args], cwd=tmp_path, text=True,
+                              capture_output=True, env=env, timeout=300)
+
+    new = ("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), "--storage", str(tmp_path / "storage"))
+    try:
+        assert (up := cli(*new)).returncode == 0, up.stderr[-3000:]
+        before = {s.name: s.pid for s in stack.load(home)["services"]}
+        os.kill(before["mlflow-server"], signal.SIGKILL)  # its uvicorn, in the same group, lives on with the port
+
+        status = cli("status")
+        assert status.returncode == 1
+        lines = status.stdout.splitlines()
+        assert any(line.startswith("mlflow-server   NOT RUNNING") for line in lines), status.stdout
+        assert any(line.startswith("prefect-server  running") for line in lines), status.stdout
+
+        again = cli("up")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "started again: mlflow-server; running already, reused: " in again.stderr
+        after = {s.name: s.pid for s in stack.load(home)["services"]}
+        assert after["prefect-server"] == before["prefect-server"] and after["worker"] == before["worker"]
+        assert after["mlflow-server"] != before["mlflow-server"]
+        tracking = f"http://127.0.0.1:{ports[1]}"  # the same URL as before
+        assert MlflowClient(tracking).create_experiment("after-the-restart")
+        assert cli("status").returncode == 0
+
+        # A flow run in flight on the stack: `down` refuses, naming it; once it ended, `down` stops.
+        api = f"http://127.0.0.1:{ports[0]}/api"
+        flow = _post(f"{api}/flows/", {"name": "pipeline"})
+        run = _post(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": "busy-otter", "state": {"type": "RUNNING"}})
+        refused = cli("down")
+        assert refused.returncode == 2 and cli("status").returncode == 0
+        assert refused.stderr.strip() == ("error: flow runs use the stack: pipeline/busy-otter (RUNNING); let them "
+                                          "finish (or cancel them), or stop the stack under them with `mllm-pipeline "
+                                          "stack down --force`")
+        _post(f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "COMPLETED"}, "force": True})
+        assert (down := cli("down")).returncode == 0, down.stderr
+
+        # At once on the same ports: connections the servers closed are still in TIME_WAIT.
+        assert _time_wait(*ports)
+        assert (up := cli(*new)).returncode == 0, up.stderr[-3000:]
+        assert MlflowClient(tracking).get_experiment_by_name("after-the-restart")
+    finally:
+        services = stack.load(home)["services"]
+        cli("down", "--force")
+    assert services and not any(s.alive() for s in services)
 
 
 # -- scheduled retraining -------------------------------------------------------------------
