@@ -37,11 +37,21 @@ def _route_key(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: Spli
                            code_digest(Vocab, splits)])
 
 
+def _piece_url(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
+    return storage.join(root, "splits", "pieces", _route_key(pack, vocabulary, tokenizer, cfg, root))
+
+
+def _stored_piece(url: str) -> dict[str, Any] | None:
+    if not storage.is_complete(url):
+        return None
+    return {"url": url, "splits": storage.read_json(storage.join(url, splits.PIECES))}
+
+
 @task(name="route-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_route_key),
       retries=1, retry_condition_fn=transient)
 def route_pack(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> dict[str, Any]:
     """One pack's rows encoded and routed to their splits; a piece already stored is reused."""
-    url = storage.join(root, "splits", "pieces", _route_key(pack, vocabulary, tokenizer, cfg, root))
+    url = _piece_url(pack, vocabulary, tokenizer, cfg, root)
     if not storage.is_complete(url):
         vocab = Vocab.load(vocabulary.url)
         tok = text.tokenizer_from_json(storage.read_text(tokenizer), source=tokenizer)
@@ -90,7 +100,14 @@ def split_source(tokens: Tokens, vocabulary: Vocabulary, d: DataConfig, root: st
     pieces: list[str] = []
     if not storage.is_complete(storage.join(root, "splits", _split_key(tokens, vocabulary, cfg, root))):
         refs = [PackRows(url=url, files=files) for url, files in corpus.packs]
-        routed = fan_out(route_pack, refs, tokens.n_tokens, d.task_runner, vocabulary, tokens.tokenizer, cfg, root)
+        # Pieces already stored are read here: a task run each would cost Prefect's bookkeeping
+        # (a tenth of a second) for a pack that needs nothing done.
+        stored = {i: _stored_piece(_piece_url(r, vocabulary, tokens.tokenizer, cfg, root)) for i, r in enumerate(refs)}
+        todo = [i for i, piece in stored.items() if piece is None]
+        made = iter(fan_out(route_pack, [refs[i] for i in todo], tokens.n_tokens * len(todo) // len(refs),
+                            d.task_runner, vocabulary, tokens.tokenizer, cfg, root))
+        routed = [stored[i] or next(made) for i in range(len(refs))]
+        get_run_logger().info("split: %d packs routed, %d reused", len(todo), len(refs) - len(todo))
         sizes = {name: sum(r["splits"].get(name, {}).get("tokens", 0) for r in routed) for name in splits.NAMES}
         rows = sum(s["rows"] for r in routed for s in r["splits"].values())
         splits.check_span_sizes(sizes, rows, cfg)

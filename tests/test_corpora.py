@@ -235,6 +235,8 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
                                     "skipped": 0}
     states = _task_states("tokenize-pack")
     assert states[:2].count("Cached") == 1 and states[:2].count("Completed") == 1
+    # The split routed the new book's pack alone: the first pack's piece was found and reused.
+    assert len(list((root / "splits" / "pieces").iterdir())) == 2
     # The first validation text is all still validation text (the new book's spans come after it
     # or before it, never in between), and none of it went to training.
     first_val, grown_val = _val_text(first), _val_text(grown)
