@@ -209,7 +209,6 @@ class CorpusPacks:
 
     def __init__(self, packs: list[tuple[str, list[str] | None]]):
         self.packs = packs
-        self._rows: tuple[np.ndarray, np.ndarray] | None = None  # read once: the split plan and offsets both need them
 
     def tables(self, columns: list[str]) -> Iterator[pa.Table]:
         """The rows of the corpus, row group by row group: `columns` of each (file, span, n, tokens)."""
@@ -227,11 +226,6 @@ class CorpusPacks:
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's token count and span digest, in reading order."""
-        if self._rows is None:
-            self._rows = self._read_rows()
-        return self._rows
-
-    def _read_rows(self) -> tuple[np.ndarray, np.ndarray]:
         n, spans = [], []
         for t in self.tables(["n", "span"]):
             n.append(t.column("n").to_numpy())
