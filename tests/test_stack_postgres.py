@@ -143,43 +143,38 @@ def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_
     assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
 
 
-def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_finishes_every_point(
-        pg_stack: dict, tmp_path: Path) -> None:
+def _sweep_trainings(pg_stack: dict, tmp_path: Path, seed: int, *options: str) -> list:
+    """A small sweep on the stack's pool (`options`: its grid and the like), and the training flow
+    runs it made."""
     env = pg_stack["state"]["env"]
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(3000, seed=5))
+    corpus.write_text(make_text(3000, seed=seed))
     started = datetime.now().astimezone()
     steps = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=10"]
     done = _cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
-                "--grid", "train.lr=1e-3,2e-3,3e-3,4e-3", *[a for s in steps for a in ("--set", s)], cwd=tmp_path, env=env)
+                *options, *[a for s in steps for a in ("--set", s)], cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
-        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
-                                        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+        return prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
+                                      flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+
+
+def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_finishes_every_point(
+        pg_stack: dict, tmp_path: Path) -> None:
+    trains = _sweep_trainings(pg_stack, tmp_path, 5, "--grid", "train.lr=1e-3,2e-3,3e-3,4e-3")
     assert len(trains) == 4 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
     assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
 
 
 def test_sweep_parallel_bounds_one_sweep_below_the_pools_slots(pg_stack: dict, tmp_path: Path) -> None:
-    env = pg_stack["state"]["env"]
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(3000, seed=6))
-    started = datetime.now().astimezone()
-    steps = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=10"]
-    done = _cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
-                "--parallel", "1", "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in steps for a in ("--set", s)],
-                cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
-        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
-                                        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+    trains = _sweep_trainings(pg_stack, tmp_path, 6, "--parallel", "1", "--grid", "train.lr=1e-3,2e-3,3e-3")
     assert len(trains) == 3 and all(t.state.is_completed() for t in trains)
     # The pool has 2 slots; the sweep took one at a time: each training was submitted after the last ended.
     assert _most_at_once(trains) == 1
     ordered = sorted(trains, key=lambda t: t.created)
     assert all(later.created >= earlier.end_time for earlier, later in zip(ordered, ordered[1:]))
 
-    bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=env)
+    bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=pg_stack["state"]["env"])
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --parallel 0: give at least 1 (the points that run at once)"
 
 
