@@ -215,6 +215,7 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
                    repeats: int) -> list[dict]:
     from mllm.config import GPTConfig
     from mllm.models import build_model
+    from mllm.lm.decode import decode_precision
     from mllm.lm.generate import generate
 
     nano = _nanogpt_model_module()
@@ -248,14 +249,16 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
                         fn()
                         times[name].append(time.perf_counter() - t0)
                         loads.append(load())
+            with threads(1):  # what generate decoded in: the cached path runs on one thread
+                precision = decode_precision(ours).dtype
             base = median(times["nanoGPT"])
             ratio = median([a / b for a, b in zip(times["nanoGPT"], times["mllm"])])  # per round, as in training
             for name, ts in times.items():
                 rows.append({"what": f"generate {shape_name}", "contender": name, "threads": n_threads,
-                             "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
+                             "precision": "float32" if name == "nanoGPT" else precision, "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
                              "load": max(loads)})
             print(f"  generate {shape_name}, {n_threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
-                  f"mllm {new_tokens / median(times['mllm']):,.0f} ({ratio:.1f}x), load {max(loads)}", flush=True)
+                  f"mllm {new_tokens / median(times['mllm']):,.0f} in {precision} ({ratio:.1f}x), load {max(loads)}", flush=True)
     return rows
 
 

@@ -351,6 +351,8 @@ class SampleConfig(_Section):
     top_p: float = Field(0.9, gt=0, le=1)
     beam_width: int = Field(4, ge=1)
     seed: int = 1337
+    # A GPT's decoding on a CPU: auto takes bf16 weights where a probe finds them faster (mllm.speed).
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Word embeddings: the nearest neighbours of these words are the family's "sample".
     probes: list[str] = []
     neighbours: int = Field(10, ge=1)

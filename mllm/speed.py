@@ -41,6 +41,10 @@ PROBE_REPS = 2  # timed passes per precision, after a warm-up; the fastest count
 # timing noise, it would round for nothing, and a count, unlike a timing, decides the same way
 # under any load.
 SMALL_FLOPS = 1e9
+# Float32 weights under this many MB decode as fast as bf16 ones: they stay in the caches (2 MB of
+# L2 a core and a shared L3 on the project's machines) between tokens, and at 4/4/128 (3.2 MB)
+# bf16 measured no faster. Above it a decoding step streams its weights from memory.
+SMALL_DECODE_MB = 8.0
 
 # Dense peaks from the spec sheets, FLOP/s: (bf16, tf32, fp32 without tensor cores). The first
 # name found in torch.cuda.get_device_name wins, so the longer names come first.
@@ -183,6 +187,30 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     ms = _cached(["precision", shape], measure)
     bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
     return Precision("bfloat16" if bf16 else "float32", f"bf16 probed {'faster' if bf16 else 'no faster'}", ms)
+
+
+def choose_decode_precision(requested: str, device: torch.device, model: nn.Module,
+                            probe: Callable[[], dict[str, float]]) -> Precision:
+    """The precision of a language model's weights when it decodes one token at a time.
+
+    Each decoding step multiplies every weight matrix by one vector: the step streams all the
+    weights from memory and does two FLOPs per weight, so halving their bytes matters more than
+    the arithmetic. Models whose float32 weights stay in the CPU's caches gain nothing and keep
+    float32 unprobed (a count decides as the same under any load); larger ones are probed with
+    `probe` (milliseconds of a decoding step per precision) and take bf16 past MARGIN.
+    """
+    if requested != "auto":
+        return Precision(requested, "forced by sample.dtype")
+    if device.type != "cpu":
+        return Precision("float32", f"no bf16 decoding probe on {device.type}")
+    if not fast_bf16():
+        return Precision("float32", "this CPU has neither AMX nor AVX512-BF16")
+    weight_mb = sum(p.numel() for p in model.parameters()) * 4 / 1e6
+    if weight_mb < SMALL_DECODE_MB:
+        return Precision("float32", f"weights this small ({weight_mb:.1f} MB) stay in the CPU's caches")
+    ms = _cached(["decode", type(model).__name__, _shape(model)], probe)
+    bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
+    return Precision("bfloat16" if bf16 else "float32", f"bf16 decoding probed {'faster' if bf16 else 'no faster'}", ms)
 
 
 def _shape(model: nn.Module) -> list:

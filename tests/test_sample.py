@@ -1,6 +1,7 @@
 """Sampling: cached generation equals recomputation, each method picks what it promises, seeds
 repeat, beam search beats greedy, and the CLI turns a checkpoint and a prompt into text."""
 
+import json
 import subprocess
 import sys
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mllm import UserError
+from mllm import UserError, speed
 from mllm.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
 from mllm.models import build_model
+from mllm.lm import decode
 from mllm.lm.generate import filter_top_k, filter_top_p, generate, next_token, sample_text
 from mllm.sample import main
 from mllm.text import CharTokenizer
@@ -215,10 +217,68 @@ def test_cached_generation_runs_on_one_thread_and_restores_the_count():
         torch.set_num_threads(before)
 
 
+needs_onednn = pytest.mark.skipif(not decode.available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("kw", [{}, {"positions": "sinusoidal", "bias": True}, {"attention": "explicit"}])
+def test_bf16_decoding_follows_float32_within_bf16_rounding(kw):
+    model = tiny("gpt", **kw)
+    seq = PROMPT + [5, 9, 0, 7, 7, 2, 11, 3, 8, 1, 6, 12]
+    full = model(torch.tensor([seq]))[0][0]  # float32, no cache: the reference
+    decoder = decode.bf16_decoder(model)
+    with torch.inference_mode():
+        logits, _, state = decoder(torch.tensor([PROMPT]), state=decoder.new_state(1))
+        steps = [logits[0, -1]]
+        for t in seq[len(PROMPT):]:  # the cached one-token steps (the flat path for SDPA)
+            steps.append(decoder(torch.tensor([[t]]), state=state)[0][0, -1])
+    got, want = torch.stack(steps), full[len(PROMPT) - 1:]
+    # bf16 keeps 8 bits of mantissa: each weight within 0.4%, each logit within a few percent of
+    # the logits' spread, and the ranking of clear winners intact.
+    assert (got - want).abs().max() < 0.03 * want.abs().max(), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    greedy = generate(model, PROMPT, 12, dtype="bfloat16")
+    assert greedy == generate(model, PROMPT, 12, dtype="float32") == generate(model, PROMPT, 12, use_cache=False)
+
+
+@needs_onednn
+def test_the_bf16_copy_is_built_once_and_again_after_training():
+    model = tiny("gpt")
+    first = decode.bf16_decoder(model)
+    assert decode.bf16_decoder(model) is first
+    before = generate(model, PROMPT, 10, dtype="bfloat16")
+    model.load_state_dict(tiny("gpt", seed=5).state_dict())  # in place, as an optimizer step changes them
+    assert decode.bf16_decoder(model) is not first
+    after = generate(model, PROMPT, 10, dtype="bfloat16")
+    assert after == generate(tiny("gpt", seed=5), PROMPT, 10, dtype="bfloat16") and after != before
+
+
+def test_auto_decodes_small_models_in_float32_and_probes_large_ones_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLLM_CACHE_DIR", str(tmp_path))
+    small = tiny("gpt")
+    chosen = decode.decode_precision(small)
+    assert chosen.dtype == "float32" and chosen.probe_ms is None
+    assert decode.decode_precision(small, "bfloat16").dtype == ("bfloat16" if decode.available() else "float32")
+    assert decode.decode_precision(tiny("lstm"), "bfloat16").dtype == "float32"  # a GPT's path only
+    torch.manual_seed(0)
+    large = build_model(model_config(arch="gpt", vocab_size=V, n_embd=384, n_layer=2, n_head=6, block_size=64))
+    chosen = decode.decode_precision(large)  # 2 x 1.8M weights, 14 MB in float32
+    if not (decode.available() and speed.fast_bf16()):
+        assert chosen.dtype == "float32" and chosen.probe_ms is None
+        return
+    assert set(chosen.probe_ms) == {"float32", "bfloat16"}
+    assert chosen.dtype == ("bfloat16" if chosen.probe_ms["bfloat16"] <= 0.9 * chosen.probe_ms["float32"] else "float32")
+    cache = json.loads((tmp_path / "speed.json").read_text())
+    assert [e["value"] for e in cache.values()] == [chosen.probe_ms]
+    monkeypatch.setattr(speed, "fast_bf16", lambda flags=None: False)
+    assert decode.decode_precision(large).reason == "this CPU has neither AMX nor AVX512-BF16"
+
+
 def test_bad_arguments_are_user_errors():
     model = tiny("gpt")
     for kw, words in [(dict(method="nucleus"), "unknown sampling method"), (dict(method="top-k"), "top_k"),
-                      (dict(method="top-p", top_p=1.5), "top_p"), (dict(temperature=-1.0), "temperature")]:
+                      (dict(method="top-p", top_p=1.5), "top_p"), (dict(temperature=-1.0), "temperature"),
+                      (dict(dtype="float16"), "decoding dtype")]:
         with pytest.raises(UserError, match=words):
             generate(model, PROMPT, 4, **kw)
     with pytest.raises(UserError, match="empty"):

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from mllm import UserError
+from mllm import UserError, speed
 from mllm.config import METHODS
+from mllm.lm.decode import bf16_decoder, decode_precision
 
 if TYPE_CHECKING:
     from mllm.checkpoint import Loaded
@@ -130,12 +131,13 @@ def _beam_search(ctx: _Context, seq, max_new_tokens: int, width: int, eos_id: in
 def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "greedy",
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              beam_width: int = 4, seed: int | None = None, use_cache: bool = True,
-             eos_id: int | None = None) -> list[int]:
+             eos_id: int | None = None, dtype: str = "auto") -> list[int]:
     """The new token ids after `prompt_ids` (stopping before `eos_id` if the model produces it).
 
     temperature applies to every sampling method (temperature, top-k, top-p); top-k and top-p
     filter after it. `seed` seeds a generator of its own, so the same seed gives the same tokens
-    whatever else uses the global RNG.
+    whatever else uses the global RNG. dtype: the weights' precision when a GPT decodes with
+    its cache on a CPU (decode_precision); without the cache it always computes in float32.
     """
     V = model.config.vocab_size
     if method not in METHODS:
@@ -154,9 +156,10 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
         raise UserError(f"top-p sampling needs 0 < top_p <= 1 (got {top_p}): e.g. top_p=0.9")
     if method == "beam" and beam_width < 1:
         raise UserError(f"beam_width is {beam_width}: give 1 or more")
+    if dtype not in speed.DTYPES and dtype != "auto":
+        raise UserError(f"unknown decoding dtype {dtype!r}: choose auto, float32 or bfloat16")
     device = next(model.parameters()).device
     seq = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    ctx = _Context(model, use_cache)
     was_training = model.training
     model.eval()  # dropout off, or the same seed would not give the same text
     threads = torch.get_num_threads()
@@ -168,6 +171,10 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "g
     if one_thread:
         torch.set_num_threads(1)
     try:
+        decoder = model
+        if use_cache and decode_precision(model, dtype, device).dtype == "bfloat16":
+            decoder = bf16_decoder(model)
+        ctx = _Context(decoder, use_cache)
         if method == "beam":
             return _beam_search(ctx, seq, max_new_tokens, beam_width, eos_id) if max_new_tokens else []
         generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
@@ -200,6 +207,7 @@ def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
         ids = [stoi["<bos>"]]  # an empty prompt starts where every training document did
     kw.setdefault("max_new_tokens", loaded.config.sample.max_new_tokens)
     kw.setdefault("eos_id", stoi.get("<eos>"))
+    kw.setdefault("dtype", loaded.config.sample.dtype)
     new = generate(loaded.model, ids, method=method, **kw)
     return loaded.tokenizer.detokenize(tokens + loaded.vocab.decode(new))
 
