@@ -98,16 +98,28 @@ class ChainedIds:
     def _take(self, index: np.ndarray) -> np.ndarray:
         if not np.issubdtype(index.dtype, np.integer):
             raise IndexError(f"a split is indexed by integers, not {index.dtype}")
-        flat = index.ravel().astype(np.int64, copy=False)
-        flat = np.where(flat < 0, flat + len(self), flat)
-        if len(flat) and (flat.min() < 0 or flat.max() >= len(self)):
+        idx = index.astype(np.int64, copy=False)
+        idx = np.where(idx < 0, idx + len(self), idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"an index is out of bounds for a split of {len(self)} tokens")
-        which = np.searchsorted(self.ends, flat, "right")
-        out = np.empty(len(flat), self.dtype)
-        # A batch of windows touches few pieces: one gather per piece it touches.
-        for k in np.unique(which):
-            mine = which == k
-            out[mine] = self.pieces[k][flat[mine] - self.starts[k]]
+        if idx.size == 0:
+            return np.zeros(index.shape, self.dtype)
+        # Readers index rows of nearby positions (a window, a context): a row inside one piece,
+        # nearly every row, is one gather from it, grouped by piece; the few rows that cross a
+        # piece's end are gathered index by index.
+        rows = idx.reshape(-1, idx.shape[-1]) if idx.ndim else idx.reshape(1, 1)
+        first = np.searchsorted(self.ends, rows.min(axis=1), "right")
+        inside = first == np.searchsorted(self.ends, rows.max(axis=1), "right")
+        out = np.empty(rows.shape, self.dtype)
+        for k, mine in _groups(first, np.flatnonzero(inside)):
+            out[mine] = self.pieces[k][rows[mine] - self.starts[k]]
+        if not inside.all():
+            across = np.flatnonzero(~inside)
+            flat = rows[across].ravel()
+            got = np.empty(len(flat), self.dtype)
+            for k, mine in _groups(np.searchsorted(self.ends, flat, "right"), np.arange(len(flat))):
+                got[mine] = self.pieces[k][flat[mine] - self.starts[k]]
+            out[across] = got.reshape(len(across), -1)
         return out.reshape(index.shape)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -121,6 +133,14 @@ class ChainedIds:
 
     def __repr__(self) -> str:
         return f"ChainedIds({len(self)} ids in {len(self.pieces)} pieces, {self.dtype})"
+
+
+def _groups(keys: np.ndarray, members: np.ndarray):
+    """(key, the members with that key) for each key among `members`, found by one sort."""
+    order = members[np.argsort(keys[members], kind="stable")]
+    found, first = np.unique(keys[order], return_index=True)
+    for k, a, b in zip(found, first, [*first[1:], len(order)]):
+        yield int(k), order[a:b]
 
 
 def read_chain(url: str) -> dict:
