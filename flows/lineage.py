@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, storage
 from mllm.config import validate
-from mllm.data import ids_digest, read_chain
+from mllm.data import ids_digest, missing_piece
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 from tasks import tracking
@@ -241,7 +241,7 @@ def _split_link(t: dict[str, str]) -> dict[str, Any]:
         part = splits[name]
         if not storage.exists(part["ids"]):
             return _link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
-        if part["ids"].endswith(".json") and (gone := _missing_piece(part["ids"])):
+        if part["ids"].endswith(".json") and (gone := missing_piece(part["ids"])):
             return _link("split", MISSING, **fields, detail=f"{gone} is gone")
         if part.get("sha256"):
             if (now := ids_digest(part["ids"])) != part["sha256"]:
@@ -253,16 +253,6 @@ def _split_link(t: dict[str, str]) -> dict[str, Any]:
                 return _link("split", CHANGED, **fields,
                              detail=f"{part['ids']} holds {n} tokens, its manifest {part['n_tokens']}")
     return _link("split", OK, **fields)
-
-
-def _missing_piece(url: str) -> str | None:
-    """The first piece a split's manifest names that storage no longer holds (or the manifest
-    itself, when it is not one)."""
-    try:
-        pieces = read_chain(url)["pieces"]
-    except UserError:
-        return url
-    return next((p["url"] for p in pieces if not storage.exists(p["url"])), None)
 
 
 def _npy_length(url: str) -> int | None:

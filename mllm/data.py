@@ -173,6 +173,16 @@ def ids_digest(url: str) -> str:
     return chain_digest([storage.sha256_file(p["url"]) for p in read_chain(url)["pieces"]])
 
 
+def missing_piece(url: str) -> str | None:
+    """The first piece a split's manifest names that storage no longer holds (the manifest
+    itself, when it is no manifest)."""
+    try:
+        pieces = read_chain(url)["pieces"]
+    except UserError:
+        return url
+    return next((p["url"] for p in pieces if not storage.exists(p["url"])), None)
+
+
 def check_offsets(offsets: np.ndarray, n_tokens: int, source: str = "paragraph offsets") -> np.ndarray:
     offsets = np.asarray(offsets)
     if (offsets.ndim != 1 or len(offsets) < 1 or not np.issubdtype(offsets.dtype, np.integer)

@@ -280,6 +280,17 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     out = _cli("lineage", "--corpus", new_file["sha256"][:10], "--storage", str(root))
     assert out.returncode == 0 and grown.mlflow_run_id in out.stdout and first.mlflow_run_id not in out.stdout
     assert "book05.txt" in out.stdout
+    # A piece of the split changed in place, then gone: lineage reads the pieces and names it.
+    piece = Path(first_pieces["val"][0]["url"])
+    ids = bytearray(piece.read_bytes())
+    ids[-1] ^= 1
+    piece.write_bytes(bytes(ids))
+    out = _cli("lineage", grown.mlflow_run_id, "--storage", str(root))
+    assert out.returncode == 1 and "broken links: split" in out.stdout
+    assert "val.ids.json now has sha256" in out.stdout
+    piece.unlink()
+    out = _cli("lineage", grown.mlflow_run_id, "--storage", str(root))
+    assert out.returncode == 1 and "[MISSING]" in out.stdout and f"{piece} is gone" in out.stdout
 
 
 @pytest.mark.usefixtures("prefect_server")
