@@ -9,7 +9,9 @@ group, so memory stays bounded whatever the corpus's size.
     parts = write_splits(tokens_folder, vocab, tokenizer, plan, out_folder)
 
 A corpus of many files is split span by span instead: `route_pack` routes each token pack's
-rows by their content digest, and `assemble` puts the packs' pieces together.
+rows by their content digest into a piece (the same two files, of that pack's rows), and
+`assemble` writes each split as a manifest of the pieces, which mllm.data.ChainedIds reads as one
+array: a grown corpus routes its new pack and writes manifests, never the old packs' ids again.
 """
 
 from __future__ import annotations
