@@ -65,6 +65,7 @@ class ChainedIds:
         manifest = read_chain(url)
         pieces = []
         for p in manifest["pieces"]:
+            storage.require(p["url"], f"a piece of the split {url}")
             ids = _load_npy(p["url"])
             if len(ids) != p["tokens"]:
                 raise UserError(f"{p['url']} holds {len(ids)} tokens, the split's manifest {url} says {p['tokens']}: "

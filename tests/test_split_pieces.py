@@ -98,6 +98,28 @@ def test_a_changed_or_broken_piece_is_named(tmp_path: Path) -> None:
     np.save(piece, flat[1701:1800])
     with pytest.raises(UserError, match=r"piece2/train.npy holds 99 tokens, the split's manifest .* says 2299: re-run"):
         load_ids(manifest)
+    piece.unlink()
+    with pytest.raises(UserError, match=r"a piece of the split .*train.ids.json not found at .*piece2/train.npy"):
+        load_ids(manifest)
     Path(manifest).write_text('{"format": "something else", "pieces": []}')
     with pytest.raises(UserError, match=r"is not a manifest of a split's pieces .*re-run the split stage"):
         load_ids(manifest)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_cbow_trains_and_evaluates_on_a_folder_whose_splits_are_pieces(tmp_path: Path) -> None:
+    from flows.pipeline import pipeline
+    from test_embeddings_pipeline import FAST, _paragraphs
+
+    folder = tmp_path / "paragraphs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"part-{i}.txt").write_text(_paragraphs(2500, seed=10 + i))
+    r = pipeline(recipe="cbow-smoke", source=str(folder), storage_url=str(tmp_path / "storage"),
+                 overrides=FAST + ["data.split.span_bytes=2048"])
+    val = load_ids(r.data.splits.val.ids)
+    assert isinstance(val, ChainedIds) and len(val.pieces) >= 1 and len(val) == r.data.splits.val.n_tokens
+    offsets = np.load(r.data.splits.val.offsets)
+    assert offsets[0] == 0 and offsets[-1] == len(val) and len(offsets) > 2
+    assert r.evaluation.headline == "wordsim353_spearman" and np.isfinite(r.evaluation.score)
+    assert r.decision == "promoted"
