@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, storage
 from mllm.config import validate
+from mllm.data import ids_digest, missing_piece
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 from tasks import tracking
@@ -240,8 +241,10 @@ def _split_link(t: dict[str, str]) -> dict[str, Any]:
         part = splits[name]
         if not storage.exists(part["ids"]):
             return _link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
+        if part["ids"].endswith(".json") and (gone := missing_piece(part["ids"])):
+            return _link("split", MISSING, **fields, detail=f"{gone} is gone")
         if part.get("sha256"):
-            if (now := storage.sha256_file(part["ids"])) != part["sha256"]:
+            if (now := ids_digest(part["ids"])) != part["sha256"]:
                 return _link("split", CHANGED, **fields,
                              detail=f"{part['ids']} now has sha256 {now[:16]}, its manifest {part['sha256'][:16]}")
         elif part["ids"].endswith(".npy"):  # written before split digests were recorded

@@ -13,9 +13,19 @@ from fsspec.implementations.local import LocalFileSystem
 from mllm import UserError, storage
 
 
-def load_ids(url: str) -> np.ndarray:
-    """A flat array of token ids from a .npy file: memory-mapped when local, read whole otherwise."""
+CHAIN = "mllm.split-pieces/1"  # the format of a split stored as pieces (see ChainedIds)
+
+
+def load_ids(url: str) -> "np.ndarray | ChainedIds":
+    """A split's token ids: a flat .npy file (memory-mapped when local, read whole otherwise), or
+    a manifest of pieces (`<split>.ids.json`, a corpus of many files) read as one ChainedIds."""
     storage.require(url, "token ids")
+    if url.endswith(".json"):
+        return ChainedIds.load(url)
+    return _load_npy(url)
+
+
+def _load_npy(url: str) -> np.ndarray:
     fs, path = storage.filesystem(url)
     try:
         if isinstance(fs, LocalFileSystem):
@@ -27,6 +37,151 @@ def load_ids(url: str) -> np.ndarray:
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
         raise UserError(f"{url} must hold a flat integer array of token ids: re-run the split stage")
     return ids
+
+
+class ChainedIds:
+    """A split stored as its packs' pieces, read as one flat array of ids.
+
+    A corpus of many files keeps each pack's share of a split where the pack was routed, and the
+    split itself is a manifest of those pieces: a grown corpus then writes a manifest, not a
+    gigabyte of ids again. Every reader of a split (windows, evaluation streams, CBOW contexts,
+    DDP ranks) indexes it as it would the flat array: `len`, integer and array indexing of any
+    shape, slices across pieces, `max`, `np.asarray`. Each local piece is memory-mapped.
+    """
+
+    ndim = 1
+
+    def __init__(self, pieces: list[np.ndarray]):
+        if not pieces:
+            raise UserError("a split of pieces holds no piece: re-run the split stage")
+        self.pieces = pieces
+        self.ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
+        self.starts = self.ends - [len(p) for p in pieces]
+        self.dtype = np.result_type(*[p.dtype for p in pieces])
+        self.shape = (int(self.ends[-1]),)
+
+    @classmethod
+    def load(cls, url: str) -> "ChainedIds":
+        manifest = read_chain(url)
+        pieces = []
+        for p in manifest["pieces"]:
+            storage.require(p["url"], f"a piece of the split {url}")
+            ids = _load_npy(p["url"])
+            if len(ids) != p["tokens"]:
+                raise UserError(f"{p['url']} holds {len(ids)} tokens, the split's manifest {url} says {p['tokens']}: "
+                                "re-run the split stage")
+            pieces.append(ids)
+        return cls(pieces)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return self[np.arange(start, stop, step)]
+            return self._range(start, max(start, stop))
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + len(self) if key < 0 else int(key)
+            if not 0 <= i < len(self):
+                raise IndexError(f"index {key} is out of bounds for a split of {len(self)} tokens")
+            k = int(np.searchsorted(self.ends, i, "right"))
+            return self.pieces[k][i - self.starts[k]]
+        return self._take(np.asarray(key))
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        first, last = np.searchsorted(self.ends, [start, stop - 1], "right") if stop > start else (0, -1)
+        return np.concatenate([np.zeros(0, self.dtype)] + [
+            self.pieces[k][max(start - self.starts[k], 0):min(stop, self.ends[k]) - self.starts[k]]
+            for k in range(int(first), int(last) + 1)]).astype(self.dtype, copy=False)
+
+    def _take(self, index: np.ndarray) -> np.ndarray:
+        if not np.issubdtype(index.dtype, np.integer):
+            raise IndexError(f"a split is indexed by integers, not {index.dtype}")
+        idx = index.astype(np.int64, copy=False)
+        idx = np.where(idx < 0, idx + len(self), idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"an index is out of bounds for a split of {len(self)} tokens")
+        if idx.size == 0:
+            return np.zeros(index.shape, self.dtype)
+        # Readers index rows of nearby positions (a window, a context): a row inside one piece,
+        # nearly every row, is one gather from it, grouped by piece; the few rows that cross a
+        # piece's end are gathered index by index.
+        rows = idx.reshape(-1, idx.shape[-1]) if idx.ndim else idx.reshape(1, 1)
+        first = np.searchsorted(self.ends, rows.min(axis=1), "right")
+        inside = first == np.searchsorted(self.ends, rows.max(axis=1), "right")
+        out = np.empty(rows.shape, self.dtype)
+        for k, mine in _groups(first, np.flatnonzero(inside)):
+            out[mine] = self.pieces[k][rows[mine] - self.starts[k]]
+        if not inside.all():
+            across = np.flatnonzero(~inside)
+            flat = rows[across].ravel()
+            got = np.empty(len(flat), self.dtype)
+            for k, mine in _groups(np.searchsorted(self.ends, flat, "right"), np.arange(len(flat))):
+                got[mine] = self.pieces[k][flat[mine] - self.starts[k]]
+            out[across] = got.reshape(len(across), -1)
+        return out.reshape(index.shape)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = self._range(0, len(self))
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def max(self, axis=None, out=None, **kw):
+        if axis not in (None, 0) or out is not None:
+            return np.asarray(self).max(axis=axis, out=out, **kw)
+        return max(p.max() for p in self.pieces if len(p))
+
+    def __repr__(self) -> str:
+        return f"ChainedIds({len(self)} ids in {len(self.pieces)} pieces, {self.dtype})"
+
+
+def _groups(keys: np.ndarray, members: np.ndarray):
+    """(key, the members with that key) for each key among `members`, found by one sort."""
+    order = members[np.argsort(keys[members], kind="stable")]
+    found, first = np.unique(keys[order], return_index=True)
+    for k, a, b in zip(found, first, [*first[1:], len(order)]):
+        yield int(k), order[a:b]
+
+
+def read_chain(url: str) -> dict:
+    """A split's manifest of pieces, checked: each piece's URL, tokens and sha256, in order."""
+    try:
+        manifest = storage.read_json(url)
+        ok = manifest.get("format") == CHAIN and all(
+            isinstance(p.get("url"), str) and isinstance(p.get("tokens"), int) and isinstance(p.get("sha256"), str)
+            for p in manifest["pieces"])
+    except (ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise UserError(f"{url} is not a manifest of a split's pieces ({CHAIN}): re-run the split stage")
+    return manifest
+
+
+def chain_digest(digests: list[str]) -> str:
+    """The digest of a split stored as pieces: of its pieces' sha256s in order, so it names the
+    ids exactly as a flat file's sha256 does, without reading them."""
+    import hashlib
+
+    return hashlib.sha256((CHAIN + "\n" + "\n".join(digests)).encode()).hexdigest()
+
+
+def ids_digest(url: str) -> str:
+    """A split's digest as its files are now: a flat .npy's sha256, or a manifest's chain_digest
+    over its pieces' files read again (a piece changed in place no longer matches)."""
+    if not url.endswith(".json"):
+        return storage.sha256_file(url)
+    return chain_digest([storage.sha256_file(p["url"]) for p in read_chain(url)["pieces"]])
+
+
+def missing_piece(url: str) -> str | None:
+    """The first piece a split's manifest names that storage no longer holds (the manifest
+    itself, when it is no manifest)."""
+    try:
+        pieces = read_chain(url)["pieces"]
+    except UserError:
+        return url
+    return next((p["url"] for p in pieces if not storage.exists(p["url"])), None)
 
 
 def check_offsets(offsets: np.ndarray, n_tokens: int, source: str = "paragraph offsets") -> np.ndarray:

@@ -9,12 +9,15 @@ group, so memory stays bounded whatever the corpus's size.
     parts = write_splits(tokens_folder, vocab, tokenizer, plan, out_folder)
 
 A corpus of many files is split span by span instead: `route_pack` routes each token pack's
-rows by their content digest, and `assemble` puts the packs' pieces together.
+rows by their content digest into a piece (the same two files, of that pack's rows), and
+`assemble` writes each split as a manifest of the pieces, which mllm.data.ChainedIds reads as one
+array: a grown corpus routes its new pack and writes manifests, never the old packs' ids again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import tempfile
 from dataclasses import dataclass
@@ -245,35 +248,48 @@ class _NpyWriter:
         self.close()
 
 
-# --- a corpus of many files: each pack routed on its own, then the splits put together ----------
+# --- a corpus of many files: each pack routed on its own, the splits a manifest of the pieces --
 
 PIECES = "pieces.json"
 
 
 def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np.ndarray, cfg: SplitConfig,
-               out: str) -> dict[str, dict[str, int]]:
+               out: str) -> dict[str, dict[str, Any]]:
     """The rows of one pack (those of `files`, or all) encoded and routed by their span digest
-    (mllm.packs.span_owner) to `out/<split>.parquet` (`token_id: int32`), with each split's row
-    lengths in `out/<split>.lengths.npy`. A pack's piece depends on the pack, the vocabulary and
-    the split's seed and fractions alone, so a corpus that grows by one file routes one pack.
-    Returns {split: {tokens, bytes, rows}} for the splits that got rows."""
+    (mllm.packs.span_owner) to `out/<split>.npy` (ids in `ids_dtype`, what training memory-maps)
+    and `out/<split>.parquet` (`token_id: int32`), with each split's row lengths in
+    `out/<split>.lengths.npy`. A pack's piece depends on the pack, the vocabulary and the split's
+    seed and fractions alone, so a corpus that grows by one file routes one pack, and its splits
+    (`assemble`) name the pieces where they lie. Returns {split: {tokens, bytes, rows, sha256}}
+    for the splits that got rows, sha256 being that of the piece's .npy."""
     from mllm.packs import CorpusPacks, span_owner
 
+    corpus = CorpusPacks([(pack, files)])
+    # The .npy header holds its length, so a first pass over the rows' sizes (8 bytes a row,
+    # not their tokens) lets the ids be written front to back in one pass, however large the pack.
+    totals = np.zeros(len(NAMES), np.int64)
+    for table in corpus.tables(["n", "span"]):
+        owner = span_owner(table.column("span").to_numpy(), cfg)
+        totals += np.bincount(owner, weights=table.column("n").to_numpy(), minlength=len(NAMES)).astype(np.int64)
     fs, path = storage.filesystem(out)
-    summary: dict[str, dict[str, int]] = {}
+    summary: dict[str, dict[str, Any]] = {}
     with _writing_to(fs, path, "mllm-route-") as (tmp, publish):
+        npys: dict[str, _NpyWriter] = {}
         writers: dict[str, Any] = {}
         lengths: dict[str, list[np.ndarray]] = {}
         try:
-            for table in CorpusPacks([(pack, files)]).tables(["n", "span", "tokens"]):
+            for table in corpus.tables(["n", "span", "tokens"]):
                 owner = span_owner(table.column("span").to_numpy(), cfg)
                 for k in np.unique(owner):
                     name, rows = NAMES[k], table.filter(pa.array(owner == k))
                     ids = vocab.encode_array(pc.list_flatten(rows.column("tokens")))
                     if name not in writers:
+                        npys[name] = _NpyWriter(os.path.join(tmp, f"{name}.npy"), int(totals[k]),
+                                                ids_dtype(len(token_bytes)))
                         writers[name] = pq.ParquetWriter(os.path.join(tmp, f"{name}.parquet"), _IDS_SCHEMA,
                                                          **_IDS_PARQUET)
                         summary[name] = {"tokens": 0, "bytes": 0, "rows": 0}
+                    npys[name].write(ids)
                     writers[name].write_table(pa.table({"token_id": pa.array(ids, pa.int32())}))
                     lengths.setdefault(name, []).append(rows.column("n").to_numpy())
                     s = summary[name]
@@ -281,11 +297,15 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
                     s["bytes"] += int(token_bytes[ids].sum())
                     s["rows"] += rows.num_rows
         finally:
-            for w in writers.values():
+            for w in [*writers.values(), *npys.values()]:
                 w.close()
         for name in writers:
+            if summary[name]["tokens"] != totals[NAMES.index(name)]:
+                raise ValueError(f"{pack}: its rows' sizes say {totals[NAMES.index(name)]} {name} tokens, "
+                                 f"their tokens {summary[name]['tokens']}")
+            summary[name]["sha256"] = npys[name].sha256.hexdigest()
             np.save(os.path.join(tmp, f"{name}.lengths.npy"), np.concatenate(lengths[name]).astype(np.int64))
-            for ext in ("parquet", "lengths.npy"):
+            for ext in ("npy", "parquet", "lengths.npy"):
                 publish(f"{name}.{ext}")
     storage.write_json(f"{out.rstrip('/')}/{PIECES}", summary)
     return summary
@@ -302,79 +322,31 @@ def check_span_sizes(sizes: dict[str, int], n_rows: int, cfg: SplitConfig) -> No
 
 
 def assemble(pieces: list[str], n_vocab: int, out: str) -> list[WrittenSplit]:
-    """The splits of a corpus from its packs' routed pieces (`route_pack`), in pack order: each
-    split's ids `.npy` (written front to back), its piece boundaries (`.offsets.npy`, every row
-    a piece), and its Parquet as a folder `<split>.parquet/` of the pieces' files, which every
-    Parquet reader takes as one table."""
+    """The splits of a corpus from its packs' routed pieces (`route_pack`), in pack order, stored
+    as pieces: each split's `<split>.ids.json` names its pieces' ids (.npy) and Parquet files with
+    their tokens and sha256s (mllm.data.ChainedIds reads them as one array), and `.offsets.npy`
+    holds its row boundaries (every row a piece of text). Nothing of the ids is copied: a grown
+    corpus writes these small files again, and its old pieces stay as they were."""
+    from mllm.data import CHAIN, chain_digest
+
     summaries = [storage.read_json(f"{p.rstrip('/')}/{PIECES}") for p in pieces]
-    fs, path = storage.filesystem(out)
     written = []
-    with _writing_to(fs, path, "mllm-split-") as (tmp, publish):
-        for name in NAMES:
-            mine = [(p, s[name]) for p, s in zip(pieces, summaries) if name in s]
-            if not mine:
-                continue
-            n = sum(s["tokens"] for _, s in mine)
-            npy = _NpyWriter(os.path.join(tmp, f"{name}.npy"), n, ids_dtype(n_vocab))
-            lengths: list[np.ndarray] = []
-
-            def piece_ids(name: str = name, mine: list = mine, lengths: list = lengths) -> Iterator[np.ndarray]:
-                for i, (piece, _) in enumerate(mine):
-                    pfs, ppath = storage.filesystem(piece)
-                    # A piece's Parquet is a pack's share of one split, some MB compressed: read
-                    # once, its ids into the .npy and its bytes into the split's Parquet folder.
-                    data = pfs.cat_file(f"{ppath}/{name}.parquet")
-                    fs.makedirs(f"{path}/{name}.parquet", exist_ok=True)
-                    fs.pipe_file(f"{path}/{name}.parquet/part-{i:05d}.parquet", data)
-                    with pfs.open(f"{ppath}/{name}.lengths.npy", "rb") as f:
-                        lengths.append(np.load(f))
-                    pf = pq.ParquetFile(pa.BufferReader(data))
-                    for g in range(pf.num_row_groups):
-                        yield pf.read_row_group(g).column(0).to_numpy()
-
-            with npy:
-                for ids in _ahead(piece_ids()):
-                    npy.write(ids)
-            offsets = np.concatenate([[0], np.cumsum(np.concatenate(lengths))]).astype(np.int64)
-            np.save(os.path.join(tmp, f"{name}.offsets.npy"), offsets)
-            for ext in ("npy", "offsets.npy"):
-                publish(f"{name}.{ext}")
-            written.append(WrittenSplit(name, n, sum(s["bytes"] for _, s in mine), npy.sha256.hexdigest()))
+    for name in NAMES:
+        mine = [(p.rstrip("/"), s[name]) for p, s in zip(pieces, summaries) if name in s]
+        if not mine:
+            continue
+        lengths = [np.zeros(1, np.int64)]
+        for p, _ in mine:
+            lengths.append(np.load(io.BytesIO(storage.read_bytes(f"{p}/{name}.lengths.npy")), allow_pickle=False))
+        offsets = np.cumsum(np.concatenate(lengths)).astype(np.int64)
+        buf = io.BytesIO()
+        np.save(buf, offsets, allow_pickle=False)
+        storage.write_bytes(f"{out.rstrip('/')}/{name}.offsets.npy", buf.getvalue())
+        digest = chain_digest([s["sha256"] for _, s in mine])
+        storage.write_json(f"{out.rstrip('/')}/{name}.ids.json", {
+            "format": CHAIN, "dtype": ids_dtype(n_vocab).str, "tokens": sum(s["tokens"] for _, s in mine),
+            "sha256": digest,
+            "pieces": [{"url": f"{p}/{name}.npy", "parquet": f"{p}/{name}.parquet", "tokens": s["tokens"],
+                        "sha256": s["sha256"]} for p, s in mine]})
+        written.append(WrittenSplit(name, sum(s["tokens"] for _, s in mine), sum(s["bytes"] for _, s in mine), digest))
     return written
-
-
-def _ahead(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
-    """`items`, made in a thread of their own up to `depth` ahead: decoding Parquet there while
-    this thread writes and hashes the last batch (all three let go of the GIL) takes the
-    assembly from one core's time to about the longer of the two."""
-    import queue
-    import threading
-
-    q: queue.Queue = queue.Queue(depth)
-    done = object()
-    stop = threading.Event()
-
-    def make() -> None:
-        try:
-            for item in items:
-                if stop.is_set():
-                    return
-                q.put(item)
-            q.put(done)
-        except BaseException as e:  # handed to the reader, which raises it
-            q.put(e)
-
-    worker = threading.Thread(target=make, daemon=True)
-    worker.start()
-    try:
-        while (item := q.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while worker.is_alive():  # let a blocked put through, so the thread ends
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                worker.join(0.05)

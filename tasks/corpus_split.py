@@ -1,5 +1,6 @@
 """The split stage of a corpus of many files: each token pack's rows routed to train, val and test
-as a mapped task on the flow's task runner, then the splits put together in pack order.
+as a mapped task on the flow's task runner, then the splits put together in pack order: each split
+a manifest of its packs' pieces (mllm.splits.assemble), which training reads as one array.
 
 A pack's routed piece is stored under `splits/pieces/<key>`, keyed by the pack (and which of its
 files the corpus holds), the vocabulary and the split's settings: a corpus that grows by a file
@@ -75,7 +76,8 @@ def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, ro
         return done
     with storage.staged_dir(url) as out:
         written = splits.assemble(pieces, vocabulary.size, out)
-        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"), ids=storage.join(url, f"{w.name}.npy"),
+        # A split is its manifest of pieces: the ids and the Parquet both lie in the pieces it names.
+        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.ids.json"), ids=storage.join(url, f"{w.name}.ids.json"),
                                    n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
                                    offsets=storage.join(url, f"{w.name}.offsets.npy"))
                  for w in written}

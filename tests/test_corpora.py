@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -18,6 +19,7 @@ import pytest
 from conftest import make_text
 from mllm import UserError, files, packs, splits
 from mllm.config import SplitConfig, TokenizerConfig
+from mllm.data import ChainedIds, ids_digest, load_ids, read_chain
 from mllm.text import build_tokenizer
 from mllm.vocab import Vocab
 
@@ -187,12 +189,18 @@ def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: P
             bounds[name].append(len(want[name]))
     assert set(written) == {"train", "val", "test"}
     for name, ids in want.items():
-        got = np.load(tmp_path / "out" / f"{name}.npy")
-        assert got.dtype == np.uint8 and got.tolist() == ids  # a character vocabulary: one byte an id
+        got = load_ids(str(tmp_path / "out" / f"{name}.ids.json"))
+        assert isinstance(got, ChainedIds) and len(got.pieces) == 2
+        assert got.dtype == np.uint8 and np.asarray(got).tolist() == ids  # a character vocabulary: one byte an id
         assert written[name].n_tokens == len(ids)
         assert written[name].n_bytes == int(token_bytes[np.array(ids)].sum())
+        assert written[name].sha256 == ids_digest(str(tmp_path / "out" / f"{name}.ids.json"))
         assert np.load(tmp_path / "out" / f"{name}.offsets.npy").tolist() == bounds[name]
-        assert pq.read_table(tmp_path / "out" / f"{name}.parquet").column("token_id").to_pylist() == ids
+        parquet = [p["parquet"] for p in read_chain(str(tmp_path / "out" / f"{name}.ids.json"))["pieces"]]
+        assert pq.read_table(parquet).column("token_id").to_pylist() == ids
+    # The splits name the pieces where they lie: nothing of the ids was copied.
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        f"{n}.{ext}" for n in want for ext in ("ids.json", "offsets.npy"))
 
 
 def test_grouping_packs_small_files_and_leaves_large_ones_alone() -> None:
@@ -209,7 +217,7 @@ FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interva
 
 def _val_text(result) -> str:
     vocab = Vocab.load(result.data.vocab.url)
-    return "".join(vocab.decode(np.load(result.data.splits.val.ids)))
+    return "".join(vocab.decode(np.asarray(load_ids(result.data.splits.val.ids))))
 
 
 @pytest.mark.usefixtures("prefect_server")
@@ -228,8 +236,21 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     assert again.decision == "skipped" and again.data.tokens.files_tokenized == 0
     assert again.corpus_changes == {"files": 5, "new": 0, "changed": 0, "removed": 0, "reused": 5, "tokenized": 0,
                                     "skipped": 0}
+    # Each split is a manifest of the packs' pieces, which lie where they were routed.
+    first_pieces = {name: read_chain(getattr(first.data.splits, name).ids)["pieces"] for name in ("train", "val")}
+    stamps = {p["url"]: (os.stat(p["url"]).st_ino, os.stat(p["url"]).st_mtime_ns)
+              for ps in first_pieces.values() for p in ps}
     _books(folder, 1, first_seed=5)
     grown = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
+    # The grown splits name the old pieces, untouched (not one byte written again), and one new
+    # piece where the new book's pack had spans for the split.
+    added = 0
+    for name, old in first_pieces.items():
+        now = read_chain(getattr(grown.data.splits, name).ids)["pieces"]
+        assert [p for p in now if p in old] == old and len(now) - len(old) in (0, 1)
+        added += len(now) - len(old)
+    assert added >= 1
+    assert stamps == {url: (os.stat(url).st_ino, os.stat(url).st_mtime_ns) for url in stamps}
     assert grown.decision in ("promoted", "kept") and grown.data.tokens.files_tokenized == 1
     assert grown.corpus_changes == {"files": 6, "new": 1, "changed": 0, "removed": 0, "reused": 5, "tokenized": 1,
                                     "skipped": 0}
@@ -242,7 +263,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     first_val, grown_val = _val_text(first), _val_text(grown)
     assert first_val and first_val in grown_val
     vocab = Vocab.load(grown.data.vocab.url)
-    train_text = "".join(vocab.decode(np.load(grown.data.splits.train.ids)))
+    train_text = "".join(vocab.decode(np.asarray(load_ids(grown.data.splits.train.ids))))
     assert first_val[:200] not in train_text
     # The MLflow run says what changed.
     from mlflow.tracking import MlflowClient
@@ -259,6 +280,17 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     out = _cli("lineage", "--corpus", new_file["sha256"][:10], "--storage", str(root))
     assert out.returncode == 0 and grown.mlflow_run_id in out.stdout and first.mlflow_run_id not in out.stdout
     assert "book05.txt" in out.stdout
+    # A piece of the split changed in place, then gone: lineage reads the pieces and names it.
+    piece = Path(first_pieces["val"][0]["url"])
+    ids = bytearray(piece.read_bytes())
+    ids[-1] ^= 1
+    piece.write_bytes(bytes(ids))
+    out = _cli("lineage", grown.mlflow_run_id, "--storage", str(root))
+    assert out.returncode == 1 and "broken links: split" in out.stdout
+    assert "val.ids.json now has sha256" in out.stdout
+    piece.unlink()
+    out = _cli("lineage", grown.mlflow_run_id, "--storage", str(root))
+    assert out.returncode == 1 and "[MISSING]" in out.stdout and f"{piece} is gone" in out.stdout
 
 
 @pytest.mark.usefixtures("prefect_server")

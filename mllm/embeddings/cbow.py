@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from mllm import UserError
 from mllm.config import CbowConfig
-from mllm.data import EpochOrder, check_offsets
+from mllm.data import ChainedIds, EpochOrder, check_offsets
 from mllm.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
 from mllm.vocab import Vocab
 
@@ -69,6 +69,12 @@ def _relative(context: int) -> np.ndarray:
     return np.r_[np.arange(-context, 0), np.arange(1, context + 1)]
 
 
+def _take(ids, index: np.ndarray) -> np.ndarray:
+    # A split of a many-file corpus is a chain of pieces (mllm.data.ChainedIds), which gathers
+    # from them; np.asarray would copy it whole for every batch.
+    return ids[index] if isinstance(ids, ChainedIds) else np.asarray(ids)[index]
+
+
 def contexts(ids: np.ndarray, offsets: np.ndarray, centres: np.ndarray, context: int,
              skip_unk: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Context ids [N, 2*context] around each centre position, and the mask of real words.
@@ -80,7 +86,7 @@ def contexts(ids: np.ndarray, offsets: np.ndarray, centres: np.ndarray, context:
     start, end = offsets[para][:, None], offsets[para + 1][:, None]
     where = centres[:, None] + _relative(context)
     mask = (where >= start) & (where < end)
-    ctx = np.where(mask, np.asarray(ids)[np.clip(where, 0, max(len(ids) - 1, 0))], PAD_ID)
+    ctx = np.where(mask, _take(ids, np.clip(where, 0, max(len(ids) - 1, 0))), PAD_ID)
     if skip_unk:
         mask &= ctx != 0
         ctx[~mask] = PAD_ID
@@ -127,7 +133,7 @@ def make_batch(ids, offsets, centres, context: int, skip_unk: bool, noise_cdf: n
         neg = np.minimum(np.searchsorted(noise_cdf, u, side="right"), len(noise_cdf) - 1)
     else:
         neg = np.zeros((len(centres), 0), dtype=np.int64)
-    centre = np.asarray(ids)[np.asarray(centres)].astype(np.int64)
+    centre = _take(ids, np.asarray(centres)).astype(np.int64)
     return (torch.from_numpy(ctx), torch.from_numpy(mask), torch.from_numpy(neg.astype(np.int64)),
             torch.from_numpy(centre))
 
