@@ -62,7 +62,8 @@ def _port(wanted: int, what: str, option: str) -> int:
 
 
 def _quiet_env(home: Path) -> dict[str, str]:
-    return {**QUIET_ENV, "PREFECT_HOME": str(home / "prefect"),
+    # This shell's own setting of one of them (os.environ holds the defaults otherwise) wins.
+    return {**{k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}, "PREFECT_HOME": str(home / "prefect"),
             # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 

@@ -11,8 +11,11 @@ no two points ever write the same stage at once.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import io
 import itertools
 import json
+import threading
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -22,6 +25,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
+import tasks
 from flows import database, dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
@@ -167,16 +171,46 @@ class PointsFailed(UserError):
         super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
 
 
+def passing_failure(task: object, task_run: object, state: object) -> bool:
+    """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
+    clients' own retries, a refused connection), not the point's own error."""
+    return outage.transient(getattr(state, "data", None))
+
+
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
-@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
+# A point that fails of a server's passing failure runs once more, on its own: its finished data
+# stages are found cached and its training in storage, so only what had not finished runs again.
+@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception],
+      retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)
 def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
               pool: str | None) -> PointOutcome:
+    from prefect.runtime import task_run
+
+    again = task_run.run_count > 1
+    if again:
+        outage.wait_for_servers()  # bounded: a server still away fails the point, as it would
     r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
                  train_on=pool, force=True)
+    if again:
+        supersede(root, tags, r.mlflow_run_id)
     e = r.evaluation
     return PointOutcome(point={}, ok=True, headline=e.headline, score=e.score,
                         higher_is_better=e.higher_is_better, val_loss=e.loss, decision=r.decision,
                         mlflow_run_id=r.mlflow_run_id)
+
+
+def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
+    """The MLflow runs of a point's failed attempt, once its retry finished as `run_id`: tagged
+    `sweep.superseded_by`, and moved to MLflow's trash unless they finished (the parent then
+    nests one run for the point, and no FAILED run stands for a point that finished)."""
+    client = tracking_client(root)
+    experiment = client.get_run(run_id).info.experiment_id
+    for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
+        if run.info.run_id == run_id or run.data.tags.get(POINT_TAG) != tags[POINT_TAG]:
+            continue
+        client.set_tag(run.info.run_id, "sweep.superseded_by", run_id)
+        if run.info.status != "FINISHED":
+            client.delete_run(run.info.run_id)
 
 
 # --- the flow ------------------------------------------------------------------------------
@@ -234,6 +268,7 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
     setting) wait for each other: they would train into the same folder."""
     futures: list[PrefectFuture] = []
     last_of_key: dict[str, PrefectFuture] = {}
+    ended = PointsEnded(len(points))
     for point, key in zip(points, keys):
         running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
         if parallel and len(running) >= parallel:  # the next point starts when one ends
@@ -242,12 +277,34 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
         future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
             recipe, source, root, point_overrides(overrides, point),
             {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, wait_for=after)
+        future.add_done_callback(functools.partial(ended, label(point)))
         if pool is None:
             future.wait()
         if key is not None:
             last_of_key[key] = future
         futures.append(future)
     return futures
+
+
+class PointsEnded:
+    """The terminal's bar of points (`tasks.report_progress("points", ...)`): how many ended and
+    how many of those failed, as each ends."""
+
+    def __init__(self, total: int):
+        self.total, self.ended, self.failed = total, 0, 0
+        self.lock = threading.Lock()
+        tasks.report_progress("points", 0, total)
+
+    def __call__(self, name: str, future: PrefectFuture) -> None:
+        try:
+            failed = not future.wrapped_future.result().is_completed()
+        except BaseException:  # noqa: BLE001 (a point that crashed its thread ended too)
+            failed = True
+        with self.lock:
+            self.ended += 1
+            self.failed += failed
+            tasks.report_progress("points", self.ended, self.total, failed=self.failed,
+                                  last=f"{name} {'FAILED' if failed else 'done'}")
 
 
 def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
