@@ -95,7 +95,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             restarted.append("worker")
         set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
         now = load(home)
-        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted]}
+        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted],
+                "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"])}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/database.py): PostgreSQL started here, or SQLite ------------------
@@ -136,7 +137,17 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             s.stop()
         _state_file(home).unlink(missing_ok=True)
         raise
-    return {**load(home), "restarted": [], "reused": []}
+    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool)}
+
+
+def _crash_orphans(api: str, pool: str) -> list[str]:
+    """The pool's flow runs left in flight by a process that is gone, marked Crashed (flows/orphans.py)."""
+    from flows.orphans import crash_orphans
+
+    try:
+        return crash_orphans(api, pool)
+    except Exception:  # noqa: BLE001 (the stack runs; a run left Running is no reason to fail `up`)
+        return []
 
 
 def _restart_servers(home: Path, state: dict, database_url: str | None, timeout: float) -> list[str]:

@@ -10,8 +10,10 @@ binaries these tests skip, unless MLLM_REQUIRE_POSTGRES=1 (CI) makes that a fail
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -236,6 +238,67 @@ def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_now
     assert f"@127.0.0.1:{team_server} did not take the stack's databases shared_prefect, shared_mlflow" in lines[-1]
     assert "password authentication failed" in lines[-1] and TEAM_PASSWORD not in bad.stderr + bad.stdout
     assert "Traceback" not in bad.stderr and not stack.load(open_dir / "bad")["services"]
+
+
+def test_a_pipeline_on_a_pool_of_one_slot_that_trains_on_that_pool_is_refused_in_one_line(
+        pg_stack: dict, tmp_path: Path) -> None:
+    env, api = pg_stack["state"]["env"], pg_stack["state"]["env"]["PREFECT_API_URL"]
+    stack.set_slots(api, "local", 1)
+    try:
+        out = _cli("schedule", "--recipe", "smoke", "--interval", "3600", "--pool", "local", "--train-on", "local",
+                   cwd=tmp_path, env=env)
+    finally:
+        stack.set_slots(api, "local", 2)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: pool 'local' has one slot, which the pipeline's own flow run takes: its training, handed to the same "
+        "pool, would wait for that slot for ever. Give the pool two or more (`mllm-pipeline stack up --slots 2`, or "
+        "`prefect work-pool set-concurrency-limit local 2`), or train on another pool (--train-on)"], out.stderr
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        assert not [d for d in prefect.read_deployments() if d.name == "smoke"]  # nothing half-made
+
+
+def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_stack: dict, tmp_path: Path) -> None:
+    # A training on the pool whose worker is killed with it (SIGKILL: nothing can write its state),
+    # and the pipeline following it too: Prefect's records keep it Running, holding a slot.
+    home, env = pg_stack["home"], pg_stack["state"]["env"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=8))
+    steps = ["train.max_steps=2000", "train.checkpoint_interval=20", "train.log_interval=10", "sample.max_new_tokens=10"]
+    runs = Path(pg_stack["root"]) / "runs"
+    before = set(runs.glob("*/checkpoints/last.pt"))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus),
+                             "--storage", pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    try:
+        deadline = time.monotonic() + 240
+        while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        worker = next(s for s in stack.load(home)["services"] if s.name == "worker")
+        for pid in [worker.pid, *stack.descendants(worker.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    api = env["PREFECT_API_URL"]
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        running = [r for r in prefect.read_flow_runs() if r.state_type.value == "RUNNING" and r.work_pool_name == "local"]
+    assert len(running) == 1, running
+
+    up = _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert (f"marked Crashed, freeing their slots of pool 'local': 1 flow run(s) whose process is gone ({running[0].name}); "
+            "run their commands again to resume them") in up.stderr, up.stderr
+    assert "started again: worker" in up.stderr
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        run = prefect.read_flow_run(running[0].id)
+    assert run.state_type.value == "CRASHED" and "its process is gone" in run.state.message
+    # Nothing else is judged gone: a second `up` marks nothing.
+    again = _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+    assert again.returncode == 0 and "marked Crashed" not in again.stderr
 
 
 def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_starts_it_again(
