@@ -26,7 +26,8 @@ import psycopg
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
+from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime, LogFilter,
+                                            LogFilterFlowRunId)
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import make_text
@@ -91,8 +92,10 @@ def pg_stack(open_dir: Path) -> Iterator[dict]:
     mp = pytest.MonkeyPatch()
     mp.setenv("HOME", str(open_dir / "home"))
     try:
+        # Two made-up GPUs: each training side by side must see one of its own (flows/gpus.py).
         state = stack.up(home, str(open_dir / "storage"), prefect_port=0, mlflow_port=0, slots=2,
-                         worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+                         worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1", "MLLM_GPUS": "0,1",
+                                     "MLLM_GPU_LOCKS": str(open_dir / "gpu-locks")})
         for k, v in state["env"].items():
             mp.setenv(k, v)
         with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
@@ -166,6 +169,17 @@ def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_
     trains = _sweep_trainings(pg_stack, tmp_path, 5, "--grid", "train.lr=1e-3,2e-3,3e-3,4e-3")
     assert len(trains) == 4 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
     assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
+    # Each training took a GPU of its own from the worker's two: trainings that overlapped, different ones.
+    with temporary_settings({PREFECT_API_URL: pg_stack["state"]["env"]["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as prefect:
+        gpu = {}
+        for t in trains:
+            logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[t.id])))
+            gpu[t.id] = next(m.message.rsplit("CUDA_VISIBLE_DEVICES=", 1)[1].rstrip(")") for m in logs
+                             if "CUDA_VISIBLE_DEVICES=" in m.message)
+    assert set(gpu.values()) <= {"0", "1"}
+    overlapping = [(a, b) for a in trains for b in trains if a.id < b.id and a.start_time < b.end_time and b.start_time < a.end_time]
+    assert overlapping and all(gpu[a.id] != gpu[b.id] for a, b in overlapping), (gpu, overlapping)
 
 
 def test_sweep_parallel_bounds_one_sweep_below_the_pools_slots(pg_stack: dict, tmp_path: Path) -> None:
