@@ -120,6 +120,8 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
     home.mkdir(parents=True)
     if database == "sqlite":
         (home / "mlflow.db").touch()  # a home with SQLite records stays on SQLite (flows/database.py)
+    # As `stack up` does: without --slots, one a GPU, else one per two cores (0: no limit at all).
+    slots = stack.default_slots() if slots is None else slots or None
     state = stack.up(home, str(storage), prefect_port=0, mlflow_port=0, slots=slots,
                      worker_env={"OMP_NUM_THREADS": "1"})
     try:
@@ -155,7 +157,7 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
         prefect.close()
         mlflow.close()
         return {
-            "database": database, "points": points, "pipelines": pipelines, "slots": stack.slots_of(env["PREFECT_API_URL"], "local"),
+            "database": database, "points": points, "pipelines": pipelines, "slots": slots or "no limit",
             "points_finished": sum("FAILED" not in line for line in table_lines),
             "points_failed": points - sum("FAILED" not in line for line in table_lines),
             "sweep_exit": codes[0], "pipelines_finished": sum(c == 0 for c in codes[1:]),
@@ -179,7 +181,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--points", type=int, default=32, help="the sweep's points")
     p.add_argument("--pipelines", type=int, default=8, help="pipelines started beside it")
-    p.add_argument("--slots", type=int, default=None, help="the pool's slots [the stack's default]")
+    p.add_argument("--slots", type=int, default=None, help="the pool's slots, 0 for no limit [the stack's default]")
     p.add_argument("--databases", default="sqlite,postgresql")
     args = p.parse_args()
     m = header(f"the stack under load: a sweep of {args.points} points and {args.pipelines} pipelines", False)

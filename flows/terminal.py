@@ -293,8 +293,8 @@ def _log_to_file(server: Any) -> None:
 def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Iterator[None]:
     """Progress bars for download, tokenization and training, fed by the tasks' hook; `stages`:
     only those bars (a sweep's `points`: its points' own trainings would fight over one bar).
-    `silent`: none of Prefect's lines on the terminal while the bars are drawn (they stay in
-    the run record): a sweep of many points would print hundreds of them."""
+    `silent`: none of Prefect's lines on the terminal from the first bar on (they stay in the
+    run record): a sweep of many points would print hundreds of them."""
     import tasks
 
     if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
