@@ -88,9 +88,12 @@ def refuse_waiting_on_itself(client: Any, wp: Any) -> None:
     own = os.environ.get("PREFECT__FLOW_RUN_ID")
     if not own or wp.concurrency_limit is None or wp.concurrency_limit > 1:
         return
-    with contextlib.suppress(ObjectNotFound, ValueError):
-        if client.read_flow_run(own).work_pool_name == wp.name:
-            raise UserError(one_slot(wp.name))
+    try:
+        holder = client.read_flow_run(own).work_pool_name
+    except (ObjectNotFound, ValueError):  # not a flow run of this server
+        return
+    if holder == wp.name:
+        raise UserError(one_slot(wp.name))
 
 
 def job_env(root: str) -> dict[str, str]:

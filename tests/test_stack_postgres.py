@@ -275,6 +275,33 @@ def test_a_pipeline_on_a_pool_of_one_slot_that_trains_on_that_pool_is_refused_in
         assert not [d for d in prefect.read_deployments() if d.name == "smoke"]  # nothing half-made
 
 
+def test_a_pipeline_flow_run_on_a_pool_of_one_slot_refuses_to_hand_its_training_to_that_pool(
+        pg_stack: dict, tmp_path: Path) -> None:
+    # Scheduled while the pool had two slots; then the pool is cut to one, which the pipeline's own
+    # flow run takes: its training would wait for ever, so the flow run ends Failed saying why.
+    from prefect.deployments import run_deployment
+
+    from flows import schedule
+    from flows.dispatch import one_slot
+
+    api = pg_stack["state"]["env"]["PREFECT_API_URL"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=9))
+    deployment = schedule.upsert("smoke", interval=3600, pool="local", train_on="local", source=str(corpus),
+                                 storage_url=pg_stack["root"], overrides=FAST, paused=True)
+    stack.set_slots(api, "local", 1)
+    try:
+        run = run_deployment(deployment["name"], timeout=600)
+    finally:
+        stack.set_slots(api, "local", 2)
+        schedule.delete("smoke")
+    with get_client(sync_client=True) as prefect:
+        logs = [m.message[:200] for m in prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    assert run.state.is_failed(), (run.state_name, run.state.message, logs[-15:])
+    # (a flow run's error names the parameter, train_on, where the terminal's names the option)
+    assert one_slot("local").removesuffix(" (--train-on)") + " (train_on)" in run.state.message
+
+
 def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_stack: dict, tmp_path: Path) -> None:
     # A training on the pool whose worker is killed with it (SIGKILL: nothing can write its state),
     # and the pipeline following it too: Prefect's records keep it Running, holding a slot.
