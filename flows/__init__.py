@@ -13,6 +13,14 @@ QUIET_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "PYTHONUNBUFFERED": "1",
+    # Prefect's client retries a 502/503/429/408, a timeout and a dropped connection with back-off
+    # doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES times: its default of 5 gives up after about a
+    # minute, less than a server on SQLite under a sweep (`database is locked`) or one restarting
+    # behind a proxy may answer 503. 7 waits about 4 minutes, as long as MLflow's own client does
+    # with its defaults (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, BACKOFF_FACTOR 2: it also retries 500
+    # and 504), which are left as they are. A server whose database is down answers 500, which
+    # Prefect does not retry: that still ends a command in seconds (flows/database.py).
+    "PREFECT_CLIENT_MAX_RETRIES": "7",
 }
 
 for _name, _value in QUIET_ENV.items():

@@ -350,7 +350,9 @@ def sweep(recipe: Recipe = "default",
                 for k, sep, values in (g.partition("=") for g in grid or [])]
         resolve_points(recipe, parse_grid(grid), set_, source)  # every point, before anything runs
         _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
-        with flow_session() as fl, progress():
+        # At a terminal: a bar of the points, then a line for each that failed, then the table;
+        # Prefect's lines (hundreds for a sweep of many points) stay in the run record.
+        with flow_session() as fl, progress(stages=("points",), silent=True):
             from flows.sweep import sweep as sweep_flow
 
             failure = ""
@@ -360,6 +362,9 @@ def sweep(recipe: Recipe = "default",
                                     parallel=parallel)
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)
+        for o in result.failed:
+            console.print(f"[bold red]failed:[/] {escape(scrub(o.label))}: {escape(scrub(o.error or ''))}",
+                          highlight=False, soft_wrap=True)
         typer.echo(text_table(result.outcomes))
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")

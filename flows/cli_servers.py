@@ -110,6 +110,11 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             again = f"started again: {', '.join(state['restarted'])}; " if state["restarted"] else "nothing to start; "
             console.print(f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False,
                           soft_wrap=True)
+        if state.get("crashed"):
+            names = ", ".join(state["crashed"][:5]) + (f" and {len(state['crashed']) - 5} more" if len(state["crashed"]) > 5 else "")
+            console.print(f"marked Crashed, freeing their slots of pool {state['pool']!r}: {len(state['crashed'])} flow "
+                          f"run(s) whose process is gone ({names}); run their commands again to resume them",
+                          highlight=False, soft_wrap=True)
         note = database.recorded(folder).get("note")
         if note:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)

@@ -63,6 +63,7 @@ def ensure_deployment(train: Any, pool: str) -> tuple[str, set[str]]:
             raise UserError(f"work pool {pool!r} not found on {_api_url()}: start one with "
                             f"`mllm-pipeline stack up` (pool 'local') or create it with "
                             f"`prefect work-pool create {pool} --type process`") from None
+        refuse_waiting_on_itself(client, wp)
         flow_id = client.create_flow_from_name(train.name)
         client.create_deployment(
             flow_id=flow_id, name=deployment_name(pool), work_pool_name=wp.name, entrypoint=ENTRYPOINT,
@@ -73,6 +74,26 @@ def ensure_deployment(train: Any, pool: str) -> tuple[str, set[str]]:
         )
     variables = set(wp.base_job_template.get("variables", {}).get("properties", {}))
     return f"{train.name}/{deployment_name(pool)}", variables
+
+
+def one_slot(pool: str) -> str:
+    return (f"pool {pool!r} has one slot, which the pipeline's own flow run takes: its training, handed to the same "
+            f"pool, would wait for that slot for ever. Give the pool two or more (`mllm-pipeline stack up --slots 2`, "
+            f"or `prefect work-pool set-concurrency-limit {pool} 2`), or train on another pool (--train-on)")
+
+
+def refuse_waiting_on_itself(client: Any, wp: Any) -> None:
+    """A flow run on a pool of one slot (a worker runs it: PREFECT__FLOW_RUN_ID) that hands its
+    training to that same pool holds the slot the training waits for: refused, not waited on."""
+    own = os.environ.get("PREFECT__FLOW_RUN_ID")
+    if not own or wp.concurrency_limit is None or wp.concurrency_limit > 1:
+        return
+    try:
+        holder = client.read_flow_run(own).work_pool_name
+    except (ObjectNotFound, ValueError):  # not a flow run of this server
+        return
+    if holder == wp.name:
+        raise UserError(one_slot(wp.name))
 
 
 def job_env(root: str) -> dict[str, str]:

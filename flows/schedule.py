@@ -64,8 +64,8 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
            pool: str = "local", train_on: str | None = None, source: str | list[str] | None = None,
            storage_url: str | None = None, overrides: list[str] = (), paused: bool = False) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
-    from flows.dispatch import job_env
-    from flows.launch import storage_root
+    from flows.dispatch import job_env, one_slot
+    from flows.launch import storage_root, training_pool
     from flows.pipeline import pipeline
 
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
@@ -84,6 +84,8 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
             except ObjectNotFound:
                 raise UserError(f"work pool {name!r} not found on {PREFECT_API_URL.value()}: start its worker "
                                 f"(`prefect worker start --pool {name} --type process` creates it)") from None
+        if training_pool(recipe, train_on) == pool and (client.read_work_pool(pool).concurrency_limit or 2) < 2:
+            raise UserError(one_slot(pool))
         flow_id = client.create_flow_from_name(FLOW)
         deployment_id = client.create_deployment(
             flow_id=flow_id, name=recipe, work_pool_name=pool, entrypoint=ENTRYPOINT, parameters=params,

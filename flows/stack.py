@@ -62,7 +62,8 @@ def _port(wanted: int, what: str, option: str) -> int:
 
 
 def _quiet_env(home: Path) -> dict[str, str]:
-    return {**QUIET_ENV, "PREFECT_HOME": str(home / "prefect"),
+    # This shell's own setting of one of them (os.environ holds the defaults otherwise) wins.
+    return {**{k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}, "PREFECT_HOME": str(home / "prefect"),
             # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
@@ -94,7 +95,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             restarted.append("worker")
         set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
         now = load(home)
-        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted]}
+        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted],
+                "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"])}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/database.py): PostgreSQL started here, or SQLite ------------------
@@ -135,7 +137,17 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             s.stop()
         _state_file(home).unlink(missing_ok=True)
         raise
-    return {**load(home), "restarted": [], "reused": []}
+    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool)}
+
+
+def _crash_orphans(api: str, pool: str) -> list[str]:
+    """The pool's flow runs left in flight by a process that is gone, marked Crashed (flows/orphans.py)."""
+    from flows.orphans import crash_orphans
+
+    try:
+        return crash_orphans(api, pool)
+    except Exception:  # noqa: BLE001 (the stack runs; a run left Running is no reason to fail `up`)
+        return []
 
 
 def _restart_servers(home: Path, state: dict, database_url: str | None, timeout: float) -> list[str]:

@@ -11,14 +11,12 @@ no two points ever write the same stage at once.
 from __future__ import annotations
 
 import concurrent.futures
-import csv
+import functools
 import io
 import itertools
 import json
-import math
-from typing import Any
+import threading
 
-import yaml
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -27,9 +25,12 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
+import tasks
 from flows import database, dispatch
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
+from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
+    csv_text, direction, figure, headline_of, markdown_table, table_rows, text_table)
 from flows.training import train
 from mllm import UserError, storage
 from mllm.config import RunConfig
@@ -170,16 +171,46 @@ class PointsFailed(UserError):
         super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
 
 
+def passing_failure(task: object, task_run: object, state: object) -> bool:
+    """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
+    clients' own retries, a refused connection), not the point's own error."""
+    return outage.transient(getattr(state, "data", None))
+
+
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
-@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
+# A point that fails of a server's passing failure runs once more, on its own: its finished data
+# stages are found cached and its training in storage, so only what had not finished runs again.
+@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception],
+      retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)
 def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
               pool: str | None) -> PointOutcome:
+    from prefect.runtime import task_run
+
+    again = task_run.run_count > 1
+    if again:
+        outage.wait_for_servers()  # bounded: a server still away fails the point, as it would
     r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
                  train_on=pool, force=True)
+    if again:
+        supersede(root, tags, r.mlflow_run_id)
     e = r.evaluation
     return PointOutcome(point={}, ok=True, headline=e.headline, score=e.score,
                         higher_is_better=e.higher_is_better, val_loss=e.loss, decision=r.decision,
                         mlflow_run_id=r.mlflow_run_id)
+
+
+def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
+    """The MLflow runs of a point's failed attempt, once its retry finished as `run_id`: tagged
+    `sweep.superseded_by`, and moved to MLflow's trash unless they finished (the parent then
+    nests one run for the point, and no FAILED run stands for a point that finished)."""
+    client = tracking_client(root)
+    experiment = client.get_run(run_id).info.experiment_id
+    for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
+        if run.info.run_id == run_id or run.data.tags.get(POINT_TAG) != tags[POINT_TAG]:
+            continue
+        client.set_tag(run.info.run_id, "sweep.superseded_by", run_id)
+        if run.info.status != "FINISHED":
+            client.delete_run(run.info.run_id)
 
 
 # --- the flow ------------------------------------------------------------------------------
@@ -237,6 +268,7 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
     setting) wait for each other: they would train into the same folder."""
     futures: list[PrefectFuture] = []
     last_of_key: dict[str, PrefectFuture] = {}
+    ended = PointsEnded(len(points))
     for point, key in zip(points, keys):
         running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
         if parallel and len(running) >= parallel:  # the next point starts when one ends
@@ -245,12 +277,34 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
         future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
             recipe, source, root, point_overrides(overrides, point),
             {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, wait_for=after)
+        future.add_done_callback(functools.partial(ended, label(point)))
         if pool is None:
             future.wait()
         if key is not None:
             last_of_key[key] = future
         futures.append(future)
     return futures
+
+
+class PointsEnded:
+    """The terminal's bar of points (`tasks.report_progress("points", ...)`): how many ended and
+    how many of those failed, as each ends."""
+
+    def __init__(self, total: int):
+        self.total, self.ended, self.failed = total, 0, 0
+        self.lock = threading.Lock()
+        tasks.report_progress("points", 0, total)
+
+    def __call__(self, name: str, future: PrefectFuture) -> None:
+        try:
+            failed = not future.wrapped_future.result().is_completed()
+        except BaseException:  # noqa: BLE001 (a point that crashed its thread ended too)
+            failed = True
+        with self.lock:
+            self.ended += 1
+            self.failed += failed
+            tasks.report_progress("points", self.ended, self.total, failed=self.failed,
+                                  last=f"{name} {'FAILED' if failed else 'done'}")
 
 
 def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
@@ -332,97 +386,3 @@ def record(parent: ParentRun, recipe: str, grid: dict[str, list[str]], outcomes:
     slug = "".join(c if c.isalnum() else "-" for c in recipe.lower())
     create_markdown_artifact(md, key=f"sweep-{slug}", description=f"{recipe}: sweep of {', '.join(grid)}")
     return folder
-
-
-# --- the table and the plot (pure) ---------------------------------------------------------
-
-def headline_of(outcomes: list[PointOutcome]) -> tuple[str, bool | None]:
-    done = [o for o in outcomes if o.ok]
-    return (done[0].headline, done[0].higher_is_better) if done else ("headline", None)
-
-
-def direction(higher_is_better: bool | None) -> str:
-    return "" if higher_is_better is None else "higher is better" if higher_is_better else "lower is better"
-
-
-def table_rows(grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> list[dict[str, Any]]:
-    return [{**o.point, "status": "ok" if o.ok else "failed", "headline": o.headline, "score": o.score,
-             "higher_is_better": o.higher_is_better, "val_loss": o.val_loss, "decision": o.decision,
-             "mlflow_run_id": o.mlflow_run_id, "error": o.error} for o in outcomes]
-
-
-def csv_text(rows: list[dict[str, Any]]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
-
-
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-def markdown_table(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome], parent_id: str) -> str:
-    name, higher = headline_of(outcomes)
-    lines = [f"# Sweep of {recipe}: {name} ({direction(higher)})", "",
-             f"Parent MLflow run `{parent_id}`; the plot is its artifact `sweep.png`.", "",
-             "| " + " | ".join([*grid, name, "val loss", "MLflow run"]) + " |",
-             "|" + "---|" * (len(grid) + 3)]
-    for o in outcomes:
-        score = _num(o.score) if o.ok else f"**failed**: {o.error}".replace("|", "/")
-        lines.append("| " + " | ".join([*o.point.values(), score, _num(o.val_loss),
-                                        f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-"]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def text_table(outcomes: list[PointOutcome]) -> str:
-    """The table for a terminal: point, headline, val loss, MLflow run."""
-    rows = [("point", headline_of(outcomes)[0], "val loss", "mlflow run")]
-    rows += [(o.label, _num(o.score) if o.ok else "FAILED", _num(o.val_loss), o.mlflow_run_id or "-")
-             for o in outcomes]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def _axis_values(values: list[str]) -> tuple[list[float], bool]:
-    """Positions on the x axis: the values themselves when all are numbers, else their order."""
-    parsed = [yaml.safe_load(v) for v in values]
-    if all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parsed):
-        return [float(p) for p in parsed], True
-    return [float(i) for i in range(len(values))], False
-
-
-def figure(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> Any:
-    """The headline against the first field, one line per value of the other fields (a failed
-    point is a gap in its line). A first field of names (model.arch=rnn,lstm) against a second
-    of numbers (a length) swaps: numbers read better along an axis, names as lines."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
-
-    name, higher = headline_of(outcomes)
-    fields = list(grid)
-    if len(fields) > 1 and not _axis_values(grid[fields[0]])[1] and _axis_values(grid[fields[1]])[1]:
-        fields[0], fields[1] = fields[1], fields[0]
-    x_field, *others = fields
-    xs, numeric = _axis_values(grid[x_field])
-    at = dict(zip(grid[x_field], xs))
-    fig = Figure(figsize=(7, 4.5), dpi=100)
-    ax = fig.subplots()
-    lines: dict[str, list[tuple[float, float]]] = {}
-    for o in outcomes:
-        key = (o.point[others[0]] if len(others) == 1
-               else ", ".join(f"{f}={o.point[f]}" for f in others) or name)
-        lines.setdefault(key, []).append((at[o.point[x_field]], o.score if o.ok else math.nan))
-    for key, pts in lines.items():
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
-    if numeric and min(xs) > 0 and max(xs) / min(xs) >= 10:
-        ax.set_xscale("log")  # learning rates and the like: spread over decades
-    ax.set_xticks(xs, grid[x_field])
-    ax.set_xlabel(x_field)
-    ax.set_ylabel(f"{name} ({direction(higher)})" if higher is not None else name)
-    ax.set_title(f"{recipe}: {name} by {x_field}" + (f" and {', '.join(others)}" if others else ""))
-    ax.grid(alpha=0.3)
-    if others:
-        ax.legend(title=", ".join(others))
-    fig.tight_layout()
-    return fig

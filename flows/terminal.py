@@ -72,9 +72,10 @@ class _QuietAfterUserError(logging.Filter):
         super().__init__()
         self.failed = False
         self.terse = False
+        self.silent = False  # a sweep's terminal: its bar of points, its failures and its table only
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.failed:
+        if self.failed or self.silent:
             return False
         exc = record.exc_info[1] if record.exc_info else None
         names = {c.__name__ for c in _subclasses(UserError)}
@@ -289,8 +290,11 @@ def _log_to_file(server: Any) -> None:
 
 
 @contextlib.contextmanager
-def progress() -> Iterator[None]:
-    """Progress bars for download, tokenization and training, fed by the tasks' hook."""
+def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Iterator[None]:
+    """Progress bars for download, tokenization and training, fed by the tasks' hook; `stages`:
+    only those bars (a sweep's `points`: its points' own trainings would fight over one bar).
+    `silent`: none of Prefect's lines on the terminal from the first bar on (they stay in the
+    run record): a sweep of many points would print hundreds of them."""
     import tasks
 
     if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
@@ -300,7 +304,15 @@ def progress() -> Iterator[None]:
     progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, transient=False)
 
+    lock = threading.Lock()  # a sweep's points end in threads of their own
+
     def hook(stage: str, completed: float, total: float | None, **f: Any) -> None:
+        if stages is not None and stage not in stages:
+            return
+        with lock:
+            draw(stage, completed, total, **f)
+
+    def draw(stage: str, completed: float, total: float | None, **f: Any) -> None:
         if stage not in bars:
             progress.start()  # at the first bar: a command that ends before one leaves no blank line
             bars[stage] = progress.add_task(stage, total=total, info="")
@@ -313,6 +325,9 @@ def progress() -> Iterator[None]:
             info = f"{completed / 1e6:.1f} MB"
         elif stage == "tokenize":
             info = f"{int(completed):,} tokens"
+        elif stage == "points":
+            info = f"{int(completed)}/{int(total or 0)} ended" + (f", {f['failed']} failed" if f.get("failed") else "") \
+                + (f"; last: {f['last']}" if f.get("last") else "")
         progress.update(bars[stage], completed=completed, total=total, info=info)
 
     from prefect.logging.handlers import PrefectConsoleHandler
@@ -320,6 +335,7 @@ def progress() -> Iterator[None]:
     handlers = [h for h in _console_handlers() if isinstance(h, PrefectConsoleHandler)]
     own = {h: h.console for h in handlers}
     _quiet.terse = True  # for good: the temporary server's "Stopping" line comes after the bars
+    _quiet.silent = silent
     tasks.progress_hook = hook
     try:
         for h in handlers:

@@ -3,9 +3,9 @@ this process, or on a worker of a Prefect work pool (`flows/dispatch.py`)."""
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 
-from flows import dispatch
+from flows import dispatch, gpus
 from flows.launch import with_results
 from mllm.config import RunConfig
 from tasks import model as model_tasks
@@ -38,7 +38,9 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
     """
     if code is not None:
         model_tasks.check_training_code(code)
-    return model_tasks.train(cfg, data, root, run_id)
+    # On a worker with several GPUs: GPUs of its own, one a rank, beside the worker's other trainings.
+    with gpus.own_devices(cfg.train.nproc_per_node, cfg.train.device, get_run_logger()):
+        return model_tasks.train(cfg, data, root, run_id)
 
 
 def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None) -> Trained:

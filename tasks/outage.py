@@ -96,6 +96,54 @@ def server_error(exc: BaseException | None) -> bool:
     return False
 
 
+# What a retry may mend: a server that is busy, restarting or overloaded (its proxy's 502/503/504,
+# 429, 408), a connection refused, dropped or timed out. Not a 500 (a bug, or a database that is
+# down: flows/database.py says so in one line) and not a 4xx (the request itself is wrong).
+_TRANSIENT_STATUS = {408, 429, 502, 503, 504}
+_TRANSIENT_TEXT = ("502 Bad Gateway", "503 Service Unavailable", "504 Gateway Timeout", "429 Too Many Requests",
+                   "502 error responses", "503 error responses", "504 error responses", "429 error responses")
+_DROPPED = _NO_ANSWER | {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "PoolTimeout",
+                         "ConnectionResetError", "BrokenPipeError"}
+
+
+def transient(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) is a server's passing failure, which a retry may mend."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in _TRANSIENT_STATUS or any(t in str(exc) for t in _TRANSIENT_TEXT):
+            return True
+        if {c.__name__ for c in type(exc).__mro__} & _DROPPED:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def wait_for_servers(within: float = 240.0) -> bool:
+    """Wait until the Prefect server ($PREFECT_API_URL) and the MLflow server answer their health
+    checks with 200, for at most `within` seconds; whether they did."""
+    urls = [u for u in (os.environ.get("PREFECT_API_URL", "").rstrip("/") + "/health", (server() or "") + "/health")
+            if u.startswith(("http://", "https://"))]
+    deadline, pause = time.monotonic() + within, 1.0
+    while True:
+        pending = []
+        for url in urls:
+            clean = strip_userinfo(url)[0]
+            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}) if "127.0.0.1" in clean
+                                                 else urllib.request.ProxyHandler())
+            try:
+                with opener.open(url, timeout=10):
+                    pass
+            except (OSError, ValueError):  # HTTPError (a 503) is an OSError too
+                pending.append(url)
+        urls = pending
+        if not urls or time.monotonic() + pause > deadline:
+            return not urls
+        time.sleep(pause)
+        pause = min(pause * 2, 15.0)
+
+
 def prefect_database_down() -> str | None:
     """The Prefect server's API URL when that server answers that its database is not available
     (its /ready says 503; the stack's MLflow server shares that database), else None. One look

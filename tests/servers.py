@@ -335,3 +335,102 @@ def training_image(registry, tmp_path_factory) -> BuiltImage:
     """The image of this checkout, built once a session (Docker's layer cache makes a rebuild
     of the same commit take seconds) and pushed to the session's registry."""
     return build_image(REPO, registry, tmp_path_factory.mktemp("image") / "build.log")
+
+
+class FaultProxy:
+    """An HTTP forwarder on a free loopback port in front of a real server that, when told,
+    answers `503 Service Unavailable` for a while (`unavailable(seconds)`) or refuses connections
+    (`refuse(seconds)`), as a server behind a load balancer does while it restarts or is
+    overloaded. Each request gets a connection of its own upstream (`Connection: close`), so that
+    every one is counted and can be refused; a websocket upgrade (Prefect's events) is passed
+    through as bytes. `answered_503` counts the 503s it sent."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.port = free_port()
+        self.answered_503 = 0
+        self.forwarded = 0
+        self._unavailable_until = 0.0
+        self._only: bytes | None = None
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "FaultProxy":
+        if self._listener is None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", self.port))
+            listener.listen(128)
+            self._listener = listener
+            threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+
+    def unavailable(self, seconds: float, only: str | None = None) -> None:
+        """Answer 503 for `seconds` from now: to every request, or to those whose request line
+        starts with `only` (`"POST /api/flow_runs/ "`: Prefect creating a flow run)."""
+        import time
+
+        self._only = only.encode() if only else None
+        self._unavailable_until = time.monotonic() + seconds
+
+    def refuse(self, seconds: float) -> None:
+        """Refuse connections (nothing listens) for `seconds`, then listen again."""
+        self.stop()
+        timer = threading.Timer(seconds, self.start)
+        timer.daemon = True
+        timer.start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        import time
+
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = client.recv(65536)
+                if not chunk:
+                    client.close()
+                    return
+                head += chunk
+            head, rest = head.split(b"\r\n\r\n", 1)
+            lines = head.split(b"\r\n")
+            upgrade = any(line.lower().startswith(b"upgrade:") for line in lines[1:])
+            if time.monotonic() < self._unavailable_until and (self._only is None or lines[0].startswith(self._only)):
+                with self._lock:
+                    self.answered_503 += 1
+                body = b'{"detail": "Service Unavailable (test proxy)"}'
+                client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                client.close()
+                return
+            if not upgrade:
+                lines = [lines[0], *(h for h in lines[1:] if not h.lower().startswith((b"connection:", b"keep-alive:"))),
+                         b"Connection: close"]
+            server = socket.create_connection(self.upstream)
+            with self._lock:
+                self.forwarded += 1
+            server.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + rest)
+        except OSError:
+            client.close()
+            return
+        for a, b in ((client, server), (server, client)):
+            threading.Thread(target=TcpProxy._pump, args=(None, a, b), daemon=True).start()

@@ -10,8 +10,10 @@ binaries these tests skip, unless MLLM_REQUIRE_POSTGRES=1 (CI) makes that a fail
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,8 @@ import psycopg
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
+from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime, LogFilter,
+                                            LogFilterFlowRunId)
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import make_text
@@ -82,6 +85,12 @@ def team_server(open_dir: Path) -> Iterator[int]:
         server.stop()
 
 
+def _worker_env(open_dir: Path) -> dict[str, str]:
+    # Two made-up GPUs: each training side by side must see one of its own (flows/gpus.py).
+    return {"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1", "MLLM_GPUS": "0,1",
+            "MLLM_GPU_LOCKS": str(open_dir / "gpu-locks")}
+
+
 @pytest.fixture(scope="module")
 def pg_stack(open_dir: Path) -> Iterator[dict]:
     """The stack on a PostgreSQL cluster of its own, its pool with 2 slots."""
@@ -90,7 +99,7 @@ def pg_stack(open_dir: Path) -> Iterator[dict]:
     mp.setenv("HOME", str(open_dir / "home"))
     try:
         state = stack.up(home, str(open_dir / "storage"), prefect_port=0, mlflow_port=0, slots=2,
-                         worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+                         worker_env=_worker_env(open_dir))
         for k, v in state["env"].items():
             mp.setenv(k, v)
         with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
@@ -136,8 +145,7 @@ def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_
     # Down stops the cluster with the rest; up starts the same cluster again, records and all.
     stopped = dict(stack.down(home))
     assert stopped["postgres"] is True and not any(s.alive() for s in pg_stack["state"]["services"])
-    again = stack.up(home, pg_stack["root"], prefect_port=0, mlflow_port=0, slots=2,
-                     worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+    again = stack.up(home, pg_stack["root"], prefect_port=0, mlflow_port=0, slots=2, worker_env=_worker_env(pg_stack["dir"]))
     pg_stack["state"] = again
     assert MlflowClient(again["env"]["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "FINISHED"
     assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
@@ -164,6 +172,17 @@ def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_
     trains = _sweep_trainings(pg_stack, tmp_path, 5, "--grid", "train.lr=1e-3,2e-3,3e-3,4e-3")
     assert len(trains) == 4 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
     assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
+    # Each training took a GPU of its own from the worker's two: trainings that overlapped, different ones.
+    with temporary_settings({PREFECT_API_URL: pg_stack["state"]["env"]["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as prefect:
+        gpu = {}
+        for t in trains:
+            logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[t.id])))
+            gpu[t.id] = next(m.message.rsplit("CUDA_VISIBLE_DEVICES=", 1)[1].rstrip(")") for m in logs
+                             if "CUDA_VISIBLE_DEVICES=" in m.message)
+    assert set(gpu.values()) <= {"0", "1"}
+    overlapping = [(a, b) for a in trains for b in trains if a.id < b.id and a.start_time < b.end_time and b.start_time < a.end_time]
+    assert overlapping and all(gpu[a.id] != gpu[b.id] for a, b in overlapping), (gpu, overlapping)
 
 
 def test_sweep_parallel_bounds_one_sweep_below_the_pools_slots(pg_stack: dict, tmp_path: Path) -> None:
@@ -236,6 +255,98 @@ def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_now
     assert f"@127.0.0.1:{team_server} did not take the stack's databases shared_prefect, shared_mlflow" in lines[-1]
     assert "password authentication failed" in lines[-1] and TEAM_PASSWORD not in bad.stderr + bad.stdout
     assert "Traceback" not in bad.stderr and not stack.load(open_dir / "bad")["services"]
+
+
+def test_a_pipeline_on_a_pool_of_one_slot_that_trains_on_that_pool_is_refused_in_one_line(
+        pg_stack: dict, tmp_path: Path) -> None:
+    env, api = pg_stack["state"]["env"], pg_stack["state"]["env"]["PREFECT_API_URL"]
+    stack.set_slots(api, "local", 1)
+    try:
+        out = _cli("schedule", "--recipe", "smoke", "--interval", "3600", "--pool", "local", "--train-on", "local",
+                   cwd=tmp_path, env=env)
+    finally:
+        stack.set_slots(api, "local", 2)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: pool 'local' has one slot, which the pipeline's own flow run takes: its training, handed to the same "
+        "pool, would wait for that slot for ever. Give the pool two or more (`mllm-pipeline stack up --slots 2`, or "
+        "`prefect work-pool set-concurrency-limit local 2`), or train on another pool (--train-on)"], out.stderr
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        assert not [d for d in prefect.read_deployments() if d.name == "smoke"]  # nothing half-made
+
+
+def test_a_pipeline_flow_run_on_a_pool_of_one_slot_refuses_to_hand_its_training_to_that_pool(
+        pg_stack: dict, tmp_path: Path) -> None:
+    # Scheduled while the pool had two slots; then the pool is cut to one, which the pipeline's own
+    # flow run takes: its training would wait for ever, so the flow run ends Failed saying why.
+    from prefect.deployments import run_deployment
+
+    from flows import schedule
+    from flows.dispatch import one_slot
+
+    api = pg_stack["state"]["env"]["PREFECT_API_URL"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=9))
+    deployment = schedule.upsert("smoke", interval=3600, pool="local", train_on="local", source=str(corpus),
+                                 storage_url=pg_stack["root"], overrides=FAST, paused=True)
+    stack.set_slots(api, "local", 1)
+    try:
+        run = run_deployment(deployment["name"], timeout=600)
+    finally:
+        stack.set_slots(api, "local", 2)
+        schedule.delete("smoke")
+    with get_client(sync_client=True) as prefect:
+        logs = [m.message[:200] for m in prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    assert run.state.is_failed(), (run.state_name, run.state.message, logs[-15:])
+    # (a flow run's error names the parameter, train_on, where the terminal's names the option)
+    assert one_slot("local").removesuffix(" (--train-on)") + " (train_on)" in run.state.message
+
+
+def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_stack: dict, tmp_path: Path) -> None:
+    # A training on the pool whose worker is killed with it (SIGKILL: nothing can write its state),
+    # and the pipeline following it too: Prefect's records keep it Running, holding a slot.
+    home, env = pg_stack["home"], pg_stack["state"]["env"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=8))
+    steps = ["train.max_steps=2000", "train.checkpoint_interval=20", "train.log_interval=10", "sample.max_new_tokens=10"]
+    runs = Path(pg_stack["root"]) / "runs"
+    before = set(runs.glob("*/checkpoints/last.pt"))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus),
+                             "--storage", pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]],
+                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    try:
+        deadline = time.monotonic() + 240
+        while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        worker = next(s for s in stack.load(home)["services"] if s.name == "worker")
+        for pid in [worker.pid, *stack.descendants(worker.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    api = env["PREFECT_API_URL"]
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        running = [r for r in prefect.read_flow_runs() if r.state_type.value == "RUNNING" and r.work_pool_name == "local"]
+    assert len(running) == 1, running
+
+    up = _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert (f"marked Crashed, freeing their slots of pool 'local': 1 flow run(s) whose process is gone ({running[0].name}); "
+            "run their commands again to resume them") in up.stderr, up.stderr
+    assert "started again: worker" in up.stderr
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        run = prefect.read_flow_run(running[0].id)
+    assert run.state_type.value == "CRASHED" and "its process is gone" in run.state.message
+    # Nothing else is judged gone: a second `up` marks nothing.
+    again = _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+    assert again.returncode == 0 and "marked Crashed" not in again.stderr
+    # The pipeline killed with SIGKILL closed nothing: its MLflow run is closed here, as its user would.
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    for r in client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.status = 'RUNNING'"):
+        client.set_terminated(r.info.run_id, "KILLED")
 
 
 def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_starts_it_again(

@@ -19,9 +19,9 @@ FAST = ["train.max_steps=6", "train.eval_interval=6", "train.checkpoint_interval
         "sample.max_new_tokens=10", "sample.methods=[greedy]"]
 
 
-def cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, COLUMNS="200"))
+                          timeout=timeout, env=dict(os.environ, COLUMNS="200", **(env or {})))
 
 
 def _sets(overrides: list[str]) -> list[str]:
@@ -136,11 +136,18 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
 def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    # A window longer than the validation split resolves, then fails in training.
+    # A window longer than the validation split resolves, then fails in training. As at a terminal
+    # (MLLM_PROGRESS): the bar of points, a line for the failed point, the table; none of Prefect's lines.
     out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
-              "--grid", "train.window=5000,16", *_sets(FAST))
+              "--grid", "train.window=5000,16", *_sets(FAST), env={"MLLM_PROGRESS": "1"})
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stdout + out.stderr
+    # (the temporary Prefect server's start, before the sweep's flow run, is the one line of Prefect's)
+    assert not [line for line in out.stderr.splitlines() if (" | INFO " in line or " | ERROR " in line)
+                and "Starting temporary server" not in line], out.stderr
+    assert "points" in out.stderr and "2/2 ended, 1 failed" in out.stderr, out.stderr
+    failures = [line for line in out.stderr.splitlines() if line.startswith("failed:")]
+    assert len(failures) == 1 and failures[0].startswith("failed: train.window=5000: the validation split has"), out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["point", "val_bits_per_byte", "val", "loss", "mlflow", "run"]
     failed, done = lines[1].split(), lines[2].split()

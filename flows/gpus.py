@@ -1,0 +1,92 @@
+"""A GPU of its own for each training that a worker runs at once.
+
+A pool's slots (`stack up --slots N`, one per GPU by default) bound how many trainings a worker
+runs side by side, but every one of them would see all the machine's GPUs and take the first.
+So a training started by a worker (a process of its own: PREFECT__FLOW_RUN_ID is set) takes as
+many devices as it has ranks from the worker's list, and sees only those (CUDA_VISIBLE_DEVICES,
+set before torch touches CUDA). A device is held by an advisory lock on a file of its own
+(`fcntl.flock`), which the system releases when the training's process ends however it ends,
+so a killed training never keeps its GPU. The worker's list: $MLLM_GPUS (`0,1,2,3`, ids as
+CUDA_VISIBLE_DEVICES takes them; a list of made-up ids tests this without GPUs), else the
+worker's own CUDA_VISIBLE_DEVICES, else every GPU torch sees. One device or none: nothing to share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+from mllm import UserError
+
+log = logging.getLogger(__name__)
+
+
+def worker_devices() -> list[str]:
+    listed = os.environ.get("MLLM_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _locks() -> Path:
+    folder = Path(os.environ.get("MLLM_GPU_LOCKS") or Path(tempfile.gettempdir()) / f"mllm-gpus-{os.getuid()}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _try_claim(devices: list[str], n: int) -> list[tuple[str, IO]] | None:
+    held: list[tuple[str, IO]] = []
+    for device in devices:
+        f = open(_locks() / f"gpu-{device}.lock", "a+")  # noqa: SIM115 (held until released)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        held.append((device, f))
+        if len(held) == n:
+            return held
+    for _, f in held:
+        f.close()  # closing releases the lock
+    return None
+
+
+@contextlib.contextmanager
+def own_devices(n: int, device: str, logger: logging.Logger | None = None) -> Iterator[list[str]]:
+    """Hold `n` of the worker's GPUs for a training on `device` (auto or cuda; cpu, cuda:N and
+    mps are left as they are) and show it only those; yields the ids held (none: nothing done)."""
+    logger = logger or log
+    devices = worker_devices() if os.environ.get("PREFECT__FLOW_RUN_ID") and device in ("auto", "cuda") else []
+    if n < 1 or len(devices) < 2:
+        yield []
+        return
+    if n > len(devices):
+        raise UserError(f"the training asks for {n} GPUs (train.nproc_per_node); this worker has {len(devices)} "
+                        f"({','.join(devices)}): lower train.nproc_per_node, or train on a worker with more")
+    said = False
+    while (held := _try_claim(devices, n)) is None:
+        if not said:
+            logger.info("every GPU of this worker (%s) is taken by another training: waiting for one", ",".join(devices))
+            said = True
+        time.sleep(1.0)
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d for d, _ in held)
+    logger.info("training on GPU %s of this worker's %s (CUDA_VISIBLE_DEVICES=%s)", os.environ["CUDA_VISIBLE_DEVICES"],
+                ",".join(devices), os.environ["CUDA_VISIBLE_DEVICES"])
+    try:
+        yield [d for d, _ in held]
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        for _, f in held:
+            f.close()

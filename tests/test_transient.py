@@ -1,0 +1,124 @@
+"""Transient server errors are not failures: a real Prefect server and a real MLflow server, each
+behind a proxy on loopback that answers `503 Service Unavailable` for a while (tests/servers.py
+FaultProxy), under a real sweep. Nothing is mocked: Prefect's and MLflow's own clients meet the
+503s, and the project's settings and the sweep's retry of a point decide what happens."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from conftest import make_text
+from flows.processes import free_port
+from servers import FaultProxy, quiet_env, run_mlflow_server, serving
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]  # this checkout's code, wherever the command runs
+STEPS = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "train.log_interval=10",
+         "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[dict]:
+    """A Prefect server (SQLite) and an MLflow server, each behind a FaultProxy."""
+    folder = tmp_path_factory.mktemp("transient")
+    port = free_port()
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with serving(cmd, f"http://127.0.0.1:{port}/api/health", folder / "prefect.log", quiet_env(folder / "prefect"),
+                 timeout=180), run_mlflow_server(folder / "mlflow") as mlflow:
+        prefect_proxy = FaultProxy(port).start()
+        mlflow_proxy = FaultProxy(int(mlflow.url.rsplit(":", 1)[1])).start()
+        try:
+            yield {"prefect": prefect_proxy, "mlflow": mlflow_proxy,
+                   "env": {"PREFECT_API_URL": f"{prefect_proxy.url}/api", "MLFLOW_TRACKING_URI": mlflow_proxy.url}}
+        finally:
+            prefect_proxy.stop()
+            mlflow_proxy.stop()
+
+
+def _when_training_starts(root: Path, fault) -> threading.Thread:
+    """Call `fault()` once the first point's training has written a checkpoint."""
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while not list(root.glob("runs/*/checkpoints/last.pt")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        fault()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _sweep(servers: dict, tmp_path: Path, seed: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=seed))
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "sweep", "--recipe", "smoke", "--source", str(corpus), "--storage",
+         str(tmp_path / "storage"), "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in STEPS for a in ("--set", s)]],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO), **servers["env"],
+             **(env or {})})
+
+
+def _point_runs(servers: dict, out: subprocess.CompletedProcess, view: int = ViewType.ACTIVE_ONLY) -> list:
+    parent = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("sweep mlflow run:"))
+    client = MlflowClient(servers["env"]["MLFLOW_TRACKING_URI"])
+    experiment = client.get_run(parent).info.experiment_id
+    return client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent}'", run_view_type=view)
+
+
+def test_both_servers_answering_503_for_longer_than_prefects_default_retries_fail_nothing(
+        servers: dict, tmp_path: Path) -> None:
+    # 75 s: Prefect's client gives up after about 62 s with its default of 5 retries (2+4+8+16+32 s);
+    # the project's PREFECT_CLIENT_MAX_RETRIES=7 waits about 4 minutes, as MLflow's client does.
+    prefect, mlflow = servers["prefect"], servers["mlflow"]
+    before = prefect.answered_503, mlflow.answered_503
+    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(75), mlflow.unavailable(75)))
+    out = _sweep(servers, tmp_path, seed=11)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert prefect.answered_503 > before[0] and mlflow.answered_503 > before[1]  # the clients did meet them
+    assert "FAILED" not in out.stdout and "Traceback" not in out.stderr
+    runs = _point_runs(servers, out)
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
+
+
+def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing_is_left_failed(
+        servers: dict, tmp_path: Path) -> None:
+    # With Prefect's client told to give up after 2 retries (2 + 4 s; a user's own setting wins over
+    # the project's), Prefect answering 503 to every new flow run for 12 s fails the point that is
+    # about to start one; the sweep runs that point once more, 10 s later, and it finishes.
+    prefect = servers["prefect"]
+    before, started = prefect.answered_503, time.time()
+    _when_training_starts(tmp_path / "storage", lambda: prefect.unavailable(12, only="POST /api/flow_runs/ "))
+    # As at a terminal (MLLM_PROGRESS): Prefect's lines, the failed attempt's traceback among them,
+    # stay in its run record.
+    out = _sweep(servers, tmp_path, seed=12, env={"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_PROGRESS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert prefect.answered_503 > before
+    assert "FAILED" not in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr
+    assert "3/3 ended" in out.stderr
+    # In Prefect's record: one point ran twice, and every point ended Completed.
+    with temporary_settings({PREFECT_API_URL: servers["env"]["PREFECT_API_URL"]}), \
+            get_client(sync_client=True) as client:
+        points = [r for r in client.read_task_runs() if r.name.startswith("point train.lr=")
+                  and r.start_time and r.start_time.timestamp() > started]
+    assert sorted(r.run_count for r in points) == [1, 1, 2] and all(r.state.is_completed() for r in points), \
+        [(r.name, r.run_count, r.state_name) for r in points]
+    runs = _point_runs(servers, out)
+    assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
+    # The failed attempt's run is in MLflow's trash, naming the run that stands for its point.
+    trashed = _point_runs(servers, out, ViewType.DELETED_ONLY)
+    assert trashed and all(r.data.tags["sweep.superseded_by"] in {x.info.run_id for x in runs} for r in trashed)
