@@ -287,16 +287,20 @@ def test_a_pipeline_flow_run_on_a_pool_of_one_slot_refuses_to_hand_its_training_
     api = pg_stack["state"]["env"]["PREFECT_API_URL"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=9))
-    deployment = schedule.upsert("smoke", interval=3600, pool="local", train_on="local", source=str(corpus),
-                                 storage_url=pg_stack["root"], overrides=FAST, paused=True)
-    stack.set_slots(api, "local", 1)
-    try:
-        run = run_deployment(deployment["name"], timeout=600)
-    finally:
-        stack.set_slots(api, "local", 2)
-        schedule.delete("smoke")
-    with get_client(sync_client=True) as prefect:
-        logs = [m.message[:200] for m in prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    # The stack's server named here, as the one-line test above does for its client: not left to
+    # whichever settings context this worker's earlier modules left current.
+    with temporary_settings({PREFECT_API_URL: api}):
+        deployment = schedule.upsert("smoke", interval=3600, pool="local", train_on="local", source=str(corpus),
+                                     storage_url=pg_stack["root"], overrides=FAST, paused=True)
+        stack.set_slots(api, "local", 1)
+        try:
+            run = run_deployment(deployment["name"], timeout=600)
+        finally:
+            stack.set_slots(api, "local", 2)
+            schedule.delete("smoke")
+        with get_client(sync_client=True) as prefect:
+            logs = [m.message[:200]
+                    for m in prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
     assert run.state.is_failed(), (run.state_name, run.state.message, logs[-15:])
     # (a flow run's error names the parameter, train_on, where the terminal's names the option)
     assert one_slot("local").removesuffix(" (--train-on)") + " (train_on)" in run.state.message
