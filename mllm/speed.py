@@ -184,9 +184,7 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     def measure() -> dict[str, float]:
         return _probe(model, tuple(x.to(device) for x in sample), Precision("bfloat16", "").autocast(device))
 
-    ms = _cached(["precision", shape], measure)
-    bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
-    return Precision("bfloat16" if bf16 else "float32", f"bf16 probed {'faster' if bf16 else 'no faster'}", ms)
+    return _probed(_cached(["precision", shape], measure), "bf16")
 
 
 def choose_decode_precision(requested: str, device: torch.device, model: nn.Module,
@@ -208,9 +206,13 @@ def choose_decode_precision(requested: str, device: torch.device, model: nn.Modu
     weight_mb = sum(p.numel() for p in model.parameters()) * 4 / 1e6
     if weight_mb < SMALL_DECODE_MB:
         return Precision("float32", f"weights this small ({weight_mb:.1f} MB) stay in the CPU's caches")
-    ms = _cached(["decode", type(model).__name__, _shape(model)], probe)
+    return _probed(_cached(["decode", type(model).__name__, _shape(model)], probe), "bf16 decoding")
+
+
+def _probed(ms: dict[str, float], what: str) -> Precision:
+    """bf16 when its probe time is at least MARGIN shorter than float32's."""
     bf16 = ms["bfloat16"] <= (1 - MARGIN) * ms["float32"]
-    return Precision("bfloat16" if bf16 else "float32", f"bf16 decoding probed {'faster' if bf16 else 'no faster'}", ms)
+    return Precision("bfloat16" if bf16 else "float32", f"{what} probed {'faster' if bf16 else 'no faster'}", ms)
 
 
 def _shape(model: nn.Module) -> list:
