@@ -124,6 +124,7 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
     slots = stack.default_slots() if slots is None else slots or None
     state = stack.up(home, str(storage), prefect_port=0, mlflow_port=0, slots=slots,
                      worker_env={"OMP_NUM_THREADS": "1"})
+    commands: list[subprocess.Popen] = []
     try:
         env = state["env"]
         prefect = TimingProxy(int(env["PREFECT_API_URL"].split(":")[2].split("/")[0]))
@@ -141,10 +142,10 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
 
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.perf_counter()
-        sweep = _cli("sweep", "--recipe", "smoke", "--source", source, "--train-on", "local", "--grid",
-                     f"train.lr={lrs}", *sets, env=cmd_env, log=folder / "sweep.log")
-        runs = [_cli("run", "--recipe", "smoke", "--source", source, "--train-on", "local", *sets, "--set",
-                     f"train.seed={100 + i}", env=cmd_env, log=folder / f"run-{i}.log") for i in range(pipelines)]
+        commands.append(sweep := _cli("sweep", "--recipe", "smoke", "--source", source, "--train-on", "local", "--grid",
+                     f"train.lr={lrs}", *sets, env=cmd_env, log=folder / "sweep.log"))
+        commands += (runs := [_cli("run", "--recipe", "smoke", "--source", source, "--train-on", "local", *sets, "--set",
+                     f"train.seed={100 + i}", env=cmd_env, log=folder / f"run-{i}.log") for i in range(pipelines)])
         codes = [p.wait() for p in [sweep, *runs]]
         wall = time.perf_counter() - t0
         done.set()
@@ -170,7 +171,22 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
             "mlflow_failed": statuses.count("FAILED"), "wall_s": wall, "peak_load": max(peak),
         }
     finally:
+        _stop(commands)  # left running only when this ends early (Ctrl-C, an error)
         stack.down(home, force=True)
+
+
+def _stop(commands: list[subprocess.Popen]) -> None:
+    """Stop the sweep and pipelines still running: SIGTERM (the CLI's own way out), then SIGKILL."""
+    running = [p for p in commands if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + 15
+    for p in running:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def main() -> None:
@@ -194,7 +210,12 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp(prefix=f"mllm-load-{db}-"))
         folder.chmod(0o755)
         print(f"{db}: stack and logs in {folder}", flush=True)
-        rows.append(one_database(db, args.points, args.pipelines, args.slots, folder))
+        try:
+            rows.append(one_database(db, args.points, args.pipelines, args.slots, folder))
+        except KeyboardInterrupt:
+            print(f"interrupted: the {db} stack, its sweep and pipelines are stopped; its logs stay in {folder}",
+                  file=sys.stderr)
+            sys.exit(130)
         print(table(rows[-1:], COLUMNS), flush=True)
     print()
     print(table(rows, COLUMNS))

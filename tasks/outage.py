@@ -11,8 +11,10 @@ by the next run against that storage root that reaches the server (`settle_unfin
 from __future__ import annotations
 
 import contextlib
+import http
 import logging
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -61,8 +63,27 @@ def answers(timeout: float = 3.0) -> bool:
         return False
 
 
+def _failed(exc: BaseException | None) -> str:
+    """How a server failed, in words: "answered 503 Service Unavailable" when the chain of `exc`
+    holds a 5xx answer (MLflow's client gives up on a busy server with "too many 503 error
+    responses"), else "stopped answering"."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        found = re.search(r"\b(5\d\d) (?:error responses|[A-Z])", str(exc))
+        code = status if isinstance(status, int) and status >= 500 else int(found.group(1)) if found else None
+        if code is not None:
+            with contextlib.suppress(ValueError):
+                return f"answered {code} {http.HTTPStatus(code).phrase}"
+            return f"answered {code}"
+        exc = exc.__cause__ or exc.__context__
+    return "stopped answering"
+
+
 def tracking_down(exc: BaseException | None) -> str | None:
-    """One line when `exc` (or what caused it) is the tracking server not answering; else None."""
+    """One line when `exc` (or what caused it) is the tracking server not answering, or answering
+    only 5xx until the client's retries ran out; else None."""
     url = server()
     seen: set[int] = set()
     while url and exc is not None and id(exc) not in seen:
@@ -71,9 +92,11 @@ def tracking_down(exc: BaseException | None) -> str | None:
         names = {c.__name__ for c in type(exc).__mro__}
         if (names & _NO_ANSWER or any(t in text for t in _NO_ANSWER_TEXT)) and (
                 url.split("://", 1)[1] in text or "API request to" in text):
-            return (f"the MLflow tracking server {url} stopped answering: start it again (`mllm-pipeline stack up` "
-                    "restarts one) and run the same command; finished stages and training are kept in storage "
-                    "and reused, and the unfinished MLflow run is closed then")
+            how = _failed(exc)
+            fix = ("start it again (`mllm-pipeline stack up` restarts one) and" if how == "stopped answering" else
+                   "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,")
+            return (f"the MLflow tracking server {url} {how}: {fix} run the same command; finished stages and "
+                    "training are kept in storage and reused, and the unfinished MLflow run is closed then")
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -212,8 +235,9 @@ class HeldMetrics:
                 raise
             if self.away_since_step is None:
                 self.away_since_step = int(self.held[0]["step"]) if self.held else -1
-                _logger().warning("the MLflow tracking server %s stopped answering at step %d: training goes on; its "
-                            "metrics are held and sent when the server answers again", server(), self.away_since_step)
+                _logger().warning("the MLflow tracking server %s %s at step %d: training goes on; its metrics are "
+                                  "held and sent when the server answers again", server(), _failed(e),
+                                  self.away_since_step)
             self.next_try = time.monotonic() + self.every_s
             return
         if self.away_since_step is not None:

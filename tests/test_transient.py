@@ -122,3 +122,43 @@ def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing
     # The failed attempt's run is in MLflow's trash, naming the run that stands for its point.
     trashed = _point_runs(servers, out, ViewType.DELETED_ONLY)
     assert trashed and all(r.data.tags["sweep.superseded_by"] in {x.info.run_id for x in runs} for r in trashed)
+
+
+def test_a_tracking_server_answering_503_during_training_is_named_as_answering_503_not_as_gone(
+        servers: dict, monkeypatch, capfd) -> None:
+    # During training MLflow's client does not retry (outage.fail_fast): a busy server's 503 reaches
+    # the pipeline at once. The warning and the error name what happened: the server answered, with
+    # 503, so "start it again" would be the wrong advice.
+    from mlflow.entities import Metric
+
+    from tasks import outage
+
+    proxy = servers["mlflow"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
+    client = MlflowClient(proxy.url)
+    run = client.create_run(client.create_experiment(f"busy-{time.time_ns()}"))
+
+    def send(records: list[dict]) -> None:
+        client.log_batch(run.info.run_id, metrics=[Metric("train_loss", r["train_loss"], 0, r["step"]) for r in records])
+
+    held = outage.HeldMetrics(send, every_s=0.0)
+    proxy.unavailable(30)
+    try:
+        with outage.fail_fast(timeout=5):
+            held([{"step": 7, "train_loss": 2.5}])
+            try:
+                send([{"step": 8, "train_loss": 2.4}])
+            except Exception as e:  # noqa: BLE001 (what MLflow raises is what the pipeline meets)
+                line = outage.tracking_down(e)
+            else:
+                pytest.fail("the proxy answered 503, yet log_batch went through")
+    finally:
+        proxy.unavailable(0)
+    assert held.held and held.away_since_step == 7
+    assert f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable at step 7" \
+        in capfd.readouterr().err
+    assert line.startswith(f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable: ")
+    assert "start it again" not in line and "stack status" in line
+    held([])  # the server answers again: what was held is sent
+    assert not held.held
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [7]
