@@ -45,9 +45,9 @@ def user_errors() -> Iterator[None]:
         fail(str(e))
     except Exception as e:
         from flows.database import down_line
-        from tasks.outage import tracking_down
+        from tasks.outage import prefect_down, tracking_down
 
-        message = down_line(e) or tracking_down(e) or unreachable(e)
+        message = down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)
@@ -88,10 +88,10 @@ class _QuietAfterUserError(logging.Filter):
             self.failed = True
             return False
         from flows.database import down_line
-        from tasks.outage import tracking_down
+        from tasks.outage import prefect_down, tracking_down
 
         if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
-                                 or disk_full(exc) or down_line(exc))) or any(
+                                 or prefect_down(exc) or disk_full(exc) or down_line(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False

@@ -241,7 +241,10 @@ def _code(exc: BaseException) -> str:
 
 def unreachable(exc: BaseException) -> str | None:
     """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
-    saying so and what to do; else None."""
+    saying so and what to do; else None. httpx's errors are not storage's (fsspec reaches its
+    stores through aiohttp and botocore): there the orchestrator's client met no server."""
+    if any(type(e).__module__.split(".")[0] in ("httpx", "httpcore") for e in _chain(exc)):
+        return None
     for e in _chain(exc):
         if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")

@@ -63,7 +63,7 @@ def answers(timeout: float = 3.0) -> bool:
         return False
 
 
-def _failed(exc: BaseException | None) -> str:
+def _failed(exc: BaseException | None, silent: str = "stopped answering") -> str:
     """How a server failed, in words: "answered 503 Service Unavailable" when the chain of `exc`
     holds a 5xx answer (MLflow's client gives up on a busy server with "too many 503 error
     responses"), else "stopped answering"."""
@@ -78,7 +78,7 @@ def _failed(exc: BaseException | None) -> str:
                 return f"answered {code} {http.HTTPStatus(code).phrase}"
             return f"answered {code}"
         exc = exc.__cause__ or exc.__context__
-    return "stopped answering"
+    return silent
 
 
 def tracking_down(exc: BaseException | None) -> str | None:
@@ -187,6 +187,29 @@ def prefect_database_down() -> str | None:
             down = False  # the server itself is away: not its database's doing
         _probed[api] = (time.monotonic(), down)
     return strip_userinfo(api)[0] if down else None
+
+
+def prefect_down(exc: BaseException | None) -> str | None:
+    """One line when `exc` (or what caused it) is Prefect's client (httpx) meeting no answer, or only
+    5xx answers, from its server; else None. Without $PREFECT_API_URL that server is the temporary
+    one Prefect starts inside the command."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__module__.split(".")[0] in ("httpx", "httpcore") and (
+                {c.__name__ for c in type(exc).__mro__} & _DROPPED or server_error(exc)):
+            api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+            how = _failed(exc, "does not answer")
+            if not api:
+                return (f"Prefect's temporary server (started by this command, as PREFECT_API_URL is not set) {how}: "
+                        "run the same command again (finished stages and training are kept in storage and "
+                        "reused); commands run side by side do better on one server (`mllm-pipeline stack up`)")
+            fix = "start it again (`mllm-pipeline stack up` restarts the stack's) and" if how == "does not answer" \
+                else "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,"
+            return (f"the Prefect server {strip_userinfo(api)[0]} {how}: {fix} run the same command; finished "
+                    "stages and training are kept in storage and reused")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @contextlib.contextmanager

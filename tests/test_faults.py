@@ -469,3 +469,19 @@ def test_flags_show_as_flags_and_sample_takes_a_device(own_stores):
     assert "--device" in cli("sample", "--help", env=env).stdout
     out = cli("recipes", env=env)
     assert "1 layer," in out.stdout and "1 layers" not in out.stdout
+
+
+def test_a_prefect_server_that_does_not_answer_is_named_not_blamed_on_storage(corpus, own_stores):
+    # Prefect's client (httpx) meeting no server once read "storage unreachable": the one line names
+    # the Prefect server instead, and what to do.
+    import socket
+
+    env, _, _, storage = own_stores
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=5",
+              env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, timeout=300)
+    _one_line_error(out, f"the Prefect server http://127.0.0.1:{port}/api does not answer", "stack up")
+    assert "storage unreachable" not in out.stderr
+    assert not (storage / "runs").exists()  # nothing trained
