@@ -504,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
         mfu = f", mfu {result.mfu:.1%}" if result.mfu is not None else ""
         print(f"done: {result.steps} steps ({result.stop_reason}{resumed}), val loss {val}, best {best}, "
-              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}, {result.elapsed_s:.1f}s; "
+              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}{', compiled' if result.compile_used else ''}, "
+              f"{result.elapsed_s:.1f}s; "
               f"checkpoint {result.checkpoint}")
     return 0
 
