@@ -86,11 +86,17 @@ def _step_s(stdout: str, tokens_per_step: int) -> float:
 
 
 def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: float, threads: int) -> dict:
+    # A training of the budget's length compiles (train.compile: auto, mllm.speed) unless told
+    # not to: the probe times compiled steps then, and the compilation comes off the budget.
+    compiles = overrides.get("train.compile", "auto") is not False
     tokens = _tokens_per_step(overrides)
     probe, _ = _mllm_run(paths, folder / "probe", name, {
-        **overrides, "train.max_steps": 30, "train.log_interval": 1, "train.eval_interval": 10**6,
-        "train.eval_batches": 1}, threads)
-    steps = max(10, int(0.97 * 60 * minutes / _step_s(probe, tokens)))
+        **overrides, "train.max_steps": 40 if compiles else 30, "train.log_interval": 1,
+        "train.eval_interval": 10**6, "train.eval_batches": 1, "train.compile": compiles}, threads)
+    step_s = _step_s(probe, tokens)
+    first = re.search(r"^step 1: .*?, ([\d,]+) tok/s", probe, re.M)
+    compile_s = max(0.0, tokens / float(first.group(1).replace(",", "")) - step_s) if compiles and first else 0.0
+    steps = max(10, int(0.97 * (60 * minutes - compile_s) / step_s))
     t0 = time.perf_counter()
     stdout, ckpt = _mllm_run(paths, folder, name, {
         **overrides, "train.max_steps": steps, "train.max_minutes": minutes, "train.log_interval": 50,

@@ -268,6 +268,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| precision | {t.precision()} |",
+        f"| compiled | {'yes' if t.compile_used else 'no'} ({t.compile_reason}) |",
         f"| MFU | {_mfu(t)} |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",

@@ -325,7 +325,9 @@ class TrainConfig(_Section):
     early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.speed)
-    compile: bool = False
+    # auto: torch.compile when the training left should win back the compilation, kept only if
+    # the compiled steps are faster (mllm.speed); true/false force it.
+    compile: Literal["auto"] | bool = "auto"
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
 

@@ -135,23 +135,40 @@ def _cached(key: list, measure: Callable[[], dict]) -> dict:
     A figure measured while the machine was busy (a load average above its core count: other
     jobs took the cores it timed) is used, and measured again at the first quiet moment.
     """
-    machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
-                   torch.cuda.get_device_name() if torch.cuda.is_available() else None]
-    digest = hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
-    path = cache_file()
-    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
-    hit = _read(path).get(digest)
-    if isinstance(hit, dict) and "value" in hit and (busy or not hit.get("busy")):
+    busy = _busy()
+    hit = _recall(key)
+    if hit is not None and (busy or not hit.get("busy")):
         return hit["value"]
     value = measure()
+    _remember(key, value, busy)
+    return value
+
+
+def _busy() -> bool:
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def _digest(key: list) -> str:
+    machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
+                   torch.cuda.get_device_name() if torch.cuda.is_available() else None]
+    return hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _recall(key: list) -> dict | None:
+    """The cache's entry for `key` on this machine ({"value", "busy", "when"}), or None."""
+    hit = _read(cache_file()).get(_digest(key))
+    return hit if isinstance(hit, dict) and "value" in hit else None
+
+
+def _remember(key: list, value: dict, busy: bool) -> None:
+    path = cache_file()
     with contextlib.suppress(OSError):  # a read-only home costs a probe per run, nothing more
         path.parent.mkdir(parents=True, exist_ok=True)
         entry = {"value": value, "busy": busy, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        entries = {**_read(path), digest: entry}  # read again: another process may have added some
+        entries = {**_read(path), _digest(key): entry}  # read again: another process may have added some
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
             json.dump(entries, f)
         os.replace(f.name, path)
-    return value
 
 
 def _read(path: Path) -> dict:
@@ -249,6 +266,66 @@ def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
         _, loss, _ = model(*batch)
     loss.backward()
     return time.perf_counter() - start
+
+
+# --- compilation ----------------------------------------------------------------------------
+# torch.compile (inductor) fuses what is not matrix work (layer norm, GELU, the casts around each
+# bf16 matmul, the residual adds) into generated kernels. It costs a compilation, tens of seconds
+# on 2 cores, and its gain depends on the model, the precision and the machine, so
+# `train.compile: auto` decides in the run: it times the first eager steps, compiles when the
+# training left should save more than a compilation costs, times the compiled steps, and goes
+# back to eager when they are not faster. What it measured (the gain, the compilation's seconds) is
+# cached per machine and model shape, like the probes above, and decides later runs from the start.
+COMPILE_GUESS = {"gain": 1.15, "compile_s": 60.0}  # before this machine has measured the model
+COMPILE_MARGIN = 0.03  # compiled steps at least this much shorter, or back to eager
+COMPILE_WATCH = 6  # eager steps timed before deciding (the first is a warm-up)
+COMPILE_TRIAL = 6  # compiled steps timed before keeping it (the first compiles)
+
+
+@dataclass
+class Compiling:
+    """Whether a training ran compiled, and why."""
+
+    used: bool
+    reason: str
+    compile_s: float | None = None  # seconds the compilation took, when it ran
+    step_ms: dict[str, float] | None = None  # a step eager and compiled, when both were timed
+
+
+def cannot_compile(device: torch.device, world_size: int) -> str | None:
+    """Why `train.compile: auto` will not compile here, or None."""
+    if world_size > 1:
+        return "auto compiles one-process trainings (set train.compile: true under DDP)"
+    if device.type == "cpu":
+        import shutil
+
+        cxx = os.environ.get("CXX") or "g++"
+        return None if shutil.which(cxx) else f"inductor needs a C++ compiler ({cxx} not found)"
+    if device.type == "cuda":
+        import importlib.util
+
+        return None if importlib.util.find_spec("triton") else "inductor needs triton on CUDA"
+    return f"no compile on {device.type}"
+
+
+def compile_key(model: nn.Module, batch: tuple, dtype: str) -> list:
+    return ["compile", type(model).__name__, _shape(model), [list(x.shape) for x in batch], dtype]
+
+
+def compile_known(key: list) -> dict | None:
+    """{"gain", "compile_s"} measured before on this machine for `key`, or None."""
+    hit = _recall(key)
+    return hit["value"] if hit is not None and (_busy() or not hit.get("busy")) else None
+
+
+def compile_pays(left_s: float, known: dict | None) -> bool:
+    """Whether compiling should save more of the `left_s` seconds of training than it costs."""
+    gain, cost = (known or COMPILE_GUESS)["gain"], (known or COMPILE_GUESS)["compile_s"]
+    return gain >= 1 + COMPILE_MARGIN and left_s * (1 - 1 / gain) > cost
+
+
+def compile_measured(key: list, eager_s: float, compiled_s: float, compile_s: float) -> None:
+    _remember(key, {"gain": round(eager_s / compiled_s, 3), "compile_s": round(compile_s, 1)}, _busy())
 
 
 # --- utilisation ----------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class TrainResult:
     mfu: float | None = None  # model FLOPs utilisation over this run's training time
     peak_flops: float | None = None  # the device's peak in dtype_used, FLOP/s, all ranks together
     peak_source: str = ""
+    compile_used: bool = False  # what train.compile resolved to (mllm.speed), and why
+    compile_reason: str = ""
+    compile_s: float | None = None
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
@@ -203,11 +206,12 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     peak, peak_source = speed.peak_flops(device, precision.dtype)
     peak *= d.world_size
     flops_per_target = speed.flops_per_target(raw, val_batches[0])
-    compiled = model = torch.compile(raw) if t.compile else raw
+    compiling = _Compile(t.compile, raw, device, d, speed.compile_key(raw, val_batches[0], precision.dtype))
+    model = compiling.model
     if d.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(compiled, device_ids=[d.local_rank] if device.type == "cuda" else None)
+        model = DDP(compiling.model, device_ids=[d.local_rank] if device.type == "cuda" else None)
     autocast = precision.autocast(device)
     pin = device.type == "cuda"
 
@@ -238,6 +242,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     loss_count, tokens_run, mark, tokens_mark = 0, 0, t0, 0
     saved_at = elapsed_before  # training seconds when last.pt was last written
     while stop is None:
+        step_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
         for micro in range(t.grad_accum):
             batch = batches.next()
@@ -258,6 +263,10 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        if compiling.deciding:
+            now = time.perf_counter()
+            model = compiling.after_step(now - step_start, total_steps - step if total_steps is not None else None,
+                                         60 * t.max_minutes - (elapsed_before + now - t0) if t.max_minutes else None)
 
         elapsed = elapsed_before + time.perf_counter() - t0
         signalled = signals.received is not None
@@ -281,7 +290,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             loss_count, mark, tokens_mark = 0, now, tokens_run
         improved = False
         if step % t.eval_interval == 0 or stop:
-            val = _val_loss(compiled, val_batches, device, autocast, d)
+            val = _val_loss(compiling.evaluator, val_batches, device, autocast, d)
             improved = val < best
             best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
             metrics.update(val_loss=val, best_val_loss=best, evals_since_best=evals_since_best)
@@ -315,8 +324,72 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         tokens_per_s=tokens_per_s, elapsed_s=metrics.get("elapsed_s", elapsed_before), stop_reason=stop,
         resumed_from_step=resumed_from, dtype_used=precision.dtype, dtype_reason=precision.reason,
         dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
-        peak_flops=peak, peak_source=peak_source,
+        peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
+        compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s,
     )
+
+
+class _Compile:
+    """train.compile in the loop: true compiles before the first step, false never; auto times
+    the first eager steps, compiles when the training left should win the compilation back
+    (speed.compile_pays), times the compiled steps and keeps them only if they are faster
+    (mllm.speed). Validation stays on the eager model when auto compiled (another graph, another
+    compilation, for a few batches)."""
+
+    def __init__(self, requested, raw: torch.nn.Module, device: torch.device, d: Dist, key: list):
+        self.raw, self.key, self.eager_s = raw, key, None
+        self.times: list[float] = []
+        self.deciding = False
+        if requested is True or requested is False:
+            self.choice = speed.Compiling(requested, "forced by train.compile")
+            self.model = self.evaluator = torch.compile(raw) if requested else raw
+            return
+        self.model = self.evaluator = raw
+        why_not = speed.cannot_compile(device, d.world_size)
+        self.known = speed.compile_known(key)
+        if why_not is None and self.known and not speed.compile_pays(math.inf, self.known):
+            why_not = (f"compiling measured no faster for this model here before "
+                       f"({self.known['gain']:.2f}x for a {self.known['compile_s']:.0f} s compilation)")
+        self.choice = speed.Compiling(False, why_not or "the training ended while its first steps were timed")
+        self.deciding = why_not is None
+
+    def after_step(self, step_s: float, steps_left: int | None, seconds_left: float | None) -> torch.nn.Module:
+        """The model for the next step, given the last step's seconds and the training left (in
+        steps, in seconds, or both; neither: until stopped early)."""
+        self.times.append(step_s)
+        if self.model is self.raw:  # timing eager steps
+            if len(self.times) < speed.COMPILE_WATCH:
+                return self.model
+            self.eager_s = sorted(self.times[1:])[len(self.times[1:]) // 2]
+            left_s = min([math.inf] + [x for x in (seconds_left, steps_left and steps_left * self.eager_s)
+                                       if x is not None])
+            if not speed.compile_pays(left_s, self.known):
+                cost = (self.known or speed.COMPILE_GUESS)["compile_s"]
+                self.choice.reason = (f"about {left_s:.3g} s of training left: too short to win back a "
+                                      f"compilation (about {cost:.3g} s)")
+                self.deciding = False
+                return self.model
+            # A model inductor cannot compile runs its frames eager instead of failing the
+            # training (then the trial below finds it no faster and goes back to eager).
+            torch._dynamo.config.suppress_errors = True
+            self.model, self.times = torch.compile(self.raw, dynamic=False), []
+            return self.model
+        if len(self.times) < speed.COMPILE_TRIAL:  # timing compiled steps
+            return self.model
+        compiled_s = sorted(self.times[1:])[len(self.times[1:]) // 2]
+        compile_s = max(0.0, self.times[0] - compiled_s)
+        speed.compile_measured(self.key, self.eager_s, compiled_s, compile_s)
+        ms = {"eager": round(1000 * self.eager_s, 1), "compiled": round(1000 * compiled_s, 1)}
+        self.deciding = False
+        if compiled_s > (1 - speed.COMPILE_MARGIN) * self.eager_s:
+            self.choice = speed.Compiling(False, f"compiled steps no faster ({ms['compiled']} ms against "
+                                                 f"{ms['eager']} ms eager): back to eager", compile_s, ms)
+            self.model = self.raw
+        else:
+            self.choice = speed.Compiling(True, f"{self.eager_s / compiled_s:.2f}x faster compiled "
+                                                f"({ms['compiled']} ms a step against {ms['eager']} ms eager, "
+                                                f"after a {compile_s:.0f} s compilation)", compile_s, ms)
+        return self.model
 
 
 class _Signals:
@@ -431,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
         mfu = f", mfu {result.mfu:.1%}" if result.mfu is not None else ""
         print(f"done: {result.steps} steps ({result.stop_reason}{resumed}), val loss {val}, best {best}, "
-              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}, {result.elapsed_s:.1f}s; "
+              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}{', compiled' if result.compile_used else ''}, "
+              f"{result.elapsed_s:.1f}s; "
               f"checkpoint {result.checkpoint}")
     return 0
 

@@ -71,6 +71,9 @@ class Trained(BaseModel):
     mfu: float | None = None  # model FLOPs utilisation over the training
     peak_flops: float | None = None
     peak_source: str = ""
+    compile_used: bool = False  # what train.compile resolved to, and why (mllm.speed)
+    compile_reason: str = ""
+    compile_s: float | None = None
 
     def precision(self) -> str:
         return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()

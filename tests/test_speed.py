@@ -135,3 +135,40 @@ def test_a_gpus_peak_comes_from_its_spec_sheet_by_name():
     # No bf16 on a V100, and a GPU the table lacks: measured instead.
     assert speed.spec_peak("Tesla V100-SXM2-16GB", "bfloat16") is None
     assert speed.spec_peak("Quadro RTX 4000", "float32") is None
+
+
+def test_compile_pays_when_the_training_left_wins_back_the_compilation():
+    # Before this machine has measured the model: a guessed 1.15x for a 60 s compilation.
+    assert not speed.compile_pays(120, None) and speed.compile_pays(600, None)
+    assert speed.compile_pays(60, {"gain": 2.0, "compile_s": 20.0})
+    assert not speed.compile_pays(1e9, {"gain": 1.01, "compile_s": 1.0})  # measured no faster: never
+
+
+def test_compile_auto_leaves_a_short_training_eager_and_says_why(data_dir, tmp_path):
+    r = train(config(data_dir, tmp_path, max_steps=30))
+    assert not r.compile_used and r.compile_s is None
+    assert r.compile_reason.startswith("about ") and "too short to win back a compilation" in r.compile_reason
+
+
+def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_faster(data_dir, tmp_path):
+    # A gain this machine measured before (seeded in the cache) makes even a short training
+    # compile after its first eager steps; the compiled steps are then timed for real, the verdict
+    # says which was faster, and the cache now holds what was measured here.
+    from mllm.family import family_of
+    from mllm.inputs import load_inputs
+
+    cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
+    built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds
+    key = speed.compile_key(build_model(built.model), family_of(built).val_batches(built, val)[0], "float32")
+    speed._remember(key, {"gain": 10.0, "compile_s": 0.001}, busy=False)
+    records = []
+    r = train(cfg, on_metrics=records.extend)
+    assert r.compile_s is not None and r.compile_s > 0
+    if r.compile_used:
+        assert "x faster compiled" in r.compile_reason
+    else:
+        assert r.compile_reason.endswith("back to eager")
+    measured = speed.compile_known(key)
+    assert measured["gain"] != 10.0 and measured["compile_s"] == pytest.approx(r.compile_s, abs=0.1)
+    losses = [x["train_loss"] for x in records if "train_loss" in x]
+    assert losses[-1] < losses[0]  # the compiled model trains the same weights on
