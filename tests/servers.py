@@ -82,7 +82,7 @@ class TcpProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
-        listener.listen(64)
+        listener.listen(128)
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
         return self
@@ -104,19 +104,25 @@ class TcpProxy:
                 client, _ = listener.accept()
             except OSError:
                 return
-            try:
-                server = socket.create_connection(self.upstream)
-            except OSError:
+            if not self._connect(client, listener):
+                return
+
+    def _connect(self, client: socket.socket, listener: socket.socket) -> bool:
+        """Forward one accepted connection; False when the proxy was stopped meanwhile."""
+        try:
+            server = socket.create_connection(self.upstream)
+        except OSError:
+            client.close()
+            return True
+        with self._lock:
+            if self._listener is not listener:
                 client.close()
-                continue
-            with self._lock:
-                if self._listener is not listener:
-                    client.close()
-                    server.close()
-                    return
-                self._sockets |= {client, server}
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                server.close()
+                return False
+            self._sockets |= {client, server}
+        for a, b in ((client, server), (server, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        return True
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -337,7 +343,7 @@ def training_image(registry, tmp_path_factory) -> BuiltImage:
     return build_image(REPO, registry, tmp_path_factory.mktemp("image") / "build.log")
 
 
-class FaultProxy:
+class FaultProxy(TcpProxy):
     """An HTTP forwarder on a free loopback port in front of a real server that, when told,
     answers `503 Service Unavailable` for a while (`unavailable(seconds)`) or refuses connections
     (`refuse(seconds)`), as a server behind a load balancer does while it restarts or is
@@ -346,36 +352,11 @@ class FaultProxy:
     through as bytes. `answered_503` counts the 503s it sent."""
 
     def __init__(self, upstream_port: int):
-        self.upstream = ("127.0.0.1", upstream_port)
-        self.port = free_port()
+        super().__init__(upstream_port)
         self.answered_503 = 0
         self.forwarded = 0
         self._unavailable_until = 0.0
         self._only: bytes | None = None
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "FaultProxy":
-        if self._listener is None:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(("127.0.0.1", self.port))
-            listener.listen(128)
-            self._listener = listener
-            threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
 
     def unavailable(self, seconds: float, only: str | None = None) -> None:
         """Answer 503 for `seconds` from now: to every request, or to those whose request line
@@ -392,13 +373,9 @@ class FaultProxy:
         timer.daemon = True
         timer.start()
 
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+    def _connect(self, client: socket.socket, listener: socket.socket) -> bool:
+        threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+        return True
 
     def _serve(self, client: socket.socket) -> None:
         import time
@@ -433,4 +410,4 @@ class FaultProxy:
             client.close()
             return
         for a, b in ((client, server), (server, client)):
-            threading.Thread(target=TcpProxy._pump, args=(None, a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
