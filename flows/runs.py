@@ -140,6 +140,10 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         # The precision the run trained in, not what a probe picks today: `auto` may decide
         # otherwise on another machine or load, and bf16 rounds differently from float32.
         cfg.setdefault("train", {})["dtype"] = used
+    if run.data.params.get("train.compile_used") == "False":
+        # Eager as it ran: `auto` might compile today, and compiled steps round differently. (A
+        # run that `auto` compiled is left to decide again: it compiled after timing its first steps.)
+        cfg.setdefault("train", {})["compile"] = False
     recipe = cfg.pop("recipe", None) or run.data.params.get("recipe", "default")
     # JSON values: YAML reads them back exactly (a quoted prompt keeps its trailing space).
     overrides = [f"{k}={json.dumps(v)}" for k, v in _leaves(cfg).items()]

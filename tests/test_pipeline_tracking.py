@@ -147,6 +147,8 @@ def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
     assert new.data.tags["git.commit"] == first
     # It trains in the precision the original ran in, whatever `auto` would pick today.
     assert new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
+    # And eager as it ran (a short run: `auto` did not compile), whatever `auto` would decide today.
+    assert old.data.params["train.compile_used"] == "False" and new.data.params["train.compile"].lower() == "false"
     assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)
     assert new.data.tags["storage.root"].startswith(str(storage / "reproductions"))
     assert not (tmp_path / "worktrees").exists() and git(repo, "worktree", "list").count("\n") == 0
