@@ -87,7 +87,7 @@ def _tokens_per_step(overrides: dict) -> int:
 
 
 def _step_s(stdout: str, tokens_per_step: int) -> float:
-    rates = [float(r.replace(",", "")) for r in re.findall(r", ([\d,]+) tok/s$", stdout, re.M)]
+    rates = [float(r.replace(",", "")) for r in re.findall(r", ([\d,]+) tok/s", stdout)]
     return tokens_per_step / median(rates[len(rates) // 3:])  # past the warm-up
 
 

@@ -172,3 +172,25 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
     assert measured["gain"] != 10.0 and measured["compile_s"] == pytest.approx(r.compile_s, abs=0.1)
     losses = [x["train_loss"] for x in records if "train_loss" in x]
     assert losses[-1] < losses[0]  # the compiled model trains the same weights on
+
+
+def test_a_cpu_peak_measured_low_is_measured_again_and_the_highest_figure_kept(monkeypatch):
+    # A peak timed while another process had the cores is too low: an hour on, a run times it
+    # again, and the cache keeps the higher of the two; a recent figure is used as it is.
+    key = ["matmul", "cpu", "float32", 1024]
+    timed = []
+    real = speed.matmul_flops
+    monkeypatch.setattr(speed, "matmul_flops", lambda *a, **k: timed.append(1) or real(*a, **k))
+
+    def cached(flops: float, age_s: float) -> None:
+        speed._remember(key, {"flops": flops}, busy=False)
+        entries = json.loads(speed.cache_file().read_text())
+        entries[speed._digest(key)]["at"] -= age_s
+        speed.cache_file().write_text(json.dumps(entries))
+
+    cached(1e6, speed.PEAK_FRESH_S + 1)
+    measured, _ = speed.peak_flops(torch.device("cpu"), "float32")
+    assert timed == [1] and measured > 1e8 and speed._recall(key)["value"]["flops"] == measured
+    cached(1e15, speed.PEAK_FRESH_S + 1)  # higher than this CPU reaches
+    assert speed.peak_flops(torch.device("cpu"), "float32")[0] == 1e15 and timed == [1, 1]
+    assert speed.peak_flops(torch.device("cpu"), "float32")[0] == 1e15 and timed == [1, 1]  # recent: not timed
