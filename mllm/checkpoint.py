@@ -5,12 +5,15 @@ state_dicts, the step, the RNG states (ByteTensors), the run config as a plain d
 vocabulary and tokenizer as JSON strings (a sequence-to-sequence model's target side, and its
 source side as src_vocab and src_tokenizer), metrics (floats) and the data position (ints). So it
 carries everything needed to resume training or to sample, and nothing that runs code on load.
+`Signals` lets an interrupt wait for the checkpoint of the step it arrived in.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import signal
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,3 +156,47 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
     model.to(device).eval()
     metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
     return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics, src_vocab, src_tokenizer, url)
+
+
+class Signals:
+    """SIGINT and SIGTERM, while the loop runs in the main thread, only noted: the loop writes
+    last.pt at the end of the step, then hands the signal to the handler it displaced (a
+    terminal's Ctrl-C, Prefect's termination, Python's default), which stops the run as before.
+    A second signal before that goes to the displaced handler at once."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only; there the caller's handlers stay
+        for signum in self.NAMES:
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                self.previous[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+        else:
+            self._hand_on(signum, frame)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def deliver(self, step: int) -> None:
+        """The checkpoint is written: let the signal take its course."""
+        if self.received is not None:
+            self._hand_on(self.received, None)
+        # A handler that only took note (or a signal from another rank): stop here all the same.
+        raise KeyboardInterrupt(f"stopped by a signal after step {step}; last.pt holds it")
+
+    def _hand_on(self, signum: int, frame) -> None:
+        handler = self.previous.get(signum) or signal.SIG_DFL  # None: one set outside Python
+        self.restore()
+        if callable(handler):
+            handler(signum, frame)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(signum)

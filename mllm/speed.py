@@ -270,66 +270,6 @@ def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
     return time.perf_counter() - start
 
 
-# --- compilation ----------------------------------------------------------------------------
-# torch.compile (inductor) fuses what is not matrix work (layer norm, GELU, the casts around each
-# bf16 matmul, the residual adds) into generated kernels. It costs a compilation, tens of seconds
-# on 2 cores, and its gain depends on the model, the precision and the machine, so
-# `train.compile: auto` decides in the run: it times the first eager steps, compiles when the
-# training left should save more than a compilation costs, times the compiled steps, and goes
-# back to eager when they are not faster. What it measured (the gain, the compilation's seconds) is
-# cached per machine and model shape, like the probes above, and decides later runs from the start.
-COMPILE_GUESS = {"gain": 1.15, "compile_s": 60.0}  # before this machine has measured the model
-COMPILE_MARGIN = 0.03  # compiled steps at least this much shorter, or back to eager
-COMPILE_WATCH = 6  # eager steps timed before deciding (the first is a warm-up)
-COMPILE_TRIAL = 6  # compiled steps timed before keeping it (the first compiles)
-
-
-@dataclass
-class Compiling:
-    """Whether a training ran compiled, and why."""
-
-    used: bool
-    reason: str
-    compile_s: float | None = None  # seconds the compilation took, when it ran
-    step_ms: dict[str, float] | None = None  # a step eager and compiled, when both were timed
-
-
-def cannot_compile(device: torch.device, world_size: int) -> str | None:
-    """Why `train.compile: auto` will not compile here, or None."""
-    if world_size > 1:
-        return "auto compiles one-process trainings (set train.compile: true under DDP)"
-    if device.type == "cpu":
-        import shutil
-
-        cxx = os.environ.get("CXX") or "g++"
-        return None if shutil.which(cxx) else f"inductor needs a C++ compiler ({cxx} not found)"
-    if device.type == "cuda":
-        import importlib.util
-
-        return None if importlib.util.find_spec("triton") else "inductor needs triton on CUDA"
-    return f"no compile on {device.type}"
-
-
-def compile_key(model: nn.Module, batch: tuple, dtype: str) -> list:
-    return ["compile", type(model).__name__, _shape(model), [list(x.shape) for x in batch], dtype]
-
-
-def compile_known(key: list) -> dict | None:
-    """{"gain", "compile_s"} measured before on this machine for `key`, or None."""
-    hit = _recall(key)
-    return hit["value"] if hit is not None and (_busy() or not hit.get("busy")) else None
-
-
-def compile_pays(left_s: float, known: dict | None) -> bool:
-    """Whether compiling should save more of the `left_s` seconds of training than it costs."""
-    gain, cost = (known or COMPILE_GUESS)["gain"], (known or COMPILE_GUESS)["compile_s"]
-    return gain >= 1 + COMPILE_MARGIN and left_s * (1 - 1 / gain) > cost
-
-
-def compile_measured(key: list, eager_s: float, compiled_s: float, compile_s: float) -> None:
-    _remember(key, {"gain": round(eager_s / compiled_s, 3), "compile_s": round(compile_s, 1)}, _busy())
-
-
 # --- utilisation ----------------------------------------------------------------------------
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:

@@ -18,9 +18,7 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -29,7 +27,8 @@ import torch
 import torch.distributed as tdist
 
 from mllm import UserError, speed, storage
-from mllm.checkpoint import check_vocab, read_checkpoint, save_checkpoint
+from mllm.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
+from mllm.compiling import Compiler, compile_key
 from mllm.config import RunConfig, TrainConfig, validate
 from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.family import family_of
@@ -153,7 +152,7 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     cfg, vocab, tokenizer, train, val, carry = load_inputs(cfg)
     t = cfg.train
     d, device = join(resolve_device(t.device))
-    signals = _Signals()
+    signals = Signals()
     try:
         return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals)
     finally:
@@ -206,7 +205,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     peak, peak_source = speed.peak_flops(device, precision.dtype)
     peak *= d.world_size
     flops_per_target = speed.flops_per_target(raw, val_batches[0])
-    compiling = _Compile(t.compile, raw, device, d, speed.compile_key(raw, val_batches[0], precision.dtype))
+    compiling = Compiler(t.compile, raw, device, d.world_size, compile_key(raw, val_batches[0], precision.dtype))
     model = compiling.model
     if d.world_size > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -327,113 +326,6 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
         compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s,
     )
-
-
-class _Compile:
-    """train.compile in the loop: true compiles before the first step, false never; auto times
-    the first eager steps, compiles when the training left should win the compilation back
-    (speed.compile_pays), times the compiled steps and keeps them only if they are faster
-    (mllm.speed). Validation stays on the eager model when auto compiled (another graph, another
-    compilation, for a few batches)."""
-
-    def __init__(self, requested, raw: torch.nn.Module, device: torch.device, d: Dist, key: list):
-        self.raw, self.key, self.eager_s = raw, key, None
-        self.times: list[float] = []
-        self.deciding = False
-        if requested is True or requested is False:
-            self.choice = speed.Compiling(requested, "forced by train.compile")
-            self.model = self.evaluator = torch.compile(raw) if requested else raw
-            return
-        self.model = self.evaluator = raw
-        why_not = speed.cannot_compile(device, d.world_size)
-        self.known = speed.compile_known(key)
-        if why_not is None and self.known and not speed.compile_pays(math.inf, self.known):
-            why_not = (f"compiling measured no faster for this model here before "
-                       f"({self.known['gain']:.2f}x for a {self.known['compile_s']:.0f} s compilation)")
-        self.choice = speed.Compiling(False, why_not or "the training ended while its first steps were timed")
-        self.deciding = why_not is None
-
-    def after_step(self, step_s: float, steps_left: int | None, seconds_left: float | None) -> torch.nn.Module:
-        """The model for the next step, given the last step's seconds and the training left (in
-        steps, in seconds, or both; neither: until stopped early)."""
-        self.times.append(step_s)
-        if self.model is self.raw:  # timing eager steps
-            if len(self.times) < speed.COMPILE_WATCH:
-                return self.model
-            self.eager_s = sorted(self.times[1:])[len(self.times[1:]) // 2]
-            left_s = min([math.inf] + [x for x in (seconds_left, steps_left and steps_left * self.eager_s)
-                                       if x is not None])
-            if not speed.compile_pays(left_s, self.known):
-                cost = (self.known or speed.COMPILE_GUESS)["compile_s"]
-                self.choice.reason = (f"about {left_s:.3g} s of training left: too short to win back a "
-                                      f"compilation (about {cost:.3g} s)")
-                self.deciding = False
-                return self.model
-            # A model inductor cannot compile runs its frames eager instead of failing the
-            # training (then the trial below finds it no faster and goes back to eager).
-            torch._dynamo.config.suppress_errors = True
-            self.model, self.times = torch.compile(self.raw, dynamic=False), []
-            return self.model
-        if len(self.times) < speed.COMPILE_TRIAL:  # timing compiled steps
-            return self.model
-        compiled_s = sorted(self.times[1:])[len(self.times[1:]) // 2]
-        compile_s = max(0.0, self.times[0] - compiled_s)
-        speed.compile_measured(self.key, self.eager_s, compiled_s, compile_s)
-        ms = {"eager": round(1000 * self.eager_s, 1), "compiled": round(1000 * compiled_s, 1)}
-        self.deciding = False
-        if compiled_s > (1 - speed.COMPILE_MARGIN) * self.eager_s:
-            self.choice = speed.Compiling(False, f"compiled steps no faster ({ms['compiled']} ms against "
-                                                 f"{ms['eager']} ms eager): back to eager", compile_s, ms)
-            self.model = self.raw
-        else:
-            self.choice = speed.Compiling(True, f"{self.eager_s / compiled_s:.2f}x faster compiled "
-                                                f"({ms['compiled']} ms a step against {ms['eager']} ms eager, "
-                                                f"after a {compile_s:.0f} s compilation)", compile_s, ms)
-        return self.model
-
-
-class _Signals:
-    """SIGINT and SIGTERM, while the loop runs in the main thread, only noted: the loop writes
-    last.pt at the end of the step, then hands the signal to the handler it displaced (a
-    terminal's Ctrl-C, Prefect's termination, Python's default), which stops the run as before.
-    A second signal before that goes to the displaced handler at once."""
-
-    NAMES = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.previous: dict[int, object] = {}
-        if threading.current_thread() is not threading.main_thread():
-            return  # signals reach the main thread only; there the caller's handlers stay
-        for signum in self.NAMES:
-            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
-                self.previous[signum] = signal.signal(signum, self._note)
-
-    def _note(self, signum: int, frame) -> None:
-        if self.received is None:
-            self.received = signum
-        else:
-            self._hand_on(signum, frame)
-
-    def restore(self) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        self.previous = {}
-
-    def deliver(self, step: int) -> None:
-        """The checkpoint is written: let the signal take its course."""
-        if self.received is not None:
-            self._hand_on(self.received, None)
-        # A handler that only took note (or a signal from another rank): stop here all the same.
-        raise KeyboardInterrupt(f"stopped by a signal after step {step}; last.pt holds it")
-
-    def _hand_on(self, signum: int, frame) -> None:
-        handler = self.previous.get(signum) or signal.SIG_DFL  # None: one set outside Python
-        self.restore()
-        if callable(handler):
-            handler(signum, frame)
-        elif handler == signal.SIG_DFL:
-            signal.raise_signal(signum)
 
 
 def _print_records(records: Records) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import write_char_ids
-from mllm import speed
+from mllm import compiling, speed
 from mllm.checkpoint import read_checkpoint
 from mllm.config import CbowConfig, RunConfig
 from mllm.models import build_model
@@ -139,9 +139,9 @@ def test_a_gpus_peak_comes_from_its_spec_sheet_by_name():
 
 def test_compile_pays_when_the_training_left_wins_back_the_compilation():
     # Before this machine has measured the model: a guessed 1.15x for a 60 s compilation.
-    assert not speed.compile_pays(120, None) and speed.compile_pays(600, None)
-    assert speed.compile_pays(60, {"gain": 2.0, "compile_s": 20.0})
-    assert not speed.compile_pays(1e9, {"gain": 1.01, "compile_s": 1.0})  # measured no faster: never
+    assert not compiling.compile_pays(120, None) and compiling.compile_pays(600, None)
+    assert compiling.compile_pays(60, {"gain": 2.0, "compile_s": 20.0})
+    assert not compiling.compile_pays(1e9, {"gain": 1.01, "compile_s": 1.0})  # measured no faster: never
 
 
 def test_compile_auto_leaves_a_short_training_eager_and_says_why(data_dir, tmp_path):
@@ -159,7 +159,7 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds
-    key = speed.compile_key(build_model(built.model), family_of(built).val_batches(built, val)[0], "float32")
+    key = compiling.compile_key(build_model(built.model), family_of(built).val_batches(built, val)[0], "float32")
     speed._remember(key, {"gain": 10.0, "compile_s": 0.001}, busy=False)
     records = []
     r = train(cfg, on_metrics=records.extend)
@@ -168,7 +168,7 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
         assert "x faster compiled" in r.compile_reason
     else:
         assert r.compile_reason.endswith("back to eager")
-    measured = speed.compile_known(key)
+    measured = compiling.compile_known(key)
     assert measured["gain"] != 10.0 and measured["compile_s"] == pytest.approx(r.compile_s, abs=0.1)
     losses = [x["train_loss"] for x in records if "train_loss" in x]
     assert losses[-1] < losses[0]  # the compiled model trains the same weights on
