@@ -225,7 +225,7 @@ _UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTime
                 "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "FSTimeoutError"}
 
 
-def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
     """`exc` and what caused it, in turn."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -243,9 +243,9 @@ def unreachable(exc: BaseException) -> str | None:
     """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
     saying so and what to do; else None. httpx's errors are not storage's (fsspec reaches its
     stores through aiohttp and botocore): there the orchestrator's client met no server."""
-    if any(type(e).__module__.split(".")[0] in ("httpx", "httpcore") for e in _chain(exc)):
+    if any(type(e).__module__.split(".")[0] in ("httpx", "httpcore") for e in exception_chain(exc)):
         return None
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
             where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
@@ -263,7 +263,7 @@ _DENIED = {"AccessDenied", "Forbidden", "403", "AllAccessDisabled"}
 def credentials_problem(exc: BaseException, url: str) -> str | None:
     """If `exc` (or what caused it) says the credentials for `url` are missing, refused or not
     allowed there, one line saying so and where they were read from; else None."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
             return (f"no credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
                     "naming a profile of ~/.aws/credentials (botocore reads them from there)")
@@ -302,7 +302,7 @@ def check_writable(root: str, fix: str) -> None:
         fs.rm_file(probe)
     except Exception as e:
         message = credentials_problem(e, root) or unreachable(e)
-        if message is None and any(_code(x) == "NoSuchBucket" for x in _chain(e)):
+        if message is None and any(_code(x) == "NoSuchBucket" for x in exception_chain(e)):
             message = f"bucket {path.split('/')[0]} does not exist: create it or {fix}"
         if message is None:
             message = f"storage root {root} cannot be written ({type(e).__name__}: {_detail(e)}): {fix}"
@@ -396,14 +396,11 @@ def remove_empty(url: str) -> None:
 def disk_full(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it) says a disk is full: ENOSPC, a quota, SQLite's "database
     or disk is full" (torch's checkpoint writer wraps the OSError in a RuntimeError)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    for e in exception_chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if any(t in str(exc) for t in ("No space left on device", "database or disk is full")):
+        if any(t in str(e) for t in ("No space left on device", "database or disk is full")):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 

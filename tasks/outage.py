@@ -21,6 +21,7 @@ import urllib.request
 from typing import Any, Callable, Iterator
 
 from mllm import UserError, storage
+from mllm.storage import exception_chain
 from mllm.redact import strip_userinfo
 
 log = logging.getLogger(__name__)
@@ -67,37 +68,37 @@ def _failed(exc: BaseException | None, silent: str = "stopped answering") -> str
     """How a server failed, in words: "answered 503 Service Unavailable" when the chain of `exc`
     holds a 5xx answer (MLflow's client gives up on a busy server with "too many 503 error
     responses"), else "stopped answering"."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        found = re.search(r"\b(5\d\d) (?:error responses|[A-Z])", str(exc))
+    for e in exception_chain(exc):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        found = re.search(r"\b(5\d\d) (?:error responses|[A-Z])", str(e))
         code = status if isinstance(status, int) and status >= 500 else int(found.group(1)) if found else None
         if code is not None:
             with contextlib.suppress(ValueError):
                 return f"answered {code} {http.HTTPStatus(code).phrase}"
             return f"answered {code}"
-        exc = exc.__cause__ or exc.__context__
     return silent
+
+
+def _advice(how: str, silent: str, restart: str) -> str:
+    """What to do about a server that failed `how`: start it again when it is gone; when it
+    answered errors, find why in its log and wait for it."""
+    return (f"start it again ({restart}) and" if how == silent else
+            "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,")
 
 
 def tracking_down(exc: BaseException | None) -> str | None:
     """One line when `exc` (or what caused it) is the tracking server not answering, or answering
     only 5xx until the client's retries ran out; else None."""
     url = server()
-    seen: set[int] = set()
-    while url and exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        names = {c.__name__ for c in type(exc).__mro__}
+    for e in exception_chain(exc) if url else ():
+        text = str(e)
+        names = {c.__name__ for c in type(e).__mro__}
         if (names & _NO_ANSWER or any(t in text for t in _NO_ANSWER_TEXT)) and (
                 url.split("://", 1)[1] in text or "API request to" in text):
-            how = _failed(exc)
-            fix = ("start it again (`mllm-pipeline stack up` restarts one) and" if how == "stopped answering" else
-                   "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,")
+            how = _failed(e)
+            fix = _advice(how, "stopped answering", "`mllm-pipeline stack up` restarts one")
             return (f"the MLflow tracking server {url} {how}: {fix} run the same command; finished stages and "
                     "training are kept in storage and reused, and the unfinished MLflow run is closed then")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -109,13 +110,10 @@ _probed: dict[str, tuple[float, bool]] = {}
 
 def server_error(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it) is a 5xx answer of a server."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if (isinstance(status, int) and status >= 500) or any(t in str(exc) for t in _SERVER_ERROR_TEXT):
+    for e in exception_chain(exc):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if (isinstance(status, int) and status >= 500) or any(t in str(e) for t in _SERVER_ERROR_TEXT):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
@@ -131,15 +129,12 @@ _DROPPED = _NO_ANSWER | {"ConnectError", "ReadError", "WriteError", "RemoteProto
 
 def transient(exc: BaseException | None) -> bool:
     """Whether `exc` (or what caused it) is a server's passing failure, which a retry may mend."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in _TRANSIENT_STATUS or any(t in str(exc) for t in _TRANSIENT_TEXT):
+    for e in exception_chain(exc):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in _TRANSIENT_STATUS or any(t in str(e) for t in _TRANSIENT_TEXT):
             return True
-        if {c.__name__ for c in type(exc).__mro__} & _DROPPED:
+        if {c.__name__ for c in type(e).__mro__} & _DROPPED:
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
@@ -193,22 +188,18 @@ def prefect_down(exc: BaseException | None) -> str | None:
     """One line when `exc` (or what caused it) is Prefect's client (httpx) meeting no answer, or only
     5xx answers, from its server; else None. Without $PREFECT_API_URL that server is the temporary
     one Prefect starts inside the command."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__module__.split(".")[0] in ("httpx", "httpcore") and (
-                {c.__name__ for c in type(exc).__mro__} & _DROPPED or server_error(exc)):
+    for e in exception_chain(exc):
+        if type(e).__module__.split(".")[0] in ("httpx", "httpcore") and (
+                {c.__name__ for c in type(e).__mro__} & _DROPPED or server_error(e)):
             api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
-            how = _failed(exc, "does not answer")
+            how = _failed(e, "does not answer")
             if not api:
                 return (f"Prefect's temporary server (started by this command, as PREFECT_API_URL is not set) {how}: "
                         "run the same command again (finished stages and training are kept in storage and "
                         "reused); commands run side by side do better on one server (`mllm-pipeline stack up`)")
-            fix = "start it again (`mllm-pipeline stack up` restarts the stack's) and" if how == "does not answer" \
-                else "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,"
+            fix = _advice(how, "does not answer", "`mllm-pipeline stack up` restarts the stack's")
             return (f"the Prefect server {strip_userinfo(api)[0]} {how}: {fix} run the same command; finished "
                     "stages and training are kept in storage and reused")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
