@@ -327,7 +327,7 @@ class TrainConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.speed)
     # auto: torch.compile when the training left should win back the compilation, kept only if
     # the compiled steps are faster (mllm.speed); true/false force it.
-    compile: Literal["auto"] | bool = "auto"
+    compile: Literal["auto", True, False] = "auto"
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
 
