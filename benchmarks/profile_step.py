@@ -2,8 +2,8 @@
 
     python -m benchmarks.profile_step [--threads N] [--dtype bfloat16|float32] [--shape 6/6/384] [--block 256] [--batch 8]
 
-The step is the training loop's own (mllm.train): forward under the precision's autocast,
-backward, fused AdamW. It prints the operators by their share of the step's CPU time, which is
+The step is the training loop's own (mllm.train): the attention kernel it would choose, forward
+under the precision's autocast, backward, fused AdamW. It prints the operators by their share of the step's CPU time, which is
 what to attack to bring a step closer to the matrix-multiply peak (issue #29): `aten::mm` is the
 matrix work; `aten::copy_` under bf16 is autocast's casts; the rest is attention, layer norm,
 GELU, the optimizer.
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.common import header, parse_args, save, table
 from mllm.config import GPTConfig
 from mllm.models import build_model
-from mllm.speed import Precision
+from mllm.speed import Precision, choose_attention
 
 
 def main() -> None:
@@ -34,6 +34,7 @@ def main() -> None:
                                   block_size=args.block, dropout=0.0, bias=False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x, y = (torch.randint(0, 80, (args.batch, args.block)) for _ in range(2))
+    attention = choose_attention(model, torch.device("cpu"), (x, y))  # as the training chooses it
     autocast = Precision(args.dtype, "").autocast(torch.device("cpu"))
 
     def step() -> None:
@@ -53,11 +54,11 @@ def main() -> None:
     rows = [{"op": e.key, "share": f"{e.self_cpu_time_total / total:.1%}", "calls": e.count,
              "ms_per_step": e.self_cpu_time_total / 1000 / args.steps} for e in events[:12]]
     print(f"GPT {args.shape}, block {args.block}, batch {args.batch}, {args.dtype}: "
-          f"{total / 1000 / args.steps:,.0f} ms a step (CPU time)\n")
+          f"{total / 1000 / args.steps:,.0f} ms a step (CPU time)\nattention: {attention}\n")
     print(table(rows, [("op", "operator"), ("share", "share of CPU time"), ("ms_per_step", "ms a step"),
                        ("calls", f"calls ({args.steps} steps)")]))
     save("profile_step", {"machine": m, "shape": args.shape, "block": args.block, "batch": args.batch,
-                          "dtype": args.dtype, "rows": rows})
+                          "dtype": args.dtype, "attention": attention, "rows": rows})
 
 
 if __name__ == "__main__":

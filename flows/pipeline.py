@@ -269,6 +269,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| precision | {t.precision()} |",
         f"| compiled | {'yes' if t.compile_used else 'no'} ({t.compile_reason}) |",
+        *([f"| attention | {t.attention} |"] if t.attention else []),
         f"| MFU | {_mfu(t)} |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",

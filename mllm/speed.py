@@ -46,6 +46,12 @@ SMALL_FLOPS = 1e9
 # bf16 measured no faster. Above it a decoding step streams its weights from memory.
 SMALL_DECODE_MB = 8.0
 
+# The written-out attention takes over from torch's SDPA kernel where it is at least this much
+# faster (a whole sequence's forward and backward, timed alone: milliseconds, not seconds).
+ATTENTION_MARGIN = 0.05
+ATTENTION_ROWS = 16  # at most this many sequences a probe: enough to fill the cores
+ATTENTION_REPS = 3
+
 PEAK_FRESH_S = 3600.0  # a measured peak this recent is used as it is (see peak_flops)
 
 # Dense peaks from the spec sheets, FLOP/s: (bf16, tf32, fp32 without tensor cores). The first
@@ -268,6 +274,54 @@ def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
         _, loss, _ = model(*batch)
     loss.backward()
     return time.perf_counter() - start
+
+
+# --- attention ------------------------------------------------------------------------------
+
+def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> str:
+    """Which attention a GPT trains with on this CPU, per precision; what was measured, in a line.
+
+    torch's CPU flash attention (SDPA) streams keys in blocks and keeps float32 statistics; the
+    same attention written out as two batched matrix multiplies and a softmax
+    (mllm.transformer.explicit_attention) makes the whole T x T score matrix but runs on the
+    matrix-multiply kernels, and measured 1.5x faster in bf16 at the shakespeare-gpt shape and
+    4x at nanoGPT's CPU size on an AMD EPYC. Which one wins depends on the CPU, the shape and
+    the precision, so each is timed here, alone (a forward and a backward pass of q, k and v at
+    the run's batch, heads, context and head size, the two alternating), and cached per machine
+    and shape. The choice goes into the model's `attention_kernels` table. Models without one,
+    `attention: explicit`, and devices other than a CPU (where SDPA's fused kernels are the
+    fast path) are left as they are, and say nothing.
+    """
+    kernels = getattr(model, "attention_kernels", None)
+    if kernels is None or device.type != "cpu" or model.config.attention != "sdpa":
+        return ""
+    rows, T = batch[0].shape[:2]
+    shape = (min(rows, ATTENTION_ROWS), model.config.n_head, T, model.config.n_embd // model.config.n_head)
+    said = []
+    for name in ["float32"] + (["bfloat16"] if fast_bf16() else []):
+        ms = _cached(["attention", name, *shape], lambda: _attention_probe(DTYPES[name], *shape))
+        kernels[DTYPES[name]] = kernel = "matmul" if ms["matmul"] <= (1 - ATTENTION_MARGIN) * ms["sdpa"] else "sdpa"
+        said.append(f"{name}: {'written out' if kernel == 'matmul' else 'sdpa'} "
+                    f"(a pass {ms['matmul']:.1f} ms written out, {ms['sdpa']:.1f} ms sdpa)")
+    return "; ".join(said)
+
+
+def _attention_probe(dtype: torch.dtype, B: int, H: int, T: int, D: int) -> dict[str, float]:
+    """Milliseconds of the fastest forward and backward pass of each attention (after a warm-up)."""
+    from mllm.transformer import causal_mask, explicit_attention
+
+    g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
+    q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(B, H, T, D, generator=g).to(dtype)
+    passes = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+              "matmul": lambda: explicit_attention(q, k, v, causal_mask(T))[0]}
+    times: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(1 + ATTENTION_REPS):
+        for name, attend in passes.items():
+            start = time.perf_counter()
+            attend().backward(grad)
+            times[name].append(time.perf_counter() - start)
+    return {name: round(1000 * min(ts[1:]), 2) for name, ts in times.items()}
 
 
 # --- utilisation ----------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class TrainResult:
     compile_used: bool = False  # what train.compile resolved to (mllm.speed), and why
     compile_reason: str = ""
     compile_s: float | None = None
+    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.speed)
 
 
 def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
@@ -96,6 +97,17 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
     # small GPT's step. The fused kernel computes the same update in another order, so weights
     # differ from the loop's in the last bits (tests/test_train.py bounds how far the losses move).
     return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type in ("cuda", "cpu") or None)
+
+
+def _attention(device: torch.device, model: torch.nn.Module, batch: tuple, d: Dist) -> str:
+    """A GPT's attention kernel per precision (mllm.speed.choose_attention), measured by rank 0
+    for every rank: before the precision probe, so that it times each precision at its best."""
+    said = speed.choose_attention(model, device, batch) if d.master else ""
+    kernels = getattr(model, "attention_kernels", None)
+    if d.world_size > 1 and kernels is not None:
+        said, chosen = gather((said, dict(kernels)), d)[0]
+        kernels.update(chosen)
+    return said
 
 
 def _precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
@@ -201,6 +213,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     best = metrics.get("best_val_loss", math.inf)
     evals_since_best = int(metrics.get("evals_since_best", 0))
 
+    attention = _attention(device, raw, val_batches[0], d)
     precision = _precision(t, device, raw, val_batches[0], metrics, d)
     peak, peak_source = speed.peak_flops(device, precision.dtype)
     peak *= d.world_size
@@ -324,7 +337,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         resumed_from_step=resumed_from, dtype_used=precision.dtype, dtype_reason=precision.reason,
         dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
         peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
-        compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s,
+        compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s, attention=attention,
     )
 
 

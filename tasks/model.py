@@ -74,6 +74,7 @@ class Trained(BaseModel):
     compile_used: bool = False  # what train.compile resolved to, and why (mllm.speed)
     compile_reason: str = ""
     compile_s: float | None = None
+    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.speed)
 
     def precision(self) -> str:
         return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()

@@ -64,6 +64,7 @@ def test_mfu_is_a_fraction_of_the_measured_peak(data_dir, tmp_path):
     assert 0 < r.mfu <= 1
     # The peak is this CPU's own matrix multiply, in the precision the run used.
     assert r.peak_source.startswith("measured") and r.peak_flops > 1e8
+    assert r.attention.startswith("float32: ")  # the attention kernel it measured, recorded
     assert r.mfu == pytest.approx(r.tokens_per_s * 6 * _matmul_weights(r) / r.peak_flops, rel=1e-9)
 
 
@@ -135,6 +136,48 @@ def test_a_gpus_peak_comes_from_its_spec_sheet_by_name():
     # No bf16 on a V100, and a GPU the table lacks: measured instead.
     assert speed.spec_peak("Tesla V100-SXM2-16GB", "bfloat16") is None
     assert speed.spec_peak("Quadro RTX 4000", "float32") is None
+
+
+def test_a_gpt_on_a_cpu_attends_with_the_kernel_this_machine_measured_faster(tmp_path, monkeypatch):
+    # The choice is timed once per machine and shape, per precision; a seeded cache stands for a
+    # machine where either kernel won. Both give the same logits and gradients (float32), and the
+    # same loss within bf16's rounding, so the choice changes the speed and nothing a user sees.
+    monkeypatch.setenv("MLLM_CACHE_DIR", str(tmp_path / "cache"))
+    cfg = {"model": {**GPT, "vocab_size": 65}, "train": {"max_steps": 1, "window": 32}}
+    model = build_model(RunConfig.model_validate(cfg).model)
+    x, y = torch.randint(0, 65, (4, 32)), torch.randint(0, 65, (4, 32))
+    said = speed.choose_attention(model, torch.device("cpu"), (x, y))
+    dtypes = ["float32"] + (["bfloat16"] if speed.fast_bf16() else [])
+    assert [part.split(":")[0] for part in said.split("; ")] == dtypes
+    assert set(model.attention_kernels) == {speed.DTYPES[d] for d in dtypes}
+
+    def run(kernel: str, dtype: str):
+        for d in dtypes:
+            fast = {"matmul": 1.0, "sdpa": 2.0} if kernel == "matmul" else {"matmul": 2.0, "sdpa": 1.0}
+            speed._remember(["attention", d, 4, GPT["n_head"], 32, GPT["n_embd"] // GPT["n_head"]], fast, busy=False)
+        assert ("written out" if kernel == "matmul" else "sdpa") in speed.choose_attention(model, torch.device("cpu"), (x, y))
+        assert model.attention_kernels[torch.float32] == kernel
+        model.zero_grad(set_to_none=True)
+        with speed.Precision(dtype, "").autocast(torch.device("cpu"))():
+            logits, loss, _ = model(x, y)
+        nodes, seen = [loss.grad_fn], {}  # the ops the loss came through: which kernel ran
+        while nodes:
+            node = nodes.pop()
+            if node is not None and id(node) not in seen:
+                seen[id(node)] = node.name()
+                nodes.extend(f for f, _ in node.next_functions)
+        assert any("Baddbmm" in n for n in seen.values()) == (kernel == "matmul")
+        loss.backward()
+        return logits.float(), loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    written, sdpa = run("matmul", "float32"), run("sdpa", "float32")
+    assert torch.allclose(written[0], sdpa[0], atol=1e-5) and written[1] == pytest.approx(sdpa[1], abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(written[2], sdpa[2]))
+    if speed.fast_bf16():
+        assert run("matmul", "bfloat16")[1] == pytest.approx(run("sdpa", "bfloat16")[1], abs=0.02)
+    # Attention written out by the config is not the machine's to choose.
+    explicit = build_model(RunConfig.model_validate({**cfg, "model": {**cfg["model"], "attention": "explicit"}}).model)
+    assert speed.choose_attention(explicit, torch.device("cpu"), (x, y)) == "" and explicit.attention_kernels == {}
 
 
 def test_compile_pays_when_the_training_left_wins_back_the_compilation():

@@ -62,10 +62,15 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
         self.explicit = config.attention == "explicit"
+        # The GPT's own table, shared by its layers: under `attention: sdpa`, the dtypes in which
+        # a whole sequence's attention runs as written-out matrix multiplies instead of torch's
+        # SDPA kernel, because this machine measured them faster (mllm.speed.choose_attention).
+        # Not a setting: the same attention either way, and nothing of it in a checkpoint.
+        self.kernels = {} if kernels is None else kernels
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -79,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
-        if self.explicit:
+        if self.explicit or (T > 1 and self.kernels.get(q.dtype) == "matmul"):
             # One new token may look at every cached one: no mask to add.
             mask = causal_mask(T, x.device, past) if T > 1 else None
             y, _ = explicit_attention(q, k, v, mask, dropout_p=dropout_p)
@@ -110,10 +115,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, kernels)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -127,6 +132,7 @@ class GPT(nn.Module):
         super().__init__()
         assert config.arch == "gpt" and config.vocab_size > 0
         self.config = config
+        self.attention_kernels: dict[torch.dtype, str] = {}  # see CausalSelfAttention.kernels
         if config.positions == "learned":
             wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
@@ -137,7 +143,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=wpe,
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, self.attention_kernels) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
