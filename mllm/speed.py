@@ -241,8 +241,12 @@ def _probed(ms: dict[str, float], what: str) -> Precision:
 
 
 def _shape(model: nn.Module) -> list:
-    """What decides a model's speed: its parameters' shapes (dropout and weights do not)."""
-    return [[name, list(p.shape)] for name, p in model.named_parameters()]
+    """What decides a model's speed: its parameters' shapes (dropout and weights do not), and the
+    attention kernels it was given (choose_attention: the same model in bf16 trained 1.6x faster
+    once its attention was written out)."""
+    kernels = getattr(model, "attention_kernels", None) or {}
+    return [[name, list(p.shape)] for name, p in model.named_parameters()] + \
+        [[str(dtype), kernel] for dtype, kernel in sorted(kernels.items(), key=str)]
 
 
 def _slice(batch: tuple, targets: int) -> tuple:
@@ -282,10 +286,10 @@ def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> st
     """Which attention a GPT trains with on this CPU, per precision; what was measured, in a line.
 
     torch's CPU flash attention (SDPA) streams keys in blocks and keeps float32 statistics; the
-    same attention written out as two batched matrix multiplies and a softmax
-    (mllm.transformer.explicit_attention) makes the whole T x T score matrix but runs on the
-    matrix-multiply kernels, and measured 1.5x faster in bf16 at the shakespeare-gpt shape and
-    4x at nanoGPT's CPU size on an AMD EPYC. Which one wins depends on the CPU, the shape and
+    same attention written out as batched matrix multiplies and a softmax
+    (mllm.transformer.causal_attention) makes the score matrix whole but runs on the
+    matrix-multiply kernels, and measured 2x faster in bf16 at the shakespeare-gpt shape and
+    3-4x at nanoGPT's CPU size on an AMD EPYC. Which one wins depends on the CPU, the shape and
     the precision, so each is timed here, alone (a forward and a backward pass of q, k and v at
     the run's batch, heads, context and head size, the two alternating), and cached per machine
     and shape. The choice goes into the model's `attention_kernels` table. Models without one,
@@ -299,7 +303,7 @@ def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> st
     shape = (min(rows, ATTENTION_ROWS), model.config.n_head, T, model.config.n_embd // model.config.n_head)
     said = []
     for name in ["float32"] + (["bfloat16"] if fast_bf16() else []):
-        ms = _cached(["attention", name, *shape], lambda: _attention_probe(DTYPES[name], *shape))
+        ms = _cached(["attention", "causal_attention", name, *shape], lambda: _attention_probe(DTYPES[name], *shape))
         kernels[DTYPES[name]] = kernel = "matmul" if ms["matmul"] <= (1 - ATTENTION_MARGIN) * ms["sdpa"] else "sdpa"
         said.append(f"{name}: {'written out' if kernel == 'matmul' else 'sdpa'} "
                     f"(a pass {ms['matmul']:.1f} ms written out, {ms['sdpa']:.1f} ms sdpa)")
@@ -308,13 +312,13 @@ def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> st
 
 def _attention_probe(dtype: torch.dtype, B: int, H: int, T: int, D: int) -> dict[str, float]:
     """Milliseconds of the fastest forward and backward pass of each attention (after a warm-up)."""
-    from mllm.transformer import causal_mask, explicit_attention
+    from mllm.transformer import causal_attention
 
     g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(B, H, T, D, generator=g).to(dtype)
     passes = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-              "matmul": lambda: explicit_attention(q, k, v, causal_mask(T))[0]}
+              "matmul": lambda: causal_attention(q, k, v)}
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(1 + ATTENTION_REPS):
         for name, attend in passes.items():

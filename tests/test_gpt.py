@@ -13,7 +13,7 @@ from mllm.config import RunConfig, model_config
 from mllm.models import build_model
 from mllm.lm.generate import generate
 from mllm.text import CharTokenizer
-from mllm.transformer import causal_mask, explicit_attention, sinusoidal_positions
+from mllm.transformer import causal_attention, causal_mask, explicit_attention, sinusoidal_positions
 from mllm.vocab import Vocab
 
 COMBINATIONS = [(p, a) for p in ("learned", "sinusoidal") for a in ("sdpa", "explicit")]
@@ -75,6 +75,21 @@ def test_explicit_attention_equals_torch_sdpa_with_and_without_a_cache():
     ref = F.scaled_dot_product_attention(q[:, :, 4:], k, v, attn_mask=torch.ones(5, 9, dtype=torch.bool).tril(4))
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=0)
     assert torch.equal(causal_mask(5, past=4).isinf(), ~torch.ones(5, 9, dtype=torch.bool).tril(4))
+
+
+@pytest.mark.parametrize("T", [9, 131])  # in one piece, and in two halves of the queries (odd: unequal)
+def test_causal_attention_written_out_equals_torch_sdpa_forward_and_backward(T):
+    torch.manual_seed(0)
+    base = [torch.randn(2, 3, T, 8) for _ in range(3)]
+    grad = torch.randn(2, 3, T, 8)
+    outs = []
+    for attend in (causal_attention, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        y = attend(q, k, v)
+        y.backward(grad)
+        outs.append([y, q.grad, k.grad, v.grad])
+    for ours, theirs in zip(*outs):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

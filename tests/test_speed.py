@@ -154,7 +154,7 @@ def test_a_gpt_on_a_cpu_attends_with_the_kernel_this_machine_measured_faster(tmp
     def run(kernel: str, dtype: str):
         for d in dtypes:
             fast = {"matmul": 1.0, "sdpa": 2.0} if kernel == "matmul" else {"matmul": 2.0, "sdpa": 1.0}
-            speed._remember(["attention", d, 4, GPT["n_head"], 32, GPT["n_embd"] // GPT["n_head"]], fast, busy=False)
+            speed._remember(["attention", "causal_attention", d, 4, GPT["n_head"], 32, GPT["n_embd"] // GPT["n_head"]], fast, busy=False)
         assert ("written out" if kernel == "matmul" else "sdpa") in speed.choose_attention(model, torch.device("cpu"), (x, y))
         assert model.attention_kernels[torch.float32] == kernel
         model.zero_grad(set_to_none=True)
@@ -202,7 +202,9 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds
-    key = compiling.compile_key(build_model(built.model), family_of(built).val_batches(built, val)[0], "float32")
+    model, batch = build_model(built.model), family_of(built).val_batches(built, val)[0]
+    speed.choose_attention(model, torch.device("cpu"), batch)  # as the training does, before the key
+    key = compiling.compile_key(model, batch, "float32")
     speed._remember(key, {"gain": 10.0, "compile_s": 0.001}, busy=False)
     records = []
     r = train(cfg, on_metrics=records.extend)

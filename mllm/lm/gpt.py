@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mllm.config import ModelConfig
 from mllm.lm.rnn import optim_groups
-from mllm.transformer import SinusoidalPositions, causal_mask, explicit_attention
+from mllm.transformer import SinusoidalPositions, causal_attention, causal_mask, explicit_attention
 
 
 class KVCache:
@@ -84,7 +84,9 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
-        if self.explicit or (T > 1 and self.kernels.get(q.dtype) == "matmul"):
+        if not self.explicit and not past and T > 1 and self.kernels.get(q.dtype) == "matmul":
+            y = causal_attention(q, k, v, dropout_p)
+        elif self.explicit:
             # One new token may look at every cached one: no mask to add.
             mask = causal_mask(T, x.device, past) if T > 1 else None
             y, _ = explicit_attention(q, k, v, mask, dropout_p=dropout_p)
