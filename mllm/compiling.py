@@ -72,6 +72,21 @@ def compile_measured(key: list, eager_s: float, compiled_s: float, compile_s: fl
     _remember(key, {"gain": round(eager_s / compiled_s, 3), "compile_s": round(compile_s, 1)}, _busy())
 
 
+class _Lenient(nn.Module):
+    """The model `auto` compiled. Where inductor cannot compile a graph, that frame runs eager
+    instead of failing the training (the trial then finds it no faster and goes back to eager).
+    Only this model's calls are lenient: torch's setting is patched around each of them, not set
+    for the process, so a `train.compile: true` later in the same process still fails loudly."""
+
+    def __init__(self, raw: nn.Module):
+        super().__init__()
+        self.compiled = torch.compile(raw, dynamic=False)
+
+    def forward(self, *args, **kwargs):
+        with torch._dynamo.config.patch(suppress_errors=True):
+            return self.compiled(*args, **kwargs)
+
+
 class Compiler:
     """train.compile in the loop: true compiles before the first step, false never; auto times
     the first eager steps, compiles when the training left should win the compilation back
@@ -112,10 +127,7 @@ class Compiler:
                                       f"compilation (about {cost:.3g} s)")
                 self.deciding = False
                 return self.model
-            # A model inductor cannot compile runs its frames eager instead of failing the
-            # training (then the trial below finds it no faster and goes back to eager).
-            torch._dynamo.config.suppress_errors = True
-            self.model, self.times = torch.compile(self.raw, dynamic=False), []
+            self.model, self.times = _Lenient(self.raw), []
             return self.model
         if len(self.times) < COMPILE_TRIAL:  # timing compiled steps
             return self.model
