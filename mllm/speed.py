@@ -30,6 +30,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mllm.transformer import causal_attention
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # bf16 is chosen when its probe step is at least this much shorter: within it, the two are
 # equal as far as a shared machine can tell, and float32 does not round.
@@ -312,8 +314,6 @@ def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> st
 
 def _attention_probe(dtype: torch.dtype, B: int, H: int, T: int, D: int) -> dict[str, float]:
     """Milliseconds of the fastest forward and backward pass of each attention (after a warm-up)."""
-    from mllm.transformer import causal_attention
-
     g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(B, H, T, D, generator=g).to(dtype)

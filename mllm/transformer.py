@@ -88,15 +88,9 @@ def causal_attention(q, k, v, dropout_p: float = 0.0):
     (6 heads of 64, T 256, batch 16, bf16, an AMD EPYC with 2 threads) a forward and backward
     pass took 24 ms against 35 ms in one piece, and 47 ms in torch's CPU flash attention.
     """
-    B, h, T, d = q.shape
-    q3 = (q * (1.0 / math.sqrt(d))).reshape(B * h, T, d)
-    kt = k.reshape(B * h, T, d).transpose(1, 2)
-    v3 = v.reshape(B * h, T, d)
-    mask = causal_mask(T, q.device).to(q3.dtype)
+    T = q.size(2)
+    mask = causal_mask(T, q.device)
     cuts = [0, T // 2, T] if T >= 128 else [0, T]
-    parts = []
-    for start, end in zip(cuts, cuts[1:]):
-        scores = torch.baddbmm(mask[start:end, :end].expand(B * h, end - start, end), q3[:, start:end], kt[:, :, :end])
-        weights = scores.softmax(dim=-1)
-        parts.append(torch.bmm(F.dropout(weights, dropout_p) if dropout_p > 0 else weights, v3[:, :end]))
-    return (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).view(B, h, T, d)
+    parts = [explicit_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask[start:end, :end],
+                                dropout_p=dropout_p)[0] for start, end in zip(cuts, cuts[1:])]
+    return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
