@@ -69,7 +69,7 @@ def load() -> float:
 def machine() -> dict[str, Any]:
     import torch
 
-    from mllm import speed
+    from mllm.runtime import speed
 
     return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "machine": platform.machine(), "cpu": speed.cpu_model(),
@@ -130,8 +130,8 @@ def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bo
     import pyarrow as pa
 
     from mllm.config import TokenizerConfig
-    from mllm.text import build_tokenizer, read_chunks, strip_gutenberg as strip
-    from mllm.vocab import Vocab
+    from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg as strip
+    from mllm.data.vocab import Vocab
 
     folder.mkdir(parents=True, exist_ok=True)
     chunks = read_chunks(str(corpus_path))

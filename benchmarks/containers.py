@@ -88,7 +88,7 @@ def builds(registry: str, cold: bool) -> dict:
 
 
 def start(name: str, cmd: list[str], folder: Path, env: dict[str, str], health: str | None = None, ready=None):
-    from flows.stack import Service
+    from flows.stack.servers import Service
 
     service = Service(name, cmd, str(folder / f"{name}.log"), health, env=env).start()
     service.wait_ready(180, ready=ready)
@@ -132,7 +132,7 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows import QUIET_ENV
-    from flows.stack import _worker_online, free_port
+    from flows.stack.servers import _worker_online, free_port
 
     docker.from_env().ping()
     registry_bin = shutil.which("docker-registry") or shutil.which("registry")

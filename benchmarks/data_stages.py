@@ -361,7 +361,7 @@ def main() -> None:
             cli_rows = cli_runs(source, tmp)
         print(f"3. tokenize on {' and '.join(f'{s} MB' for s in sizes)} (word up to {args.word_up_to} MB, BPE up to {args.bpe_up_to} MB; "
               f"char's vocabulary and split up to {more_up_to} MB)", flush=True)
-        from mllm.text import read_chunks, strip_gutenberg
+        from mllm.data.text import read_chunks, strip_gutenberg
 
         body = "".join(strip_gutenberg(read_chunks(str(source))))
         scale_rows = scale_runs(body, tmp, sizes, more_up_to, {"word": args.word_up_to, "bpe 2000": args.bpe_up_to})

@@ -31,8 +31,8 @@ from benchmarks.common import OUT, REPO, corpus, header, load, parse_args, save,
 from mllm.embeddings.evaluation import pca_picture
 from mllm.embeddings.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
     split_paragraphs
-from mllm.text import read_chunks, strip_gutenberg
-from mllm.vocab import Vocab
+from mllm.data.text import read_chunks, strip_gutenberg
+from mllm.data.vocab import Vocab
 from mllm.embeddings.wordsim import (METRICS, WordVectors, evaluate_cbow, evaluate_embeddings, load_analogies, load_pairs,
                           write_parquet, write_word2vec)
 

@@ -30,9 +30,9 @@ import torch
 
 from benchmarks.common import corpus, header, load, median, parse_args, save, table, threads, token_ids
 from mllm.config import model_config
-from mllm.data import load_ids
+from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import windows
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.lm.generate import generate
 
 MODELS = {

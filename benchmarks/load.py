@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO, corpus, header, load, save, table
-from flows.processes import free_port
+from flows.stack.processes import free_port
 
 STEPS = ["train.max_steps=30", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=20"]
 
@@ -114,12 +114,12 @@ def _cli(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
 def one_database(database: str, points: int, pipelines: int, slots: int | None, folder: Path) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
-    from flows import stack
+    from flows.stack import servers as stack
 
     home, storage = folder / "stack", folder / "storage"
     home.mkdir(parents=True)
     if database == "sqlite":
-        (home / "mlflow.db").touch()  # a home with SQLite records stays on SQLite (flows/database.py)
+        (home / "mlflow.db").touch()  # a home with SQLite records stays on SQLite (flows/stack/database.py)
     # As `stack up` does: without --slots, one a GPU, else one per two cores (0: no limit at all).
     slots = stack.default_slots() if slots is None else slots or None
     state = stack.up(home, str(storage), prefect_port=0, mlflow_port=0, slots=slots,
@@ -192,7 +192,7 @@ def _stop(commands: list[subprocess.Popen]) -> None:
 def main() -> None:
     import argparse
 
-    from flows import database
+    from flows.stack import database
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--points", type=int, default=32, help="the sweep's points")
@@ -206,7 +206,7 @@ def main() -> None:
         if db == "postgresql" and database.server_bin() is None:
             print(f"skipped postgresql: its server is not installed ({database.INSTALL})")
             continue
-        # A folder the cluster's user can enter when we are root (flows/database.py runs it as postgres).
+        # A folder the cluster's user can enter when we are root (flows/stack/database.py runs it as postgres).
         folder = Path(tempfile.mkdtemp(prefix=f"mllm-load-{db}-"))
         folder.chmod(0o755)
         print(f"{db}: stack and logs in {folder}", flush=True)

@@ -36,7 +36,7 @@ KINDS = {"char": [], "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe
 
 def make_corpus(folder: Path, total_mb: int, n_files: int, seed: int = 0) -> int:
     """Write `n_files` varied text files of about `total_mb` MB in all; returns their bytes."""
-    from mllm.gutenberg import strip_gutenberg
+    from mllm.data.gutenberg import strip_gutenberg
 
     body = "".join(strip_gutenberg([(DATA / "warandpeace.txt").read_text(encoding="utf-8")]))
     body += "\n\n" + (DATA / "tinyshakespeare.txt").read_text(encoding="utf-8")

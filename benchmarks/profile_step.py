@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import header, parse_args, save, table
 from mllm.config import GPTConfig
-from mllm.models import build_model
-from mllm.speed import Precision, choose_attention
+from mllm.runtime.devices import build_model
+from mllm.runtime.speed import Precision, choose_attention
 
 
 def main() -> None:

@@ -109,7 +109,7 @@ def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: f
         "train.eval_interval": max(1, steps // 4), "train.eval_batches": 20,
         "train.checkpoint_interval": 10**6}, threads)
     done = re.search(r"^done: (\d+) steps \((\w+).*?, ([\d.]+)s; checkpoint", stdout, re.M)
-    from mllm.checkpoint import load_checkpoint
+    from mllm.runtime.checkpoint import load_checkpoint
 
     return {"model": load_checkpoint(str(ckpt / "last.pt")).model, "steps": int(done.group(1)),
             "planned_steps": steps, "stop": done.group(2), "train_s": float(done.group(3)),
@@ -183,7 +183,7 @@ def main() -> None:
         names = [n for n in names if n != "nanoGPT"]
     from mllm.lm.evaluate import evaluate
     from mllm.lm.generate import generate
-    from mllm.vocab import Vocab
+    from mllm.data.vocab import Vocab
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="mllm-bench-quality-") as tmp:

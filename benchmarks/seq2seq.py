@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import OUT, REPO, header, load, parse_args, save, table
-from mllm.checkpoint import load_checkpoint
+from mllm.runtime.checkpoint import load_checkpoint
 from mllm.config import TrainPaths
 from mllm.resolve import resolve
 from mllm.seq2seq.pairs import load_split, prepare_pairs, read_pairs

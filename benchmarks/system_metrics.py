@@ -43,7 +43,7 @@ def main() -> None:
     steps, repeats = (300, 2) if args.quick else (600, 3)
     with tracked_war_and_peace("mllm-bench-sysmetrics-") as (tmp, paths):
         from mllm.train import train
-        from tasks.tracking import RunTracker, system_metrics
+        from tasks.tracking.tracker import RunTracker, system_metrics
 
         runs = 0
 

@@ -62,7 +62,7 @@ def main() -> None:
     steps, repeats = (100, 2) if args.quick else (200, 3)
     with tracked_war_and_peace("mllm-bench-tracking-") as (tmp, paths):
         from mllm.train import train
-        from tasks.tracking import RunTracker
+        from tasks.tracking.tracker import RunTracker
 
         runs = 0
 

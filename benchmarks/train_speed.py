@@ -33,9 +33,9 @@ import torch
 
 from benchmarks.common import (corpus, header, hms, load, median, parse_args, run_config, save, table,
                                token_ids)
-from mllm.data import load_ids
+from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import EpochWindows, windows
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.train import train
 
 # Long enough that neither a scheduled eval nor a checkpoint lands inside the measured steps.

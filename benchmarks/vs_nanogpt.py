@@ -64,7 +64,7 @@ def anchor_or_exit() -> Path:
 
 def nanogpt_data(paths: dict, folder: Path) -> Path:
     """A working folder for nanoGPT's train.py: data/wp/{train,val}.bin, meta.pkl, configurator.py."""
-    from mllm.vocab import Vocab
+    from mllm.data.vocab import Vocab
 
     data = folder / "data" / "wp"
     data.mkdir(parents=True)
@@ -189,9 +189,9 @@ def _train_rounds(shape_name: str, shape: dict, contenders: dict, n_threads: int
 
 def _mfu(shape: dict, tokens_per_s: float, precision: str, n_threads: int) -> float | None:
     """nanoGPT's FLOPs per token at `shape` times tokens/s, over this CPU's measured peak."""
-    from mllm import speed
+    from mllm.runtime import speed
     from mllm.config import GPTConfig
-    from mllm.models import build_model
+    from mllm.runtime.devices import build_model
 
     if "/" in precision:
         return None  # the rounds trained in different precisions
@@ -214,7 +214,7 @@ def _nanogpt_model_module():
 def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int,
                    repeats: int) -> list[dict]:
     from mllm.config import GPTConfig
-    from mllm.models import build_model
+    from mllm.runtime.devices import build_model
     from mllm.lm.decode import decode_precision
     from mllm.lm.generate import generate
 

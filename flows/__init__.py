@@ -19,7 +19,7 @@ QUIET_ENV = {
     # behind a proxy may answer 503. 7 waits about 4 minutes, as long as MLflow's own client does
     # with its defaults (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, BACKOFF_FACTOR 2: it also retries 500
     # and 504), which are left as they are. A server whose database is down answers 500, which
-    # Prefect does not retry: that still ends a command in seconds (flows/database.py).
+    # Prefect does not retry: that still ends a command in seconds (flows/stack/database.py).
     "PREFECT_CLIENT_MAX_RETRIES": "7",
 }
 

@@ -39,7 +39,7 @@ from prefect.utilities.callables import parameter_schema
 import tasks
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from tasks import tracking
+from tasks.tracking import tracker as tracking
 from tasks.model import Prepared, Trained, parse_progress, train_job, training_code
 
 ENTRYPOINT = "flows.training:train"

@@ -103,7 +103,7 @@ def check_tracked(root: str) -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if uri and not uri.startswith("sqlite:///"):
         return
-    from tasks.tracking import local_store
+    from tasks.tracking.tracker import local_store
 
     path = uri[len("sqlite:///"):] if uri else local_store(root)
     if not os.path.exists(path):

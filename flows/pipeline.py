@@ -26,13 +26,13 @@ from mllm.resolve import recipe_names, resolve
 from tasks import corpus as corpus_tasks
 from tasks import data as data_tasks
 from tasks import model as model_tasks
-from tasks import outage
+from tasks.tracking import outage
 from tasks.caching import forget_exception, result_storage
 from tasks.corpus_split import split_source
 from tasks.model import Evaluation, Prepared, Trained, describe
-from tasks.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
-from tasks.tracking import RunTracker, log_data, run_url
-from tasks.tracking import client as tracking_client
+from tasks.tracking.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
+from tasks.tracking.tracker import RunTracker, log_data, run_url
+from tasks.tracking.tracker import client as tracking_client
 
 
 @flow(name="prepare", log_prints=True, flow_run_name=lambda: f"{_run_name()}-prepare")

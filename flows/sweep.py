@@ -26,7 +26,8 @@ from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
 import tasks
-from flows import database, dispatch
+from flows import dispatch
+from flows.stack import database
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
@@ -37,11 +38,11 @@ from mllm.config import RunConfig
 from mllm.redact import scrub
 from mllm.resolve import resolve
 from tasks import model as model_tasks
-from tasks import outage
+from tasks.tracking import outage
 from tasks.caching import forget_exception
-from tasks.provenance import code_git_info, run_tags
-from tasks.tracking import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
-from tasks.tracking import client as tracking_client
+from tasks.tracking.provenance import code_git_info, run_tags
+from tasks.tracking.tracker import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
+from tasks.tracking.tracker import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
 POINT_TAG = "sweep.point"

@@ -99,7 +99,7 @@ class Family:
     def load_inputs(self, cfg: Any) -> tuple:
         """(cfg with vocabulary sizes set, vocab, tokenizer, train data, validation data, what a
         checkpoint must carry besides): the files the config's paths section names, checked."""
-        from mllm.inputs import load_token_inputs
+        from mllm.runtime.inputs import load_token_inputs
 
         return load_token_inputs(cfg)
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one)")
     args = p.parse_args(argv)
     try:
-        from mllm.checkpoint import load_checkpoint
+        from mllm.runtime.checkpoint import load_checkpoint
 
         loaded = load_checkpoint(args.checkpoint, device=args.device)
         options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}

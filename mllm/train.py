@@ -26,14 +26,15 @@ from typing import Callable
 import torch
 import torch.distributed as tdist
 
-from mllm import UserError, speed, storage
-from mllm.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
-from mllm.compiling import Compiler, compile_key
+from mllm import UserError, storage
+from mllm.runtime import speed
+from mllm.runtime.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
+from mllm.runtime.compiling import Compiler, compile_key
 from mllm.config import RunConfig, TrainConfig, validate
-from mllm.distributed import Dist, gather, join, rng_state, set_rng_state
+from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.family import family_of
-from mllm.inputs import load_inputs
-from mllm.models import build_model, resolve_device
+from mllm.runtime.inputs import load_inputs
+from mllm.runtime.devices import build_model, resolve_device
 from mllm.resolve import apply_overrides, load_file
 
 Records = list[dict]

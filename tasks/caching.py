@@ -7,17 +7,18 @@ Prefect shows a stage whose output already exists as Cached instead of running i
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from fsspec.implementations.local import LocalFileSystem
 from prefect.filesystems import RemoteFileSystem
 
 import mllm
-from mllm import UserError, storage
+from mllm import UserError, layout, storage
 
 
 @functools.cache
@@ -25,8 +26,17 @@ def code_digest(*objects: Any) -> str:
     """Digest of the source of the modules or classes a stage runs, and the package version."""
     h = hashlib.sha256(mllm.__version__.encode())
     for obj in objects:
-        h.update(inspect.getsource(obj).encode())
+        h.update(layout.source_before_moves(inspect.getsource(obj)).encode())
     return h.hexdigest()[:16]
+
+
+# No model runs these: what a stage's folder is called, and what kind of failure an exception is.
+_NOT_MODEL_CODE = {"layout.py", "failures.py"}
+
+
+def _is_docstring_only(text: str) -> bool:
+    body = ast.parse(text).body
+    return len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
 
 
 @functools.cache
@@ -35,9 +45,17 @@ def package_digest() -> str:
     evaluation and sample keys take, so that no change to the code a model runs (a batcher, a
     loader, a decoder) leaves a model made by other code looking current."""
     root = Path(mllm.__file__).parent
+    files = []
+    for path in root.rglob("*.py"):
+        relative, text = path.relative_to(root).as_posix(), path.read_bytes().decode()
+        if relative in _NOT_MODEL_CODE or _is_docstring_only(text):  # a package's __init__, say
+            continue
+        # Each file as it was named and written before the modules moved: a move is no change.
+        previous = layout.previous_path(relative)
+        files.append((PurePosixPath(previous).parts, previous, layout.source_before_moves(text)))
     h = hashlib.sha256(mllm.__version__.encode())
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for _, relative, text in sorted(files):
+        h.update(relative.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()[:16]
 
 

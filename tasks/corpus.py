@@ -19,7 +19,8 @@ from typing import Any, Iterator
 from prefect import get_run_logger, task, unmapped
 from pydantic import BaseModel
 
-from mllm import UserError, corpus, files, gutenberg, packs, storage, text
+from mllm import UserError, storage
+from mllm.data import corpus, files, gutenberg, packs, text
 from mllm.config import DataConfig, TokenizerConfig
 from tasks import NOTICE, assets
 from tasks.caching import code_digest, forget_exception, stage_cache, transient

@@ -18,9 +18,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import splits, storage, text
+from mllm import storage
+from mllm.data import splits, text
 from mllm.config import DataConfig, SplitConfig
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 from tasks import assets
 from tasks.caching import code_digest, forget_exception, stage_cache, transient
 from tasks.corpus import corpus_packs, fan_out

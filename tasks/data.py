@@ -17,9 +17,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import corpus, gutenberg, splits, storage, text, tokens as token_chunks
+from mllm import storage
+from mllm.data import corpus, gutenberg, splits, text, tokens as token_chunks
 from mllm.config import DataConfig, NumbersConfig, SplitConfig, TokenizerConfig, VocabConfig
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 from tasks import NOTICE, assets, report_progress
 from tasks.caching import code_digest, forget_exception, package_digest, stage_cache, transient
 

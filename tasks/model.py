@@ -22,16 +22,18 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 import mllm.train
-from mllm import UserError, checkpoint, speed, storage
+from mllm import UserError, storage
+from mllm.runtime import checkpoint, speed
 from mllm.config import RunConfig, TrainPaths
 from mllm.family import family_of, samples_text
 import tasks
-from tasks import assets, outage
+from tasks import assets
+from tasks.tracking import outage
 from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
-from tasks.provenance import code_git_info
-from tasks.registry import ChampionScore
-from tasks.tracking import RunTracker, system_metrics
+from tasks.tracking.provenance import code_git_info
+from tasks.tracking.registry import ChampionScore
+from tasks.tracking.tracker import RunTracker, system_metrics
 
 class Prepared(BaseModel):
     """What the data stages hand on to training."""
@@ -232,7 +234,7 @@ def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metri
            logger: Any) -> mllm.train.TrainResult:
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
-    # A tracking server that goes away does not stop the training (tasks/outage.py).
+    # A tracking server that goes away does not stop the training (tasks/tracking/outage.py).
     waiting = "another training of %s is running: waiting for it"
     with storage.exclusive(run_dir, lambda: logger.info(waiting, run_dir, extra=tasks.NOTICE)), \
             outage.fail_fast(), system_metrics(run_id, root):

@@ -64,8 +64,8 @@ def write_char_ids(folder: Path, n_words: int):
     import numpy as np
 
     from mllm.config import TokenizerConfig
-    from mllm.text import build_tokenizer
-    from mllm.vocab import Vocab
+    from mllm.data.text import build_tokenizer
+    from mllm.data.vocab import Vocab
 
     tokenizer = build_tokenizer(TokenizerConfig(kind="char"))
     tokens = [t for piece in tokenizer.tokenize([make_text(n_words, gutenberg=False)]) for t in piece]

@@ -25,7 +25,7 @@ from typing import Iterator
 import pytest
 
 from flows import QUIET_ENV
-from flows.processes import Service, free_port, tail
+from flows.stack.processes import Service, free_port, tail
 
 
 def quiet_env(home: Path) -> dict[str, str]:

@@ -19,8 +19,8 @@ from mllm import UserError
 from mllm.embeddings.cbow import (CBOW, PAD_ID, BasicEnglishTokenizer, CbowBatches, CbowConfig, basic_english,
                        contexts, noise_distribution, paragraph_ids, sample_centres, split_by_paragraph,
                        split_paragraphs)
-from mllm.data import check_offsets, load_offsets, save_array
-from mllm.vocab import Vocab
+from mllm.runtime.epochs import check_offsets, load_offsets, save_array
+from mllm.data.vocab import Vocab
 from mllm.embeddings.wordsim import (HEADLINE, METRICS, WordVectors, evaluate_cbow, evaluate_loss, load_analogies, load_pairs, missing_word, neighbours_table, rank,
                           read_parquet, spearman, write_parquet, write_word2vec)
 

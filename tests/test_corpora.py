@@ -17,11 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import make_text
-from mllm import UserError, files, packs, splits
+from mllm import UserError
+from mllm.data import files, packs, splits
 from mllm.config import SplitConfig, TokenizerConfig
-from mllm.data import ChainedIds, ids_digest, load_ids, read_chain
-from mllm.text import build_tokenizer
-from mllm.vocab import Vocab
+from mllm.runtime.epochs import ChainedIds, ids_digest, load_ids, read_chain
+from mllm.data.text import build_tokenizer
+from mllm.data.vocab import Vocab
 
 
 def _books(folder: Path, n: int, words: int = 3000, first_seed: int = 0) -> list[Path]:
@@ -125,7 +126,7 @@ def test_a_pack_holds_each_files_rows_and_counts(tmp_path: Path) -> None:
     assert [p.sha256 for p in packed] == ["sha0", "sha1", "sha2"] and all(p.rows > 5 for p in packed)
     want = {}
     for i, b in enumerate(books):
-        from mllm.text import read_chunks, strip_gutenberg
+        from mllm.data.text import read_chunks, strip_gutenberg
 
         want[f"sha{i}"] = [t for arr in tok.token_arrays(strip_gutenberg(read_chunks(str(b)))) for t in arr.to_pylist()]
     everything = packs.CorpusPacks([(str(out), None)])
@@ -387,7 +388,7 @@ def dask_cluster(tmp_path: Path, s3_env):
 
     from distributed import Client
 
-    from flows.stack import free_port
+    from flows.stack.servers import free_port
     from servers import background, quiet_env, serving
 
     port, dashboard = free_port(), free_port()

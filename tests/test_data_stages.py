@@ -15,10 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mllm import UserError, corpus, splits, tokens
+from mllm import UserError
+from mllm.data import corpus, splits, tokens
 from mllm.config import SplitConfig, TokenizerConfig
-from mllm.text import build_tokenizer, read_chunks, strip_gutenberg
-from mllm.vocab import Vocab
+from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg
+from mllm.data.vocab import Vocab
 
 # Every case the char tokenizer's normalisation has to get right: CRLF and lone CR, runs of
 # newlines and spaces (also across a dropped character), characters outside the kept set (ASCII

@@ -27,7 +27,7 @@ import yaml
 
 import mllm.train
 from conftest import make_text
-from flows import stack
+from flows.stack import servers as stack
 from mllm import storage
 from mllm.config import RunConfig
 from servers import (REPO, BuiltImage, S3Server, background, build_image, docker_engine, mlflow_server,  # noqa: F401
@@ -390,7 +390,7 @@ def _loss(checkpoint: str, ids, window: int) -> float:
     """The model's mean loss on the first 64 windows of `ids`."""
     import torch
 
-    from mllm.checkpoint import load_checkpoint
+    from mllm.runtime.checkpoint import load_checkpoint
     from mllm.lm.windows import windows
 
     model = load_checkpoint(checkpoint).model

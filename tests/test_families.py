@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from mllm import UserError
-from mllm.checkpoint import load_checkpoint, save_checkpoint
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, SECTIONS, archs, validate
 from mllm.family import FAMILY_MODULES, families, family_of
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.resolve import resolve
 from mllm.sample import answer
-from mllm.text import build_tokenizer
-from mllm.vocab import UNK, Vocab
+from mllm.data.text import build_tokenizer
+from mllm.data.vocab import UNK, Vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 # Where a family may be named: its own package, the config union and the registry of families.

@@ -219,7 +219,7 @@ def test_a_worker_with_other_training_code_refuses_the_job_naming_both_commits()
 
 
 def test_runs_from_an_image_record_its_commit_and_reproduce_names_changed_versions(monkeypatch):
-    from tasks import provenance
+    from tasks.tracking import provenance
 
     monkeypatch.setattr(provenance, "git_info", lambda path=".": {"commit": None, "branch": None, "dirty": None,
                                                                  "diff": None, "remote": None})

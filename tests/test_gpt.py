@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mllm.checkpoint import load_checkpoint, save_checkpoint
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.lm.generate import generate
-from mllm.text import CharTokenizer
+from mllm.data.text import CharTokenizer
 from mllm.transformer import causal_attention, causal_mask, explicit_attention, sinusoidal_positions
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 
 COMBINATIONS = [(p, a) for p in ("learned", "sinusoidal") for a in ("sdpa", "explicit")]
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs! "

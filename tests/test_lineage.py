@@ -152,7 +152,7 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
 
     # A flow run recorded on another Prefect server, with no Prefect API, or with one that does
     # not answer, is unchecked: not a break.
-    from flows.lineage import _flow_run
+    from flows.history.lineage import _flow_run
 
     status, _, detail = _flow_run(chain["prefect"]["flow_run_id"], "http://elsewhere:4200/runs/flow-run/1")
     assert status == "unchecked" and "another Prefect server" in detail

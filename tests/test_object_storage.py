@@ -201,7 +201,7 @@ def test_a_store_that_hangs_mid_training_ends_the_run_like_a_dead_one_and_keeps_
         assert last.startswith("error: storage unreachable") and server.url in last, last
         assert took < 200, took  # about 5 requests of one 10 s attempt each, and Prefect's retry delays
         # The store is back: the last checkpoint written before the hang is whole.
-        from mllm.checkpoint import read_checkpoint
+        from mllm.runtime.checkpoint import read_checkpoint
 
         [key] = _keys(server, "hang/runs/", "checkpoints/last.pt")
         with pytest.MonkeyPatch.context() as mp:

@@ -17,7 +17,7 @@ from prefect.client.schemas.sorting import TaskRunSort
 
 from conftest import make_text
 from flows.pipeline import pipeline
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

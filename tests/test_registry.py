@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from tasks.registry import Champion, ChampionScore, decide, skip_reason
+from tasks.tracking.registry import Champion, ChampionScore, decide, skip_reason
 
 CHAMP = Champion(name="smoke", version="3", val_loss=1.5, splits_key="s1", checkpoint="mem://c.pt",
                  headline="val_bits_per_byte", score=2.0)

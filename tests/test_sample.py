@@ -9,15 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mllm import UserError, speed
-from mllm.checkpoint import load_checkpoint, save_checkpoint
+from mllm import UserError
+from mllm.runtime import speed
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.lm import decode
 from mllm.lm.generate import filter_top_k, filter_top_p, generate, next_token, sample_text
 from mllm.sample import main
-from mllm.text import CharTokenizer
-from mllm.vocab import Vocab
+from mllm.data.text import CharTokenizer
+from mllm.data.vocab import Vocab
 
 V = 13
 

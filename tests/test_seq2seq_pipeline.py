@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import pipeline
-from mllm.checkpoint import load_checkpoint
+from mllm.runtime.checkpoint import load_checkpoint
 from mllm.seq2seq.translate import translate_texts
 
 pytestmark = pytest.mark.usefixtures("prefect_server")

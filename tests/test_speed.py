@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import write_char_ids
-from mllm import compiling, speed
-from mllm.checkpoint import read_checkpoint
+from mllm.runtime import compiling, speed
+from mllm.runtime.checkpoint import read_checkpoint
 from mllm.config import CbowConfig, RunConfig
-from mllm.models import build_model
+from mllm.runtime.devices import build_model
 from mllm.train import train
 
 GPT = {"arch": "gpt", "n_embd": 32, "n_head": 2, "n_layer": 2, "block_size": 32, "dropout": 0.0}
@@ -198,7 +198,7 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
     # compile after its first eager steps; the compiled steps are then timed for real, the verdict
     # says which was faster, and the cache now holds what was measured here.
     from mllm.family import family_of
-    from mllm.inputs import load_inputs
+    from mllm.runtime.inputs import load_inputs
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds

@@ -27,7 +27,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 import mllm.train
 from conftest import make_text
-from flows import stack
+from flows.stack import servers as stack
 from flows.pipeline import pipeline
 from mllm import storage
 from mllm.config import RunConfig

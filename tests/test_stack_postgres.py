@@ -31,7 +31,7 @@ from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunF
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import make_text
-from flows import database, stack
+from flows.stack import database, servers as stack
 
 pytestmark = pytest.mark.integration
 

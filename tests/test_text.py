@@ -5,7 +5,7 @@ import pytest
 
 from mllm import UserError
 from mllm.config import TokenizerConfig
-from mllm.text import build_tokenizer, read_chunks, strip_gutenberg, tokenizer_from_json
+from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg, tokenizer_from_json
 
 WORDS = ["the", "prince", "said", "Andrew", "war", "peace", "Moscow", "and", "of", "to",
          "it's", "don't", "(quietly)", '"yes"', "3", "1812", "naïve", "Über", "—", "<br />",
@@ -218,7 +218,7 @@ def test_bpe_fast_encoder_falls_back_where_tiktoken_would_differ():
     keeps Hugging Face's ids."""
     from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
 
-    from mllm.fastbpe import FastEncoder
+    from mllm.data.fastbpe import FastEncoder
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}

@@ -25,15 +25,15 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from conftest import write_char_ids
-from mllm.checkpoint import load_checkpoint
+from mllm.runtime.checkpoint import load_checkpoint
 from mllm.config import RunConfig
 from mllm.lm.generate import sample_text
-from flows.stack import free_port
+from flows.stack.servers import free_port
 from mllm.redact import scrub
 from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)
-from tasks import registry, tracking
-from tasks.provenance import git_info
-from tasks.tracking import RunTracker, flatten, tracking_uri
+from tasks.tracking import registry, tracker as tracking
+from tasks.tracking.provenance import git_info
+from tasks.tracking.tracker import RunTracker, flatten, tracking_uri
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 TINY = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0}
@@ -399,7 +399,7 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
 
 
 def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
-    """The model carries its own code (mllm and tasks/served_model.py): a serving environment
+    """The model carries its own code (mllm and tasks/tracking/served_model.py): a serving environment
     without Prefect loads it with pyfunc and answers /invocations from `mlflow models serve`."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     os.environ["MLFLOW_TRACKING_URI"] = uri  # restored by forget_tracking_uri
@@ -482,7 +482,7 @@ def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_tra
 
 
 def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, tmp_path, monkeypatch):
-    from tasks.tracking import system_metrics
+    from tasks.tracking.tracker import system_metrics
 
     cfg, root = config(), str(tmp_path / "storage")
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")

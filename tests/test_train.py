@@ -15,12 +15,12 @@ import yaml
 
 from conftest import write_char_ids
 from mllm import UserError
-from mllm.checkpoint import Loaded, load_checkpoint
+from mllm.runtime.checkpoint import Loaded, load_checkpoint
 from mllm.config import RunConfig
-from mllm.data import load_ids
+from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import EpochWindows, RandomWindows, windows
 from mllm.train import lr_factor, main, train
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 
 REPO = Path(__file__).resolve().parents[1]
 LSTM = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 2, "dropout": 0.3}
@@ -157,7 +157,7 @@ def test_losses_equal_the_plain_loop(data_dir, tmp_path, model):
     # per-step losses equal those of the textbook loop (torch's per-parameter AdamW, clipping, the
     # same schedule, batches and dropout draws). The fused update only reorders float operations,
     # so after 30 steps the losses agree to float32 rounding, far inside any seed-to-seed change.
-    from mllm.models import build_model
+    from mllm.runtime.devices import build_model
 
     kw = dict(sampling="random", max_steps=30, log_interval=1, lr_schedule="cosine", warmup_steps=3,
               grad_clip=0.5, weight_decay=0.1, eval_interval=10)

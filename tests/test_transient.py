@@ -21,7 +21,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import make_text
-from flows.processes import free_port
+from flows.stack.processes import free_port
 from servers import FaultProxy, quiet_env, run_mlflow_server, serving
 
 pytestmark = pytest.mark.integration
@@ -132,7 +132,7 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
     # 503, so "start it again" would be the wrong advice.
     from mlflow.entities import Metric
 
-    from tasks import outage
+    from tasks.tracking import outage
 
     proxy = servers["mlflow"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
@@ -146,7 +146,7 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
     warnings: list[str] = []
     catch = logging.Handler(logging.WARNING)
     catch.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("tasks.outage").addHandler(catch)  # whatever Prefect's logging setup did to it
+    logging.getLogger("tasks.tracking.outage").addHandler(catch)  # whatever Prefect's logging setup did to it
     proxy.unavailable(30)
     try:
         with outage.fail_fast(timeout=5):
@@ -159,7 +159,7 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
                 pytest.fail("the proxy answered 503, yet log_batch went through")
     finally:
         proxy.unavailable(0)
-        logging.getLogger("tasks.outage").removeHandler(catch)
+        logging.getLogger("tasks.tracking.outage").removeHandler(catch)
     assert held.held and held.away_since_step == 7
     assert f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable at step 7" \
         in " ".join(warnings), warnings

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 
 from mllm import UserError
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 
 COUNTS = {"a": 5, "b": 3, "c": 3, "d": 1, " ": 9}
 

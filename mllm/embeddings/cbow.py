@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from mllm import UserError
 from mllm.config import CbowConfig
-from mllm.data import ChainedIds, EpochOrder, check_offsets
-from mllm.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
-from mllm.vocab import Vocab
+from mllm.runtime.epochs import ChainedIds, EpochOrder, check_offsets
+from mllm.data.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
+from mllm.data.vocab import Vocab
 
 PAD_ID = 0  # <unk>'s id stands in for a missing context word; the mask keeps it out of the mean
 

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from mllm import UserError, storage
-from mllm.data import load_ids, load_offsets
+from mllm.runtime.epochs import load_ids, load_offsets
 from mllm.embeddings.cbow import CbowBatches
-from mllm.checkpoint import Loaded
+from mllm.runtime.checkpoint import Loaded
 from mllm.embeddings.wordsim import HEADLINE, WordVectors, evaluate_cbow, missing_word, write_parquet, write_word2vec
 
 

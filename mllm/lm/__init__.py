@@ -13,9 +13,9 @@ from typing import Any
 
 from mllm import UserError
 from mllm.config import GPTConfig, RecurrentConfig
-from mllm.data import load_ids
+from mllm.runtime.epochs import load_ids
 from mllm.family import Evaluation, Family, Samples, ids_in_vocab, option, register
-from mllm.vocab import Vocab
+from mllm.data.vocab import Vocab
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
 # One evaluation setting for every model, whatever it trained with: a recurrent model's score

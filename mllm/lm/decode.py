@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mllm import speed
+from mllm.runtime import speed
 from mllm.lm.gpt import GPT, KVCache
 
 

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from mllm import UserError, speed
+from mllm import UserError
+from mllm.runtime import speed
 from mllm.config import METHODS
 from mllm.lm.decode import bf16_decoder, decode_precision
 
 if TYPE_CHECKING:
-    from mllm.checkpoint import Loaded
+    from mllm.runtime.checkpoint import Loaded
 
 # Below this temperature softmax(logits / T) is one-hot up to float rounding: take the argmax
 # rather than divide by (nearly) zero.

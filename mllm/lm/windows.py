@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from mllm import UserError
-from mllm.data import EpochOrder
+from mllm.runtime.epochs import EpochOrder
 
 
 def windows(ids: np.ndarray, starts: np.ndarray, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ from typing import Any
 from mllm import UserError, storage
 from mllm.config import Seq2SeqConfig
 from mllm.family import Evaluation, Family, Samples, option, register
-from mllm.text import Tokenizer, tokenizer_from_json
-from mllm.vocab import Vocab
+from mllm.data.text import Tokenizer, tokenizer_from_json
+from mllm.data.vocab import Vocab
 
 
 @register

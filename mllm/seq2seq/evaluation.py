@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mllm import UserError, storage
-from mllm.checkpoint import Loaded
+from mllm.runtime.checkpoint import Loaded
 from mllm.seq2seq.pairs import PairSplit, eval_batches, load_split
 from mllm.seq2seq.translate import decode, evaluate as score_pairs, translate_texts
 

@@ -26,10 +26,10 @@ import torch
 
 from mllm import UserError, storage
 from mllm.config import DataConfig, TokenizerConfig
-from mllm.data import EpochOrder
+from mllm.runtime.epochs import EpochOrder
 from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID, SPECIALS
-from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
-from mllm.vocab import UNK, Vocab
+from mllm.data.text import Tokenizer, build_tokenizer, tokenizer_from_json
+from mllm.data.vocab import UNK, Vocab
 
 SPLITS = ("train", "val", "test")
 

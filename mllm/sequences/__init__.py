@@ -17,7 +17,7 @@ import torch
 from mllm import UserError, storage
 from mllm.config import SequenceModelConfig, TokenizerConfig
 from mllm.family import Evaluation, Family, register
-from mllm.text import build_tokenizer
+from mllm.data.text import build_tokenizer
 
 
 @register
@@ -60,8 +60,8 @@ class SequenceExperiments(Family):
 
     def load_inputs(self, cfg: Any) -> tuple:
         from mllm.sequences.data import load_split
-        from mllm.text import tokenizer_from_json
-        from mllm.vocab import Vocab
+        from mllm.data.text import tokenizer_from_json
+        from mllm.data.vocab import Vocab
 
         p = cfg.paths
         storage.require(p.vocab, "vocabulary (paths.vocab)")

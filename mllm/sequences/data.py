@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from mllm import UserError, storage
-from mllm.data import EpochOrder
-from mllm.vocab import UNK, Vocab
+from mllm.runtime.epochs import EpochOrder
+from mllm.data.vocab import UNK, Vocab
 
 
 def vocabulary(numbers: int) -> Vocab:

@@ -12,9 +12,9 @@ import numpy as np
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.data import load_ids, load_offsets
-from mllm.text import Tokenizer, build_tokenizer, tokenizer_from_json
-from mllm.vocab import Vocab
+from mllm.runtime.epochs import load_ids, load_offsets
+from mllm.data.text import Tokenizer, build_tokenizer, tokenizer_from_json
+from mllm.data.vocab import Vocab
 
 Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and where each paragraph starts in them
 

@@ -22,10 +22,10 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, storage
 from mllm.config import validate
-from mllm.data import ids_digest, missing_piece
+from mllm.runtime.epochs import ids_digest, missing_piece
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
-from tasks import tracking
+from tasks.tracking import tracker as tracking
 from tasks.model import config_digest, key_of
 
 OK, MISSING, CHANGED, UNRECORDED = "ok", "missing", "changed", "unrecorded"
@@ -279,7 +279,7 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
         return _link("vocabulary", UNRECORDED, **fields)
     if not storage.exists(url):
         return _link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
-    from mllm.vocab import Vocab
+    from mllm.data.vocab import Vocab
 
     vocab = Vocab.load(url)
     fields["size"] = len(vocab)
@@ -291,7 +291,7 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     key = t.get("data.tokens_key")
     if t.get("data.tokens_corpus"):
-        from flows.lineage_corpus import packs_link
+        from flows.history.lineage_corpus import packs_link
 
         return packs_link(t["data.tokens_corpus"], key)
     fields, manifest = _stage_folder("tokens", "token chunks", t.get("data.tokens"), key)
@@ -308,7 +308,7 @@ def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
     (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count.
     A corpus of many files: its manifest (flows.lineage_corpus.manifest_link)."""
     if t.get("data.raw_files", "1") != "1" or (t.get("data.raw_url") or "").endswith(".json"):
-        from flows.lineage_corpus import manifest_link
+        from flows.history.lineage_corpus import manifest_link
 
         return manifest_link(t, files)
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")

@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.models import build_model, resolve_device
-from mllm.text import Tokenizer, tokenizer_from_json
-from mllm.vocab import Vocab
+from mllm.runtime.devices import build_model, resolve_device
+from mllm.data.text import Tokenizer, tokenizer_from_json
+from mllm.data.vocab import Vocab
 
 REQUIRED = ("model", "step", "config", "vocab", "vocab_digest", "tokenizer")
 # The layout of a checkpoint's dict: raised when a change means an older mllm would misread it.

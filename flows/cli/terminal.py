@@ -44,8 +44,8 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
-        from flows.database import down_line
-        from tasks.outage import prefect_down, tracking_down
+        from flows.stack.database import down_line
+        from tasks.tracking.outage import prefect_down, tracking_down
 
         message = down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
@@ -87,8 +87,8 @@ class _QuietAfterUserError(logging.Filter):
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
-        from flows.database import down_line
-        from tasks.outage import prefect_down, tracking_down
+        from flows.stack.database import down_line
+        from tasks.tracking.outage import prefect_down, tracking_down
 
         if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
                                  or prefect_down(exc) or disk_full(exc) or down_line(exc))) or any(

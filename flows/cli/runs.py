@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli import Storage, app
-from flows.terminal import flows_module, user_errors
+from flows.cli.app import Storage, app
+from flows.cli.terminal import flows_module, user_errors
 from mllm import UserError
 
 
@@ -23,7 +23,7 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
 
         root = flows_module().storage_root(storage)
         check_tracked(root)
-        from flows import runs
+        from flows.history import runs
 
         rows = runs.list_runs(root, limit, recipe)
         if json_:
@@ -50,7 +50,7 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 
         root = flows_module().storage_root(storage)
         check_tracked(root)
-        from flows import runs
+        from flows.history import runs
 
         result = runs.reproduce(root, run_id)
         typer.echo(f"reproduced {run_id} at commit {result['commit'][:12]} as run {result['reproduction']} "
@@ -86,10 +86,10 @@ def lineage(model: Annotated[Optional[str], typer.Argument(
 
         root = flows_module().storage_root(storage)
         check_tracked(root)
-        from flows import lineage as trail
+        from flows.history import lineage as trail
 
         if corpus is not None:
-            from flows import lineage_corpus
+            from flows.history import lineage_corpus
 
             rows = lineage_corpus.by_corpus(root, corpus)
             typer.echo(trail.as_json(rows) if json_ else lineage_corpus.render_corpus(corpus, rows))

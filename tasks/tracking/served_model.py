@@ -25,7 +25,7 @@ class ServedModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         import torch
 
-        from mllm.checkpoint import load_checkpoint
+        from mllm.runtime.checkpoint import load_checkpoint
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.loaded = load_checkpoint(context.artifacts["checkpoint"], device=device)
@@ -56,6 +56,6 @@ def prompts(model_input: Any) -> list[str]:
 
 def script() -> str:
     """The file MLflow runs to build the model on load ("models from code"): no pickle."""
-    return ("# An mllm checkpoint behind MLflow's pyfunc: see tasks/served_model.py.\n"
-            "import mlflow\n\nfrom tasks.served_model import ServedModel\n\n"
+    return ("# An mllm checkpoint behind MLflow's pyfunc: see tasks/tracking/served_model.py.\n"
+            "import mlflow\n\nfrom tasks.tracking.served_model import ServedModel\n\n"
             "mlflow.models.set_model(ServedModel())\n")

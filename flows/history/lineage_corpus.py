@@ -8,9 +8,9 @@ import re
 import time
 from typing import Any
 
-from flows.lineage import CHANGED, MISSING, OK, _clean, _float, _get, _int, _link, _model_id
+from flows.history.lineage import CHANGED, MISSING, OK, _clean, _float, _get, _int, _link, _model_id
 from mllm import UserError, storage
-from tasks import tracking
+from tasks.tracking import tracker as tracking
 
 
 def packs_link(url: str, key: str | None) -> dict[str, Any]:

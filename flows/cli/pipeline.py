@@ -1,4 +1,5 @@
-"""`mllm-pipeline`: run the pipeline, or one part of it, from the command line."""
+"""`mllm-pipeline run`, `prepare`, `train`, `evaluate`, `sample`, `recipes` and `sweep`: the commands
+that run the pipeline, or one part of it."""
 
 from __future__ import annotations
 
@@ -6,54 +7,13 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.terminal import console, escape, flow_session, flows_module, progress, user_errors
+from flows.cli.app import Force, Recipe, Reproduces, Sets, Source, Storage, Tags, TaskRunner, TrainOn, without_credentials, app
+from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
 from mllm import UserError
 from mllm.config import METHODS
 from mllm.resolve import recipe_names, resolve
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
-
-# typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and `--json true`
-# is then refused: a flag shows no type.
-_display_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
-                  help="A reproducible training pipeline for small language models.")
-
-Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
-Source = Annotated[Optional[list[str]], typer.Option(
-    "--source", "-s", metavar="URL", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
-    "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
-TaskRunner = Annotated[Optional[str], typer.Option(
-    "--task-runner", metavar="RUNNER",
-    help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
-         "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
-Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
-
-
-def _without_credentials(source: list[str] | None, sets: list[str] | None,
-                         task_runner: str | None = None) -> tuple[str | list[str] | None, list[str]]:
-    """The source (one, several, or none) and overrides with any user:password taken out of URLs
-    (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
-    --task-runner joins the overrides."""
-    sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
-    if task_runner:
-        sets.append(f"data.task_runner={task_runner}")
-    sources = [hide_credentials(x) for x in source or []]
-    return (sources[0] if len(sources) == 1 else sources or None), sets
-
-
-Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
-TrainOn = Annotated[Optional[str], typer.Option(
-    "--train-on", metavar="POOL",
-    help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
-
-
-# Set by `reproduce` (hidden: a reproduction is asked for with that command).
-Reproduces = Annotated[Optional[str], typer.Option("--reproduces", hidden=True, metavar="RUN_ID")]
-Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]
 
 
 @app.command()
@@ -64,7 +24,7 @@ def run(recipe: Recipe = "default", source: Source = None, storage: Storage = No
     with user_errors():
         from flows.launch import training_pool
 
-        source, set_ = _without_credentials(source, set_, task_runner)
+        source, set_ = without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
@@ -113,9 +73,9 @@ def _resolve(recipe: str, sets: list[str] | None, source: str | list[str] | None
     from flows.launch import preflight, storage_root
 
     cfg = resolve(recipe, overrides=sets or [], source=source)
-    from mllm import corpus, files
+    from mllm.data import corpus, files
     from mllm.family import family_of
-    from mllm.models import resolve_device
+    from mllm.runtime.devices import resolve_device
 
     family = family_of(cfg)
     if trains and train_here:
@@ -172,7 +132,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
     with user_errors():
         from mllm.family import family_of
 
-        source, set_ = _without_credentials(source, set_, task_runner)
+        source, set_ = without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage, trains=False)
         data = _run_stages(cfg, storage, "prepare")
         typer.echo(family_of(cfg).describe_data(data))
@@ -186,7 +146,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
     with user_errors():
         from flows.launch import training_pool
 
-        source, set_ = _without_credentials(source, set_, task_runner)
+        source, set_ = without_credentials(source, set_, task_runner)
         pool = training_pool(recipe, train_on)
         trained = _run_stages(_resolve(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
@@ -202,7 +162,7 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
     """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
     this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
-        source, set_ = _without_credentials(source, set_, task_runner)
+        source, set_ = without_credentials(source, set_, task_runner)
         cfg = _resolve(recipe, set_, source, storage)
         evaluation, _ = _run_stages(cfg, storage, "evaluate")
         typer.echo(f"{flows_module().describe(evaluation, cfg)}; report {evaluation.report}")
@@ -251,11 +211,11 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
 
         check_method_options(options)
         if device is not None:
-            from mllm.models import resolve_device
+            from mllm.runtime.devices import resolve_device
 
             resolve_device(device)  # a device this machine lacks: one line, before anything loads
         if checkpoint:
-            from mllm.checkpoint import load_checkpoint
+            from mllm.runtime.checkpoint import load_checkpoint
             from mllm.sample import answer
 
             loaded = load_checkpoint(checkpoint, device=device or "cpu")
@@ -265,7 +225,7 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint 
 
         root = flows_module().storage_root(storage)
         check_tracked(root)  # seconds, not MLflow's minutes of retries
-        from flows import runs
+        from flows.history import runs
 
         served = runs.served(root, runs.model_uri(root, run, model), device)
         _print_answers(lambda p: runs.generate(served, p, options), prompts, prompt_file)
@@ -344,7 +304,7 @@ def sweep(recipe: Recipe = "default",
         from flows.launch import training_pool
         from flows.sweep import PointsFailed, parse_grid, resolve_points, split_values, text_table
 
-        source, set_ = _without_credentials(source, set_)
+        source, set_ = without_credentials(source, set_)
         # A URL among the values (several sources, say) keeps its password in memory only, as --source's.
         grid = [f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
                 for k, sep, values in (g.partition("=") for g in grid or [])]
@@ -371,20 +331,3 @@ def sweep(recipe: Recipe = "default",
         if result.failed:
             console.print(f"[bold red]error:[/] {escape(scrub(failure))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
-
-
-# The commands that read tracked runs (runs, reproduce, lineage), and those that drive a Prefect
-# server (schedules) or the local stack; importing registers them.
-from flows import cli_runs, cli_servers  # noqa: E402,F401
-
-
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    # As a script this file is `__main__`; the schedule and stack commands register on the app of
-    # the module `flows.cli`, so run that one.
-    from flows.cli import main as run_cli
-
-    run_cli()

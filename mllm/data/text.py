@@ -22,8 +22,8 @@ import pyarrow as pa
 
 from mllm import UserError
 from mllm.config import TokenizerConfig
-from mllm.corpus import read_chunks  # noqa: F401  (part of this module's API)
-from mllm.gutenberg import strip_gutenberg  # noqa: F401  (part of this module's API)
+from mllm.data.corpus import read_chunks  # noqa: F401  (part of this module's API)
+from mllm.data.gutenberg import strip_gutenberg  # noqa: F401  (part of this module's API)
 
 # -----------------------------------------------------------------------------
 # tokenizers
@@ -266,7 +266,7 @@ class BpeTokenizer(_CutTokenizer):
             i = m.start()
         pieces.append(text[i:])
         if self._encoder is None:
-            from mllm.fastbpe import FastEncoder
+            from mllm.data.fastbpe import FastEncoder
 
             self._encoder = FastEncoder(self.hf)
         ids = self._encoder.encode(pieces)

@@ -25,7 +25,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flows.processes import Service, free_port, port_free
+from flows.stack.processes import Service, free_port, port_free
 from mllm import UserError
 
 ROLE = "mllm"
@@ -127,8 +127,8 @@ def down_line(exc: BaseException | None) -> str | None:
     """One line when `exc` is a server's failure because the Prefect and MLflow servers' database
     is down (not the asyncpg or psycopg tracebacks the servers log), naming the stack's database
     when $PREFECT_API_URL is the stack's in $MLLM_STACK_HOME (or ./.mllm-stack); else None."""
-    from flows import stack
-    from tasks import outage
+    from flows.stack import servers as stack
+    from tasks.tracking import outage
 
     if exc is None or not (outage.server_error(exc) or outage.tracking_down(exc)):
         return None

@@ -33,8 +33,8 @@ import pyarrow.parquet as pq
 
 from mllm import storage
 from mllm.config import SplitConfig
-from mllm.files import documents
-from mllm.text import Tokenizer
+from mllm.data.files import documents
+from mllm.data.text import Tokenizer
 
 PACK_FILE = "part-0.parquet"
 COUNTS_FILE = "counts.parquet"

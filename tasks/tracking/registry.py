@@ -3,7 +3,7 @@ when a new version beats it.
 
 The policy is two pure functions of typed inputs, `skip_reason` (is there anything to train?)
 and `decide` (does the new version beat the champion?), so it is tested without a server. The
-rest registers a checkpoint as an MLflow model (`tasks/served_model.py` and `mllm` are its code)
+rest registers a checkpoint as an MLflow model (`tasks/tracking/served_model.py` and `mllm` are its code)
 and records the decision as tags on the run and the version.
 """
 
@@ -33,14 +33,14 @@ from pydantic import BaseModel
 
 import mllm
 from mllm import storage
-from mllm.checkpoint import read_checkpoint
+from mllm.runtime.checkpoint import read_checkpoint
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.redact import scrub
-from tasks import served_model
+from tasks.tracking import served_model
 from tasks.caching import forget_exception
-from tasks.provenance import version
-from tasks.tracking import RunTracker
+from tasks.tracking.provenance import version
+from tasks.tracking.tracker import RunTracker
 
 CHAMPION = "champion"
 TRAINING_ONLY = ("optimizer", "scheduler", "rng", "data_state")  # checkpoint keys the model needs not
@@ -174,7 +174,7 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | None = None,
               champion_score: ChampionScore | None = None, model_name: str | None = None,
               last_url: str | None = None, last_step: int | None = None, reproduces: str | None = None) -> Outcome:
-    """Log the evaluated checkpoint as a pyfunc model (tasks/served_model.py), register a version
+    """Log the evaluated checkpoint as a pyfunc model (tasks/tracking/served_model.py), register a version
     under `model_name` (default: the recipe), and move `champion` to it only if `decide` says its
     headline metric beats the champion's. The logged model carries the checkpoint's step and its
     validation metrics; the last checkpoint (`last_url` at `last_step`), when another, is a
@@ -290,14 +290,15 @@ def _signature(cfg: RunConfig) -> ModelSignature:
 
 
 def _model_code(tmp: str) -> list[str]:
-    """mllm and tasks/served_model.py travel with the model, and nothing else of this project:
+    """mllm and tasks/tracking/served_model.py travel with the model, and nothing else of this project:
     it loads where neither is installed, and where Prefect is not."""
     code = Path(tmp, "code")
     shutil.copytree(Path(mllm.__file__).parent, code / "mllm",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (code / "tasks").mkdir()
+    (code / "tasks" / "tracking").mkdir(parents=True)
     (code / "tasks" / "__init__.py").write_text("")
-    shutil.copy(served_model.__file__, code / "tasks" / "served_model.py")
+    (code / "tasks" / "tracking" / "__init__.py").write_text("")
+    shutil.copy(served_model.__file__, code / "tasks" / "tracking" / "served_model.py")
     return [str(code / "mllm"), str(code / "tasks")]
 
 

@@ -17,9 +17,9 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mllm import UserError
-from tasks.provenance import version_changes
-from tasks import tracking
-from tasks.tracking import tracking_uri
+from tasks.tracking.provenance import version_changes
+from tasks.tracking import tracker as tracking
+from tasks.tracking.tracker import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.
 COMPARED = ("final_val_loss", "final_val_bits_per_token", "final_val_bits_per_byte", "train_loss")
@@ -86,7 +86,7 @@ def served(root: str, uri: str, device: str | None = None) -> Any:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
     loaded = getattr(model.unwrap_python_model(), "loaded", None)
     if device is not None and loaded is not None:
-        from mllm.models import resolve_device
+        from mllm.runtime.devices import resolve_device
 
         loaded.model.to(resolve_device(device))
     return model

@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mllm import UserError, storage
-from mllm.corpus import BLOCK, SourceUnreachable, TextDecoder, _decompressed, describe, open_source, short
-from mllm.text import read_chunks, strip_gutenberg
+from mllm.data.corpus import BLOCK, SourceUnreachable, TextDecoder, _decompressed, describe, open_source, short
+from mllm.data.text import read_chunks, strip_gutenberg
 
 COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".zstd")
 _JSONL = (".jsonl", ".ndjson", ".json")

@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from flows import QUIET_ENV
-from flows.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
+from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
 
 
@@ -99,8 +99,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
                 "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"])}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
-    # -- the database (flows/database.py): PostgreSQL started here, or SQLite ------------------
-    from flows import database
+    # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
+    from flows.stack import database
 
     home.mkdir(parents=True, exist_ok=True)
     db = database.choose(home, database_url, timeout)
@@ -141,8 +141,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
 
 
 def _crash_orphans(api: str, pool: str) -> list[str]:
-    """The pool's flow runs left in flight by a process that is gone, marked Crashed (flows/orphans.py)."""
-    from flows.orphans import crash_orphans
+    """The pool's flow runs left in flight by a process that is gone, marked Crashed (flows/stack/orphans.py)."""
+    from flows.stack.orphans import crash_orphans
 
     try:
         return crash_orphans(api, pool)
@@ -154,7 +154,7 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
     """Start again the database's server and the Prefect and MLflow servers of a running stack
     that are down (a server that runs but does not answer is stopped first); the names of those
     started. A database that comes back on another port takes both servers with it."""
-    from flows import database
+    from flows.stack import database
 
     services = state["services"]
     cluster = next((s for s in services if s.name == "postgres"), None)

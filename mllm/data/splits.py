@@ -30,9 +30,9 @@ import pyarrow.parquet as pq
 
 from mllm import UserError, storage
 from mllm.config import SplitConfig
-from mllm.text import Tokenizer
-from mllm.tokens import piece_starts, token_batches
-from mllm.vocab import Vocab
+from mllm.data.text import Tokenizer
+from mllm.data.tokens import piece_starts, token_batches
+from mllm.data.vocab import Vocab
 
 NAMES = ("train", "val", "test")
 ROW_GROUP_IDS = 1 << 20  # token ids per row group of a split's Parquet file
@@ -262,7 +262,7 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
     seed and fractions alone, so a corpus that grows by one file routes one pack, and its splits
     (`assemble`) name the pieces where they lie. Returns {split: {tokens, bytes, rows, sha256}}
     for the splits that got rows, sha256 being that of the piece's .npy."""
-    from mllm.packs import CorpusPacks, span_owner
+    from mllm.data.packs import CorpusPacks, span_owner
 
     corpus = CorpusPacks([(pack, files)])
     # The .npy header holds its length, so a first pass over the rows' sizes (8 bytes a row,
@@ -327,7 +327,7 @@ def assemble(pieces: list[str], n_vocab: int, out: str) -> list[WrittenSplit]:
     their tokens and sha256s (mllm.data.ChainedIds reads them as one array), and `.offsets.npy`
     holds its row boundaries (every row a piece of text). Nothing of the ids is copied: a grown
     corpus writes these small files again, and its old pieces stay as they were."""
-    from mllm.data import CHAIN, chain_digest
+    from mllm.runtime.epochs import CHAIN, chain_digest
 
     summaries = [storage.read_json(f"{p.rstrip('/')}/{PIECES}") for p in pieces]
     written = []

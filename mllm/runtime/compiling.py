@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from mllm.speed import _busy, _recall, _remember, _shape
+from mllm.runtime.speed import _busy, _recall, _remember, _shape
 
 COMPILE_GUESS = {"gain": 1.15, "compile_s": 60.0}  # before this machine has measured the model
 COMPILE_MARGIN = 0.03  # compiled steps at least this much shorter, or back to eager

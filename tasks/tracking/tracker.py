@@ -1,9 +1,9 @@
 """MLflow tracking: one run per training, in an experiment per recipe.
 
 A `RunTracker` records the resolved config (params and `config.yaml`), the git state, the
-Prefect flow run, package versions and device as tags (`tasks/provenance.py`), the data stages
-as datasets with our digests (`tasks/datasets.py`), metrics in batches, and a loss curve. The
-registry and the champion policy are in `tasks/registry.py`.
+Prefect flow run, package versions and device as tags (`tasks/tracking/provenance.py`), the data stages
+as datasets with our digests (`tasks/tracking/datasets.py`), metrics in batches, and a loss curve. The
+registry and the champion policy are in `tasks/tracking/registry.py`.
 
 Everything goes through an `MlflowClient` bound to an explicit run id rather than MLflow's
 thread-local "active run": Prefect may call the tracker from worker threads. Nothing that
@@ -35,10 +35,10 @@ from prefect.exceptions import TerminationSignal
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
-from tasks import outage
+from tasks.tracking import outage
 from tasks.caching import forget_exception
-from tasks.datasets import MAX_DIGEST, TokenDataset, dataset_source
-from tasks.provenance import code_git_info, run_tags
+from tasks.tracking.datasets import MAX_DIGEST, TokenDataset, dataset_source
+from tasks.tracking.provenance import code_git_info, run_tags
 
 log = logging.getLogger(__name__)
 log.addFilter(ScrubFilter())

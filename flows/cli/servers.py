@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli import Sets, Source, Storage, app
-from flows.terminal import console, flows_module, user_errors
+from flows.cli.app import Sets, Source, Storage, app
+from flows.cli.terminal import console, flows_module, user_errors
 from mllm import UserError
 
 
@@ -93,7 +93,7 @@ def stack_up(home: StackHome = None, storage: Storage = None,
              slots: Annotated[Optional[int], typer.Option(
                  help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None) -> None:
     with user_errors():
-        from flows import database, stack
+        from flows.stack import database, servers as stack
 
         if slots is not None and slots < 1:
             raise UserError(f"--slots {slots}: give at least 1 (the trainings the pool runs at once)")
@@ -128,7 +128,7 @@ def stack_down(home: StackHome = None,
     """Stop what `stack up` started, and only that. Refused while flow runs on its Prefect server
     are pending, running or cancelling (it names them), unless --force."""
     with user_errors():
-        from flows import stack
+        from flows.stack import servers as stack
 
         stopped = stack.down(stack.stack_home(home), force=force)
         if not stopped:
@@ -140,7 +140,7 @@ def stack_down(home: StackHome = None,
 @stack_app.command("status")
 def stack_status(home: StackHome = None) -> None:
     """Say what of the stack runs; exit status 1 unless all of it does."""
-    from flows import stack
+    from flows.stack import servers as stack
 
     folder = stack.stack_home(home)
     services = stack.status(folder)
@@ -157,7 +157,7 @@ def stack_status(home: StackHome = None) -> None:
 
 
 def _print_stack(state: dict, home: Path, services: bool = True) -> None:
-    from flows import database, stack
+    from flows.stack import database, servers as stack
 
     if services:
         for s in state["services"]:

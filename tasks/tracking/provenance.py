@@ -13,7 +13,7 @@ from typing import Any
 
 import mllm
 from mllm.config import RunConfig
-from mllm.models import resolve_device
+from mllm.runtime.devices import resolve_device
 
 # The packages whose versions a run records (tags `version.<name>`) and `reproduce` compares.
 PACKAGES = ("torch", "numpy", "pyarrow", "tokenizers", "prefect", "mlflow")

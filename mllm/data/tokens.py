@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mllm import UserError, storage, text
+from mllm import UserError, storage
+from mllm.data import text
 from mllm.config import TokenizerConfig
 
 CHUNK_CHARS = 1 << 18  # characters read at a time: bounds the memory of the whole stage

@@ -1,0 +1,1 @@
+"""The `mllm-pipeline` command: the typer app, its commands, and what it shows on the terminal."""

@@ -1,0 +1,5 @@
+"""`python -m flows.cli`: the same as the `mllm-pipeline` console script."""
+
+from flows.cli.main import main
+
+main()

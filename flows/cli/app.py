@@ -1,0 +1,52 @@
+"""The CLI's typer app and the options its commands share; commands register on it by importing it
+(flows/cli/main.py imports them all)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from mllm.storage import hide_credentials
+
+# typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and `--json true`
+# is then refused: a flag shows no type.
+_display_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
+                  help="A reproducible training pipeline for small language models.")
+
+Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
+Source = Annotated[Optional[list[str]], typer.Option(
+    "--source", "-s", metavar="URL", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
+    "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
+TaskRunner = Annotated[Optional[str], typer.Option(
+    "--task-runner", metavar="RUNNER",
+    help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
+         "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
+Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
+
+
+def without_credentials(source: list[str] | None, sets: list[str] | None,
+                         task_runner: str | None = None) -> tuple[str | list[str] | None, list[str]]:
+    """The source (one, several, or none) and overrides with any user:password taken out of URLs
+    (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
+    --task-runner joins the overrides."""
+    sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
+    if task_runner:
+        sets.append(f"data.task_runner={task_runner}")
+    sources = [hide_credentials(x) for x in source or []]
+    return (sources[0] if len(sources) == 1 else sources or None), sets
+
+
+Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
+TrainOn = Annotated[Optional[str], typer.Option(
+    "--train-on", metavar="POOL",
+    help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
+
+
+# Set by `reproduce` (hidden: a reproduction is asked for with that command).
+Reproduces = Annotated[Optional[str], typer.Option("--reproduces", hidden=True, metavar="RUN_ID")]
+Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]

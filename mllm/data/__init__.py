@@ -1,0 +1,1 @@
+"""Data preparation, family-agnostic: a source read and checked, tokens, the vocabulary, the splits."""
