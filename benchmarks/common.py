@@ -153,7 +153,8 @@ def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bo
 
 def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, overrides: dict[str, Any]):
     """A recipe (or the default tree) with `overrides` ({"train.max_steps": 10}) and paths filled in."""
-    from mllm.config import RunConfig, TrainPaths, validate
+    from mllm.config import RunConfig, TrainPaths
+    from mllm.resolve import validate
     from mllm.resolve import apply_overrides, recipe_dict
 
     data = recipe_dict(recipe) if recipe else RunConfig().to_dict()

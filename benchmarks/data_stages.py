@@ -238,7 +238,10 @@ def worker(spec: dict) -> dict:
     from prefect import flow
 
     from mllm.config import SplitConfig, TokenizerConfig, VocabConfig
-    from tasks import data as data_tasks
+    from tasks.data import RawText
+    from tasks.data.split import split
+    from tasks.data.tokenize import tokenize
+    from tasks.data.vocabulary import build_vocabulary
 
     @flow(name="bench-scale")
     def scale(raw, root: str, kinds: list[str], more: bool) -> dict:
@@ -246,14 +249,14 @@ def worker(spec: dict) -> dict:
         for kind in kinds:
             cfg = TokenizerConfig(**SCALE_KINDS[kind])
             with Peaks() as p:
-                tokens = data_tasks.tokenize(raw, cfg, f"{root}/{kind.replace(' ', '-')}")
+                tokens = tokenize(raw, cfg, f"{root}/{kind.replace(' ', '-')}")
             out[f"tokenize {kind}"] = p.report(tokens=tokens.n_tokens)
             if more and kind == "char":
                 with Peaks() as p:
-                    vocab = data_tasks.build_vocabulary(tokens, VocabConfig(), root)
+                    vocab = build_vocabulary(tokens, VocabConfig(), root)
                 out["build-vocabulary"] = p.report()
                 with Peaks() as p:
-                    data_tasks.split(tokens, vocab, SplitConfig(), root)
+                    split(tokens, vocab, SplitConfig(), root)
                 out["split"] = p.report()
         return out
 
@@ -264,7 +267,7 @@ def worker(spec: dict) -> dict:
     warm_up()  # Prefect's temporary server and client: started before the first measurement
     results = []
     for item in spec["texts"]:
-        raw = data_tasks.RawText(source=item["path"], url=item["path"], sha256=item["sha256"], bytes=item["bytes"])
+        raw = RawText(source=item["path"], url=item["path"], sha256=item["sha256"], bytes=item["bytes"])
         out = scale(raw, item["root"], item["kinds"], item["more"])
         results.append({"mb": item["bytes"] / 1e6, **out})
     return {"results": results}

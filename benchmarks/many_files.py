@@ -17,7 +17,6 @@ ru_maxrss counts and the kernel reclaims at will), and the anonymous RSS of the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import resource
@@ -66,8 +65,10 @@ import json, os, sys, time
 from prefect import flow
 from mllm.resolve import resolve
 from flows.launch import data_runner, with_results
-from tasks import corpus as corpus_tasks, data as data_tasks
-from tasks.corpus_split import split_source
+from tasks.data.download import download_source
+from tasks.data.split import split_source
+from tasks.data.tokenize import tokenize_source, train_tokenizer
+from tasks.data.vocabulary import build_vocabulary
 
 source, root, sets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 cfg = resolve("default", overrides=sets, source=source)
@@ -77,17 +78,17 @@ times = {}
 def stages():
     d = cfg.data
     t = time.perf_counter()
-    raw = corpus_tasks.download_source(d, root)
+    raw = download_source(d, root)
     times["download"] = time.perf_counter() - t
     if d.tokenizer.kind == "bpe":  # trained here, then found cached by the tokenize stage
         t = time.perf_counter()
-        corpus_tasks.train_tokenizer(raw, d.tokenizer, root)
+        train_tokenizer(raw, d.tokenizer, root)
         times["train tokenizer"] = time.perf_counter() - t
     t = time.perf_counter()
-    tokens = corpus_tasks.tokenize_source(raw, d, root)
+    tokens = tokenize_source(raw, d, root)
     times["tokenize"] = time.perf_counter() - t
     t = time.perf_counter()
-    vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
+    vocab = build_vocabulary(tokens, d.vocab, root)
     times["vocabulary"] = time.perf_counter() - t
     t = time.perf_counter()
     split = split_source(tokens, vocab, d, root)

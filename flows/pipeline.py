@@ -19,16 +19,19 @@ from pydantic import BaseModel
 from flows import dispatch
 from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
-from mllm import UserError, storage
+from mllm import UserError, layout, storage
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
-from tasks import corpus as corpus_tasks
-from tasks import data as data_tasks
 from tasks import model as model_tasks
-from tasks.tracking import outage
 from tasks.caching import forget_exception, result_storage
-from tasks.corpus_split import split_source
+from tasks.data.download import corpus_changes, download, download_source
+from tasks.data.generated import generate_data
+from tasks.data.pairs import numbers_corpus, prepare_pairs
+from tasks.data.split import split_source
+from tasks.data.tokenize import tokenize_source
+from tasks.data.vocabulary import build_vocabulary
+from tasks.tracking import outage
 from tasks.model import Evaluation, Prepared, Trained, describe
 from tasks.tracking.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
 from tasks.tracking.tracker import RunTracker, log_data, run_url
@@ -42,18 +45,18 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
     data, make it."""
     d, kind = cfg.data, family_of(cfg).data
     if kind == "generated":
-        made = data_tasks.generate_data(d, family_of(cfg).name, root)
+        made = generate_data(d, family_of(cfg).name, root)
         return Prepared(raw_sha256=made.sha256, raw_url=made.splits.url, raw_bytes=made.bytes, source=made.source,
                         tokens=made.tokens, vocab=made.vocab, splits=made.splits)
     if kind == "pairs":
-        source = d.source or data_tasks.numbers_corpus(d.pairs.numbers, root)
-        raw = data_tasks.download(source, d.sha256, root)
-        pairs = data_tasks.prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
+        source = d.source or numbers_corpus(d.pairs.numbers, root)
+        raw = download(source, d.sha256, root)
+        pairs = prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
         return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                         tokens=pairs.tokens, vocab=pairs.vocab, splits=pairs.splits, source_side=pairs.source_side)
-    raw = corpus_tasks.download_source(d, root)  # one file, or many: listed, then file by file
-    tokens = corpus_tasks.tokenize_source(raw, d, root)  # each file once per tokenizer
-    vocab = data_tasks.build_vocabulary(tokens, d.vocab, root)
+    raw = download_source(d, root)  # one file, or many: listed, then file by file
+    tokens = tokenize_source(raw, d, root)  # each file once per tokenizer
+    vocab = build_vocabulary(tokens, d.vocab, root)
     splits = split_source(tokens, vocab, d, root)  # one file contiguous; many span by span, pack by pack
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                     tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
@@ -160,7 +163,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         champion = None if reproduces else current_champion(registry, cfg.recipe)
         # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
         # run skips only when this root holds the finished training, so a new --storage trains.
-        trained_here = storage.exists(storage.join(root, "runs", key, "trained.json"))
+        trained_here = storage.exists(layout.folder(root, layout.RUNS, key, "trained.json"))
         skip = None if force or reproduces or not trained_here else skip_reason(
             champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
         trained = evaluation = None
@@ -178,7 +181,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
             log_data(run.run_id, quote(cfg), root, quote(data))
             run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
             # A corpus of many files: what changed since its sources were last read (a schedule's question).
-            changes = corpus_tasks.corpus_changes(data, root)
+            changes = corpus_changes(data, root)
             run.log_params({f"corpus.{k}": v for k, v in changes.items()})
             if skip:
                 outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)

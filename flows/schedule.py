@@ -24,6 +24,9 @@ from prefect.exceptions import ObjectNotFound
 from prefect.settings import PREFECT_API_URL
 from prefect.utilities.callables import parameter_schema
 
+from flows.dispatch import job_env, one_slot
+from flows.launch import storage_root, training_pool
+from flows.pipeline import pipeline
 from mllm import UserError
 from mllm.resolve import resolve
 
@@ -64,10 +67,6 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
            pool: str = "local", train_on: str | None = None, source: str | list[str] | None = None,
            storage_url: str | None = None, overrides: list[str] = (), paused: bool = False) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
-    from flows.dispatch import job_env, one_slot
-    from flows.launch import storage_root, training_pool
-    from flows.pipeline import pipeline
-
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
     schedule = _schedule(cron, interval, timezone)
     _require_server()

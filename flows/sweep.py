@@ -31,9 +31,9 @@ from flows.stack import database
 from flows.launch import preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
-    csv_text, direction, figure, headline_of, markdown_table, table_rows, text_table)
+    PointOutcome, csv_text, direction, figure, headline_of, label, markdown_table, table_rows, text_table)
 from flows.training import train
-from mllm import UserError, storage
+from mllm import UserError, failures, storage
 from mllm.config import RunConfig
 from mllm.redact import scrub
 from mllm.resolve import resolve
@@ -101,10 +101,6 @@ def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
     return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
 
 
-def label(point: dict[str, str]) -> str:
-    return " ".join(f"{field}={value}" for field, value in point.items())
-
-
 def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
     return [*overrides, *(f"{field}={value}" for field, value in point.items())]
 
@@ -133,21 +129,6 @@ def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str]
 
 # --- one point -----------------------------------------------------------------------------
 
-class PointOutcome(BaseModel):
-    point: dict[str, str]
-    ok: bool
-    headline: str | None = None
-    score: float | None = None
-    higher_is_better: bool | None = None
-    val_loss: float | None = None
-    decision: str | None = None
-    mlflow_run_id: str | None = None
-    error: str | None = None
-
-    @property
-    def label(self) -> str:
-        return label(self.point)
-
 
 class SweepResult(BaseModel):
     recipe: str
@@ -175,7 +156,7 @@ class PointsFailed(UserError):
 def passing_failure(task: object, task_run: object, state: object) -> bool:
     """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
     clients' own retries, a refused connection), not the point's own error."""
-    return outage.transient(getattr(state, "data", None))
+    return failures.transient(getattr(state, "data", None))
 
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.

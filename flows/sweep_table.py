@@ -6,12 +6,31 @@ from __future__ import annotations
 import csv
 import io
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from flows.sweep import PointOutcome
+
+def label(point: dict[str, str]) -> str:
+    return " ".join(f"{field}={value}" for field, value in point.items())
+
+
+class PointOutcome(BaseModel):
+    point: dict[str, str]
+    ok: bool
+    headline: str | None = None
+    score: float | None = None
+    higher_is_better: bool | None = None
+    val_loss: float | None = None
+    decision: str | None = None
+    mlflow_run_id: str | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return label(self.point)
+
 
 def headline_of(outcomes: list[PointOutcome]) -> tuple[str, bool | None]:
     done = [o for o in outcomes if o.ok]

@@ -12,9 +12,8 @@ import typing
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from mllm import UserError
 
 
 class _Section(BaseModel):
@@ -265,11 +264,14 @@ SECTIONS: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTC
                                        "sequence-to-sequence": Seq2SeqConfig, "sequences": SequenceModelConfig}
 
 
+DEFAULT_ARCH = "lstm"  # a model section that names no arch
+
+
 def _section_tag(value: Any) -> str | None:
     get = value.get if isinstance(value, dict) else lambda k, d=None: getattr(value, k, d)
     if get("family") is not None:
         return str(get("family"))
-    arch = get("arch", "lstm")
+    arch = get("arch", DEFAULT_ARCH)
     return next((tag for tag, section in SECTIONS.items() if tag != "sequences"
                  and arch in typing.get_args(section.model_fields["arch"].annotation)), str(arch))
 
@@ -283,7 +285,7 @@ _MODEL = TypeAdapter(ModelConfig)
 
 def model_config(**fields: Any) -> Any:
     """The model section that `arch` (default lstm) and `family` name, built from its fields."""
-    return _MODEL.validate_python({"arch": "lstm", **fields})
+    return _MODEL.validate_python({"arch": DEFAULT_ARCH, **fields})
 
 
 def section_of(tag: str) -> type[_Section] | None:
@@ -324,9 +326,9 @@ class TrainConfig(_Section):
     checkpoint_minutes: float | None = Field(5.0, gt=0)
     early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.speed)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast where faster (mllm.runtime.speed)
     # auto: torch.compile when the training left should win back the compilation, kept only if
-    # the compiled steps are faster (mllm.speed); true/false force it.
+    # the compiled steps are faster (mllm.runtime.speed); true/false force it.
     compile: Literal["auto", True, False] = "auto"
     seed: int = 1337
     nproc_per_node: int = Field(1, ge=1)  # >1: the job starts training under torchrun (DDP)
@@ -353,7 +355,7 @@ class SampleConfig(_Section):
     top_p: float = Field(0.9, gt=0, le=1)
     beam_width: int = Field(4, ge=1)
     seed: int = 1337
-    # A GPT's decoding on a CPU: auto takes bf16 weights where a probe finds them faster (mllm.speed).
+    # A GPT's decoding on a CPU: auto takes bf16 weights where a probe finds them faster (mllm.runtime.speed).
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Word embeddings: the nearest neighbours of these words are the family's "sample".
     probes: list[str] = []
@@ -388,21 +390,6 @@ class RunConfig(_Section):
     sample: SampleConfig = SampleConfig()
     paths: TrainPaths | None = None
 
-    @model_validator(mode="after")
-    def _family(self) -> "RunConfig":
-        from mllm.family import family_of  # the families import this module
-
-        family = family_of(self.model)
-        for section, kind in (("pairs", "pairs"), ("sequences", "generated")):
-            if getattr(self.data, section) is not None and family.data != kind:
-                raise ValueError(f"data.{section} is data for another family than the {family.name} "
-                                 f"(model.arch {self.model.arch}): remove it")
-        if family.data == "generated" and self.data.sequences is None:
-            raise ValueError(f"the {family.name} family makes its data: add a data.sequences section "
-                             "(see recipe count-rnn)")
-        family.check(self)
-        return self
-
     def to_dict(self, paths: bool = False) -> dict[str, Any]:
         d = self.model_dump(mode="json")
         if not paths:
@@ -411,32 +398,3 @@ class RunConfig(_Section):
 
     def to_yaml(self, paths: bool = True) -> str:
         return yaml.safe_dump(self.to_dict(paths=paths), sort_keys=False)
-
-
-def validate(data: dict[str, Any], where: str) -> RunConfig:
-    """Build a RunConfig, turning pydantic's report into one line that names the field."""
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        loc = list(first["loc"])
-        tag = None
-        if loc[:1] == ["model"] and len(loc) > 2 and section_of(str(loc[1])):
-            tag = str(loc.pop(1))  # pydantic names the union member by its tag: not a field
-        model = data.get("model") if isinstance(data, dict) else None
-        arch = model.get("arch", "lstm") if isinstance(model, dict) else "lstm"
-        field = ".".join(str(p) for p in loc) or "config"
-        msg = first["msg"]
-        if first["type"] == "extra_forbidden" and tag:
-            family, section = tag, section_of(tag)
-            others = [name for name, s in SECTIONS.items() if loc[-1] in s.model_fields]
-            fields = ", ".join(f for f in section.model_fields if f not in ("arch", "family"))
-            kinds = f"{' and '.join(others)} famil{'ies' if len(others) > 1 else 'y'}"
-            msg = (f"a field of the {kinds}, not of arch {arch}" if others
-                   else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"
-        elif first["type"] == "extra_forbidden":
-            msg = "unknown field (check its spelling against a recipe)"
-        elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            field, msg = "model.arch", f"choose one of {', '.join(archs())}"
-        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        raise UserError(f"{where}: {field}: {msg}{more}") from None

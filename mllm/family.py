@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from mllm import UserError
+from mllm.runtime.inputs import load_token_inputs
 
 # The packages that hold a family each; importing one registers it.
 FAMILY_MODULES = ("mllm.lm", "mllm.embeddings", "mllm.seq2seq", "mllm.sequences")
@@ -99,8 +100,6 @@ class Family:
     def load_inputs(self, cfg: Any) -> tuple:
         """(cfg with vocabulary sizes set, vocab, tokenizer, train data, validation data, what a
         checkpoint must carry besides): the files the config's paths section names, checked."""
-        from mllm.runtime.inputs import load_token_inputs
-
         return load_token_inputs(cfg)
 
     def train_batches(self, cfg: Any, train: Any, rank: int, world_size: int):
@@ -208,3 +207,30 @@ def ids_in_vocab(ids: np.ndarray, ours: list[str], theirs: Any) -> np.ndarray:
     if theirs.itos == ours:
         return ids
     return theirs.encode_array(ours)[np.asarray(ids, dtype=np.int64)]
+
+
+def build_model(cfg: Any) -> torch.nn.Module:
+    """A model section's model, built by its family."""
+    return family_of(cfg).build_model(cfg)
+
+
+def check_run(cfg: Any) -> None:
+    """Raise ValueError when a run's data and sample sections do not fit its model's family."""
+    family = family_of(cfg.model)
+    for section, kind in (("pairs", "pairs"), ("sequences", "generated")):
+        if getattr(cfg.data, section) is not None and family.data != kind:
+            raise ValueError(f"data.{section} is data for another family than the {family.name} "
+                             f"(model.arch {cfg.model.arch}): remove it")
+    if family.data == "generated" and cfg.data.sequences is None:
+        raise ValueError(f"the {family.name} family makes its data: add a data.sequences section "
+                         "(see recipe count-rnn)")
+    family.check(cfg)
+
+
+def load_inputs(cfg: Any) -> tuple:
+    """The config with its vocabulary sizes set, the vocabulary and tokenizer, the train and
+    validation data, and what else a checkpoint must carry to be used alone: as the family of
+    the config's model reads them."""
+    if cfg.paths is None:
+        raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
+    return family_of(cfg).load_inputs(cfg)

@@ -8,8 +8,15 @@ that does the work; that source is read as it was before the modules moved into 
 
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
+import inspect
 import re
+from pathlib import Path, PurePosixPath
+from typing import Any
 
+import mllm
 from mllm import storage
 
 # The folder of each stage under the storage root (README's storage tree shows them).
@@ -23,13 +30,69 @@ NUMBERS = "numbers"
 PAIRS = "pairs"
 GENERATED = "generated"
 RUNS = "runs"
+TOKENIZERS = "tokenizers"  # a BPE tokenizer trained on a sample of a many-file corpus
+REPRODUCTIONS = "reproductions"
+TRACKING = "tracking"  # MLflow runs left unfinished while the tracking server was away
 SWEEPS = "sweeps"
 PREFECT_RESULTS = "prefect-results"
 
 
-def stage_dir(root: str, stage: str, key: str | None = None) -> str:
-    """The folder of one stage's output (or of the stage, without a key)."""
-    return storage.join(root, stage, key) if key else storage.join(root, stage)
+def folder(root: str, stage: str, *parts: str) -> str:
+    """Where a stage keeps an output under the storage root: `folder(root, SPLITS, key)`."""
+    return storage.join(root, stage, *parts)
+
+
+# --- keys ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def code_digest(*objects: Any) -> str:
+    """Digest of the source of the modules or classes a stage runs, and the package version."""
+    h = hashlib.sha256(mllm.__version__.encode())
+    for obj in objects:
+        h.update(source_before_moves(inspect.getsource(obj)).encode())
+    return h.hexdigest()[:16]
+
+
+# No model runs these: what a stage's folder is called, and what kind of failure an exception is.
+_NOT_MODEL_CODE = {"layout.py", "failures.py"}
+
+
+def _is_docstring_only(text: str) -> bool:
+    body = ast.parse(text).body
+    return len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+
+
+@functools.cache
+def package_digest() -> str:
+    """Digest of every source file of the `mllm` package and its version: what the training,
+    evaluation and sample keys take, so that no change to the code a model runs (a batcher, a
+    loader, a decoder) leaves a model made by other code looking current."""
+    root = Path(mllm.__file__).parent
+    files = []
+    for path in root.rglob("*.py"):
+        relative, text = path.relative_to(root).as_posix(), path.read_bytes().decode()
+        if relative in _NOT_MODEL_CODE or _is_docstring_only(text):  # a package's __init__, say
+            continue
+        # Each file as it was named and written before the modules moved: a move is no change.
+        previous = previous_path(relative)
+        files.append((PurePosixPath(previous).parts, previous, source_before_moves(text)))
+    h = hashlib.sha256(mllm.__version__.encode())
+    for _, relative, text in sorted(files):
+        h.update(relative.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def config_digest(cfg: Any) -> str:
+    """The part of the training key that the model and training config make."""
+    return storage.digest([cfg.model.model_dump(), cfg.train.model_dump()])
+
+
+def train_key(splits_key: str, vocab_digest: str, cfg: Any, code_digest: str) -> str:
+    """The training key from its parts (`lineage` recomputes it from what a run recorded).
+    The model section holds the chosen family's fields only: another family's cannot change it."""
+    return storage.digest(["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(),
+                           code_digest])
 
 
 # Each moved module's name before the layout of November 2026. Only imports of these names were

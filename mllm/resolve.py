@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from mllm import UserError, storage
-from mllm.config import RunConfig, validate
+from mllm.config import DEFAULT_ARCH, SECTIONS, RunConfig, archs, section_of
 
 # A recipe's section for the orchestration layer (flows/): read there, never by mllm.
 LAUNCH_SECTION = "pipeline"
@@ -117,4 +117,43 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     # logged, stored with every checkpoint and sent to MLflow.
     src = cfg.data.source
     cfg.data.source = storage.hide_credentials(src) if isinstance(src, str) else [storage.hide_credentials(x) for x in src]
+    return cfg
+
+
+def validate(data: dict[str, Any], where: str) -> RunConfig:
+    """Build a RunConfig and check that its sections fit its model's family, turning what is wrong
+    into one line that names the field."""
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = list(first["loc"])
+        tag = None
+        if loc[:1] == ["model"] and len(loc) > 2 and section_of(str(loc[1])):
+            tag = str(loc.pop(1))  # pydantic names the union member by its tag: not a field
+        model = data.get("model") if isinstance(data, dict) else None
+        arch = model.get("arch", DEFAULT_ARCH) if isinstance(model, dict) else DEFAULT_ARCH
+        field = ".".join(str(p) for p in loc) or "config"
+        msg = first["msg"]
+        if first["type"] == "extra_forbidden" and tag:
+            family, section = tag, section_of(tag)
+            others = [name for name, s in SECTIONS.items() if loc[-1] in s.model_fields]
+            fields = ", ".join(f for f in section.model_fields if f not in ("arch", "family"))
+            kinds = f"{' and '.join(others)} famil{'ies' if len(others) > 1 else 'y'}"
+            msg = (f"a field of the {kinds}, not of arch {arch}" if others
+                   else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"
+        elif first["type"] == "extra_forbidden":
+            msg = "unknown field (check its spelling against a recipe)"
+        elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            field, msg = "model.arch", f"choose one of {', '.join(archs())}"
+        more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        raise UserError(f"{where}: {field}: {msg}{more}") from None
+    # Imported here: mllm.family brings torch (2.4 s measured), which `mllm-pipeline --help` and
+    # a recipe's listing have no use for.
+    from mllm.family import check_run
+
+    try:
+        check_run(cfg)
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from None
     return cfg

@@ -17,6 +17,8 @@ from typing import Any
 
 from mllm import UserError
 from mllm.config import METHODS
+from mllm.family import family_of
+from mllm.runtime.checkpoint import load_checkpoint
 
 OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed", "neighbours",
            "use_cache")
@@ -43,7 +45,6 @@ def check_method_options(given: dict[str, Any]) -> None:
 
 def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> list[str]:
     """One answer per prompt (None: the run's own prompts) from a loaded checkpoint."""
-    from mllm.family import family_of
 
     family = family_of(loaded)
     if unknown := sorted(set(options) - set(OPTIONS)):
@@ -79,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one)")
     args = p.parse_args(argv)
     try:
-        from mllm.runtime.checkpoint import load_checkpoint
-
         loaded = load_checkpoint(args.checkpoint, device=args.device)
         options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}
         check_method_options(options)

@@ -8,7 +8,6 @@ so they are written in place.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -23,6 +22,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from mllm import UserError
+from mllm.failures import disk_full, exception_chain, unreachable
 from mllm.redact import strip_userinfo
 
 # user:password taken out of URLs by `hide_credentials`, by the URL without them: held in this
@@ -218,41 +218,9 @@ def require(url: str, what: str) -> None:
         raise UserError(f"{what} not found at {url}: check the path or URL")
 
 
-# Exceptions (by class name: botocore and aiohttp are optional here) that mean the storage
-# endpoint could not be reached or dropped the connection.
-_UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
-                "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ConnectionRefusedError",
-                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "FSTimeoutError"}
-
-
-def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
-    """`exc` and what caused it, in turn."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
 def _code(exc: BaseException) -> str:
     """botocore's error code (NoSuchBucket, AccessDenied, ...), or ""."""
     return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
-
-
-def unreachable(exc: BaseException) -> str | None:
-    """If `exc` (or what caused it) says the storage endpoint could not be reached, one line
-    saying so and what to do; else None. httpx's errors are not storage's (fsspec reaches its
-    stores through aiohttp and botocore): there the orchestrator's client met no server."""
-    if any(type(e).__module__.split(".")[0] in ("httpx", "httpcore") for e in exception_chain(exc)):
-        return None
-    for e in exception_chain(exc):
-        if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
-            detail = " ".join(str(e).split())[:200] or "no answer in time"
-            return (f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "
-                    "reachable, then run the same command again (finished stages are reused)")
-    return None
 
 
 # What an object store answers about its credentials: none found, not accepted, not allowed.
@@ -391,17 +359,6 @@ def remove_empty(url: str) -> None:
     if isinstance(fs, LocalFileSystem):
         with contextlib.suppress(OSError):
             os.rmdir(path)  # fails, as it should, on a folder with anything in it
-
-
-def disk_full(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what caused it) says a disk is full: ENOSPC, a quota, SQLite's "database
-    or disk is full" (torch's checkpoint writer wraps the OSError in a RuntimeError)."""
-    for e in exception_chain(exc):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(t in str(e) for t in ("No space left on device", "database or disk is full")):
-            return True
-    return False
 
 
 def full_disk_message(root: str) -> str:

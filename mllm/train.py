@@ -30,12 +30,12 @@ from mllm import UserError, storage
 from mllm.runtime import speed
 from mllm.runtime.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
 from mllm.runtime.compiling import Compiler, compile_key
-from mllm.config import RunConfig, TrainConfig, validate
+from mllm.config import RunConfig, TrainConfig
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
-from mllm.family import family_of
-from mllm.runtime.inputs import load_inputs
-from mllm.runtime.devices import build_model, resolve_device
-from mllm.resolve import apply_overrides, load_file
+from mllm.family import family_of, load_inputs
+from mllm.runtime.devices import resolve_device
+from mllm.family import build_model
+from mllm.resolve import apply_overrides, load_file, validate
 
 Records = list[dict]
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 progress_hook: Callable[..., None] | None = None
 
 # `logger.info(..., extra=NOTICE)`: a line the terminal shows beside the progress bars (a wait, a
-# converted source); the stages' other info lines are in the run record only (flows.terminal).
+# converted source); the stages' other info lines are in the run record only (flows.cli.terminal).
 NOTICE = {"notice": True}
 
 

@@ -7,56 +7,13 @@ Prefect shows a stage whose output already exists as Cached instead of running i
 
 from __future__ import annotations
 
-import ast
-import functools
-import hashlib
-import inspect
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Callable
 
 from fsspec.implementations.local import LocalFileSystem
 from prefect.filesystems import RemoteFileSystem
 
-import mllm
-from mllm import UserError, layout, storage
-
-
-@functools.cache
-def code_digest(*objects: Any) -> str:
-    """Digest of the source of the modules or classes a stage runs, and the package version."""
-    h = hashlib.sha256(mllm.__version__.encode())
-    for obj in objects:
-        h.update(layout.source_before_moves(inspect.getsource(obj)).encode())
-    return h.hexdigest()[:16]
-
-
-# No model runs these: what a stage's folder is called, and what kind of failure an exception is.
-_NOT_MODEL_CODE = {"layout.py", "failures.py"}
-
-
-def _is_docstring_only(text: str) -> bool:
-    body = ast.parse(text).body
-    return len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-
-
-@functools.cache
-def package_digest() -> str:
-    """Digest of every source file of the `mllm` package and its version: what the training,
-    evaluation and sample keys take, so that no change to the code a model runs (a batcher, a
-    loader, a decoder) leaves a model made by other code looking current."""
-    root = Path(mllm.__file__).parent
-    files = []
-    for path in root.rglob("*.py"):
-        relative, text = path.relative_to(root).as_posix(), path.read_bytes().decode()
-        if relative in _NOT_MODEL_CODE or _is_docstring_only(text):  # a package's __init__, say
-            continue
-        # Each file as it was named and written before the modules moved: a move is no change.
-        previous = layout.previous_path(relative)
-        files.append((PurePosixPath(previous).parts, previous, layout.source_before_moves(text)))
-    h = hashlib.sha256(mllm.__version__.encode())
-    for _, relative, text in sorted(files):
-        h.update(relative.encode() + b"\0" + text.encode() + b"\0")
-    return h.hexdigest()[:16]
+from mllm import UserError, failures, layout, storage
 
 
 def stage_cache(key_fn: Callable[..., str]) -> Callable[[Any, dict[str, Any]], str]:
@@ -73,7 +30,7 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     exc = state.data if isinstance(state.data, BaseException) else None
     if exc is None:
         return True
-    if storage.disk_full(exc):
+    if failures.disk_full(exc):
         return False  # no retry makes room
     return not isinstance(exc, UserError) or getattr(exc, "transient", False)
 
@@ -82,19 +39,14 @@ def io_error(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition for costly stages: retry only when storage or the network failed (the
     stage then resumes from what it had written), not a bug or a user's mistake."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    if storage.disk_full(exc):
+    if failures.disk_full(exc):
         return False  # no retry makes room (a training would start again from its last checkpoint)
-    while exc is not None:
-        if isinstance(exc, UserError):
-            return getattr(exc, "transient", False)
-        if isinstance(exc, (OSError, TimeoutError)) or type(exc).__module__.split(".")[0] in _IO_MODULES:
+    for e in failures.exception_chain(exc):
+        if isinstance(e, UserError):
+            return getattr(e, "transient", False)
+        if failures.io_failure(e):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
-
-
-# Libraries whose exceptions all mean the storage or the network failed.
-_IO_MODULES = {"botocore", "aiobotocore", "aiohttp", "s3fs", "urllib3", "requests"}
 
 
 def result_storage(root: str) -> Path | RemoteFileSystem:
@@ -103,7 +55,7 @@ def result_storage(root: str) -> Path | RemoteFileSystem:
     Prefect takes a local folder as a path; any other root becomes a saved RemoteFileSystem
     block (fsspec underneath, credentials from the environment, never stored in the block).
     """
-    url = storage.join(root, "prefect-results")
+    url = layout.folder(root, layout.PREFECT_RESULTS)
     fs, path = storage.filesystem(url)
     if isinstance(fs, LocalFileSystem):
         return Path(path)

@@ -22,14 +22,15 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 import mllm.train
-from mllm import UserError, storage
+from mllm import UserError, layout, storage
 from mllm.runtime import checkpoint, speed
 from mllm.config import RunConfig, TrainPaths
+from mllm.family import Evaluation as Scores
 from mllm.family import family_of, samples_text
 import tasks
 from tasks import assets
 from tasks.tracking import outage
-from tasks.caching import forget_exception, io_error, package_digest, stage_cache, transient
+from tasks.caching import forget_exception, io_error, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.tracking.provenance import code_git_info
 from tasks.tracking.registry import ChampionScore
@@ -46,7 +47,7 @@ class Prepared(BaseModel):
     vocab: Vocabulary
     splits: Splits
     source_side: SourceSide | None = None  # parallel text: the source side; vocab is the target's
-    # A source of many files: how many, the corpus manifest (tasks.corpus), the files left out.
+    # A source of many files: how many, the corpus manifest (tasks/data/download.py), the files left out.
     raw_files: int = 1
     raw_manifest: str | None = None
     raw_skipped: list[str] = []
@@ -67,16 +68,16 @@ class Trained(BaseModel):
     elapsed_s: float
     stop_reason: str
     resumed_from_step: int
-    dtype_used: str = "float32"  # what train.dtype resolved to, and why (mllm.speed)
+    dtype_used: str = "float32"  # what train.dtype resolved to, and why (mllm.runtime.speed)
     dtype_reason: str = ""
     dtype_probe_ms: dict[str, float] | None = None
     mfu: float | None = None  # model FLOPs utilisation over the training
     peak_flops: float | None = None
     peak_source: str = ""
-    compile_used: bool = False  # what train.compile resolved to, and why (mllm.speed)
+    compile_used: bool = False  # what train.compile resolved to, and why (mllm.runtime.speed)
     compile_reason: str = ""
     compile_s: float | None = None
-    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.speed)
+    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
 
     def precision(self) -> str:
         return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()
@@ -105,20 +106,13 @@ class Evaluation(BaseModel):
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
-    return key_of(data.splits.key, data.vocab.digest, cfg, training_code()["digest"])
-
-
-def key_of(splits_key: str, vocab_digest: str, cfg: RunConfig, code_digest: str) -> str:
-    """The training key from its parts (`lineage` recomputes it from what a run recorded).
-    The model section holds the chosen family's fields only: another family's cannot change it."""
-    return storage.digest(["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(),
-                           code_digest])
+    return layout.train_key(data.splits.key, data.vocab.digest, cfg, training_code()["digest"])
 
 
 def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
     """What the training key digests and where each data stage lives, as run tags: `lineage`
     follows them from a model back to the corpus and checks each against storage."""
-    return {"train.key": train_key(cfg, data), "train.config_digest": config_digest(cfg),
+    return {"train.key": train_key(cfg, data), "train.config_digest": layout.config_digest(cfg),
             "train.code_digest": training_code()["digest"], "data.splits_key": data.splits.key,
             "data.vocab": data.vocab.url, "data.vocab_key": data.vocab.key, "data.tokens": data.tokens.url,
             "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
@@ -127,15 +121,10 @@ def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
             "data.source": data.source}
 
 
-def config_digest(cfg: RunConfig) -> str:
-    """The part of the training key that the model and training config make."""
-    return storage.digest([cfg.model.model_dump(), cfg.train.model_dump()])
-
-
 def training_code() -> dict[str, str]:
     """The training code this process runs: the digest that goes into every training key, and
     its commit. A worker compares the caller's with its own before it trains."""
-    return {"digest": package_digest(), "commit": code_git_info()["commit"] or "unknown"}
+    return {"digest": layout.package_digest(), "commit": code_git_info()["commit"] or "unknown"}
 
 
 def check_training_code(caller: dict[str, str]) -> None:
@@ -171,7 +160,7 @@ def parse_progress(line: str) -> dict[str, Any] | None:
 
 def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
     """The config a training job runs: the run's tree with its input and output paths."""
-    run_dir = storage.join(root, "runs", train_key(cfg, data))
+    run_dir = layout.folder(root, layout.RUNS, train_key(cfg, data))
     src = data.source_side
     # Vocabulary sizes stay 0 in the job's model section: training takes them from the files.
     paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
@@ -310,11 +299,11 @@ def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str =
     # The checkpoint is named by the training key and its step count (a longer resumed
     # training makes a new one); the split by its digest.
     return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
-                           cfg.model_dump(include={"train", "sample", "data"}), package_digest()])
+                           cfg.model_dump(include={"train", "sample", "data"}), layout.package_digest()])
 
 
 def _generate_key(cfg: RunConfig, trained: Trained) -> str:
-    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(), package_digest()])
+    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(), layout.package_digest()])
 
 
 @task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
@@ -346,14 +335,12 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val
 
 def describe(e: Evaluation, cfg: RunConfig) -> str:
     """An evaluation in one line, as its family puts it."""
-    from mllm.family import Evaluation as Scores
-
     return family_of(cfg).describe(Scores(e.headline, e.higher_is_better, e.loss, e.tokens, e.metrics, ""))
 
 
 def _score_key(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> str:
     return storage.digest(["score", checkpoint_url, data.splits.key, split,
-                           cfg.model_dump(include={"train", "data"}), package_digest()])
+                           cfg.model_dump(include={"train", "data"}), layout.package_digest()])
 
 
 @task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_score_key),

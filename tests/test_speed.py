@@ -1,4 +1,4 @@
-"""Precision by measurement and utilisation (mllm.speed): what train.dtype resolves to, that a
+"""Precision by measurement and utilisation (mllm.runtime.speed): what train.dtype resolves to, that a
 forced choice is kept and recorded, that bf16 learns what float32 learns, and that MFU is a
 fraction of a peak this machine reaches."""
 
@@ -14,7 +14,7 @@ from conftest import write_char_ids
 from mllm.runtime import compiling, speed
 from mllm.runtime.checkpoint import read_checkpoint
 from mllm.config import CbowConfig, RunConfig
-from mllm.runtime.devices import build_model
+from mllm.family import build_model
 from mllm.train import train
 
 GPT = {"arch": "gpt", "n_embd": 32, "n_head": 2, "n_layer": 2, "block_size": 32, "dropout": 0.0}
@@ -198,7 +198,7 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
     # compile after its first eager steps; the compiled steps are then timed for real, the verdict
     # says which was faster, and the cache now holds what was measured here.
     from mllm.family import family_of
-    from mllm.runtime.inputs import load_inputs
+    from mllm.family import load_inputs
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds

@@ -28,7 +28,6 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 import mllm.train
 from conftest import make_text
 from flows.stack import servers as stack
-from flows.pipeline import pipeline
 from mllm import storage
 from mllm.config import RunConfig
 from servers import S3Server, run_s3_server
@@ -224,7 +223,7 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     ours = stack.Service("worker", ["sleep", "61"], str(tmp_path / "logs" / "worker.log")).start()
     try:
-        stack._save(tmp_path, [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"),
+        stack.save(tmp_path, [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"),
                                                    pid=other.pid)], {}, "local", "storage", {})
         out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status", "--home", str(tmp_path)],
                              capture_output=True, text=True, timeout=60)

@@ -17,9 +17,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+import tasks
+from flows.stack.database import down_line
 from mllm import UserError
+from mllm.failures import disk_full, unreachable
 from mllm.redact import scrub
-from mllm.storage import disk_full, unreachable
+from tasks.tracking.outage import prefect_down, tracking_down
 
 console = Console(stderr=True)
 
@@ -44,9 +47,6 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
-        from flows.stack.database import down_line
-        from tasks.tracking.outage import prefect_down, tracking_down
-
         message = down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
@@ -87,9 +87,6 @@ class _QuietAfterUserError(logging.Filter):
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
-        from flows.stack.database import down_line
-        from tasks.tracking.outage import prefect_down, tracking_down
-
         if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
                                  or prefect_down(exc) or disk_full(exc) or down_line(exc))) or any(
                 f"{n}:" in message or f"{n}(" in message for n in names):
@@ -295,8 +292,6 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
     only those bars (a sweep's `points`: its points' own trainings would fight over one bar).
     `silent`: none of Prefect's lines on the terminal from the first bar on (they stay in the
     run record): a sweep of many points would print hundreds of them."""
-    import tasks
-
     if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
         yield
         return

@@ -20,17 +20,14 @@ import yaml
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from mllm import UserError, storage
-from mllm.config import validate
+from mllm import UserError, layout, storage
+from mllm.resolve import validate
+from mllm.data.vocab import Vocab
 from mllm.runtime.epochs import ids_digest, missing_piece
-from mllm.redact import scrub
-from mllm.storage import hide_credentials
+from flows.history.lineage_corpus import manifest_link, packs_link
+from flows.history.links import BROKEN, CHANGED, MISSING, OK, UNCHECKED, UNRECORDED, as_float, as_int, clean, get_or_none, link, model_id  # noqa: F401
 from tasks.tracking import tracker as tracking
-from tasks.model import config_digest, key_of
 
-OK, MISSING, CHANGED, UNRECORDED = "ok", "missing", "changed", "unrecorded"
-UNCHECKED = "unchecked"  # recorded, but nothing that could contradict it answered
-BROKEN = (MISSING, CHANGED)  # a chain with one of these makes `lineage` exit non-zero
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -50,34 +47,27 @@ def trace(root: str, ref: str, files: bool = False) -> dict[str, Any]:
     tags = run.data.tags
     if version is None and tags.get("model_version"):
         name, _, number = tags["model_version"].rpartition("/")
-        version = _get(client.get_model_version, name, number)
+        version = get_or_none(client.get_model_version, name, number)
     links = [_model_link(version), _run_link(client, run), _prefect_link(tags), _code_link(tags)]
     links += [_training_link(tags, version), _split_link(tags), _vocab_link(tags), _tokens_link(tags),
               _corpus_link(tags, files)]
     chain = {"ref": ref, "tracking_uri": tracking.tracking_uri(root),
              "links": [link for link in links if link is not None]}
     chain["ok"] = not any(link["status"] in BROKEN for link in chain["links"])
-    return _clean(chain)
-
-
-def _get(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except MlflowException:
-        return None
+    return clean(chain)
 
 
 def _model_version(client: MlflowClient, ref: str) -> Any:
     """The registered version `ref` names, or None when `ref` is a run id."""
     if "@" in ref:
         name, _, alias = ref.rpartition("@")
-        found = _get(client.get_model_version_by_alias, name, alias)
+        found = get_or_none(client.get_model_version_by_alias, name, alias)
         if found is None:
             raise UserError(f"no model {name!r} with alias {alias!r}: see the MLflow registry, or give MODEL/VERSION")
         return found
     if "/" in ref:
         name, _, number = ref.rpartition("/")
-        found = _get(client.get_model_version, name, number) if number.isdigit() else None
+        found = get_or_none(client.get_model_version, name, number) if number.isdigit() else None
         if found is None:
             raise UserError(f"no model version {ref!r}: give MODEL@ALIAS, MODEL/VERSION or an MLflow run id")
         return found
@@ -86,29 +76,25 @@ def _model_version(client: MlflowClient, ref: str) -> Any:
     return None
 
 
-def _link(link: str, status: str, /, **fields: Any) -> dict[str, Any]:
-    return {"link": link, "status": status, **{k: v for k, v in fields.items() if v not in (None, "")}}
-
-
 def _model_link(version: Any) -> dict[str, Any] | None:
     if version is None:
         return None
     t = version.tags
-    return _link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
-                 model_id=_model_id(version), headline=t.get("headline"),
-                 headline_value=_float(t.get("headline.value")), checkpoint=t.get("checkpoint"),
+    return link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
+                 model_id=model_id(version), headline=t.get("headline"),
+                 headline_value=as_float(t.get("headline.value")), checkpoint=t.get("checkpoint"),
                  decision=t.get("champion.decision"))
 
 
 def _run_link(client: MlflowClient, run: Any) -> dict[str, Any]:
     t, m = run.data.tags, run.data.metrics
-    experiment = _get(client.get_experiment, run.info.experiment_id)
-    return _link("run", OK, run_id=run.info.run_id, name=run.info.run_name,
+    experiment = get_or_none(client.get_experiment, run.info.experiment_id)
+    return link("run", OK, run_id=run.info.run_id, name=run.info.run_name,
                  experiment=experiment.name if experiment else None, run_status=run.info.status,
                  started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000)),
                  decision=t.get("decision"), final_val_loss=m.get("final_val_loss"),
-                 model_id=t.get("model_id"), best_step=_int(t.get("model_id.best_step")),
-                 last_model_id=t.get("model_id.last"), last_step=_int(t.get("model_id.last_step")))
+                 model_id=t.get("model_id"), best_step=as_int(t.get("model_id.best_step")),
+                 last_model_id=t.get("model_id.last"), last_step=as_int(t.get("model_id.last_step")))
 
 
 def _prefect_link(t: dict[str, str]) -> dict[str, Any]:
@@ -118,10 +104,10 @@ def _prefect_link(t: dict[str, str]) -> dict[str, Any]:
     another server (its UI url says which; none is recorded on Prefect's temporary server)."""
     flow_run_id, url = t.get("prefect.flow_run_id"), t.get("prefect.flow_run_url")
     if not flow_run_id:
-        return _link("prefect", UNRECORDED, detail="no Prefect flow run recorded")
+        return link("prefect", UNRECORDED, detail="no Prefect flow run recorded")
     fields: dict[str, Any] = {"flow_run_id": flow_run_id, "ui": url}
     status, found, detail = _flow_run(flow_run_id, url)
-    return _link("prefect", status, **fields, **found, detail=detail)
+    return link("prefect", status, **fields, **found, detail=detail)
 
 
 def _flow_run(flow_run_id: str, url: str | None) -> tuple[str, dict[str, Any], str | None]:
@@ -169,18 +155,18 @@ def _short(e: BaseException) -> str:
 
 def _code_link(t: dict[str, str]) -> dict[str, Any]:
     if not t.get("git.commit"):
-        return _link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
+        return link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
     commit = t["git.commit"]
     fields = dict(commit=commit, dirty=t.get("git.dirty") == "true", branch=t.get("git.branch"))
     here = Path(__file__).resolve().parents[1]
     top = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
     if top.returncode:
-        return _link("code", UNCHECKED, **fields, detail=f"{here} is no git checkout: the commit was not looked up")
+        return link("code", UNCHECKED, **fields, detail=f"{here} is no git checkout: the commit was not looked up")
     repo = top.stdout.strip()
     if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
-        return _link("code", MISSING, **fields, detail=f"commit {commit[:12]} is not in the repository {repo}: "
+        return link("code", MISSING, **fields, detail=f"commit {commit[:12]} is not in the repository {repo}: "
                      "fetch it (git fetch), or its history was rewritten and the code is gone")
-    return _link("code", OK, **fields)
+    return link("code", OK, **fields)
 
 
 def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
@@ -188,28 +174,28 @@ def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
     and code digest: a config edited in place, or a folder gone, shows here."""
     key = t.get("train.key")
     if not key:
-        return _link("training", UNRECORDED, detail="no training key recorded (the run did not get that far)")
+        return link("training", UNRECORDED, detail="no training key recorded (the run did not get that far)")
     fields = {"key": key, "config_digest": t.get("train.config_digest"), "code_digest": t.get("train.code_digest")}
-    run_dir = t.get("train.run_dir") or (storage.join(t["storage.root"], "runs", key) if t.get("storage.root") else None)
+    run_dir = t.get("train.run_dir") or (layout.folder(t["storage.root"], layout.RUNS, key) if t.get("storage.root") else None)
     checkpoint = version.tags.get("checkpoint") if version is not None else None
     fields.update(uri=run_dir, checkpoint=checkpoint)
     if run_dir is None:
-        return _link("training", UNRECORDED, **fields, detail="no run folder recorded")
+        return link("training", UNRECORDED, **fields, detail="no run folder recorded")
     config_url = storage.join(run_dir, "config.yaml")
     if not storage.exists(config_url):
-        return _link("training", MISSING, **fields, detail=f"{config_url} is gone")
+        return link("training", MISSING, **fields, detail=f"{config_url} is gone")
     if checkpoint and not storage.exists(checkpoint):
-        return _link("training", MISSING, **fields, detail=f"checkpoint {checkpoint} is gone")
+        return link("training", MISSING, **fields, detail=f"checkpoint {checkpoint} is gone")
     if not (fields["config_digest"] and fields["code_digest"] and t.get("data.splits_key")):
-        return _link("training", OK, **fields, detail="run folder present; key parts not recorded by this run")
+        return link("training", OK, **fields, detail="run folder present; key parts not recorded by this run")
     cfg = validate(yaml.safe_load(storage.read_text(config_url)), config_url)
-    if config_digest(cfg) != fields["config_digest"]:
-        return _link("training", CHANGED, **fields,
-                     detail=f"{config_url} has config digest {config_digest(cfg)}, not the recorded one")
-    again = key_of(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"])
+    if layout.config_digest(cfg) != fields["config_digest"]:
+        return link("training", CHANGED, **fields,
+                     detail=f"{config_url} has config digest {layout.config_digest(cfg)}, not the recorded one")
+    again = layout.train_key(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"])
     if again != key:
-        return _link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
-    return _link("training", OK, **fields)
+        return link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
+    return link("training", OK, **fields)
 
 
 def _stage_folder(link: str, what: str, url: str | None, key: str | None) -> tuple[dict[str, Any], dict | None]:
@@ -217,11 +203,11 @@ def _stage_folder(link: str, what: str, url: str | None, key: str | None) -> tup
     (the link's fields, the folder's manifest) when they pass; else (the finished link, None)."""
     fields: dict[str, Any] = {"key": key, "uri": url}
     if not url:
-        return _link(link, UNRECORDED), None
+        return link(link, UNRECORDED), None
     if not storage.exists(url):
-        return _link(link, MISSING, **fields, detail=f"the {what} folder is gone"), None
+        return link(link, MISSING, **fields, detail=f"the {what} folder is gone"), None
     if not storage.is_complete(url) or not storage.exists(storage.join(url, "manifest.json")):
-        return _link(link, MISSING, **fields,
+        return link(link, MISSING, **fields,
                      detail=f"the {what} folder is incomplete (no {storage.DONE} or manifest.json)"), None
     return fields, storage.read_json(storage.join(url, "manifest.json"))
 
@@ -236,23 +222,23 @@ def _split_link(t: dict[str, str]) -> dict[str, Any]:
     fields["tokens"] = {name: part["n_tokens"] for name in ("train", "val", "test")
                         if isinstance(part := splits.get(name), dict)}
     if key and recorded != key:
-        return _link("split", CHANGED, **fields, detail=f"its manifest names key {recorded}")
+        return link("split", CHANGED, **fields, detail=f"its manifest names key {recorded}")
     for name in fields["tokens"]:
         part = splits[name]
         if not storage.exists(part["ids"]):
-            return _link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
+            return link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
         if part["ids"].endswith(".json") and (gone := missing_piece(part["ids"])):
-            return _link("split", MISSING, **fields, detail=f"{gone} is gone")
+            return link("split", MISSING, **fields, detail=f"{gone} is gone")
         if part.get("sha256"):
             if (now := ids_digest(part["ids"])) != part["sha256"]:
-                return _link("split", CHANGED, **fields,
+                return link("split", CHANGED, **fields,
                              detail=f"{part['ids']} now has sha256 {now[:16]}, its manifest {part['sha256'][:16]}")
         elif part["ids"].endswith(".npy"):  # written before split digests were recorded
             n = _npy_length(part["ids"])
             if n != part["n_tokens"]:
-                return _link("split", CHANGED, **fields,
+                return link("split", CHANGED, **fields,
                              detail=f"{part['ids']} holds {n} tokens, its manifest {part['n_tokens']}")
-    return _link("split", OK, **fields)
+    return link("split", OK, **fields)
 
 
 def _npy_length(url: str) -> int | None:
@@ -276,22 +262,19 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
     url, digest = t.get("data.vocab"), t.get("data.vocab_digest")
     fields = {"key": t.get("data.vocab_key"), "uri": url, "digest": digest}
     if not url:
-        return _link("vocabulary", UNRECORDED, **fields)
+        return link("vocabulary", UNRECORDED, **fields)
     if not storage.exists(url):
-        return _link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
-    from mllm.data.vocab import Vocab
-
+        return link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
     vocab = Vocab.load(url)
     fields["size"] = len(vocab)
     if digest and vocab.digest != digest:
-        return _link("vocabulary", CHANGED, **fields, detail=f"{url} now has digest {vocab.digest}")
-    return _link("vocabulary", OK, **fields)
+        return link("vocabulary", CHANGED, **fields, detail=f"{url} now has digest {vocab.digest}")
+    return link("vocabulary", OK, **fields)
 
 
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
     key = t.get("data.tokens_key")
     if t.get("data.tokens_corpus"):
-        from flows.history.lineage_corpus import packs_link
 
         return packs_link(t["data.tokens_corpus"], key)
     fields, manifest = _stage_folder("tokens", "token chunks", t.get("data.tokens"), key)
@@ -299,61 +282,32 @@ def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
         return fields
     fields["n_tokens"] = manifest.get("n_tokens")
     if key and manifest.get("key") != key:
-        return _link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
-    return _link("tokens", OK, **fields)
+        return link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
+    return link("tokens", OK, **fields)
 
 
 def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
     """The stored copy of the corpus, hashed again where it holds the source's bytes unchanged
     (UTF-8, not compressed); its metadata (raw/<sha256>.json) for the source and byte count.
-    A corpus of many files: its manifest (flows.lineage_corpus.manifest_link)."""
+    A corpus of many files: its manifest (flows.history.lineage_corpus.manifest_link)."""
     if t.get("data.raw_files", "1") != "1" or (t.get("data.raw_url") or "").endswith(".json"):
-        from flows.history.lineage_corpus import manifest_link
 
         return manifest_link(t, files)
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
                               "bytes": int(t["data.raw_bytes"]) if t.get("data.raw_bytes") else None}
     if not sha or not url:
-        return _link("corpus", UNRECORDED, **fields)
+        return link("corpus", UNRECORDED, **fields)
     meta_url = url[:-len(".txt")] + ".json" if url.endswith(".txt") else None
     meta = storage.read_json(meta_url) if meta_url and storage.exists(meta_url) else {}
     fields.update(source=meta.get("source") or fields["source"], bytes=meta.get("bytes") or fields["bytes"])
     if not storage.exists(url):
-        return _link("corpus", MISSING, **fields, detail=f"the stored copy {url} is gone")
+        return link("corpus", MISSING, **fields, detail=f"the stored copy {url} is gone")
     if meta.get("encoding", "utf-8") not in ("utf-8", "ascii") or meta.get("compression") or not meta:
-        return _link("corpus", OK, **fields, detail="stored converted or made: present, not hashed again")
+        return link("corpus", OK, **fields, detail="stored converted or made: present, not hashed again")
     if (now := storage.sha256_file(url)) != sha:
-        return _link("corpus", CHANGED, **fields, detail=f"the stored copy now has sha256 {now}")
-    return _link("corpus", OK, **fields)
-
-
-def _model_id(version: Any) -> str | None:
-    """The LoggedModel a registered version was made from (its source is models:/<model id>)."""
-    source = version.source or ""
-    return getattr(version, "model_id", None) or (source[len("models:/"):] if source.startswith("models:/m-") else None)
-
-
-def _int(x: str | None) -> int | None:
-    return int(x) if x and x.isdigit() else None
-
-
-def _float(x: str | None) -> float | None:
-    try:
-        return float(x) if x is not None else None
-    except ValueError:
-        return None
-
-
-def _clean(obj: Any) -> Any:
-    """Every string without credentials: URLs lose user:password, secrets in values go."""
-    if isinstance(obj, str):
-        return scrub(hide_credentials(obj) if "://" in obj else obj)
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
+        return link("corpus", CHANGED, **fields, detail=f"the stored copy now has sha256 {now}")
+    return link("corpus", OK, **fields)
 
 
 # --- printing ------------------------------------------------------------------------------
@@ -362,8 +316,8 @@ def _clean(obj: Any) -> Any:
 def render(chain: dict[str, Any]) -> str:
     """The chain as a person reads it: one block per link, newest first, its status at the right."""
     out = []
-    for link in chain["links"]:
-        name, status = link["link"], link["status"]
+    for each in chain["links"]:
+        name, status = each["link"], each["status"]
         head = {
             "model": lambda x: f"{x['name']}/{x['version']}" + (f" @{', @'.join(x['aliases'])}" if x.get("aliases") else "")
             + (f"  {x['headline']} {x['headline_value']:.4f}" if x.get("headline_value") is not None else ""),
@@ -379,23 +333,23 @@ def render(chain: dict[str, Any]) -> str:
             "tokens": lambda x: f"key {x.get('key', '?')}" + (f"  {x['n_tokens']:,} tokens" if x.get("n_tokens") else ""),
             "corpus": lambda x: f"sha256 {x.get('sha256', '?')}" + (f"  {x['files']:,} files" if x.get("files") else "")
             + (f"  {x['bytes']:,} bytes" if x.get("bytes") else ""),
-        }[name](link)
+        }[name](each)
         mark = "" if status == OK else f"  [{status.upper()}]"
         out.append(f"{name:11} {head}{mark}")
-        if name == "run" and link.get("model_id"):
-            link = {**link, "model_id": f"{link['model_id']} (best, step {link.get('best_step')})"
-                    + (f"; last: {link['last_model_id']} (step {link.get('last_step')})" if link.get("last_model_id") else "")}
+        if name == "run" and each.get("model_id"):
+            each = {**each, "model_id": f"{each['model_id']} (best, step {each.get('best_step')})"
+                    + (f"; last: {each['last_model_id']} (step {each.get('last_step')})" if each.get("last_model_id") else "")}
         for field, label in (("model_id", "logged model"), ("checkpoint", "checkpoint"), ("decision", "decision"),
                              ("experiment", "experiment"), ("ui", "ui"),
                              ("api", "checked at"), ("branch", "branch"), ("config_digest", "config digest"),
                              ("code_digest", "code digest"), ("uri", "uri"), ("source", "source")):
-            if link.get(field) not in (None, "") and not (name == "model" and field == "decision"):
-                out.append(f"{'':11} {label}: {link[field]}")
-        for f in link.get("file_list", []):
+            if each.get(field) not in (None, "") and not (name == "model" and field == "decision"):
+                out.append(f"{'':11} {label}: {each[field]}")
+        for f in each.get("file_list", []):
             out.append(f"{'':11} file: {f['sha256'][:16]}  {f['bytes']:>12,} bytes  {f['source']}")
-        if link.get("detail"):
-            out.append(f"{'':11} {status}: {link['detail']}" if status != OK else f"{'':11} note: {link['detail']}")
-    broken = [link["link"] for link in chain["links"] if link["status"] in BROKEN]
+        if each.get("detail"):
+            out.append(f"{'':11} {status}: {each['detail']}" if status != OK else f"{'':11} note: {each['detail']}")
+    broken = [each["link"] for each in chain["links"] if each["status"] in BROKEN]
     out.append(f"broken links: {', '.join(broken)}" if broken else "every link checked against storage: ok")
     return "\n".join(out)
 

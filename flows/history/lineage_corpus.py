@@ -8,8 +8,9 @@ import re
 import time
 from typing import Any
 
-from flows.history.lineage import CHANGED, MISSING, OK, _clean, _float, _get, _int, _link, _model_id
-from mllm import UserError, storage
+from flows.history.links import CHANGED, MISSING, OK, as_float, as_int, clean, get_or_none, link, model_id
+from mllm import UserError, layout, storage
+from tasks.data.download import corpus_digest, file_key
 from tasks.tracking import tracker as tracking
 
 
@@ -17,39 +18,38 @@ def packs_link(url: str, key: str | None) -> dict[str, Any]:
     """A many-file corpus's tokens: the packs its tokens list, each still complete."""
     fields: dict[str, Any] = {"key": key, "uri": url}
     if not storage.exists(url):
-        return _link("tokens", MISSING, **fields, detail=f"{url} is gone")
+        return link("tokens", MISSING, **fields, detail=f"{url} is gone")
     doc = storage.read_json(url)
     fields.update(n_tokens=doc.get("n_tokens"), packs=len(doc["packs"]))
     for p in doc["packs"]:
         if not storage.is_complete(p["url"]):
-            return _link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
-    return _link("tokens", OK, **fields)
+            return link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
+    return link("tokens", OK, **fields)
 
 
 def manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
     """A many-file corpus: its manifest, whose file digests must digest to the corpus's, and every
     stored copy, there and of the size it had."""
-    from tasks.corpus import corpus_digest, file_key
 
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
-                              "bytes": _int(t.get("data.raw_bytes")), "files": _int(t.get("data.raw_files"))}
+                              "bytes": as_int(t.get("data.raw_bytes")), "files": as_int(t.get("data.raw_files"))}
     if not storage.exists(url):
-        return _link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
+        return link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
     doc = storage.read_json(url)
     listed = doc["files"]
     fields["files"] = len(listed)
     if files:
         fields["file_list"] = [{"source": f["source"], "sha256": f["sha256"], "bytes": f["bytes"]} for f in listed]
     if (again := corpus_digest([file_key(f["url"], f["sha256"]) for f in listed])) != sha:
-        return _link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
+        return link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
     for f in listed:
         if not storage.exists(f["url"]):
-            return _link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
+            return link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
         size = storage.filesystem(f["url"])[0].size(storage.filesystem(f["url"])[1])
         if f.get("stored_bytes") is not None and size != f["stored_bytes"]:
-            return _link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
-    return _link("corpus", OK, **fields)
+            return link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
+    return link("corpus", OK, **fields)
 
 
 def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
@@ -80,7 +80,7 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
         version = None
         if t.get("model_version"):
             name, _, number = t["model_version"].rpartition("/")
-            version = _get(client.get_model_version, name, number)
+            version = get_or_none(client.get_model_version, name, number)
         vt = version.tags if version is not None else {}
         rows.append({
             "sha256": t["data.raw_sha256"], "source": t.get("data.source"), "run_id": r.info.run_id,
@@ -91,24 +91,24 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
                                                         f"{t['champion.version']} (champion, not retrained)"
                                                         if t.get("champion.version") else None),
             "aliases": list(version.aliases or []) if version is not None else [],
-            "model_id": _model_id(version) if version is not None else None,
-            "headline": vt.get("headline"), "headline_value": _float(vt.get("headline.value")),
+            "model_id": model_id(version) if version is not None else None,
+            "headline": vt.get("headline"), "headline_value": as_float(vt.get("headline.value")),
             "holds_file": holding.get(t["data.raw_sha256"]),
         })
-    return _clean(rows)
+    return clean(rows)
 
 
 def _corpora_holding(root: str, prefix: str) -> dict[str, str]:
     """Corpus digest -> the file (source and sha256) whose digest starts with `prefix`, for every
     corpus manifest under `root/corpora`."""
-    fs, path = storage.filesystem(storage.join(root, "corpora"))
+    fs, path = storage.filesystem(layout.folder(root, layout.CORPORA))
     try:
         names = [p for p in fs.ls(path, detail=False) if not p.rsplit("/", 1)[-1].startswith(("seen-", "last-"))]
     except FileNotFoundError:
         return {}
     found = {}
     for name in names:
-        doc = storage.read_json(storage.join(root, "corpora", name.rsplit("/", 1)[-1]))
+        doc = storage.read_json(layout.folder(root, layout.CORPORA, name.rsplit("/", 1)[-1]))
         hit = next((f for f in doc.get("files", []) if f["sha256"].startswith(prefix)), None)
         if hit:
             found[doc["digest"]] = f"{hit['source']} (sha256 {hit['sha256'][:16]})"

@@ -16,7 +16,7 @@ import yaml
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from mllm import UserError
+from mllm import UserError, layout
 from tasks.tracking.provenance import version_changes
 from tasks.tracking import tracker as tracking
 from tasks.tracking.tracker import tracking_uri
@@ -234,9 +234,8 @@ def _recorded_config(root: str, run_id: str) -> dict[str, Any]:
 
 
 def _reproduction_storage(root: str, run_id: str) -> str:
-    from mllm import storage
 
-    return storage.join(root, "reproductions", f"{run_id[:12]}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return layout.folder(root, layout.REPRODUCTIONS, f"{run_id[:12]}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def _latest_reproduction(root: str, run_id: str):

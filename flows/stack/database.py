@@ -25,8 +25,10 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows.stack import state
 from flows.stack.processes import Service, free_port, port_free
-from mllm import UserError
+from mllm import UserError, failures
+from tasks.tracking import outage
 
 ROLE = "mllm"
 DEFAULT_NAME = "mllm"
@@ -127,16 +129,14 @@ def down_line(exc: BaseException | None) -> str | None:
     """One line when `exc` is a server's failure because the Prefect and MLflow servers' database
     is down (not the asyncpg or psycopg tracebacks the servers log), naming the stack's database
     when $PREFECT_API_URL is the stack's in $MLLM_STACK_HOME (or ./.mllm-stack); else None."""
-    from flows.stack import servers as stack
-    from tasks.tracking import outage
 
-    if exc is None or not (outage.server_error(exc) or outage.tracking_down(exc)):
+    if exc is None or not (failures.server_error(exc) or outage.tracking_down(exc)):
         return None
     api = outage.prefect_database_down()
     if api is None:
         return None
-    home = stack.stack_home()
-    ours = stack.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") == api
+    home = state.stack_home()
+    ours = state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") == api
     what = f"the stack's {recorded(home).get('database')}" if ours and recorded(home) else "their database"
     return (f"{DOWN} ({what}; the Prefect server {api} answers "
             "'Database is not available'): start it again (`mllm-pipeline stack up` starts what of the stack is "

@@ -19,37 +19,14 @@ import urllib.request
 from pathlib import Path
 
 from flows import QUIET_ENV
+from flows.stack import database
+from flows.stack.orphans import crash_orphans
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
+from flows.stack.state import load, save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
 
 
 # -- the stack ---------------------------------------------------------------------------------
-
-
-def stack_home(home: str | None = None) -> Path:
-    return Path(home or os.environ.get("MLLM_STACK_HOME") or ".mllm-stack").expanduser().resolve()
-
-
-def _state_file(home: Path) -> Path:
-    return home / "stack.json"
-
-
-def load(home: Path) -> dict:
-    try:
-        state = json.loads(_state_file(home).read_text())
-    except (OSError, ValueError):
-        return {"services": [], "env": {}}
-    state["services"] = [Service(**s) for s in state.get("services", [])]
-    return state
-
-
-def _save(home: Path, services: list[Service], env: dict[str, str], pool: str, storage: str,
-          worker_env: dict[str, str]) -> None:
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = _state_file(home).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"services": [s.saved() for s in services], "env": env, "pool": pool,
-                               "storage": storage, "worker_env": worker_env}, indent=2) + "\n")
-    tmp.replace(_state_file(home))
 
 
 def _port(wanted: int, what: str, option: str) -> int:
@@ -100,7 +77,6 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
-    from flows.stack import database
 
     home.mkdir(parents=True, exist_ok=True)
     db = database.choose(home, database_url, timeout)
@@ -127,7 +103,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     try:
         for s in services:
             started.append(s.start())
-        _save(home, started, env, **extra)
+        save(home, started, env, **extra)
         for s in services:
             s.wait_ready(timeout)
         start_worker(home, timeout)
@@ -135,14 +111,13 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     except BaseException:
         for s in reversed(load(home)["services"] or started):
             s.stop()
-        _state_file(home).unlink(missing_ok=True)
+        state_file(home).unlink(missing_ok=True)
         raise
     return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool)}
 
 
 def _crash_orphans(api: str, pool: str) -> list[str]:
     """The pool's flow runs left in flight by a process that is gone, marked Crashed (flows/stack/orphans.py)."""
-    from flows.stack.orphans import crash_orphans
 
     try:
         return crash_orphans(api, pool)
@@ -154,7 +129,6 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
     """Start again the database's server and the Prefect and MLflow servers of a running stack
     that are down (a server that runs but does not answer is stopped first); the names of those
     started. A database that comes back on another port takes both servers with it."""
-    from flows.stack import database
 
     services = state["services"]
     cluster = next((s for s in services if s.name == "postgres"), None)
@@ -179,7 +153,7 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
             new[old.name] = Service(old.name, old.cmd, old.log, old.health_url, old.url,
                                     env=_server_env(old.name, home, state["env"]["PREFECT_API_URL"], db)).start()
             restarted.append(old.name)
-        _save(home, [new.get(s.name, s) for s in services], state["env"], state["pool"], state["storage"],
+        save(home, [new.get(s.name, s) for s in services], state["env"], state["pool"], state["storage"],
               state.get("worker_env", {}))
         for old in down:
             new[old.name].wait_ready(timeout)
@@ -202,7 +176,7 @@ def start_worker(home: Path, timeout: float = 180.0) -> Service:
                           **state.get("worker_env", {})})
     services = [s for s in state["services"] if s.name != "worker"]
     worker.start()
-    _save(home, [*services, worker], env, pool, state["storage"], state.get("worker_env", {}))
+    save(home, [*services, worker], env, pool, state["storage"], state.get("worker_env", {}))
     worker.wait_ready(timeout, ready=lambda: _worker_online(env["PREFECT_API_URL"], pool, worker.pid))
     return worker
 
@@ -279,7 +253,7 @@ def down(home: Path, force: bool = False) -> list[tuple[str, bool]]:
         raise UserError(f"flow runs use the stack: {', '.join(busy[:5])}{more}; let them finish (or cancel them), "
                         "or stop the stack under them with `mllm-pipeline stack down --force`")
     result = [(s.name, s.stop()) for s in reversed(state["services"])]
-    _state_file(home).unlink(missing_ok=True)
+    state_file(home).unlink(missing_ok=True)
     return result
 
 

@@ -68,7 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.explicit = config.attention == "explicit"
         # The GPT's own table, shared by its layers: under `attention: sdpa`, the dtypes in which
         # a whole sequence's attention runs as written-out matrix multiplies instead of torch's
-        # SDPA kernel, because this machine measured them faster (mllm.speed.choose_attention).
+        # SDPA kernel, because this machine measured them faster (mllm.runtime.speed.choose_attention).
         # Not a setting: the same attention either way, and nothing of it in a checkpoint.
         self.kernels = {} if kernels is None else kernels
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.runtime.devices import build_model, resolve_device
+from mllm.runtime.devices import resolve_device
+from mllm.family import build_model
 from mllm.data.text import Tokenizer, tokenizer_from_json
 from mllm.data.vocab import Vocab
 

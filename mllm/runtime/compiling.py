@@ -6,7 +6,7 @@ on 2 cores, and its gain depends on the model, the precision and the machine, so
 `train.compile: auto` decides in the run: it times the first eager steps, compiles when the
 training left should save more than a compilation costs, times the compiled steps, and goes
 back to eager when they are not faster. What it measured (the gain, the compilation's seconds) is
-cached per machine and model shape, like the probes of mllm.speed, and decides later runs from the start.
+cached per machine and model shape, like the probes of mllm.runtime.speed, and decides later runs from the start.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Compiler:
     """train.compile in the loop: true compiles before the first step, false never; auto times
     the first eager steps, compiles when the training left should win the compilation back
     (compile_pays), times the compiled steps and keeps them only if they are faster
-    (mllm.speed). Validation stays on the eager model when auto compiled (another graph, another
+    (mllm.runtime.speed). Validation stays on the eager model when auto compiled (another graph, another
     compilation, for a few batches)."""
 
     def __init__(self, requested, raw: torch.nn.Module, device: torch.device, world_size: int, key: list):

@@ -1,4 +1,4 @@
-"""One entry point from a model config to a model, and the device it runs on.
+"""The device a model runs on.
 
 Every family's model shares one forward contract: forward(*batch) -> (output, loss | None,
 state), the batch's last tensor being the target (padding -1). What the batch holds and what the
@@ -8,16 +8,8 @@ state is belong to the family (mllm.family).
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from mllm import UserError
-from mllm.config import ModelConfig
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    from mllm.family import family_of  # the families build their models with what this module offers
-
-    return family_of(cfg).build_model(cfg)
 
 
 def resolve_device(name: str) -> torch.device:

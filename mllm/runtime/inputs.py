@@ -19,17 +19,6 @@ from mllm.data.vocab import Vocab
 Split = tuple[np.ndarray, "np.ndarray | None"]  # token ids, and where each paragraph starts in them
 
 
-def load_inputs(cfg: RunConfig) -> tuple:
-    """The config with its vocabulary sizes set, the vocabulary and tokenizer, the train and
-    validation data, and what else a checkpoint must carry to be used alone: as the family of
-    the config's model reads them."""
-    from mllm.family import family_of
-
-    if cfg.paths is None:
-        raise UserError("the config has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir")
-    return family_of(cfg).load_inputs(cfg)
-
-
 def load_token_inputs(cfg: RunConfig) -> tuple[RunConfig, Vocab, Tokenizer, Split, Split, dict]:
     """Token ids of the train and validation splits, their offsets when given, one vocabulary."""
     p = cfg.paths

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mllm import UserError
 from mllm.config import Seq2SeqConfig
 from mllm.transformer import causal_mask, explicit_attention, sinusoidal_positions
 
@@ -33,8 +34,6 @@ PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
 
 
 def build_seq2seq(cfg: Seq2SeqConfig) -> nn.Module:
-    from mllm import UserError
-
     if cfg.src_vocab_size <= len(SPECIALS) or cfg.tgt_vocab_size <= len(SPECIALS):
         raise UserError("model.src_vocab_size/tgt_vocab_size are unset: set them to the vocabularies' "
                         "sizes (mllm.pairs.vocab_sizes) before building the model")

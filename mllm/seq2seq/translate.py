@@ -264,7 +264,7 @@ SAMPLE_METHODS = {"greedy": "greedy", "beam": "beam", "temperature": "sample"}
 
 def translate_texts(loaded, texts: list[str], method: str | None = None, beam_width: int | None = None,
                     temperature: float | None = None, seed: int | None = None, **_ignored) -> list[str]:
-    """Translations of `texts` by a loaded seq2seq checkpoint (mllm.checkpoint.Loaded).
+    """Translations of `texts` by a loaded seq2seq checkpoint (mllm.runtime.checkpoint.Loaded).
 
     `method` is a sample-section name (greedy, beam, temperature); what is left unset takes the
     run's own sample section. Options of the language models' sampling (top_k, ...) are ignored.

@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Iterator
 
-from mllm import UserError, storage
-from mllm.storage import exception_chain
+from mllm import UserError, failures, layout, storage
+from mllm.failures import exception_chain
 from mllm.redact import strip_userinfo
 
 log = logging.getLogger(__name__)
@@ -36,11 +36,6 @@ def _logger() -> Any:
     except Exception:  # noqa: BLE001 (no run context)
         return log
 
-# Exceptions that mean nothing answered (urllib3's, requests', the stdlib's), by name: MLflow
-# wraps them in an MlflowException whose message names the server.
-_NO_ANSWER = {"ConnectionError", "MaxRetryError", "NewConnectionError", "ConnectTimeout", "ReadTimeout",
-              "ConnectionRefusedError", "RemoteDisconnected", "ProtocolError", "TimeoutError"}
-_NO_ANSWER_TEXT = ("Max retries exceeded", "Connection refused", "Connection aborted", "timed out")
 HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
 
 
@@ -92,9 +87,7 @@ def tracking_down(exc: BaseException | None) -> str | None:
     url = server()
     for e in exception_chain(exc) if url else ():
         text = str(e)
-        names = {c.__name__ for c in type(e).__mro__}
-        if (names & _NO_ANSWER or any(t in text for t in _NO_ANSWER_TEXT)) and (
-                url.split("://", 1)[1] in text or "API request to" in text):
+        if failures.no_answer(e) and (url.split("://", 1)[1] in text or "API request to" in text):
             how = _failed(e)
             fix = _advice(how, "stopped answering", "`mllm-pipeline stack up` restarts one")
             return (f"the MLflow tracking server {url} {how}: {fix} run the same command; finished stages and "
@@ -102,40 +95,7 @@ def tracking_down(exc: BaseException | None) -> str | None:
     return None
 
 
-# A server's own failure, as Prefect's client (httpx) and MLflow's (its retries of 5xx) report it.
-_SERVER_ERROR_TEXT = ("500 Internal Server Error", "503 Service Unavailable", "500 error responses",
-                      "503 error responses")
 _probed: dict[str, tuple[float, bool]] = {}
-
-
-def server_error(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what caused it) is a 5xx answer of a server."""
-    for e in exception_chain(exc):
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if (isinstance(status, int) and status >= 500) or any(t in str(e) for t in _SERVER_ERROR_TEXT):
-            return True
-    return False
-
-
-# What a retry may mend: a server that is busy, restarting or overloaded (its proxy's 502/503/504,
-# 429, 408), a connection refused, dropped or timed out. Not a 500 (a bug, or a database that is
-# down: flows/stack/database.py says so in one line) and not a 4xx (the request itself is wrong).
-_TRANSIENT_STATUS = {408, 429, 502, 503, 504}
-_TRANSIENT_TEXT = ("502 Bad Gateway", "503 Service Unavailable", "504 Gateway Timeout", "429 Too Many Requests",
-                   "502 error responses", "503 error responses", "504 error responses", "429 error responses")
-_DROPPED = _NO_ANSWER | {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "PoolTimeout",
-                         "ConnectionResetError", "BrokenPipeError"}
-
-
-def transient(exc: BaseException | None) -> bool:
-    """Whether `exc` (or what caused it) is a server's passing failure, which a retry may mend."""
-    for e in exception_chain(exc):
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        if status in _TRANSIENT_STATUS or any(t in str(e) for t in _TRANSIENT_TEXT):
-            return True
-        if {c.__name__ for c in type(e).__mro__} & _DROPPED:
-            return True
-    return False
 
 
 def wait_for_servers(within: float = 240.0) -> bool:
@@ -189,8 +149,7 @@ def prefect_down(exc: BaseException | None) -> str | None:
     5xx answers, from its server; else None. Without $PREFECT_API_URL that server is the temporary
     one Prefect starts inside the command."""
     for e in exception_chain(exc):
-        if type(e).__module__.split(".")[0] in ("httpx", "httpcore") and (
-                {c.__name__ for c in type(e).__mro__} & _DROPPED or server_error(e)):
+        if failures.from_http_client(e) and (failures.dropped(e) or failures.server_error(e)):
             api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
             how = _failed(e, "does not answer")
             if not api:
@@ -282,7 +241,7 @@ def check_back(run_dir: str) -> None:
 
 
 def _unfinished(root: str) -> str:
-    return storage.join(root, "tracking", "unfinished")
+    return layout.folder(root, layout.TRACKING, "unfinished")
 
 
 def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:

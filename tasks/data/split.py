@@ -1,15 +1,5 @@
-"""The split stage of a corpus of many files: each token pack's rows routed to train, val and test
-as a mapped task on the flow's task runner, then the splits put together in pack order: each split
-a manifest of its packs' pieces (mllm.splits.assemble), which training reads as one array.
-
-A pack's routed piece is stored under `splits/pieces/<key>`, keyed by the pack (and which of its
-files the corpus holds), the vocabulary and the split's settings: a corpus that grows by a file
-routes the new file's pack only (as long as the vocabulary stays the same), and the put-together
-step reads the pieces instead of every pack's tokens. A source of one file, or a corpus of one
-file, keeps the single `split` task of tasks.data and its contiguous split.
-
-    splits = split_source(tokens, vocab, cfg.data, root)
-"""
+"""The split stage: one file split contiguously (or by spans) into train/val/test ids; a corpus
+routed pack by pack, each span by a digest of its content, then put together."""
 
 from __future__ import annotations
 
@@ -18,14 +8,51 @@ from typing import Any
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from mllm import storage
-from mllm.data import splits, text
+from mllm import layout, storage
 from mllm.config import DataConfig, SplitConfig
+from mllm.data import splits, text, tokens as token_chunks
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import code_digest, forget_exception, stage_cache, transient
-from tasks.corpus import corpus_packs, fan_out
-from tasks.data import SplitPart, Splits, Tokens, Vocabulary, _finished, _manifest, _split_key, split
+from tasks.caching import forget_exception, stage_cache, transient
+from tasks.data import (SplitPart, Splits, Tokens, Vocabulary, finished,
+                        write_manifest)
+from tasks.data.fan_out import fan_out
+from tasks.data.tokenize import corpus_packs
+
+
+def _split_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> str:
+    return storage.digest(["split", tokens.key, vocabulary.digest, cfg.model_dump(), layout.code_digest(Vocab, splits, token_chunks)])
+
+
+@task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_split_key),
+      retries=1, retry_condition_fn=transient)
+def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> Splits:
+    """Encode the tokens and route each segment of the split plan to its split's arrays."""
+    key = _split_key(tokens, vocabulary, cfg, root)
+    url = layout.folder(root, layout.SPLITS, key)
+    assets.materializes(url, reads=[tokens.url, vocabulary.url], name="split")
+    if done := finished(url, Splits):
+        return done
+    vocab = Vocab.load(vocabulary.url)
+    tokenizer = text.tokenizer_from_json(storage.read_text(tokens.tokenizer), source=tokens.tokenizer)
+    source: Any = tokens.url
+    if tokens.corpus:
+        source, n_files = corpus_packs(tokens)
+        if n_files > 1:  # split span by span, by content: split_source below
+            raise ValueError("a corpus of many files is split by tasks.data.split.split_source")
+    plan = splits.split_plan(tokens.n_tokens, cfg)
+    with storage.staged_dir(url) as out:
+        written = splits.write_splits(source, vocab, tokenizer, plan, out)
+        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),
+                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
+                                   offsets=storage.join(url, f"{w.name}.offsets.npy"))
+                 for w in written}
+        result = Splits(key=key, url=url, **parts)
+        write_manifest(out, result)
+    assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
+                    **{f"{w.name}_bytes": w.n_bytes for w in written})
+    get_run_logger().info("split: %s", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written))
+    return result
 
 
 class PackRows(BaseModel):
@@ -36,11 +63,11 @@ class PackRows(BaseModel):
 def _route_key(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
     # The span size is the tokens stage's (it made the rows); seed and fractions decide the owner.
     return storage.digest(["route", pack.model_dump(), vocabulary.digest, cfg.model_dump(exclude={"span_bytes"}),
-                           code_digest(Vocab, splits)])
+                           layout.code_digest(Vocab, splits)])
 
 
 def _piece_url(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
-    return storage.join(root, "splits", "pieces", _route_key(pack, vocabulary, tokenizer, cfg, root))
+    return layout.folder(root, layout.SPLITS, "pieces", _route_key(pack, vocabulary, tokenizer, cfg, root))
 
 
 def _stored_piece(url: str) -> dict[str, Any] | None:
@@ -71,9 +98,9 @@ def _assembled_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, roo
 def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str, pieces: list[str]) -> Splits:
     """The corpus's splits from its packs' routed pieces, in pack order."""
     key = _split_key(tokens, vocabulary, cfg, root)
-    url = storage.join(root, "splits", key)
+    url = layout.folder(root, layout.SPLITS, key)
     assets.materializes(url, reads=[tokens.url, vocabulary.url], name="split")
-    if done := _finished(url, Splits):
+    if done := finished(url, Splits):
         return done
     with storage.staged_dir(url) as out:
         written = splits.assemble(pieces, vocabulary.size, out)
@@ -83,7 +110,7 @@ def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, ro
                                    offsets=storage.join(url, f"{w.name}.offsets.npy"))
                  for w in written}
         result = Splits(key=key, url=url, **parts)
-        _manifest(out, result)
+        write_manifest(out, result)
     assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
                     **{f"{w.name}_bytes": w.n_bytes for w in written})
     get_run_logger().info("split: %s (from %d packs)", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written),
@@ -101,7 +128,7 @@ def split_source(tokens: Tokens, vocabulary: Vocabulary, d: DataConfig, root: st
     if n_files == 1:
         return split(tokens, vocabulary, cfg, root)
     pieces: list[str] = []
-    if not storage.is_complete(storage.join(root, "splits", _split_key(tokens, vocabulary, cfg, root))):
+    if not storage.is_complete(layout.folder(root, layout.SPLITS, _split_key(tokens, vocabulary, cfg, root))):
         refs = [PackRows(url=url, files=files) for url, files in corpus.packs]
         # Pieces already stored are read here: a task run each would cost Prefect's bookkeeping
         # (a tenth of a second) for a pack that needs nothing done.
@@ -116,5 +143,3 @@ def split_source(tokens: Tokens, vocabulary: Vocabulary, d: DataConfig, root: st
         splits.check_span_sizes(sizes, rows, cfg)
         pieces = [r["url"] for r in routed]
     return assemble_splits(tokens, vocabulary, cfg, root, pieces)
-
-
