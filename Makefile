@@ -9,7 +9,7 @@ SOURCE ?=
 STORAGE ?=
 SET    ?=
 
-.PHONY: run test install install-dev bench clean docker-setup image
+.PHONY: run test test-fast install install-dev bench clean docker-setup image
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,13 @@ run: $(VENV)/.installed
 		$(if $(STORAGE),--storage "$(STORAGE)") $(foreach s,$(SET),--set "$(s)")
 
 # Two workers (pytest-xdist), a test file each at a time: a module's tests share its servers and
-# fixtures and run in order on one worker (--dist loadfile).
+# fixtures and run in order on one worker (--dist loadfile). The whole suite is the gate (CI runs
+# it); test-fast leaves out the modules marked integration (real flows, CLI commands, servers).
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
+
+test-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not integration"
 
 # A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
 # and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.

@@ -72,8 +72,12 @@ def storage_options(url: str) -> dict[str, Any]:
 # is tried S3_ATTEMPTS times in all (botocore's standard retries; AWS_MAX_ATTEMPTS and
 # AWS_RETRY_MODE, when set, win): a store that hangs fails a storage call in about
 # attempts * READ_S seconds, as one that is down does; Prefect's retries of the stage come on
-# top (README, "Object storage", gives the whole bound).
-CONNECT_S, READ_S, S3_ATTEMPTS = 5, 10, 3
+# top (README, "Object storage", gives the whole bound). MLLM_S3_CONNECT_TIMEOUT and
+# MLLM_S3_READ_TIMEOUT (seconds) set the two timeouts for a store known to be slower, or, in the
+# tests, to wait out a hung store in seconds.
+CONNECT_S = float(os.environ.get("MLLM_S3_CONNECT_TIMEOUT") or 5)
+READ_S = float(os.environ.get("MLLM_S3_READ_TIMEOUT") or 10)
+S3_ATTEMPTS = 3
 MIN_UPLOAD_BYTES_PER_S = 1 << 20
 
 

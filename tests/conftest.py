@@ -5,9 +5,15 @@ These variables are set before any test module imports prefect or mlflow, which 
 
 from __future__ import annotations
 
+import base64
+import functools
+import http.server
 import os
 import random
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,9 +35,37 @@ os.environ.update({
     # Tiny test models run 30x slower when two threads contend for two busy cores.
     "OMP_NUM_THREADS": "1",
 })
-# No server named: Prefect's temporary one (a test that needs a server starts its own).
+# No storage root and no Prefect server named by the environment the tests were started in: the
+# session's own server (the `prefect_server` fixture) is named once it runs.
 for _name in ("MLLM_STORAGE", "PREFECT_API_URL"):
     os.environ.pop(_name, None)
+
+# The servers' fixtures (tests/servers.py), registered once for the session.
+pytest_plugins = ("servers",)
+
+
+# The modules that take longest, longest first (`make test`'s --durations): sent to the two workers
+# first, so that neither is left with one of them at the end while the other idles.
+HEAVY_FIRST = ("test_docker.py", "test_stack_postgres.py", "test_stack.py", "test_transient.py", "test_faults.py",
+               "test_faults_training.py", "test_lineage.py", "test_corpora.py", "test_object_storage.py",
+               "test_pipeline_tracking.py", "test_cli.py", "test_sweep.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order stays
+
+
+def pytest_configure(config) -> None:
+    # An xdist worker leads a process group of its own, ended when the worker ends however it
+    # ends (tests/reaper.py): no command, temporary Prefect server or training a test started
+    # outlives a run that was stopped. Servers that lead groups of their own are reaped alike
+    # (servers.background).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from servers import reap
+
+        os.setpgid(0, 0)
+        reap(os.getpid())
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -85,14 +119,36 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def prefect_server():
-    """A real Prefect server (a subprocess on a free loopback port, temporary SQLite database)
-    for the flows this test process runs; stopped after the session."""
-    from prefect.testing.utilities import prefect_test_harness
+@pytest.fixture(scope="session", autouse=True)
+def prefect_server(tmp_path_factory):
+    """One real Prefect server per test process (an xdist worker), for the flows it runs and for
+    every CLI command it starts: a command with no PREFECT_API_URL starts a temporary server of its
+    own, which cost 40-70 s a command at load 6 here against 28 s with this one. A test that is
+    about that temporary server, or reads Prefect's own database, sets PREFECT_API_URL="" for its
+    command (an empty value names no server) and gives it a PREFECT_HOME of its own."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with prefect_test_harness(server_startup_timeout=None):
-        yield
+    from flows.stack.processes import free_port
+    from servers import background, quiet_env
+
+    folder = tmp_path_factory.mktemp("prefect-server")
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
+           "--port", str(port)]
+    server = background(cmd, f"{api}/health", folder / "prefect-server.log", quiet_env(folder / "home"))
+    before = os.environ.get("PREFECT_API_URL")
+    try:
+        server.wait_ready(180)
+        os.environ["PREFECT_API_URL"] = api
+        with temporary_settings({PREFECT_API_URL: api}):
+            yield api
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = before
+        server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -101,3 +157,72 @@ def _own_mlflow_store(tmp_path: Path, monkeypatch) -> None:
     test must not make another skip its training."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow-store' / 'mlflow.db'}")
     (tmp_path / "mlflow-store").mkdir()
+
+
+# --- the CLI as a user runs it, and the stores a test keeps to itself -----------------------------
+
+PASSWORD = "s3cr3t-Passw0rd-xyzzy"
+TOKEN = "tok-9f8e7d6c5b4a-secret"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 600,
+        **env_vars: str) -> subprocess.CompletedProcess:
+    """`mllm-pipeline ARGS` in a process of its own, as a user runs it: its exit status, stdout
+    and stderr."""
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {}), **env_vars})
+
+
+@pytest.fixture
+def own_stores(tmp_path: Path) -> tuple[dict[str, str], Path, Path, Path]:
+    """A Prefect home, an MLflow store and a storage root of this test's own. Commands use the
+    session's Prefect server; a test that reads Prefect's database sets env["PREFECT_API_URL"] = ""
+    (a temporary server of its own, in `prefect`)."""
+    prefect, mlflow, storage = tmp_path / "prefect", tmp_path / "mlflow", tmp_path / "storage"
+    mlflow.mkdir()
+    env = {"PREFECT_HOME": str(prefect), "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow / 'mlflow.db'}",
+           "MLLM_STORAGE": str(storage)}
+    return env, prefect, mlflow, storage
+
+
+class _BasicAuth(http.server.SimpleHTTPRequestHandler):
+    expected = ""
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        if self.headers.get("Authorization") != self.expected:
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="corpus"')
+            self.end_headers()
+            return
+        super().do_GET()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def basic_auth_server(tmp_path: Path):
+    """A real HTTP server on loopback that serves a folder only to reader:PASSWORD."""
+    folder = tmp_path / "www"
+    folder.mkdir()
+    handler = type("Handler", (_BasicAuth,), {
+        "expected": "Basic " + base64.b64encode(f"reader:{PASSWORD}".encode()).decode()})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield folder, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
+    """The one `error:` line a command that refused its input printed, with exit status 2 and no
+    traceback."""
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]

@@ -3,12 +3,14 @@
 `serving(cmd, health_url, log)` runs any server command (flows.stack.Service) until its health
 URL answers and stops its whole process group afterwards; `run_mlflow_server(folder)` is an
 `mlflow server` with an SQLite backend and artifacts served through it; `run_s3_server(folder)`
-is moto's S3 server behind a proxy that can be switched off. The `mlflow_server` fixture gives one per
-session (import the fixtures into the test module, or into conftest.py):
-
-    from servers import mlflow_server, mlflow_server_starting  # noqa: F401
+is moto's S3 server behind a proxy that can be switched off. The fixtures here (`mlflow_server`,
+one per session; the Docker engine, registry and image) are registered once, as a plugin of
+conftest.py: a test names them as arguments, and never imports them (a fixture imported into a
+module is made again for that module).
 
     def test_x(mlflow_server): ...  # mlflow_server.url is http://127.0.0.1:PORT
+
+Every server started here ends with the test process, however that ends (tests/reaper.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -44,9 +47,19 @@ def quiet_env(home: Path) -> dict[str, str]:
 
 
 def background(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None) -> Service:
-    """A server command started in the background (a process group of its own)."""
-    return Service(Path(cmd[2] if cmd[1:2] == ["-m"] else cmd[0]).name, cmd, str(log), health_url,
-                   env=env or {}).start()
+    """A server command started in the background (a process group of its own), which ends with
+    this process however this process ends (tests/reaper.py)."""
+    service = Service(Path(cmd[2] if cmd[1:2] == ["-m"] else cmd[0]).name, cmd, str(log), health_url,
+                      env=env or {}).start()
+    reap(service.pid)
+    return service
+
+
+def reap(pgid: int) -> None:
+    """End process group `pgid` when this process ends, even by SIGKILL."""
+    subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid()), str(pgid)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
 
 
 @contextlib.contextmanager

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import functools
 import http.server
-import os
 import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import make_text
+from conftest import cli, make_text
 
-
-def cli(*args: str, cwd: Path | None = None, timeout: int = 180, **env_vars: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, COLUMNS="200", **env_vars)
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
@@ -277,7 +271,7 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     root = tmp_path / "my storage"
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
               "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
-              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "fresh" / "mlflow.db").exists() and list(root.glob("runs/*/checkpoints/best.pt"))
     printed = out.stdout + out.stderr
@@ -291,7 +285,7 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     # Run again: a stage reused is said (one Cached line each, above the bars), and nothing else.
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
               "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
-              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     said = [line for line in lines if "| INFO" in line]

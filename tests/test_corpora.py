@@ -24,6 +24,8 @@ from mllm.runtime.epochs import ChainedIds, ids_digest, load_ids, read_chain
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import Vocab
 
+pytestmark = pytest.mark.integration
+
 
 def _books(folder: Path, n: int, words: int = 3000, first_seed: int = 0) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,7 @@ from conftest import make_text
 from flows.stack import servers as stack
 from mllm import storage
 from mllm.config import RunConfig
-from servers import (REPO, BuiltImage, S3Server, background, build_image, docker_engine, mlflow_server,  # noqa: F401
-                     mlflow_server_starting, quiet_env, registry, run_s3_server, serving, training_image)
+from servers import REPO, BuiltImage, S3Server, background, build_image, quiet_env, run_s3_server, serving
 
 pytestmark = pytest.mark.integration
 

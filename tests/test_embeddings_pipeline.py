@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from conftest import make_text
 from flows.pipeline import pipeline
 
-pytestmark = pytest.mark.usefixtures("prefect_server")
+pytestmark = pytest.mark.integration
 
 FAST = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "train.batch_size=256",
         "data.vocab.min_freq=1", "model.n_embd=16", "sample.probes=[war, prince, nosuchword]",

@@ -19,9 +19,10 @@ import torch
 
 from mllm import UserError
 from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
-from mllm.config import RunConfig, SECTIONS, archs, validate
+from mllm.config import RunConfig, SECTIONS, archs
+from mllm.resolve import validate
 from mllm.family import FAMILY_MODULES, families, family_of
-from mllm.runtime.devices import build_model
+from mllm.family import build_model
 from mllm.resolve import resolve
 from mllm.sample import answer
 from mllm.data.text import build_tokenizer
@@ -246,7 +247,7 @@ def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> Non
 def test_count_rnn_runs_through_the_pipeline_and_its_model_counts(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from test_cli import cli
+    from conftest import cli
 
     storage = tmp_path / "storage"
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

@@ -3,68 +3,17 @@ it prints, its exit status, and what storage and the tracking store hold afterwa
 
 from __future__ import annotations
 
-import base64
 import json
-import functools
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from conftest import make_text
+from conftest import PASSWORD, TOKEN, cli, make_text, one_line_error
 
-PASSWORD = "s3cr3t-Passw0rd-xyzzy"
-TOKEN = "tok-9f8e7d6c5b4a-secret"
-
-
-def cli(*args: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200", **env})
-
-
-@pytest.fixture
-def own_stores(tmp_path: Path) -> tuple[dict[str, str], Path, Path, Path]:
-    """A Prefect home, an MLflow store and a storage root of this test's own."""
-    prefect, mlflow, storage = tmp_path / "prefect", tmp_path / "mlflow", tmp_path / "storage"
-    mlflow.mkdir()
-    env = {"PREFECT_HOME": str(prefect), "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow / 'mlflow.db'}",
-           "MLLM_STORAGE": str(storage)}
-    return env, prefect, mlflow, storage
-
-
-class _BasicAuth(http.server.SimpleHTTPRequestHandler):
-    expected = ""
-
-    def do_GET(self):  # noqa: N802 (the stdlib's name)
-        if self.headers.get("Authorization") != self.expected:
-            self.send_response(401)
-            self.send_header("WWW-Authenticate", 'Basic realm="corpus"')
-            self.end_headers()
-            return
-        super().do_GET()
-
-    do_HEAD = do_GET
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def basic_auth_server(tmp_path: Path):
-    """A real HTTP server on loopback that serves a folder only to reader:PASSWORD."""
-    folder = tmp_path / "www"
-    folder.mkdir()
-    handler = type("Handler", (_BasicAuth,), {
-        "expected": "Basic " + base64.b64encode(f"reader:{PASSWORD}".encode()).decode()})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield folder, server.server_address[1]
-    server.shutdown()
-    server.server_close()
+pytestmark = pytest.mark.integration
 
 
 def _files_holding(needle: str, *folders: Path) -> list[str]:
@@ -80,6 +29,7 @@ def test_a_password_in_the_source_url_and_a_secret_tag_are_found_nowhere(basic_a
     folder, port = basic_auth_server
     (folder / "corpus.txt").write_text(make_text(3000))
     env, prefect, mlflow, storage = own_stores
+    env["PREFECT_API_URL"] = ""  # a temporary server in `prefect`: its database is searched too
     source = f"http://reader:{PASSWORD}@127.0.0.1:{port}/corpus.txt"
     out = cli("run", "--recipe", "smoke", "--source", source, "--tag", f"token={TOKEN}",
               "--set", "train.max_steps=20", env=env)
@@ -98,16 +48,6 @@ def test_a_password_in_the_source_url_and_a_secret_tag_are_found_nowhere(basic_a
     assert out.returncode == 2 and "error:" in out.stderr and PASSWORD not in out.stdout + out.stderr
 
 
-def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
-    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
-    assert "Traceback" not in out.stdout + out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, out.stderr
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
-
-
 @pytest.mark.parametrize("case", ["a file", "under a file", "under /proc"])
 def test_a_storage_root_that_cannot_be_a_writable_folder_fails_before_any_stage(case, corpus, own_stores, tmp_path):
     env, _, mlflow, _ = own_stores
@@ -115,7 +55,7 @@ def test_a_storage_root_that_cannot_be_a_writable_folder_fails_before_any_stage(
     afile.write_text("not a folder")
     root = {"a file": afile, "under a file": afile / "storage", "under /proc": Path("/proc/mllm-storage")}[case]
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), env=env)
-    line = _one_line_error(out, f"storage root {root}", "--storage")
+    line = one_line_error(out, f"storage root {root}", "--storage")
     assert ("a file, not a folder" in line) == (case != "under /proc")
     assert afile.read_text() == "not a folder"
     assert not (mlflow / "mlflow.db").exists()  # no run was started
@@ -133,7 +73,7 @@ def test_an_mlflow_server_that_is_down_fails_in_seconds_before_any_stage(corpus,
     out = cli("run", "--recipe", "smoke", "--source", str(corpus),
               env={**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
     took = time.monotonic() - started
-    _one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer", "MLFLOW_TRACKING_URI")
+    one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer", "MLFLOW_TRACKING_URI")
     assert "storage unreachable" not in out.stderr  # it blames the right server
     assert not (storage / "raw").exists()  # no stage ran
     assert took < 60, took  # not MLflow's minutes of retries (the figure itself is in README)
@@ -173,14 +113,14 @@ def test_checkpoint_errors_name_the_real_cause(tmp_path, own_stores):
     if not __import__("torch").cuda.is_available():
         out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", checkpoint, "--prompt", "the ",
                               "--device", "cuda"], capture_output=True, text=True, timeout=120)
-        line = _one_line_error(out, "no CUDA GPU is visible", "cpu")
+        line = one_line_error(out, "no CUDA GPU is visible", "cpu")
         assert "corrupt" not in line
     env, *_ = own_stores
-    line = _one_line_error(cli("sample", "--checkpoint", str(tmp_path / "ckpt"), env=env), "is a folder", "best.pt")
+    line = one_line_error(cli("sample", "--checkpoint", str(tmp_path / "ckpt"), env=env), "is a folder", "best.pt")
     assert "corrupt" not in line
     # A run folder: the hint names the checkpoints one level down, where they are.
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    line = _one_line_error(cli("sample", "--checkpoint", str(tmp_path / "run"), env=env), "is a folder")
+    line = one_line_error(cli("sample", "--checkpoint", str(tmp_path / "run"), env=env), "is a folder")
     assert f"{tmp_path / 'run' / 'checkpoints' / 'best.pt'}" in line
 
 
@@ -189,10 +129,11 @@ def test_a_failure_past_prefects_start_is_one_line_and_leaves_no_pickled_excepti
     import sqlite3
 
     env, prefect, _, storage = own_stores
+    env["PREFECT_API_URL"] = ""  # a temporary server in `prefect`, whose database is read below
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("ab ab\n")  # tokenizes, but is too short to split: fails in the fourth stage
     out = cli("prepare", "--recipe", "smoke", "--source", str(tiny), env=env)
-    line = _one_line_error(out, "too few for a 0.1 validation split")
+    line = one_line_error(out, "too few for a 0.1 validation split")
     # Prefect's lines about the failure stay off the terminal ...
     assert out.stderr.count("too few for a 0.1 validation split") == 1, out.stderr
     assert "Stopping temporary server" not in out.stderr
@@ -241,7 +182,7 @@ def test_a_corpus_without_a_character_of_the_recipes_prompt_still_trains_samples
     assert samples.read_text().startswith("--- prompt 'he '\nhe ")
     # A prompt the user gives keeps its clear error.
     [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
-    line = _one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
+    line = one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
                            "the prompt has characters that are not in the model's vocabulary: 'T' (its "
                            "training corpus, normalised as the prompt was, had none of them)")
     assert "leave them out of the prompt" in line
@@ -274,6 +215,7 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, 
     from mlflow.tracking import MlflowClient
 
     env, prefect, _, storage = own_stores
+    env["PREFECT_API_URL"] = ""  # a temporary server in `prefect`, whose database is read below
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
             "--set", "train.checkpoint_interval=5", "--set", "train.eval_interval=400"]
     proc = _interruptible(args, env)
@@ -328,7 +270,7 @@ def test_every_command_that_reads_runs_says_when_nothing_is_tracked_there_and_cr
                  ["reproduce", "0" * 32]):
         out = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--storage", str(root)], capture_output=True,
                              text=True, timeout=120, env=env, cwd=tmp_path)
-        _one_line_error(out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist")
+        one_line_error(out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist")
         assert "INFO" not in out.stderr, out.stderr  # no MLflow lines about creating tables
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "mlflow.db").exists()
 
@@ -346,7 +288,7 @@ def test_every_command_that_reads_the_tracking_server_fails_in_seconds_when_it_i
                  ["reproduce", "0" * 32]):
         started = time.monotonic()
         out = cli(*args, env=down)
-        _one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer")
+        one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer")
         assert "storage unreachable" not in out.stderr and time.monotonic() - started < 60, args
 
 
@@ -369,10 +311,10 @@ def test_sampling_a_file_that_is_no_checkpoint_is_one_line(what, tmp_path, own_s
         torch.save({"model": {}, "step": 1}, buf)
         path.write_bytes(buf.getvalue()[:200])
     needle = "truncated or corrupt" if what == "truncated" else "is not a checkpoint"
-    _one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
+    one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
     out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
                          capture_output=True, text=True, timeout=120)
-    _one_line_error(out, needle)
+    one_line_error(out, needle)
 
 
 CONTENT_CASES = ["empty", "white space", "binary", "latin-1", "utf-16 without bom", "sha256", "damaged gzip",
@@ -384,6 +326,7 @@ def test_a_bad_file_is_one_line_before_prefect_starts(case, own_stores, tmp_path
     import gzip
 
     env, prefect, _, storage = own_stores
+    env["PREFECT_API_URL"] = ""  # no Prefect server may start: `prefect` stays empty
     src, recipe, extra = tmp_path / "corpus.txt", "smoke", []
     text = make_text(300).encode()
     if case == "empty":
@@ -414,7 +357,7 @@ def test_a_bad_file_is_one_line_before_prefect_starts(case, own_stores, tmp_path
               "utf-16 without bom": "UTF-16", "sha256": "0" * 64, "damaged gzip": "gzip-compressed",
               "tsv without a pair": "no valid pair", "cuda device": "no CUDA GPU"}[case]
     out = cli("run", "--recipe", recipe, "--source", str(src), *extra, env=env)
-    _one_line_error(out, needle)
+    one_line_error(out, needle)
     # Found before Prefect started: not one of its lines, no database, no stage output.
     assert "Flow run" not in out.stderr and "temporary server" not in out.stderr, out.stderr
     assert not (prefect / "prefect.db").exists()
@@ -482,6 +425,6 @@ def test_a_prefect_server_that_does_not_answer_is_named_not_blamed_on_storage(co
         port = s.getsockname()[1]
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=5",
               env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, timeout=300)
-    _one_line_error(out, f"the Prefect server http://127.0.0.1:{port}/api does not answer", "stack up")
+    one_line_error(out, f"the Prefect server http://127.0.0.1:{port}/api does not answer", "stack up")
     assert "storage unreachable" not in out.stderr
     assert not (storage / "runs").exists()  # nothing trained

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from test_faults import _one_line_error, cli, own_stores  # noqa: F401 (a fixture)
+from conftest import cli, one_line_error
+
+pytestmark = pytest.mark.integration
 
 
 def test_the_same_model_trained_twice_from_two_copies_of_its_text_keeps_the_champion(corpus, own_stores, tmp_path):
@@ -162,7 +164,7 @@ def test_a_tracking_server_that_stays_away_ends_the_run_in_one_line_and_is_told_
     stdout, stderr = proc.communicate(timeout=600)
     took = time.monotonic() - killed
     print(f"the command's outcome {took:.1f} s after the kill")
-    line = _one_line_error(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), f"the MLflow tracking server {server.url} stopped answering during the run",
+    line = one_line_error(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr), f"the MLflow tracking server {server.url} stopped answering during the run",
                            "the training is finished and kept in", "run the same command")
     assert "storage unreachable" not in stderr and "Retrying" not in stderr
     assert json_steps(storage) == 800, line  # the training went on to its end
@@ -212,7 +214,7 @@ def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_em
     free = shutil.disk_usage(small_disk).free
     (small_disk / "filler").write_bytes(b"\0" * (free - 40_000))
     out = cli("run", *args, env=env)
-    line = _one_line_error(out, f"storage root {storage} is on a full disk (", "MB free of", "--storage")
+    line = one_line_error(out, f"storage root {storage} is on a full disk (", "MB free of", "--storage")
     assert "Traceback" not in out.stderr and "OSError" not in out.stderr and "Retry" not in out.stderr, out.stderr
     assert out.stderr.count("training smoke lstm") == 1, out.stderr  # not retried from step 0
     assert not list(storage.glob("runs/*/checkpoints")), line  # no empty checkpoints folder
@@ -277,10 +279,10 @@ def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_store
         torch.save(state, path)
     else:
         path.write_bytes(b"")
-    _one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
+    one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
     out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
                          capture_output=True, text=True, timeout=120)
-    _one_line_error(out, needle)
+    one_line_error(out, needle)
 
 
 def test_a_missing_extra_is_named_with_its_brackets_and_recipes_say_which_need_one(corpus, own_stores, tmp_path):
@@ -295,7 +297,7 @@ def test_a_missing_extra_is_named_with_its_brackets_and_recipes_say_which_need_o
     path = os.pathsep.join([str(tmp_path / "missing"), os.environ.get("PYTHONPATH", "")])
     out = cli("run", "--recipe", "cbow-smoke", "--source", str(corpus), "--set", "train.max_steps=5",
               env={**env, "PYTHONPATH": path})
-    _one_line_error(out, "pip install 'mllm-pipeline[embeddings]'")
+    one_line_error(out, "pip install 'mllm-pipeline[embeddings]'")
 
 
 @pytest.fixture
@@ -330,7 +332,7 @@ def test_a_server_error_is_called_one_and_retried_like_a_cut_connection(failing_
     url, hits = failing_server
     env, *_ = own_stores
     out = cli("prepare", "--recipe", "smoke", "--source", f"{url}/book.txt", env=env)
-    line = _one_line_error(out, f"the server of {url}/book.txt answered HTTP 500", "not a missing file")
+    line = one_line_error(out, f"the server of {url}/book.txt answered HTTP 500", "not a missing file")
     assert "not found" not in line
     assert len({h for h in hits}) == 1 and len(hits) >= 3, hits  # the download task's two retries
 
@@ -342,7 +344,7 @@ def test_a_symbolic_link_loop_is_called_one(form, own_stores, tmp_path):
     a.symlink_to(b)
     b.symlink_to(a)
     source = str(a) if form == "path" else f"file://{a}"
-    line = _one_line_error(cli("prepare", "--recipe", "smoke", "--source", source, env=env), "symbolic link loop")
+    line = one_line_error(cli("prepare", "--recipe", "smoke", "--source", source, env=env), "symbolic link loop")
     assert "not found" not in line and "local copy" not in line
 
 

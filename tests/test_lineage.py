@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_text
-from test_faults import PASSWORD, basic_auth_server, cli, own_stores  # noqa: F401 (fixtures)
+from conftest import PASSWORD, cli, make_text
+
+pytestmark = pytest.mark.integration
 
 MATERIALIZED = "prefect.asset.materialization.succeeded"
 

@@ -9,7 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import pipeline
-from servers import mlflow_server, mlflow_server_starting  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.integration
 
 # An lr too small to move a float32 weight: every validation scores the same, so the best
 # checkpoint stays the first validation's (step 6) and the last one (step 12) is another.

@@ -19,7 +19,7 @@ from conftest import make_text
 from flows.pipeline import pipeline
 from mllm.data.vocab import Vocab
 
-pytestmark = pytest.mark.usefixtures("prefect_server")
+pytestmark = pytest.mark.integration
 
 FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
         "sample.max_new_tokens=20"]

@@ -17,8 +17,9 @@ from mlflow.tracking import MlflowClient
 from conftest import make_text
 from flows.pipeline import pipeline, summary
 from mllm.resolve import resolve
-from servers import mlflow_server, mlflow_server_starting  # noqa: F401 (fixtures)
 from tasks.tracking.tracker import flatten
+
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",

@@ -18,7 +18,7 @@ from flows.pipeline import pipeline
 from mllm.runtime.checkpoint import load_checkpoint
 from mllm.seq2seq.translate import translate_texts
 
-pytestmark = pytest.mark.usefixtures("prefect_server")
+pytestmark = pytest.mark.integration
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

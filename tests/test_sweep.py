@@ -15,6 +15,8 @@ import pytest
 from flows.sweep import expand, parse_grid, resolve_points, split_values
 from mllm import UserError
 
+pytestmark = pytest.mark.integration
+
 FAST = ["train.max_steps=6", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
         "sample.max_new_tokens=10", "sample.methods=[greedy]"]
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
-import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -30,7 +29,6 @@ from mllm.config import RunConfig
 from mllm.lm.generate import sample_text
 from flows.stack.servers import free_port
 from mllm.redact import scrub
-from servers import mlflow_server, mlflow_server_starting  # noqa: F401  (fixtures)
 from tasks.tracking import registry, tracker as tracking
 from tasks.tracking.provenance import git_info
 from tasks.tracking.tracker import RunTracker, flatten, tracking_uri

@@ -1,0 +1,68 @@
+"""The suite cleans up after itself however it ends: a server a test started, and any process a
+test worker left behind, end with the process that started them, SIGKILL included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _gone(pid: int, within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # reaped by no one yet (its parent died): a zombie is gone too
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _killed_after(tmp_path: Path, body: str) -> int:
+    """Run `body` in a process that then kills itself with SIGKILL (no finaliser, no atexit);
+    the pid it printed."""
+    script = tmp_path / "dies.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, subprocess, sys
+        sys.path.insert(0, {str(TESTS)!r})
+        sys.path.insert(0, {str(TESTS.parent)!r})
+    """) + textwrap.dedent(body) + "\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == -9, out.stderr[-2000:]
+    return int(out.stdout.split()[-1])
+
+
+def test_a_server_a_test_started_ends_when_the_test_process_is_killed(tmp_path: Path) -> None:
+    pid = _killed_after(tmp_path, """
+        from flows.stack.processes import free_port
+        from servers import background
+        port = free_port()
+        server = background([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                            f"http://127.0.0.1:{port}/", "server.log")
+        server.wait_ready(60)
+        print(server.pid, flush=True)
+    """)
+    assert _gone(pid), "the server outlived the process that started it"
+
+
+def test_a_workers_leftover_processes_end_with_the_worker(tmp_path: Path) -> None:
+    # What conftest.pytest_configure does in an xdist worker: a group of its own, reaped.
+    pid = _killed_after(tmp_path, """
+        from servers import reap
+        os.setpgid(0, 0)
+        reap(os.getpid())
+        left = subprocess.Popen(["sleep", "600"])  # in the worker's group, as a command a test ran
+        print(left.pid, flush=True)
+    """)
+    assert _gone(pid), "a process the worker started outlived it"
