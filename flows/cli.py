@@ -60,11 +60,15 @@ Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champ
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
         task_runner: TaskRunner = None, reproduces: Reproduces = None) -> None:
-    """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
+    """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample.
+
+    --recipe takes a recipe file too (a search's best.yaml): the recipe it names, with its fields."""
     with user_errors():
         from flows.launch import training_pool
+        from flows.recipe_file import as_overrides
 
         source, set_ = _without_credentials(source, set_, task_runner)
+        recipe, set_ = as_overrides(recipe, set_)
         cfg = _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
@@ -375,7 +379,7 @@ def sweep(recipe: Recipe = "default",
 
 # The commands that read tracked runs (runs, reproduce, lineage), and those that drive a Prefect
 # server (schedules) or the local stack; importing registers them.
-from flows import cli_runs, cli_servers  # noqa: E402,F401
+from flows import cli_runs, cli_search, cli_servers  # noqa: E402,F401
 
 
 def main() -> None:
