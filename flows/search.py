@@ -344,6 +344,9 @@ class TrialsEnded:
             o = future.wrapped_future.result().result()
         except BaseException:  # noqa: BLE001 (a trial that crashed its thread ended too)
             o = TrialOutcome(number=-1, params={}, state="failed")
+        self.record(o)
+
+    def record(self, o: TrialOutcome) -> None:
         with self.lock:
             self.ended += 1
             self.failed += o.state == "failed"
@@ -354,7 +357,16 @@ class TrialsEnded:
                                   last=f"trial {o.number} {o.state}{best}")
 
 
-@flow(name="search", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
+def _run_name() -> str:
+    """Named after the recipe and the start, as the pipeline's flow runs are."""
+    import time
+
+    from prefect.runtime import flow_run
+
+    return f"search-{flow_run.parameters.get('recipe')}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="search", flow_run_name=_run_name, persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
       on_failure=[forget_exception], on_crashed=[forget_exception])
 def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  # noqa: B006
            sampler: str = "tpe", pruner: str = "median", study: str | None = None,
@@ -415,11 +427,15 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
                 if parallel and len(running) >= parallel:
                     concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
                 trial = st.ask()
-                future = run_one.with_options(task_run_name=f"trial {trial.number}").submit(
-                    st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign)
-                future.add_done_callback(ended)
+                one = run_one.with_options(task_run_name=f"trial {trial.number}")
+                args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign)
                 if pool is None:
-                    future.wait()  # one at a time here: each trial asks the sampler what the last taught
+                    # One at a time, each asking the sampler what the last taught; in this thread,
+                    # where a Ctrl-C reaches the training, which writes its checkpoint first.
+                    ended.record(one(*args))
+                    continue
+                future = one.submit(*args)
+                future.add_done_callback(ended)
                 futures.append(future)
             for f in futures:
                 f.wait()

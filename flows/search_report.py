@@ -90,6 +90,9 @@ def history_figure(recipe: str, headline: str, higher: bool, outcomes: list[Tria
         if stopped:
             ax.plot(stopped, [0] * len(stopped), marker, transform=ax.get_xaxis_transform(), clip_on=False,
                     label=f"{state} (no {headline})")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial")
     ax.set_ylabel(f"{headline} ({direction(higher)})")
     ax.set_title(f"{recipe}: optimisation history")
@@ -124,7 +127,10 @@ def params_figure(headline: str, space: dict[str, Dim], outcomes: list[TrialOutc
                     clip_on=False, label="pruned")
         if dim.log or (numeric and dim.choices and min(_number(v) for v in dim.choices) > 0
                        and max(_number(v) for v in dim.choices) / min(_number(v) for v in dim.choices) >= 10):
+            from matplotlib.ticker import NullFormatter
+
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # the decades only: minor labels overlap
         if not numeric:
             ax.set_xticks(range(len(dim.choices)), dim.choices)
         ax.set_xlabel(field)
