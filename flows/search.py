@@ -34,7 +34,13 @@ from pydantic import BaseModel
 
 import tasks
 from flows import database, dispatch
-from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
+from flows.launch import (
+    data_runner,
+    preflight,
+    storage_root,
+    training_pool,
+    with_results,
+)
 from flows.pipeline import evaluate, judge, prepare
 from flows.search_space import Dim, check_space, parse_space, space_text, study_name
 from flows.sweep import PARENT_TAG, ParentRun
@@ -51,12 +57,19 @@ from tasks.caching import forget_exception
 from tasks.model import Prepared
 from tasks.provenance import code_git_info, run_tags
 from tasks.registry import current_champion
-from tasks.tracking import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker, local_store, log_data
+from tasks.tracking import (
+    MAX_PARAM_VALUE,
+    MAX_TAG_VALUE,
+    RunTracker,
+    local_store,
+    log_data,
+)
 from tasks.tracking import client as tracking_client
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "hyperband", "none")
 STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
+_preparing = threading.Lock()
 
 
 # --- where the study lives -----------------------------------------------------------------
@@ -192,7 +205,8 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
             trial.report(value, step)
     try:
         cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in params.items())], source=source)
-        data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
+        with _preparing:  # trials on a pool start side by side: no two write one data stage at once
+            data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
 
         def ask_pruner(step: int, val_loss: float) -> bool:
             with warnings.catch_warnings():
@@ -204,7 +218,7 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
         with trials.asking(model_tasks.train_key(cfg, data), hook) if hook else contextlib.nullcontext():
             found = trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
                 cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
             message = database.down_line(e) or f"{type(e).__name__}: {message}"
@@ -251,7 +265,7 @@ class StudyRun(ParentRun):
         super().__init__(cfg, root, {}, overrides)
         self.study, self.space, self.options = study, space, options
 
-    def __enter__(self) -> "StudyRun":
+    def __enter__(self) -> StudyRun:
         self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
         found = self.client.search_runs([self.experiment_id], f"tags.`{STUDY_TAG}` = '{self.study}' and "
                                         f"tags.`search.parent` = 'true'", max_results=1)

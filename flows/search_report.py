@@ -115,15 +115,16 @@ def params_figure(headline: str, space: dict[str, Dim], outcomes: list[TrialOutc
         numeric = not dim.choices or all(_number(v) is not None for v in dim.choices)
         order = {v: i for i, v in enumerate(dim.choices)}
 
-        def x(o: TrialOutcome) -> float:
-            v = o.params.get(field, "")
-            return _number(v) if numeric else float(order.get(v, -1))
+        def x(trials: list[TrialOutcome], field: str = field, numeric: bool = numeric,
+              order: dict[str, int] = order) -> list[float]:
+            values = [o.params.get(field, "") for o in trials]
+            return [_number(v) if numeric else float(order.get(v, -1)) for v in values]
 
         done = [o for o in outcomes if o.state == "complete" and field in o.params]
-        ax.plot([x(o) for o in done], [o.value for o in done], "o", label="complete")
+        ax.plot(x(done), [o.value for o in done], "o", label="complete")
         pruned = [o for o in outcomes if o.state == "pruned" and field in o.params]
         if pruned:
-            ax.plot([x(o) for o in pruned], [0] * len(pruned), "x", transform=ax.get_xaxis_transform(),
+            ax.plot(x(pruned), [0] * len(pruned), "x", transform=ax.get_xaxis_transform(),
                     clip_on=False, label="pruned")
         if dim.log or (numeric and dim.choices and min(_number(v) for v in dim.choices) > 0
                        and max(_number(v) for v in dim.choices) / min(_number(v) for v in dim.choices) >= 10):

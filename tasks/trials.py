@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 EvalHook = Callable[[int, float], bool]  # (step, val loss) -> stop here
 

@@ -82,6 +82,7 @@ def test_spaces_that_do_not_fit_the_recipe_are_refused(items: list[str], sets: l
 
 def test_training_stops_where_its_eval_hook_says_with_its_checkpoint_written(tmp_path: Path) -> None:
     from conftest import write_char_ids
+
     from mllm.checkpoint import read_checkpoint
     from mllm.config import RunConfig
     from mllm.train import train
@@ -290,3 +291,18 @@ def _dead_run(client, study: str) -> str:
     (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
                                 f"tags.`search.study` = '{study}' and tags.`search.trial` = '0'")
     return run.info.run_id
+
+
+def test_pruners_step_in_evaluations_of_the_recipe() -> None:
+    import optuna
+
+    from flows.search import make_pruner
+    from mllm.resolve import resolve
+
+    cfg = resolve("smoke", overrides=["train.eval_interval=10", "train.max_steps=40"])
+    kinds = {name: type(make_pruner(name, cfg, 3)) for name in ("median", "halving", "hyperband", "none")}
+    assert kinds == {"median": optuna.pruners.MedianPruner, "halving": optuna.pruners.SuccessiveHalvingPruner,
+                     "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
+    # Hyperband's brackets run from one evaluation to the whole training, in steps.
+    hyperband = make_pruner("hyperband", cfg, 3)
+    assert (hyperband._min_resource, hyperband._max_resource) == (10, 40)
