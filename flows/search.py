@@ -197,7 +197,8 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
     params = {field: dim.suggest(trial) for field, dim in space.items()}
     resumes = trial.user_attrs.get("resumes")
     outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
-    tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number)}
+    tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number),
+            **({"train.pool": pool} if pool else {})}
     if resumes is not None:
         tags["search.resumes"] = str(resumes)
         # What the dead trial reported, so the pruner sees the whole curve of the resumed one.
