@@ -306,3 +306,21 @@ def test_pruners_step_in_evaluations_of_the_recipe() -> None:
     # Hyperband's brackets run from one evaluation to the whole training, in steps.
     hyperband = make_pruner("hyperband", cfg, 3)
     assert (hyperband._min_resource, hyperband._max_resource) == (10, 40)
+
+
+def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: Path) -> None:
+    from flows.recipe_file import as_overrides
+    from mllm.resolve import resolve
+
+    cfg = resolve("smoke", overrides=["train.lr=0.0123", "model.hidden_size=48", "sample.methods=[greedy]"],
+                  source=str(tmp_path / "corpus.txt"))
+    path = tmp_path / "best.yaml"
+    path.write_text("# a comment\n" + cfg.to_yaml(paths=False))
+    name, sets = as_overrides(str(path), ["train.max_steps=7"])
+    assert name == "smoke" and sets[-1] == "train.max_steps=7"
+    assert resolve(name, overrides=sets) == cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"max_steps": 7})})
+    assert as_overrides("smoke", ["a=1"]) == ("smoke", ["a=1"])  # a shipped name stays a name
+    path.write_text("recipe: mine\ntrain: {lr: 0.1}\n")
+    with pytest.raises(UserError, match="names recipe 'mine', not a shipped one"):
+        as_overrides(str(path), [])
