@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mllm import UserError, storage
-from mllm.resolve import LAUNCH_SECTION, recipe_dict
+from mllm.resolve import LAUNCH_SECTION, recipe_dict, resolve
 from mllm.redact import strip_userinfo
 
 
@@ -129,3 +129,39 @@ def check_tracking_server(timeout: float = 5.0) -> None:
         raise UserError(f"the MLflow tracking server {clean} does not answer ({reason}): start it "
                         "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "
                         "runs (unset, runs are tracked in an SQLite file beside the storage root)") from None
+
+
+def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,
+             train_here: bool = True, trains: bool = True):
+    """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
+    server, a source that is missing, unreachable, or (a local file) not usable text, and a
+    device this machine lacks, all fail at once in one line."""
+    from mllm.data import corpus, files
+    from mllm.family import family_of
+    from mllm.runtime.devices import resolve_device
+
+    cfg = resolve(recipe, overrides=sets or [], source=source)
+
+    family = family_of(cfg)
+    if trains and train_here:
+        resolve_device(cfg.train.device)  # a worker on a pool has its own devices
+    # (Data made from the config has no source to open; parallel text may be made too: numbers.)
+    if cfg.data.source or family.data == "corpus":
+        single = cfg.data.source
+        if family.data == "corpus":
+            # A folder, prefix or glob is listed: an empty folder or a glob that matches nothing
+            # fails here. A corpus of many files is checked file by file by the download stage.
+            found, _ = files.list_files(cfg.data.sources)
+            single = found[0].url if len(found) == 1 and found[0].format == "text" else None
+        if single:
+            try:
+                corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
+            except corpus.SourceServerError:
+                pass  # a server error may pass: the download stage retries it
+            if "://" not in single or single.startswith("file://"):
+                # A local file is read through once here, as the download stage will read it.
+                corpus.download(single, None, cfg.data.sha256)
+                family.check_source(cfg)
+    # Last: it makes the storage folder, which a mistake found above must not leave behind.
+    preflight(storage_root(storage))
+    return cfg

@@ -50,7 +50,7 @@ class TrainResult:
     best_checkpoint: str | None
     tokens_per_s: float
     elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
-    stop_reason: str  # max_steps | epochs | max_minutes | early_stopping
+    stop_reason: str  # max_steps | epochs | max_minutes | early_stopping | pruned
     resumed_from_step: int
     dtype_used: str = "float32"  # what train.dtype resolved to (mllm.speed)
     dtype_reason: str = ""
@@ -156,10 +156,13 @@ def _check_model(saved: dict, cfg: RunConfig, url: str) -> None:
 
 
 def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
-          on_progress: Callable[[dict], None] | None = None, resume: bool = True) -> TrainResult:
+          on_progress: Callable[[dict], None] | None = None, resume: bool = True,
+          on_eval: Callable[[int, float], bool] | None = None) -> TrainResult:
     """Train per `cfg` (its paths section says where inputs and checkpoints are); see module doc.
 
     on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
+    on_eval gets (step, val loss) at each evaluation and answers whether to stop there: the
+    training then ends with stop_reason "pruned", its checkpoint written (a search's pruner).
     Under DDP only rank 0 calls them and writes checkpoints.
     """
     cfg, vocab, tokenizer, train, val, carry = load_inputs(cfg)
@@ -167,14 +170,16 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     d, device = join(resolve_device(t.device))
     signals = Signals()
     try:
-        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals)
+        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
+                    on_eval)
     finally:
         signals.restore()
         if d.owns_group:
             tdist.destroy_process_group()
 
 
-def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals) -> TrainResult:
+def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
+         on_eval=None) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
@@ -310,6 +315,10 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             records.append({"step": step, "val_loss": val, "val_perplexity": math.exp(min(val, 700.0)),
                             "val_bits_per_token": val / math.log(2)})
             stop = stop or limit_reason(step, elapsed)
+            if on_eval is not None and not stop:
+                # Rank 0 asks; every rank stops at the same step, or the collectives part ways.
+                told = bool(on_eval(step, val)) if d.master else False
+                stop = "pruned" if any(gather(told, d)) else None
         metrics["elapsed_s"] = elapsed
         if records and on_metrics and d.master:
             on_metrics(records)

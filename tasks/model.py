@@ -28,10 +28,10 @@ from mllm.config import RunConfig, TrainPaths
 from mllm.family import Evaluation as Scores
 from mllm.family import family_of, samples_text
 import tasks
-from tasks import assets
-from tasks.tracking import outage
+from tasks import assets, trials
 from tasks.caching import forget_exception, io_error, stage_cache, transient
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
+from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
 from tasks.tracking.registry import ChampionScore
 from tasks.tracking.tracker import RunTracker, system_metrics
@@ -201,7 +201,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
 
     try:
         with storage.room_on(root):
-            result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger)
+            result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger,
+                            trials.hook_for(train_key(cfg, data)))
     except BaseException:
         # Nothing written (a full disk at the first checkpoint, a crash before it): no empty
         # checkpoints folder is left to look like a training.
@@ -220,7 +221,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
 
 
 def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metrics: Any, on_progress: Any,
-           logger: Any) -> mllm.train.TrainResult:
+           logger: Any, on_eval: Any = None) -> mllm.train.TrainResult:
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
     # A tracking server that goes away does not stop the training (tasks/tracking/outage.py).
@@ -230,7 +231,7 @@ def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metri
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:
-            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress)
+            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress, on_eval=on_eval)
         if on_metrics is not None:
             on_metrics.flush()
     return result

@@ -9,9 +9,10 @@ import typer
 
 from flows.cli.app import Force, Recipe, Reproduces, Sets, Source, Storage, Tags, TaskRunner, TrainOn, without_credentials, app
 from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
+from flows.launch import checked_config
 from mllm import UserError
 from mllm.config import METHODS
-from mllm.resolve import recipe_names, resolve
+from mllm.resolve import recipe_file_overrides, recipe_names, resolve
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 
@@ -20,12 +21,15 @@ from mllm.storage import hide_credentials
 def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
         task_runner: TaskRunner = None, reproduces: Reproduces = None) -> None:
-    """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample."""
+    """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample.
+
+    --recipe takes a recipe file too (a search's best.yaml): the recipe it names, with its fields."""
     with user_errors():
         from flows.launch import training_pool
 
         source, set_ = without_credentials(source, set_, task_runner)
-        cfg = _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
+        recipe, set_ = recipe_file_overrides(recipe, set_)
+        cfg = checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
@@ -65,43 +69,6 @@ def _echo_mlflow_run(fl: Any, result: Any) -> None:
         typer.echo(f"  in the UI: {url}")
 
 
-def _resolve(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,
-             train_here: bool = True, trains: bool = True):
-    """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
-    server, a source that is missing, unreachable, or (a local file) not usable text, and a
-    device this machine lacks, all fail at once in one line."""
-    from flows.launch import preflight, storage_root
-
-    cfg = resolve(recipe, overrides=sets or [], source=source)
-    from mllm.data import corpus, files
-    from mllm.family import family_of
-    from mllm.runtime.devices import resolve_device
-
-    family = family_of(cfg)
-    if trains and train_here:
-        resolve_device(cfg.train.device)  # a worker on a pool has its own devices
-    # (Data made from the config has no source to open; parallel text may be made too: numbers.)
-    if cfg.data.source or family.data == "corpus":
-        single = cfg.data.source
-        if family.data == "corpus":
-            # A folder, prefix or glob is listed: an empty folder or a glob that matches nothing
-            # fails here. A corpus of many files is checked file by file by the download stage.
-            found, _ = files.list_files(cfg.data.sources)
-            single = found[0].url if len(found) == 1 and found[0].format == "text" else None
-        if single:
-            try:
-                corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
-            except corpus.SourceServerError:
-                pass  # a server error may pass: the download stage retries it
-            if "://" not in single or single.startswith("file://"):
-                # A local file is read through once here, as the download stage will read it.
-                corpus.download(single, None, cfg.data.sha256)
-                family.check_source(cfg)
-    # Last: it makes the storage folder, which a mistake found above must not leave behind.
-    preflight(storage_root(storage))
-    return cfg
-
-
 def _key_value(item: str, option: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
@@ -133,7 +100,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
         from mllm.family import family_of
 
         source, set_ = without_credentials(source, set_, task_runner)
-        cfg = _resolve(recipe, set_, source, storage, trains=False)
+        cfg = checked_config(recipe, set_, source, storage, trains=False)
         data = _run_stages(cfg, storage, "prepare")
         typer.echo(family_of(cfg).describe_data(data))
         typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {data.splits.url}")
@@ -148,7 +115,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 
         source, set_ = without_credentials(source, set_, task_runner)
         pool = training_pool(recipe, train_on)
-        trained = _run_stages(_resolve(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
+        trained = _run_stages(checked_config(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
         typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
                    f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
         mfu = "" if trained.mfu is None else f", MFU {trained.mfu:.1%}"
@@ -163,7 +130,7 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage
     this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
         source, set_ = without_credentials(source, set_, task_runner)
-        cfg = _resolve(recipe, set_, source, storage)
+        cfg = checked_config(recipe, set_, source, storage)
         evaluation, _ = _run_stages(cfg, storage, "evaluate")
         typer.echo(f"{flows_module().describe(evaluation, cfg)}; report {evaluation.report}")
 
@@ -309,7 +276,7 @@ def sweep(recipe: Recipe = "default",
         grid = [f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
                 for k, sep, values in (g.partition("=") for g in grid or [])]
         resolve_points(recipe, parse_grid(grid), set_, source)  # every point, before anything runs
-        _resolve(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
+        checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # At a terminal: a bar of the points, then a line for each that failed, then the table;
         # Prefect's lines (hundreds for a sweep of many points) stay in the run record.
         with flow_session() as fl, progress(stages=("points",), silent=True):

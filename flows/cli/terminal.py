@@ -320,7 +320,7 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
             info = f"{completed / 1e6:.1f} MB"
         elif stage == "tokenize":
             info = f"{int(completed):,} tokens"
-        elif stage == "points":
+        elif stage in ("points", "trials"):
             info = f"{int(completed)}/{int(total or 0)} ended" + (f", {f['failed']} failed" if f.get("failed") else "") \
                 + (f"; last: {f['last']}" if f.get("last") else "")
         progress.update(bars[stage], completed=completed, total=total, info=info)

@@ -1,0 +1,516 @@
+"""`mllm-pipeline search`: Optuna samples a space of config fields, and each trial is a tracked,
+cached pipeline run whose training a pruner may stop at an evaluation.
+
+The study lives in an SQLite file beside the storage root (`optuna.db`, as `mlflow.db` is), named
+by the recipe, the space and the data, so the same command again continues it: finished trials
+stay finished, and a trial that was running when its process died (SIGKILL, Ctrl-C, a crash) is
+asked again with the same parameters, which give the same config, the same training key and so
+the same checkpoint folder: its training resumes from its last checkpoint. While a search runs it
+holds the study's lock, so a trial found RUNNING by the next one is known dead.
+
+Every trial shares the data stages (cached by content) and nests its MLflow run under one parent
+run per study, tagged `trial_state` complete, pruned or failed. The training reports its val loss
+at each evaluation through `tasks.trials` (mllm knows nothing of Optuna); the study's objective
+is the family's headline metric in its own direction.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import json
+import os
+import threading
+import warnings
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
+from pydantic import BaseModel
+
+import tasks
+from flows import dispatch
+from flows.stack import database
+from flows.launch import (
+    data_runner,
+    preflight,
+    storage_root,
+    training_pool,
+    with_results,
+)
+from flows.pipeline import evaluate, judge, prepare
+from flows import search_report
+from flows.search_report import TrialOutcome
+from flows.search_space import Dim, check_space, parse_space, space_text, study_name
+from flows.sweep import PARENT_TAG, ParentRun
+from flows.sweep_table import csv_text
+from flows.training import run_training, train
+from mllm import UserError, storage
+from mllm.config import RunConfig
+from mllm.family import family_of
+from mllm.redact import scrub
+from mllm.resolve import resolve
+from tasks import model as model_tasks
+from tasks import trials
+from tasks.tracking import outage
+from tasks.caching import forget_exception
+from tasks.model import Prepared
+from tasks.tracking.provenance import code_git_info, run_tags
+from tasks.tracking.registry import current_champion
+from tasks.tracking.tracker import (
+    MAX_PARAM_VALUE,
+    MAX_TAG_VALUE,
+    RunTracker,
+    local_store,
+    log_data,
+)
+from tasks.tracking.tracker import client as tracking_client
+
+SAMPLERS = ("tpe", "random")
+PRUNERS = ("median", "halving", "hyperband", "none")
+STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
+_preparing = threading.Lock()
+
+
+# --- where the study lives -----------------------------------------------------------------
+
+def study_file(root: str) -> str:
+    """optuna.db beside the storage root (in the current folder for an object-store root)."""
+    return os.path.join(os.path.dirname(local_store(root)), "optuna.db")
+
+
+def _optuna() -> Any:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the terminal shows the bar and the table
+    return optuna
+
+
+def open_storage(path: str) -> Any:
+    return _optuna().storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 60}})
+
+
+def check_study(root: str, name: str, space: dict[str, Dim], recipe: str) -> None:
+    """A study of this name in the store with another space or recipe: one line, nothing opened
+    for writing (the store is only read, and only when it exists)."""
+    path = study_file(root)
+    if not os.path.exists(path):
+        return
+    st = open_storage(path)
+    try:
+        attrs = st.get_study_user_attrs(st.get_study_id_from_name(name))
+    except KeyError:
+        return
+    if (attrs.get("space"), attrs.get("recipe")) != (space_text(space), recipe):
+        raise UserError(f"study {name} in {path} searches recipe {attrs.get('recipe')} over "
+                        f"{attrs.get('space')!r}, not {recipe} over {space_text(space)!r}: give another --study "
+                        "name, or leave --study out (the name then follows the recipe and the space)")
+
+
+@contextlib.contextmanager
+def study_lock(path: str, name: str):
+    """The study held by this process: a RUNNING trial another search finds belongs to a dead one."""
+    folder = os.path.join(os.path.dirname(path), "optuna.locks", name)
+    with storage.exclusive(folder, lambda: print(f"another search of study {name} is running: waiting for it")):
+        yield
+
+
+def make_sampler(name: str, seed: int) -> Any:
+    samplers = _optuna().samplers
+    return samplers.RandomSampler(seed=seed) if name == "random" else samplers.TPESampler(seed=seed)
+
+
+def make_pruner(name: str, cfg: RunConfig, startup: int) -> Any:
+    pruners = _optuna().pruners
+    if name == "median":
+        return pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=0)
+    if name == "halving":
+        return pruners.SuccessiveHalvingPruner(min_resource=cfg.train.eval_interval)
+    if name == "hyperband":
+        return pruners.HyperbandPruner(min_resource=cfg.train.eval_interval,
+                                       max_resource=cfg.train.max_steps or "auto")
+    return pruners.NopPruner()
+
+
+def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None, pool: str | None,
+                  startup: int) -> None:
+    if trials_n < 1:
+        raise UserError(f"--trials {trials_n}: give at least 1 (the trials the study should finish)")
+    if sampler not in SAMPLERS:
+        raise UserError(f"unknown --sampler {sampler!r}: choose {' or '.join(SAMPLERS)}")
+    if pruner not in PRUNERS:
+        raise UserError(f"unknown --pruner {pruner!r}: choose {', '.join(PRUNERS)}")
+    if parallel is not None and parallel < 1:
+        raise UserError(f"--parallel {parallel}: give at least 1 (the trials that run at once)")
+    if startup < 0:
+        raise UserError(f"--startup-trials {startup}: give 0 or more")
+    if pool and pruner != "none":
+        raise UserError(f"--pruner {pruner} with a work pool: a worker's training cannot ask this process's "
+                        "pruner yet: give --pruner none with --train-on, or train here")
+
+
+# --- one trial -----------------------------------------------------------------------------
+
+@flow(name="search-trial", on_failure=[forget_exception], on_crashed=[forget_exception])
+def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int, tags: dict[str, str],
+              pool: str | None = None) -> dict[str, Any]:
+    """One trial: the pipeline's training, evaluation and judgement in a run nested under the
+    study's; a pruned training ends the trial without an evaluation."""
+    key = model_tasks.train_key(cfg, data)
+    with RunTracker(cfg, root, tags=tags, run_name=f"{study}-trial-{number}") as run:
+        log_data(run.run_id, quote(cfg), root, quote(data))
+        run.set_tags(model_tasks.lineage_tags(cfg, data))
+        trained = run_training(cfg, data, root, run.run_id, pool)
+        found = {"mlflow_run_id": run.run_id, "step": trained.steps, "val_loss": trained.val_loss,
+                 "resumed_from_step": trained.resumed_from_step, "key": key}
+        if trained.stop_reason == "pruned":
+            with contextlib.suppress(Exception):  # a picture is no reason to fail the trial
+                run.log_loss_curve()
+            run.set_tags({STATE_TAG: "pruned", "trial.step": str(trained.steps)})
+            return {**found, "state": "pruned"}
+        evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
+        outage.check_back(trained.run_dir)
+        judge(run.run_id, cfg, root, trained, evaluation, samples, data,
+              current_champion(tracking_client(root), cfg.recipe))
+        run.set_tags({STATE_TAG: "complete", "trial.step": str(trained.steps)})
+        return {**found, "state": "complete", "value": evaluation.score, "headline": evaluation.headline}
+
+
+@task(name="search-trial", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
+def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: str | list[str] | None, root: str,
+            overrides: list[str], parent_id: str, pool: str | None, sign: float) -> TrialOutcome:
+    """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
+    params = {field: dim.suggest(trial) for field, dim in space.items()}
+    resumes = trial.user_attrs.get("resumes")
+    outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
+    tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number),
+            **({"train.pool": pool} if pool else {})}
+    if resumes is not None:
+        tags["search.resumes"] = str(resumes)
+        # What the dead trial reported, so the pruner sees the whole curve of the resumed one.
+        for step, value in study.trials[resumes].intermediate_values.items():
+            trial.report(value, step)
+    try:
+        cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in params.items())], source=source)
+        with _preparing:  # trials on a pool start side by side: no two write one data stage at once
+            data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
+
+        def ask_pruner(step: int, val_loss: float) -> bool:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a step reported before the process died: Optuna keeps the first
+                trial.report(sign * val_loss, step)
+            return trial.should_prune()
+
+        hook = ask_pruner if pool is None else None
+        with trials.asking(model_tasks.train_key(cfg, data), hook) if hook else contextlib.nullcontext():
+            found = trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
+                cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool)
+    except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
+        message = scrub(str(e).splitlines()[0]) if str(e) else ""
+        if not isinstance(e, UserError):
+            message = database.down_line(e) or f"{type(e).__name__}: {message}"
+        outcome.error = message[:500]
+        trial.set_user_attr("error", outcome.error)
+        _mark_failed(root, parent_id, study.study_name, trial.number)
+        study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+        return outcome
+    for name in ("mlflow_run_id", "step", "val_loss", "resumed_from_step"):
+        trial.set_user_attr(name, found[name])
+    outcome = outcome.model_copy(update={k: found[k] for k in ("mlflow_run_id", "step", "val_loss",
+                                                                "resumed_from_step")} | {"state": found["state"]})
+    if found["state"] == "pruned":
+        study.tell(trial, state=_optuna().trial.TrialState.PRUNED)
+    else:
+        study.tell(trial, found["value"])
+        outcome.value = found["value"]
+    return outcome
+
+
+def _mark_failed(root: str, parent_id: str, study: str, number: int, resumed_by: int | None = None) -> None:
+    """The trial's MLflow run (where it got that far), tagged failed; a run left RUNNING by a dead
+    process is ended KILLED."""
+    with contextlib.suppress(Exception):  # the trial's own error is the one to report
+        client = tracking_client(root)
+        experiment = client.get_run(parent_id).info.experiment_id
+        query = f"tags.`{STUDY_TAG}` = '{study}' and tags.`{TRIAL_TAG}` = '{number}'"
+        for run in client.search_runs([experiment], query):
+            client.set_tag(run.info.run_id, STATE_TAG, "failed")
+            if resumed_by is not None:
+                client.set_tag(run.info.run_id, "search.resumed_by", str(resumed_by))
+            if run.info.status == "RUNNING":
+                client.set_terminated(run.info.run_id, "KILLED")
+
+
+# --- the study -----------------------------------------------------------------------------
+
+class StudyRun(ParentRun):
+    """The study's MLflow run, one for the study however many times the search is run: a rerun
+    finds it by its tag and opens it again."""
+
+    def __init__(self, cfg: RunConfig, root: str, study: str, space: dict[str, Dim], overrides: list[str],
+                 options: dict[str, str]):
+        super().__init__(cfg, root, {}, overrides)
+        self.study, self.space, self.options = study, space, options
+
+    def __enter__(self) -> StudyRun:
+        self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
+        found = self.client.search_runs([self.experiment_id], f"tags.`{STUDY_TAG}` = '{self.study}' and "
+                                        f"tags.`search.parent` = 'true'", max_results=1)
+        if found:
+            run = found[0]
+            self.client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), STUDY_TAG: self.study,
+                          "search.parent": "true", "search.space": space_text(self.space)})
+            run = self.client.create_run(self.experiment_id, run_name=f"search-{self.study}",
+                                         tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
+            params = {f"space.{f}": d.spec for f, d in self.space.items()} | self.options
+            if self.overrides:
+                params["overrides"] = " ".join(self.overrides)
+            for name, value in scrub(params).items():
+                self.client.log_param(run.info.run_id, name, value[:MAX_PARAM_VALUE])
+        self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
+        return self
+
+
+def revive(study: Any, root: str, parent_id: str) -> list[int]:
+    """Trials left RUNNING by a dead search (this process holds the study's lock): each failed and
+    asked again with its parameters, so that its training resumes from its checkpoint."""
+    optuna = _optuna()
+    revived = []
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        study.enqueue_trial(t.params, user_attrs={"resumes": t.number})
+        revived.append(t.number)
+    if revived:
+        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+        by = {t.user_attrs.get("resumes"): t.number for t in waiting}
+        for number in revived:
+            _mark_failed(root, parent_id, study.study_name, number, by.get(number))
+    return revived
+
+
+def outcomes_of(study: Any) -> list[TrialOutcome]:
+    """Every trial of the study, from what it holds (runs of earlier searches included)."""
+    resumed_by = {t.user_attrs["resumes"]: t.number for t in study.trials if t.user_attrs.get("resumes") is not None}
+    out = []
+    for t in study.trials:
+        state = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}.get(t.state.name, t.state.name.lower())
+        a = t.user_attrs
+        out.append(TrialOutcome(
+            number=t.number, params={k: str(v) for k, v in t.params.items()}, state=state,
+            value=t.value if state == "complete" else None, step=a.get("step"), val_loss=a.get("val_loss"),
+            mlflow_run_id=a.get("mlflow_run_id"), resumes=a.get("resumes"), resumed_by=resumed_by.get(t.number),
+            resumed_from_step=a.get("resumed_from_step"),
+            error=a.get("error") or (f"its process died; resumed by trial {resumed_by[t.number]}"
+                                     if t.number in resumed_by else None)))
+    return out
+
+
+def finished_count(outcomes: list[TrialOutcome]) -> int:
+    """Trials that count toward --trials: complete, pruned, or failed (a dead one resumed by
+    another counts once, as the other)."""
+    return sum(o.state in ("complete", "pruned", "failed") and o.resumed_by is None for o in outcomes)
+
+
+class SearchResult(BaseModel):
+    recipe: str
+    study: str
+    study_file: str
+    headline: str
+    higher_is_better: bool
+    mlflow_run_id: str
+    outcomes: list[TrialOutcome]
+    best: TrialOutcome | None
+    best_recipe: str | None  # the best trial's config, a recipe file for `run --recipe FILE`
+    outputs: str
+    artifact_uri: str
+    revived: list[int] = []
+
+    @property
+    def failed(self) -> list[TrialOutcome]:
+        return [o for o in self.outcomes if o.state == "failed" and o.resumed_by is None]
+
+
+class TrialsEnded:
+    """The terminal's bar of trials (`tasks.report_progress("trials", ...)`)."""
+
+    def __init__(self, total: int, done: int, higher: bool):
+        self.total, self.ended, self.failed, self.higher, self.best = total, done, 0, higher, None
+        self.lock = threading.Lock()
+        tasks.report_progress("trials", done, total)
+
+    def __call__(self, future: Any) -> None:
+        try:
+            o = future.wrapped_future.result().result()
+        except BaseException:  # noqa: BLE001 (a trial that crashed its thread ended too)
+            o = TrialOutcome(number=-1, params={}, state="failed")
+        self.record(o)
+
+    def record(self, o: TrialOutcome) -> None:
+        with self.lock:
+            self.ended += 1
+            self.failed += o.state == "failed"
+            if o.value is not None and (self.best is None or (o.value > self.best) == self.higher):
+                self.best = o.value
+            best = "" if self.best is None else f", best {self.best:.4f}"
+            tasks.report_progress("trials", self.ended, self.total, failed=self.failed,
+                                  last=f"trial {o.number} {o.state}{best}")
+
+
+def _run_name() -> str:
+    """Named after the recipe and the start, as the pipeline's flow runs are."""
+    import time
+
+    from prefect.runtime import flow_run
+
+    return f"search-{flow_run.parameters.get('recipe')}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+@flow(name="search", flow_run_name=_run_name, persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
+      on_failure=[forget_exception], on_crashed=[forget_exception])
+def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  # noqa: B006
+           sampler: str = "tpe", pruner: str = "median", study: str | None = None,
+           source: str | list[str] | None = None, storage_url: str | None = None,
+           overrides: list[str] = [], train_on: str | None = None,  # noqa: B006
+           parallel: int | None = None, startup_trials: int = 5) -> SearchResult:
+    """Search a space of config fields with Optuna; each trial is a pipeline run, stopped at an
+    evaluation when the pruner says so. Running it again continues the study.
+
+    Args:
+        recipe: A shipped recipe (see `mllm-pipeline recipes`).
+        space: Fields and their values, as section.field=SPEC: a list 2,4,6, or a range 1e-4..1e-2,
+            log:1e-4..1e-2, int:64..512.
+        trials_n: How many trials the study finishes (complete, pruned or failed), earlier runs' included.
+        sampler: tpe or random.
+        pruner: median, halving, hyperband or none.
+        study: The study's name [from the recipe, the space, the fixed fields and the data].
+        source: The corpus to train on when not the recipe's own.
+        storage_url: The storage root [$MLLM_STORAGE or ./storage].
+        overrides: Config fields fixed for every trial, as section.field=value.
+        train_on: A work pool whose workers train the trials [this process, one at a time].
+        parallel: At most this many trials at once on the pool [as many as its slots take].
+        startup_trials: The median pruner prunes nothing before this many trials finished.
+    """
+    optuna = _optuna()
+    dims = parse_space(space)
+    pool = training_pool(recipe, train_on)
+    check_options(trials_n, sampler, pruner, parallel, pool, startup_trials)
+    base = check_space(recipe, dims, overrides, source)
+    fam = family_of(base)
+    name = study or study_name(recipe, dims, overrides, base)
+    root = storage_root(storage_url)
+    check_study(root, name, dims, recipe)
+    preflight(root)
+    if pool:
+        dispatch.ensure_deployment(train, pool)
+    path = study_file(root)
+    direction = "maximize" if fam.higher_is_better else "minimize"
+    sign = -1.0 if fam.higher_is_better else 1.0  # the pruner reads val loss in the study's direction
+    with study_lock(path, name):
+        st = optuna.create_study(study_name=name, storage=open_storage(path), direction=direction,
+                                 load_if_exists=True)
+        st.set_user_attr("space", space_text(dims))
+        st.set_user_attr("recipe", recipe)
+        # A seed per start: a rerun must not draw the first trials' values again.
+        st.sampler = make_sampler(sampler, int(storage.digest([name, len(st.trials)])[:8], 16))
+        st.pruner = make_pruner(pruner, base, startup_trials)
+        options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name,
+                   "study_file": path}
+        parent = StudyRun(base, root, name, dims, overrides, options)
+        with parent:
+            revived = revive(st, root, parent.run_id)
+            done = finished_count(outcomes_of(st))
+            ended = TrialsEnded(trials_n, done, fam.higher_is_better)
+            futures: list[Any] = []
+            for _ in range(max(0, trials_n - done)):
+                running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
+                if parallel and len(running) >= parallel:
+                    concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                trial = st.ask()
+                one = run_one.with_options(task_run_name=f"trial {trial.number}")
+                args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign)
+                if pool is None:
+                    # One at a time, each asking the sampler what the last taught; in this thread,
+                    # where a Ctrl-C reaches the training, which writes its checkpoint first.
+                    ended.record(one(*args))
+                    continue
+                future = one.submit(*args)
+                future.add_done_callback(ended)
+                futures.append(future)
+            for f in futures:
+                f.wait()
+            outcomes = outcomes_of(st)
+            if down := next((o.error for o in outcomes if o.error and o.error.startswith(database.DOWN)), None):
+                raise UserError(down)
+            result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, path, revived)
+    return result
+
+
+# --- what a study leaves -------------------------------------------------------------------
+
+def record(parent: StudyRun, st: Any, recipe: str, space: dict[str, Dim], overrides: list[str],
+           source: str | list[str] | None, outcomes: list[TrialOutcome], fam: Any, path: str,
+           revived: list[int]) -> SearchResult:
+    """The table (markdown, CSV, JSON), the history and parameter plots and the best trial's
+    recipe, under `searches/<study>/` in storage and as the study run's artifacts."""
+    folder = storage.join(parent.root, "searches", parent.study)
+    complete = [o for o in outcomes if o.state == "complete"]
+    best = None
+    if complete:
+        pick = max if fam.higher_is_better else min
+        best = pick(complete, key=lambda o: o.value)
+    rows = search_report.table_rows(space, outcomes)
+    md = search_report.markdown_table(recipe, parent.study, fam.headline, fam.higher_is_better, space, outcomes,
+                                      best, parent.run_id)
+    texts = {"search.md": md, "search.csv": csv_text(rows), "search.json": json.dumps(rows, indent=2) + "\n"}
+    best_recipe = None
+    if best is not None:
+        cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in best.params.items())], source=source)
+        texts["best.yaml"] = search_report.best_recipe(cfg, parent.study, best, fam.headline)
+        best_recipe = storage.join(folder, "best.yaml")
+    for name_, text in texts.items():
+        storage.write_text(storage.join(folder, name_), text)
+        parent.client.log_text(parent.run_id, text, name_)
+    for name_, fig in (("history.png", search_report.history_figure(recipe, fam.headline, fam.higher_is_better,
+                                                                    outcomes)),
+                       ("params.png", search_report.params_figure(fam.headline, space, outcomes))):
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
+        storage.write_bytes(storage.join(folder, name_), png.getvalue())
+        parent.client.log_figure(parent.run_id, fig, name_)
+    client, run_id = parent.client, parent.run_id
+    counts = {s: sum(o.state == s and o.resumed_by is None for o in outcomes) for s in ("complete", "pruned", "failed")}
+    for s, n in counts.items():
+        client.set_tag(run_id, f"search.{s}", str(n))
+    if best is not None:
+        client.set_tag(run_id, "search.best_trial", str(best.number))
+        client.set_tag(run_id, "search.best_run", best.mlflow_run_id or "")
+        client.log_metric(run_id, f"best_{fam.headline}", best.value, step=len(outcomes))
+        for f, v in best.params.items():
+            client.set_tag(run_id, f"search.best.{f}", v[:MAX_TAG_VALUE])
+    for f, value in importances(st).items():
+        client.log_metric(run_id, f"importance.{f}", value)
+    slug = "".join(c if c.isalnum() else "-" for c in parent.study.lower())
+    create_markdown_artifact(md, key=f"search-{slug}", description=f"{recipe}: search of {', '.join(space)}")
+    return SearchResult(recipe=recipe, study=parent.study, study_file=path, headline=fam.headline,
+                        higher_is_better=fam.higher_is_better, mlflow_run_id=run_id, outcomes=outcomes, best=best,
+                        best_recipe=best_recipe, outputs=folder, artifact_uri=parent.artifact_uri, revived=revived)
+
+
+def importances(st: Any) -> dict[str, float]:
+    """Optuna's parameter importances (fANOVA) over the complete trials; none while too few."""
+    optuna = _optuna()
+    complete = st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    if len(complete) < 2:
+        return {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return {k: float(v) for k, v in optuna.importance.get_param_importances(st).items()}
+    except (ValueError, RuntimeError):  # a parameter that never varied, a single value
+        return {}
