@@ -18,6 +18,7 @@ LAZY = {
                              "--help answers in under a second instead of 2.5 s",
     "flows/cli/runs.py": "MLflow (1.5 s) only for the command that reads runs",
     "flows/cli/servers.py": "Prefect's client only for the command that drives a server",
+    "flows/cli/search.py": "Optuna and Prefect's flows only when a search runs",
     "flows/cli/terminal.py": "flows.pipeline (Prefect, several seconds) on a command's first flow",
     "flows/launch.py": "Prefect and MLflow off the CLI's fast paths (the preflight checks)",
     "flows/history/runs.py": "torch only to sample from a run",

@@ -9,7 +9,7 @@ import typer
 
 from flows.cli.app import Recipe, Sets, Source, Storage, TrainOn, app, without_credentials
 from flows.cli.terminal import console, escape, flow_session, progress, user_errors
-from flows.launch import checked_config
+from flows.launch import checked_config, storage_root, training_pool
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 
@@ -44,7 +44,6 @@ def search(recipe: Recipe = "default",
     evaluation. The study is kept in optuna.db beside the storage root: the same command again continues
     it, and resumes a trial whose process died from its checkpoint."""
     with user_errors():
-        from flows.launch import storage_root, training_pool
         from flows.search import check_options, check_study
         from flows.search_report import text_table
         from flows.search_space import check_space, parse_space, study_name
