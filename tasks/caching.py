@@ -25,7 +25,7 @@ def stage_cache(key_fn: Callable[..., str]) -> Callable[[Any, dict[str, Any]], s
     return cache_key
 
 
-def transient(task: Any, task_run: Any, state: Any) -> bool:
+def retry_unless_mistake(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition: retry I/O failures, never a user's mistake (a retry cannot fix it)."""
     exc = state.data if isinstance(state.data, BaseException) else None
     if exc is None:
@@ -35,7 +35,7 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(exc, UserError) or getattr(exc, "transient", False)
 
 
-def io_error(task: Any, task_run: Any, state: Any) -> bool:
+def retry_io_only(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition for costly stages: retry only when storage or the network failed (the
     stage then resumes from what it had written), not a bug or a user's mistake."""
     exc = state.data if isinstance(state.data, BaseException) else None

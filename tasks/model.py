@@ -29,7 +29,7 @@ from mllm.family import Evaluation as Scores
 from mllm.family import family_of, samples_text
 import tasks
 from tasks import assets, trials
-from tasks.caching import forget_exception, io_error, stage_cache, transient
+from tasks.caching import forget_exception, retry_io_only, retry_unless_mistake, stage_cache
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
@@ -173,7 +173,7 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
 
 
 @task(name="train", on_failure=[forget_exception],
-      retries=2, retry_delay_seconds=5, retry_condition_fn=io_error)
+      retries=2, retry_delay_seconds=5, retry_condition_fn=retry_io_only)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
     """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches.
 
@@ -308,7 +308,7 @@ def _generate_key(cfg: RunConfig, trained: Trained) -> str:
 
 
 @task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
     """Score the best checkpoint on a whole split, as its family scores it; the report and the
     pictures and exports go beside the checkpoints."""
@@ -345,7 +345,7 @@ def _score_key(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str =
 
 
 @task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_score_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def score_champion(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> ChampionScore | None:
     """Score another run's checkpoint (the champion's) on this run's split, as its family does
     (None: the family's headline does not depend on the split).
@@ -364,7 +364,7 @@ def score_champion(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: s
 
 
 @task(name="generate", on_failure=[forget_exception], cache_key_fn=stage_cache(_generate_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     """The recipe's own samples, one file per method (`samples/<method>.txt`), as the family
     samples: continuations, neighbours, translations or next elements.

@@ -14,13 +14,13 @@ from mllm import UserError, layout, storage
 from mllm.config import DataConfig
 from mllm.data import corpus, files
 from tasks import NOTICE, assets, report_progress
-from tasks.caching import forget_exception, transient
+from tasks.caching import forget_exception, retry_unless_mistake
 from tasks.data import (RawText)
 from tasks.data.fan_out import PACK_BYTES, fan_out
 
 
 @task(name="download", on_failure=[forget_exception],
-      retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+      retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
 def download(source: str, sha256: str | None, root: str) -> RawText:
     """Copy the source into `raw/<sha256>.txt` as UTF-8 text, after checking that it is text.
 
@@ -71,7 +71,7 @@ def file_key(url: str, sha256: str) -> str:
     return url.rsplit("/", 1)[-1].split(".", 1)[0] if url else sha256
 
 
-@task(name="list-source", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+@task(name="list-source", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
 def list_source(sources: list[str]) -> list[files.SourceFile]:
     found, hidden = files.list_files(sources)
     if hidden:
@@ -80,7 +80,7 @@ def list_source(sources: list[str]) -> list[files.SourceFile]:
     return found
 
 
-@task(name="download-files", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=transient)
+@task(name="download-files", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
 def download_files(batch: list[files.SourceFile], text_field: str, bad_files: str, root: str) -> list[FileRecord]:
     """Check files of the source and store each under `raw/` by the sha256 of its bytes (a batch
     of files a task run: a task run costs Prefect's bookkeeping, a small file far less)."""
@@ -116,7 +116,7 @@ def corpus_digest(shas: list[str]) -> str:
     return storage.sha256_bytes("\n".join(sorted(set(shas))).encode())
 
 
-@task(name="record-corpus", retries=1, retry_condition_fn=transient)
+@task(name="record-corpus", retries=1, retry_condition_fn=retry_unless_mistake)
 def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | None, root: str) -> RawText:
     """The corpus manifest, `corpora/<digest>.json`: every file with its source, bytes, digest and
     documents, and the files left out."""

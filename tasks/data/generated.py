@@ -10,7 +10,7 @@ from mllm.config import DataConfig
 from mllm.data.vocab import Vocab
 from mllm.family import families
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, transient
+from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data import (Generated, SplitPart, Splits, Tokens, Vocabulary, finished,
                         write_manifest)
 
@@ -20,7 +20,7 @@ def _generated_key(cfg: DataConfig, family: str, root: str) -> str:
 
 
 @task(name="generate-data", on_failure=[forget_exception], cache_key_fn=stage_cache(_generated_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def generate_data(cfg: DataConfig, family: str, root: str) -> Generated:
     """Make the data of a family whose data is made from its config (no download)."""
 

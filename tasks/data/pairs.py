@@ -11,7 +11,7 @@ from mllm.config import DataConfig, NumbersConfig
 from mllm.data import text
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, transient
+from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data import (Pairs, RawText, SourceSide, SplitPart, Splits, Tokens, Vocabulary, finished,
                         write_manifest)
 
@@ -55,7 +55,7 @@ def _pairs_key(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int
 
 
 @task(name="prepare-pairs", on_failure=[forget_exception], cache_key_fn=stage_cache(_pairs_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> Pairs:
     """Split the pairs (identical sources on one side), tokenize both sides, build the
     vocabularies on the training pairs, and write each split as Parquet (texts and ids)."""

@@ -13,7 +13,7 @@ from mllm.config import DataConfig, SplitConfig
 from mllm.data import splits, text, tokens as token_chunks
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, transient
+from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data import (SplitPart, Splits, Tokens, Vocabulary, finished,
                         write_manifest)
 from tasks.data.fan_out import fan_out
@@ -25,7 +25,7 @@ def _split_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: s
 
 
 @task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_split_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> Splits:
     """Encode the tokens and route each segment of the split plan to its split's arrays."""
     key = _split_key(tokens, vocabulary, cfg, root)
@@ -77,7 +77,7 @@ def _stored_piece(url: str) -> dict[str, Any] | None:
 
 
 @task(name="route-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_route_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def route_pack(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> dict[str, Any]:
     """One pack's rows encoded and routed to their splits; a piece already stored is reused."""
     url = _piece_url(pack, vocabulary, tokenizer, cfg, root)
@@ -94,7 +94,7 @@ def _assembled_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, roo
 
 
 @task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_assembled_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str, pieces: list[str]) -> Splits:
     """The corpus's splits from its packs' routed pieces, in pack order."""
     key = _split_key(tokens, vocabulary, cfg, root)

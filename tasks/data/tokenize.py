@@ -13,7 +13,7 @@ from mllm import UserError, layout, storage
 from mllm.config import DataConfig, TokenizerConfig
 from mllm.data import corpus, files, gutenberg, packs, text, tokens as token_chunks
 from tasks import assets, report_progress
-from tasks.caching import forget_exception, stage_cache, transient
+from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data import (RawText, Tokens, finished,
                         write_manifest)
 from tasks.data.download import FileRecord, manifest_files
@@ -25,7 +25,7 @@ def _tokens_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
 
 
 @task(name="tokenize", on_failure=[forget_exception], cache_key_fn=stage_cache(_tokens_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
     """Stream the raw text through the tokenizer into a Parquet dataset of token chunks."""
     key = _tokens_key(raw, cfg, root)
@@ -81,7 +81,7 @@ def _sample_chunks(sample: list[tuple[FileRecord, int]], strip: bool):
 
 
 @task(name="train-tokenizer", on_failure=[forget_exception], cache_key_fn=stage_cache(_sample_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def train_tokenizer(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
     """A BPE tokenizer trained on the corpus's sample (`data.tokenizer.train_bytes`): the same
     sample gives the same tokenizer, so a corpus that grows outside it keeps its tokens."""
@@ -102,7 +102,7 @@ def _pack_key(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_bytes: 
 
 
 @task(name="tokenize-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_pack_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def tokenize_pack(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_bytes: int) -> dict[str, Any]:
     """Tokenize the files of one pack; a pack already in storage is read, not made again."""
     if storage.is_complete(pack.url):

@@ -10,7 +10,7 @@ from mllm.config import VocabConfig
 from mllm.data import tokens as token_chunks
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, transient
+from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data.tokenize import corpus_packs
 from tasks.data import (Tokens, Vocabulary, finished,
                         write_manifest)
@@ -21,7 +21,7 @@ def _vocab_key(tokens: Tokens, cfg: VocabConfig, root: str) -> str:
 
 
 @task(name="build-vocabulary", on_failure=[forget_exception], cache_key_fn=stage_cache(_vocab_key),
-      retries=1, retry_condition_fn=transient)
+      retries=1, retry_condition_fn=retry_unless_mistake)
 def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     """Count tokens row group by row group, then keep those that pass min_freq and max_size."""
     key = _vocab_key(tokens, cfg, root)

@@ -318,11 +318,6 @@ class RunTracker:
                 f.write(storage.read_bytes(url))
             self.client.log_artifact(self.run_id, local, os.path.dirname(artifact_file) or None)
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        entries = [Param(k, str(v)) for k, v in scrub({k: str(v) for k, v in params.items()}).items()]
-        for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
-
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, scrub(text), artifact_file)
 
