@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mllm import UserError
+from mllm import UserError, speed
 from mllm.config import model_config, validate
 from mllm.lm.generate import generate
 from mllm.lm.gpt_pieces import Rotary, qk_norm, softcap
@@ -162,6 +162,9 @@ def test_the_defaults_are_nanogpts_gpt():
     assert rotary.speed_variant == {"positions": "rotary", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
                                     "logit_softcap": 15.0}
     assert gpt(positions="sinusoidal").speed_variant == {}  # its probe keys predate the variants
+    # mllm.speed's probe keys tell the variants apart (no parameter shape does), not the defaults.
+    assert speed._shape(gpt(qk_norm=True)) != speed._shape(gpt())
+    assert not [k for k in speed._shape(gpt()) if k[0] == "variant"]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
