@@ -1,8 +1,8 @@
 """The training loop, and `python -m mllm.train --config run.yaml`.
 
-nanoGPT's train.py, as a function: AdamW (fused), or Muon with AdamW (mllm.optim), linear warmup then cosine decay,
-gradient clipping and accumulation, bf16 autocast where it is faster (mllm.speed), optional
-torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
+nanoGPT's train.py, as a function: AdamW (fused), or Muon with AdamW (mllm.optim), linear warmup
+then cosine decay, gradient clipping and accumulation, bf16 autocast where it is faster
+(mllm.speed), optional torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
 step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
 it would have reached. last.pt is written every `checkpoint_interval` steps, every
 `checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (at the end of

@@ -158,7 +158,8 @@ class GPT(nn.Module):
             ln_f=norm(config.norm, config.n_embd, config.bias),
         ))
         # One table for every layer (non-persistent buffers: no weights, nothing in a checkpoint).
-        self.rotary = Rotary(config.block_size, config.n_embd // config.n_head) if config.positions == "rotary" else None
+        rotary = config.positions == "rotary"
+        self.rotary = Rotary(config.block_size, config.n_embd // config.n_head) if rotary else None
         for block in self.transformer.h:
             block.attn.rotary = self.rotary
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
