@@ -72,6 +72,44 @@ def probe_steps(paths: dict, folder: Path, minutes: float, threads: int) -> tupl
     return max(100, int(60 * minutes / step_s) // 100 * 100), step_s
 
 
+def step_costs(names: list[str], vocab_size: int, rounds: int, threads: int) -> dict[str, float]:
+    """Median ms of a training step (forward, backward, optimizer) of each contender in bf16, timed
+    in one process, round-robin, 5 steps a turn: a load that drifts over minutes hits every
+    contender alike, which the training runs one after the other cannot promise."""
+    import json as _json
+
+    from mllm import speed
+    from mllm.models import build_model
+    from mllm.optim import build_optimizer
+    from mllm.resolve import apply_overrides, recipe_dict
+    from mllm.config import validate
+
+    torch.set_num_threads(threads)
+    cpu = torch.device("cpu")
+    setups = {}
+    for name in names:
+        data = apply_overrides(recipe_dict("default"), [f"{k}={_json.dumps(v)}" for k, v in PIECES[name].items()])
+        cfg = validate(data, name)
+        model = build_model(cfg.model.model_copy(update={"vocab_size": vocab_size}))
+        t = cfg.train
+        x = torch.randint(0, vocab_size, (t.batch_size, t.window))
+        speed.choose_attention(model, cpu, (x, x))
+        setups[name] = (model, build_optimizer(model, t, cpu), x)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(rounds + 1):
+        for name, (model, opt, x) in setups.items():
+            for _ in range(5):
+                t0 = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    _, loss, _ = model(x, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if turn:  # the first turn warms up
+                    times[name].append(1000 * (time.perf_counter() - t0))
+    return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
 def curve(events: list[dict]) -> list[dict]:
     """[{step, train_s, val_loss}] at each evaluation (the fixed batches), training seconds only."""
     seconds = {e["progress"]["step"]: e["progress"]["train_s"] for e in events if "progress" in e}
@@ -90,6 +128,8 @@ def main() -> None:
         p.add_argument("--only", nargs="+", choices=list(PIECES), help="run only these (default first anyway)"),
         p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="train.seed of each run"),
         p.add_argument("--target", type=float, help="the loss for time-to-target (default: the default's last)"),
+        p.add_argument("--step-times", type=int, metavar="ROUNDS",
+                       help="only time each contender's step, round-robin for ROUNDS turns (no training)"),
     ))
     m = header("ablation", args.quick)
     wp = corpus("warandpeace")
@@ -98,6 +138,14 @@ def main() -> None:
     from mllm.checkpoint import load_checkpoint
     from mllm.lm.evaluate import evaluate
 
+    if args.step_times:
+        ms = step_costs(names, 60, args.step_times, threads)
+        rows = [{"contender": n, "ms_per_step": v, "step_vs_default": v / ms["default"]} for n, v in ms.items()]
+        print(table(rows, [("contender", "contender"), ("ms_per_step", "median ms a step (bf16)"),
+                           ("step_vs_default", "/ default's")]) + f"\n\nload average now {load()}")
+        save("ablation_steps", {"machine": m, "threads": threads, "rounds": args.step_times, "rows": rows,
+                                "load_after": load()})
+        return
     rows = []
     with tempfile.TemporaryDirectory(prefix="mllm-bench-ablation-") as tmp:
         folder = Path(tmp)

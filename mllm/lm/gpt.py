@@ -84,13 +84,16 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # One view and one permute for q, k and v together (the same strides as split + 3 views
         # + 3 transposes): fewer ops matter when generating, where each one touches a single token.
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         past = cache.length if cache is not None else 0
-        if self.qk_norm:
-            q, k = qk_norm(q), qk_norm(k)
-        if self.rotary is not None:
-            # Before the cache: cached keys are stored turned by their own positions.
-            q, k = self.rotary(q, past), self.rotary(k, past)
+        if self.qk_norm or self.rotary is not None:
+            # q and k together, one call each instead of two: a step of this small model is
+            # counted in ops. Before the cache: cached keys are stored turned by their positions.
+            qk = qk_norm(qkv[:2]) if self.qk_norm else qkv[:2]
+            qk = self.rotary(qk, past) if self.rotary is not None else qk
+            (q, k), v = qk.unbind(0), qkv[2]
+        else:
+            q, k, v = qkv.unbind(0)
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
