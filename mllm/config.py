@@ -169,7 +169,7 @@ class RecurrentConfig(_Section):
 
 
 class GPTConfig(_Section):
-    """A decoder-only transformer (nanoGPT's): learned positions, pre-LayerNorm blocks."""
+    """A decoder-only transformer (nanoGPT's): learned positions, pre-LayerNorm blocks, by default."""
 
     arch: Literal["gpt"] = "gpt"
     vocab_size: int = Field(0, ge=0)  # 0: taken from the vocabulary when training starts
@@ -183,8 +183,16 @@ class GPTConfig(_Section):
     # sinusoidal: the seq2seq transformer's fixed table (no parameters); explicit: attention
     # written out in tensor code instead of torch's SDPA kernel, the same numbers. The defaults are
     # what a checkpoint from before these fields was trained with.
-    positions: Literal["learned", "sinusoidal"] = "learned"
+    # rotary: q and k turned by their position in every layer (no table added to the input).
+    positions: Literal["learned", "sinusoidal", "rotary"] = "learned"
     attention: Literal["sdpa", "explicit"] = "sdpa"
+    # The modern small-GPT pieces (mllm/lm/gpt_pieces.py, benchmarks/ablation.py); the defaults
+    # are nanoGPT's, so a checkpoint from before these fields loads as it was trained.
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # rmsnorm: x / rms(x) * gain, no bias
+    qk_norm: bool = False  # RMS-normalise each head's q and k before attention (no gain)
+    mlp: Literal["gelu", "relu2"] = "gelu"  # relu2: relu(x)^2, as modded-nanogpt and nanochat
+    zero_init_proj: bool = False  # attention and MLP output projections start at zero
+    logit_softcap: float | None = Field(None, gt=0)  # logits -> c * tanh(logits / c)
 
     @model_validator(mode="after")
     def _heads(self) -> "GPTConfig":
@@ -307,7 +315,12 @@ class TrainConfig(_Section):
     epochs: float | None = Field(None, gt=0)
     max_steps: int | None = Field(None, ge=1)
     max_minutes: float | None = Field(None, gt=0)
-    optimizer: Literal["adam", "adamw"] = "adamw"
+    # muon: torch.optim.Muon for a GPT's 2-D hidden weights (attention and MLP matrices), AdamW
+    # (lr, betas, weight_decay below) for the embeddings, head, norms and biases.
+    optimizer: Literal["adam", "adamw", "muon"] = "adamw"
+    muon_lr: float = Field(0.02, gt=0)  # Muon's peak rate; the schedule scales it as it scales lr
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_weight_decay: float = Field(0.0, ge=0)  # decoupled, on the Muon matrices only
     lr: float = Field(1e-3, gt=0)
     min_lr: float = Field(1e-4, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # linear: to 0, as word2vec

@@ -81,6 +81,11 @@ class Family:
             raise ValueError(f"sample.methods {', '.join(bad)}: a {self.name} model samples with "
                              f"{', '.join(self.methods)}")
 
+    def takes_muon(self, model: Any) -> bool:
+        """Whether train.optimizer muon fits this model: Muon orthogonalises the updates of hidden
+        weight matrices, which a transformer's blocks are made of."""
+        return False
+
     def check_source(self, cfg: Any) -> None:
         """Check a local source (already read through as text) for what this family needs of it,
         before any stage runs."""
@@ -224,6 +229,9 @@ def check_run(cfg: Any) -> None:
     if family.data == "generated" and cfg.data.sequences is None:
         raise ValueError(f"the {family.name} family makes its data: add a data.sequences section "
                          "(see recipe count-rnn)")
+    if cfg.train.optimizer == "muon" and not family.takes_muon(cfg.model):
+        raise ValueError(f"train.optimizer muon is for the GPT's hidden matrices, not model.arch {cfg.model.arch}: "
+                         "use adamw or adam")
     family.check(cfg)
 
 

@@ -1,8 +1,8 @@
 """The training loop, and `python -m mllm.train --config run.yaml`.
 
-nanoGPT's train.py, as a function: AdamW (fused on CUDA), linear warmup then cosine decay,
-gradient clipping and accumulation, bf16 autocast where it is faster (mllm.speed), optional
-torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
+nanoGPT's train.py, as a function: AdamW (fused), or Muon with AdamW (mllm.runtime.optim), linear warmup
+then cosine decay, gradient clipping and accumulation, bf16 autocast where it is faster
+(mllm.speed), optional torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
 step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
 it would have reached. last.pt is written every `checkpoint_interval` steps, every
 `checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (at the end of
@@ -27,15 +27,15 @@ import torch
 import torch.distributed as tdist
 
 from mllm import UserError, storage
+from mllm.config import RunConfig, TrainConfig
+from mllm.family import build_model, family_of, load_inputs
+from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
 from mllm.runtime.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
 from mllm.runtime.compiling import Compiler, compile_key
-from mllm.config import RunConfig, TrainConfig
-from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
-from mllm.family import family_of, load_inputs
 from mllm.runtime.devices import resolve_device
-from mllm.family import build_model
-from mllm.resolve import apply_overrides, load_file, validate
+from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
+from mllm.runtime.optim import build_optimizer
 
 Records = list[dict]
 
@@ -80,24 +80,6 @@ def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]
         return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
 
     return factor
-
-
-def optim_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (weights, embeddings) only; biases and norm gains stay free
-    (nanoGPT). A model with other needs says so with an `optim_groups` method of its own."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-
-def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    own = getattr(model, "optim_groups", None)
-    groups = own(t.weight_decay) if own else optim_groups(model, t.weight_decay)
-    kind = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
-    # Fused on CPU too: torch's default there is a Python loop over the parameters, a tenth of a
-    # small GPT's step. The fused kernel computes the same update in another order, so weights
-    # differ from the loop's in the last bits (tests/test_train.py bounds how far the losses move).
-    return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type in ("cuda", "cpu") or None)
 
 
 def _attention(device: torch.device, model: torch.nn.Module, batch: tuple, d: Dist) -> str:
@@ -195,7 +177,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         total_steps, end_reason = None, "max_minutes"
 
     raw = build_model(cfg.model).to(device)
-    optimizer = _optimizer(raw, t, device)
+    optimizer = build_optimizer(raw, t, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t, total_steps))
     step, elapsed_before = 0, 0.0
     metrics: dict[str, float] = {}
@@ -203,6 +185,11 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         state = read_checkpoint(last_url, "cpu")
         check_vocab(state, vocab, last_url)
         _check_model(state["config"], cfg, last_url)
+        saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
+        if (saved_optimizer == "muon") != (t.optimizer == "muon"):
+            raise UserError(f"checkpoint {last_url} was trained with train.optimizer {saved_optimizer}, this config "
+                            f"{t.optimizer}: its optimizer state does not carry over; use another checkpoint_dir "
+                            "or --no-resume")
         raw.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -287,6 +274,9 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
                                          60 * t.max_minutes - (elapsed_before + now - t0) if t.max_minutes else None)
 
         elapsed = elapsed_before + time.perf_counter() - t0
+        # The training seconds up to this step with the evaluations before it left out (a time
+        # to a loss should not depend on how often the loss was looked at).
+        train_s = elapsed - metrics.get("eval_s", 0.0)
         signalled = signals.received is not None
         if d.world_size > 1:
             # Clocks and signals differ between ranks; every rank takes the latest clock and any
@@ -308,6 +298,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             loss_count, mark, tokens_mark = 0, now, tokens_run
         improved = False
         if step % t.eval_interval == 0 or stop:
+            eval_start = time.perf_counter()
             val = _val_loss(compiling.evaluator, val_batches, device, autocast, d)
             improved = val < best
             best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
@@ -319,6 +310,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
                 # Rank 0 asks; every rank stops at the same step, or the collectives part ways.
                 told = bool(on_eval(step, val)) if d.master else False
                 stop = "pruned" if any(gather(told, d)) else None
+            metrics["eval_s"] = metrics.get("eval_s", 0.0) + time.perf_counter() - eval_start
         metrics["elapsed_s"] = elapsed
         if records and on_metrics and d.master:
             on_metrics(records)
@@ -330,7 +322,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             saved_at = elapsed
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
             on_progress({"step": step, "total_steps": total_steps, "epoch": batches.epoch,
-                         "elapsed_s": elapsed, "train_loss": metrics.get("train_loss"), "lr": lr,
+                         "elapsed_s": elapsed, "train_s": train_s, "train_loss": metrics.get("train_loss"), "lr": lr,
                          "tokens_per_s": metrics.get("tokens_per_s")})
         if signalled:
             signals.deliver(step)

@@ -237,6 +237,6 @@ def test_state_dicts_do_not_cross_position_kinds():
 
 def test_config_refuses_other_kinds():
     with pytest.raises(ValueError, match="positions"):
-        model_config(arch="gpt", positions="rotary")
+        model_config(arch="gpt", positions="alibi")
     with pytest.raises(ValueError, match="attention"):
         model_config(arch="gpt", attention="flash")

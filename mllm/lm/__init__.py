@@ -47,6 +47,9 @@ class LanguageModel(Family):
             raise ValueError(f"train.window ({cfg.train.window}) exceeds model.block_size ({block}): "
                              "GPT has no position embedding beyond it")
 
+    def takes_muon(self, model: Any) -> bool:
+        return isinstance(model, GPTConfig)
+
     def size(self, m: Any) -> str:
         if isinstance(m, GPTConfig):
             return f"{m.n_layer}x{m.n_head}x{m.n_embd}"

@@ -3,7 +3,9 @@
 Token embeddings plus learned positions (nanoGPT's, GPT-2's) or sinusoidal ones (the seq2seq
 transformer's fixed table, `model.positions`), pre-LayerNorm blocks of causal self-attention
 (torch's SDPA kernel, or the same attention written out in tensor code: `model.attention`) and a
-GELU MLP, output weights tied to the token embedding.
+GELU MLP, output weights tied to the token embedding. The modern small-GPT pieces (rotary
+positions, RMSNorm, QK-norm, ReLU^2, zero-initialised projections, a logit softcap: see
+mllm.lm.gpt_pieces) are options of the config, off by default.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import ModelConfig
-from mllm.lm.rnn import optim_groups
+from mllm.lm.gpt_pieces import ReLU2, Rotary, norm, qk_norm, softcap
+from mllm.runtime.optim import optim_groups
 from mllm.transformer import SinusoidalPositions, causal_attention, causal_mask, explicit_attention
 
 
@@ -74,13 +77,23 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.qk_norm = config.qk_norm
+        self.rotary: Rotary | None = None  # the GPT's one table, set by the GPT (positions: rotary)
 
     def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.shape
         # One view and one permute for q, k and v together (the same strides as split + 3 views
         # + 3 transposes): fewer ops matter when generating, where each one touches a single token.
-        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
         past = cache.length if cache is not None else 0
+        if self.qk_norm or self.rotary is not None:
+            # q and k together, one call each instead of two: a step of this small model is
+            # counted in ops. Before the cache: cached keys are stored turned by their positions.
+            qk = qk_norm(qkv[:2]) if self.qk_norm else qkv[:2]
+            qk = self.rotary(qk, past) if self.rotary is not None else qk
+            (q, k), v = qk.unbind(0), qkv[2]
+        else:
+            q, k, v = qkv.unbind(0)
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
@@ -107,7 +120,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
+        self.gelu = nn.GELU() if config.mlp == "gelu" else ReLU2()  # the name kept: state_dicts hold none
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -119,9 +132,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_1 = norm(config.norm, config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config, kernels)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.ln_2 = norm(config.norm, config.n_embd, config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, layer=0):
@@ -135,27 +148,35 @@ class GPT(nn.Module):
         assert config.arch == "gpt" and config.vocab_size > 0
         self.config = config
         self.attention_kernels: dict[torch.dtype, str] = {}  # see CausalSelfAttention.kernels
-        if config.positions == "learned":
-            wpe = nn.Embedding(config.block_size, config.n_embd)
-        else:
-            # A formula could go on past block_size; the table stops there all the same, because
-            # block_size is also the size of the KV cache and of the context sampling keeps.
-            wpe = SinusoidalPositions(config.block_size, config.n_embd)
+        # A formula could go on past block_size; the tables stop there all the same, because
+        # block_size is also the size of the KV cache and of the context sampling keeps.
+        wpe = {"learned": lambda: nn.Embedding(config.block_size, config.n_embd),
+               "sinusoidal": lambda: SinusoidalPositions(config.block_size, config.n_embd),
+               "rotary": lambda: None}[config.positions]()
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=wpe,
+            **({"wpe": wpe} if wpe is not None else {}),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, self.attention_kernels) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=norm(config.norm, config.n_embd, config.bias),
         ))
+        # One table for every layer (non-persistent buffers: no weights, nothing in a checkpoint).
+        rotary = config.positions == "rotary"
+        self.rotary = Rotary(config.block_size, config.n_embd // config.n_head) if rotary else None
+        for block in self.transformer.h:
+            block.attn.rotary = self.rotary
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                # GPT-2: each block adds two residual branches; scale them so the stream's variance holds.
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                # GPT-2: each block adds two residual branches; scale them so the stream's variance
+                # holds. Zero (modded-nanogpt): each block starts as the identity.
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -174,12 +195,15 @@ class GPT(nn.Module):
             # sqrt(n_embd), as the seq2seq transformer (and Vaswani et al.): embeddings initialised
             # at std 0.02 would otherwise drown under the table's unit sines, and learn slowly.
             x = x * math.sqrt(self.config.n_embd)
-        x = x + self.transformer.wpe(pos)
+        if self.config.positions != "rotary":
+            x = x + self.transformer.wpe(pos)
         if self.training:
             x = self.transformer.drop(x)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, state, layer)
         logits = self.lm_head(self.transformer.ln_f(x))
+        if self.config.logit_softcap is not None:
+            logits = softcap(logits, self.config.logit_softcap)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -193,13 +217,24 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, tied ones once; non_embedding leaves out the position table (nanoGPT's count for FLOPs)."""
         n = sum(p.numel() for p in self.parameters())
-        # A sinusoidal table is a buffer, so this takes nothing off for it.
-        return n - sum(p.numel() for p in self.transformer.wpe.parameters()) if non_embedding else n
+        # A sinusoidal table is a buffer and rotary has none, so this takes nothing off for them.
+        wpe = self.transformer["wpe"] if "wpe" in self.transformer else None
+        return n - sum(p.numel() for p in wpe.parameters()) if non_embedding and wpe is not None else n
 
     def flops_per_token(self, T: int) -> int:
         """Training FLOPs per token at context T, as nanoGPT's estimate_mfu (PaLM appendix B)."""
         c = self.config
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * T
+
+    @property
+    def speed_variant(self) -> dict:
+        """The options away from their defaults that change a step's work but no parameter's
+        shape: part of mllm.speed's probe keys, so a probe of one variant is not reused for another."""
+        c, fields = self.config, ("norm", "qk_norm", "mlp", "logit_softcap")
+        defaults = type(c).model_fields
+        # Sinusoidal positions predate this key (its missing wpe tells it apart); rotary's does not.
+        return {f: getattr(c, f) for f in fields if getattr(c, f) != defaults[f].default} | \
+            ({"positions": "rotary"} if c.positions == "rotary" else {})
 
     def optim_groups(self, weight_decay: float) -> list[dict]:
         return optim_groups(self, weight_decay)

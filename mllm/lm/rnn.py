@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import ModelConfig
+from mllm.runtime.optim import optim_groups
 
 
 def lstm_step(x_proj, h, c, w_hh, b_hh):
@@ -188,12 +189,3 @@ class RecurrentLM(nn.Module):
 
     def optim_groups(self, weight_decay: float) -> list[dict]:
         return optim_groups(self, weight_decay)
-
-
-def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (weights, embeddings) only; biases and norm gains stay free (nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]

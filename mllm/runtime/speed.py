@@ -247,8 +247,12 @@ def _shape(model: nn.Module) -> list:
     attention kernels it was given (choose_attention: the same model in bf16 trained 1.6x faster
     once its attention was written out)."""
     kernels = getattr(model, "attention_kernels", None) or {}
+    # Options that change the work but no parameter (a GPT's rotary positions, QK-norm, ReLU^2...);
+    # empty for the defaults, so keys measured before those options existed still hold.
+    variant = getattr(model, "speed_variant", None) or {}
     return [[name, list(p.shape)] for name, p in model.named_parameters()] + \
-        [[str(dtype), kernel] for dtype, kernel in sorted(kernels.items(), key=str)]
+        [[str(dtype), kernel] for dtype, kernel in sorted(kernels.items(), key=str)] + \
+        ([["variant", sorted(variant.items())]] if variant else [])
 
 
 def _slice(batch: tuple, targets: int) -> tuple:

@@ -1,0 +1,112 @@
+"""train.optimizer muon: which parameters Muon takes, that it learns, and exact resume with its
+state from a checkpoint (loaded with weights_only=True, as every checkpoint is)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_char_ids
+from mllm import UserError
+from mllm.config import RunConfig, TrainConfig, model_config
+from mllm.family import build_model
+from mllm.runtime.optim import Combined, build_optimizer, muon_split
+from mllm.train import train
+
+GPT = {"arch": "gpt", "n_embd": 16, "n_head": 2, "n_layer": 2, "block_size": 16, "dropout": 0.0}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_muon_takes_the_block_matrices_and_adamw_the_rest(tie):
+    model = build_model(model_config(**GPT, vocab_size=11, tie_weights=tie, bias=True))
+    hidden, rest = muon_split(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in hidden) == sorted(
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                     "mlp.c_proj"))
+    others = {names[id(p)] for p in rest}
+    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
+            "transformer.h.0.ln_1.bias", "transformer.h.1.mlp.c_fc.bias"} <= others
+    assert ("lm_head.weight" in others) != tie  # tied: the one tensor is wte's, listed once
+    assert len(hidden) + len(rest) == len(list(model.parameters()))
+
+    opt = build_optimizer(model, TrainConfig(max_steps=1, optimizer="muon", lr=1e-3, muon_lr=0.05,
+                                             weight_decay=0.1), torch.device("cpu"))
+    assert isinstance(opt, Combined) and isinstance(opt.parts["muon"], torch.optim.Muon)
+    assert [len(g["params"]) for g in opt.parts["muon"].param_groups] == [8]
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] == 1e-3
+    # AdamW decays the embeddings (and an untied head), never the norms and biases.
+    decayed, free = opt.parts["adamw"].param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decayed["params"])
+    assert free["weight_decay"] == 0.0 and all(p.dim() == 1 for p in free["params"])
+    # One scheduler sets every part's rate, each from its own peak.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    assert sched.get_last_lr()[:2] == [0.025, 5e-4]
+    assert opt.parts["muon"].param_groups[0]["lr"] == 0.025
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("data")
+    write_char_ids(d, 1200)
+    return d
+
+
+def make_config(data_dir: Path, ckpt: Path, **train) -> RunConfig:
+    t = {"batch_size": 8, "window": 16, "max_steps": 8, "log_interval": 2, "eval_interval": 3,
+         "eval_batches": 2, "checkpoint_interval": 4, "optimizer": "muon", "lr": 3e-3, "muon_lr": 0.02,
+         "lr_schedule": "cosine", "warmup_steps": 2, "grad_clip": 0.5, "muon_weight_decay": 0.01}
+    t.update(train)
+    return RunConfig.model_validate({
+        "model": {**GPT, "dropout": 0.2}, "train": t,
+        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
+                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
+    })
+
+
+def test_resume_with_muon_state_reaches_the_same_weights(data_dir, tmp_path):
+    straight = train(make_config(data_dir, tmp_path / "a"))
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_4(progress):
+        if progress["step"] == 4:
+            raise Crash
+
+    cfg = make_config(data_dir, tmp_path / "b")
+    with pytest.raises(Crash):
+        train(cfg, on_progress=crash_at_4)
+    saved = torch.load(tmp_path / "b" / "last.pt", weights_only=True)
+    assert saved["step"] == 4 and set(saved["optimizer"]["parts"]) == {"muon", "adamw"}
+    assert all("momentum_buffer" in s for s in saved["optimizer"]["parts"]["muon"]["state"].values())
+    resumed = train(cfg)
+    assert resumed.resumed_from_step == 4 and resumed.steps == straight.steps == 8
+    a = torch.load(straight.checkpoint, weights_only=True)
+    b = torch.load(resumed.checkpoint, weights_only=True)
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    muon_a, muon_b = a["optimizer"]["parts"]["muon"]["state"], b["optimizer"]["parts"]["muon"]["state"]
+    assert all(torch.equal(muon_a[i]["momentum_buffer"], muon_b[i]["momentum_buffer"]) for i in muon_a)
+    assert resumed.val_loss == straight.val_loss
+
+
+def test_an_adamw_checkpoint_does_not_resume_under_muon(data_dir, tmp_path):
+    train(make_config(data_dir, tmp_path, optimizer="adamw", max_steps=2))
+    with pytest.raises(UserError, match="trained with train.optimizer adamw, this config muon"):
+        train(make_config(data_dir, tmp_path, max_steps=4))
+
+
+def test_muon_learns(data_dir, tmp_path):
+    result = train(make_config(data_dir, tmp_path, max_steps=30, eval_interval=30, muon_lr=0.05))
+    first = train(make_config(data_dir, tmp_path / "one", max_steps=1, eval_interval=1))
+    assert result.val_loss < first.val_loss - 0.3, (first.val_loss, result.val_loss)
