@@ -79,10 +79,10 @@ def step_costs(names: list[str], vocab_size: int, rounds: int, threads: int) -> 
     import json as _json
 
     from mllm.runtime import speed
-    from mllm.runtime.devices import build_model
+    from mllm.family import build_model
     from mllm.runtime.optim import build_optimizer
     from mllm.resolve import apply_overrides, recipe_dict
-    from mllm.config import validate
+    from mllm.resolve import validate
 
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
