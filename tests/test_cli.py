@@ -133,7 +133,7 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
     _assert_one_line_error(out, "work pool 'no-such-pool' not found", "prefect work-pool create")
     _no_outputs(root)  # refused before any stage ran
 
-    out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0")
+    out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0", PREFECT_API_URL="")  # no server named
     _assert_one_line_error(out, "set PREFECT_API_URL", "stack up")
 
 

@@ -67,7 +67,9 @@ def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metric
     kinds = {i.input_type for t in task_runs for inputs in t.task_inputs.values() for i in inputs}
     assert kinds <= {"task_run", "parameter", "constant"}, kinds
 
-    # Ranked as MLflow ranks them: by the final validation loss, best first.
+    # Ranked as MLflow ranks them: by the final validation loss, best first (this run's: the
+    # session's server holds other tests' runs of the same recipe).
     ranked = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
+                                         filter_string=f"source_run_id = '{r.mlflow_run_id}'",
                                          order_by=[{"field_name": "metrics.final_val_loss", "ascending": True}])
     assert ranked[0].model_id == best.model_id

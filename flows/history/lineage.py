@@ -25,7 +25,7 @@ from mllm.resolve import validate
 from mllm.data.vocab import Vocab
 from mllm.runtime.epochs import ids_digest, missing_piece
 from flows.history.lineage_corpus import manifest_link, packs_link
-from flows.history.links import BROKEN, CHANGED, MISSING, OK, UNCHECKED, UNRECORDED, as_float, as_int, clean, get_or_none, link, model_id  # noqa: F401
+from flows.history.links import BROKEN, CHANGED, MISSING, OK, UNCHECKED, UNRECORDED, as_float, as_int, clean, get_or_none, make_link, model_id  # noqa: F401
 from tasks.tracking import tracker as tracking
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -80,7 +80,7 @@ def _model_link(version: Any) -> dict[str, Any] | None:
     if version is None:
         return None
     t = version.tags
-    return link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
+    return make_link("model", OK, name=version.name, version=str(version.version), aliases=list(version.aliases or []),
                  model_id=model_id(version), headline=t.get("headline"),
                  headline_value=as_float(t.get("headline.value")), checkpoint=t.get("checkpoint"),
                  decision=t.get("champion.decision"))
@@ -89,7 +89,7 @@ def _model_link(version: Any) -> dict[str, Any] | None:
 def _run_link(client: MlflowClient, run: Any) -> dict[str, Any]:
     t, m = run.data.tags, run.data.metrics
     experiment = get_or_none(client.get_experiment, run.info.experiment_id)
-    return link("run", OK, run_id=run.info.run_id, name=run.info.run_name,
+    return make_link("run", OK, run_id=run.info.run_id, name=run.info.run_name,
                  experiment=experiment.name if experiment else None, run_status=run.info.status,
                  started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.info.start_time / 1000)),
                  decision=t.get("decision"), final_val_loss=m.get("final_val_loss"),
@@ -104,10 +104,10 @@ def _prefect_link(t: dict[str, str]) -> dict[str, Any]:
     another server (its UI url says which; none is recorded on Prefect's temporary server)."""
     flow_run_id, url = t.get("prefect.flow_run_id"), t.get("prefect.flow_run_url")
     if not flow_run_id:
-        return link("prefect", UNRECORDED, detail="no Prefect flow run recorded")
+        return make_link("prefect", UNRECORDED, detail="no Prefect flow run recorded")
     fields: dict[str, Any] = {"flow_run_id": flow_run_id, "ui": url}
     status, found, detail = _flow_run(flow_run_id, url)
-    return link("prefect", status, **fields, **found, detail=detail)
+    return make_link("prefect", status, **fields, **found, detail=detail)
 
 
 def _flow_run(flow_run_id: str, url: str | None) -> tuple[str, dict[str, Any], str | None]:
@@ -155,18 +155,18 @@ def _short(e: BaseException) -> str:
 
 def _code_link(t: dict[str, str]) -> dict[str, Any]:
     if not t.get("git.commit"):
-        return link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
+        return make_link("code", UNRECORDED, detail="no git commit recorded (not run from a git checkout)")
     commit = t["git.commit"]
     fields = dict(commit=commit, dirty=t.get("git.dirty") == "true", branch=t.get("git.branch"))
     here = Path(__file__).resolve().parents[1]
     top = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
     if top.returncode:
-        return link("code", UNCHECKED, **fields, detail=f"{here} is no git checkout: the commit was not looked up")
+        return make_link("code", UNCHECKED, **fields, detail=f"{here} is no git checkout: the commit was not looked up")
     repo = top.stdout.strip()
     if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
-        return link("code", MISSING, **fields, detail=f"commit {commit[:12]} is not in the repository {repo}: "
+        return make_link("code", MISSING, **fields, detail=f"commit {commit[:12]} is not in the repository {repo}: "
                      "fetch it (git fetch), or its history was rewritten and the code is gone")
-    return link("code", OK, **fields)
+    return make_link("code", OK, **fields)
 
 
 def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
@@ -174,28 +174,28 @@ def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
     and code digest: a config edited in place, or a folder gone, shows here."""
     key = t.get("train.key")
     if not key:
-        return link("training", UNRECORDED, detail="no training key recorded (the run did not get that far)")
+        return make_link("training", UNRECORDED, detail="no training key recorded (the run did not get that far)")
     fields = {"key": key, "config_digest": t.get("train.config_digest"), "code_digest": t.get("train.code_digest")}
     run_dir = t.get("train.run_dir") or (layout.folder(t["storage.root"], layout.RUNS, key) if t.get("storage.root") else None)
     checkpoint = version.tags.get("checkpoint") if version is not None else None
     fields.update(uri=run_dir, checkpoint=checkpoint)
     if run_dir is None:
-        return link("training", UNRECORDED, **fields, detail="no run folder recorded")
+        return make_link("training", UNRECORDED, **fields, detail="no run folder recorded")
     config_url = storage.join(run_dir, "config.yaml")
     if not storage.exists(config_url):
-        return link("training", MISSING, **fields, detail=f"{config_url} is gone")
+        return make_link("training", MISSING, **fields, detail=f"{config_url} is gone")
     if checkpoint and not storage.exists(checkpoint):
-        return link("training", MISSING, **fields, detail=f"checkpoint {checkpoint} is gone")
+        return make_link("training", MISSING, **fields, detail=f"checkpoint {checkpoint} is gone")
     if not (fields["config_digest"] and fields["code_digest"] and t.get("data.splits_key")):
-        return link("training", OK, **fields, detail="run folder present; key parts not recorded by this run")
+        return make_link("training", OK, **fields, detail="run folder present; key parts not recorded by this run")
     cfg = validate(yaml.safe_load(storage.read_text(config_url)), config_url)
     if layout.config_digest(cfg) != fields["config_digest"]:
-        return link("training", CHANGED, **fields,
+        return make_link("training", CHANGED, **fields,
                      detail=f"{config_url} has config digest {layout.config_digest(cfg)}, not the recorded one")
     again = layout.train_key(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"])
     if again != key:
-        return link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
-    return link("training", OK, **fields)
+        return make_link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
+    return make_link("training", OK, **fields)
 
 
 def _stage_folder(link: str, what: str, url: str | None, key: str | None) -> tuple[dict[str, Any], dict | None]:
@@ -203,11 +203,11 @@ def _stage_folder(link: str, what: str, url: str | None, key: str | None) -> tup
     (the link's fields, the folder's manifest) when they pass; else (the finished link, None)."""
     fields: dict[str, Any] = {"key": key, "uri": url}
     if not url:
-        return link(link, UNRECORDED), None
+        return make_link(link, UNRECORDED), None
     if not storage.exists(url):
-        return link(link, MISSING, **fields, detail=f"the {what} folder is gone"), None
+        return make_link(link, MISSING, **fields, detail=f"the {what} folder is gone"), None
     if not storage.is_complete(url) or not storage.exists(storage.join(url, "manifest.json")):
-        return link(link, MISSING, **fields,
+        return make_link(link, MISSING, **fields,
                      detail=f"the {what} folder is incomplete (no {storage.DONE} or manifest.json)"), None
     return fields, storage.read_json(storage.join(url, "manifest.json"))
 
@@ -222,23 +222,23 @@ def _split_link(t: dict[str, str]) -> dict[str, Any]:
     fields["tokens"] = {name: part["n_tokens"] for name in ("train", "val", "test")
                         if isinstance(part := splits.get(name), dict)}
     if key and recorded != key:
-        return link("split", CHANGED, **fields, detail=f"its manifest names key {recorded}")
+        return make_link("split", CHANGED, **fields, detail=f"its manifest names key {recorded}")
     for name in fields["tokens"]:
         part = splits[name]
         if not storage.exists(part["ids"]):
-            return link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
+            return make_link("split", MISSING, **fields, detail=f"{part['ids']} is gone")
         if part["ids"].endswith(".json") and (gone := missing_piece(part["ids"])):
-            return link("split", MISSING, **fields, detail=f"{gone} is gone")
+            return make_link("split", MISSING, **fields, detail=f"{gone} is gone")
         if part.get("sha256"):
             if (now := ids_digest(part["ids"])) != part["sha256"]:
-                return link("split", CHANGED, **fields,
+                return make_link("split", CHANGED, **fields,
                              detail=f"{part['ids']} now has sha256 {now[:16]}, its manifest {part['sha256'][:16]}")
         elif part["ids"].endswith(".npy"):  # written before split digests were recorded
             n = _npy_length(part["ids"])
             if n != part["n_tokens"]:
-                return link("split", CHANGED, **fields,
+                return make_link("split", CHANGED, **fields,
                              detail=f"{part['ids']} holds {n} tokens, its manifest {part['n_tokens']}")
-    return link("split", OK, **fields)
+    return make_link("split", OK, **fields)
 
 
 def _npy_length(url: str) -> int | None:
@@ -262,14 +262,14 @@ def _vocab_link(t: dict[str, str]) -> dict[str, Any]:
     url, digest = t.get("data.vocab"), t.get("data.vocab_digest")
     fields = {"key": t.get("data.vocab_key"), "uri": url, "digest": digest}
     if not url:
-        return link("vocabulary", UNRECORDED, **fields)
+        return make_link("vocabulary", UNRECORDED, **fields)
     if not storage.exists(url):
-        return link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
+        return make_link("vocabulary", MISSING, **fields, detail=f"{url} is gone")
     vocab = Vocab.load(url)
     fields["size"] = len(vocab)
     if digest and vocab.digest != digest:
-        return link("vocabulary", CHANGED, **fields, detail=f"{url} now has digest {vocab.digest}")
-    return link("vocabulary", OK, **fields)
+        return make_link("vocabulary", CHANGED, **fields, detail=f"{url} now has digest {vocab.digest}")
+    return make_link("vocabulary", OK, **fields)
 
 
 def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
@@ -282,8 +282,8 @@ def _tokens_link(t: dict[str, str]) -> dict[str, Any]:
         return fields
     fields["n_tokens"] = manifest.get("n_tokens")
     if key and manifest.get("key") != key:
-        return link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
-    return link("tokens", OK, **fields)
+        return make_link("tokens", CHANGED, **fields, detail=f"its manifest names key {manifest.get('key')}")
+    return make_link("tokens", OK, **fields)
 
 
 def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
@@ -297,17 +297,17 @@ def _corpus_link(t: dict[str, str], files: bool = False) -> dict[str, Any]:
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
                               "bytes": int(t["data.raw_bytes"]) if t.get("data.raw_bytes") else None}
     if not sha or not url:
-        return link("corpus", UNRECORDED, **fields)
+        return make_link("corpus", UNRECORDED, **fields)
     meta_url = url[:-len(".txt")] + ".json" if url.endswith(".txt") else None
     meta = storage.read_json(meta_url) if meta_url and storage.exists(meta_url) else {}
     fields.update(source=meta.get("source") or fields["source"], bytes=meta.get("bytes") or fields["bytes"])
     if not storage.exists(url):
-        return link("corpus", MISSING, **fields, detail=f"the stored copy {url} is gone")
+        return make_link("corpus", MISSING, **fields, detail=f"the stored copy {url} is gone")
     if meta.get("encoding", "utf-8") not in ("utf-8", "ascii") or meta.get("compression") or not meta:
-        return link("corpus", OK, **fields, detail="stored converted or made: present, not hashed again")
+        return make_link("corpus", OK, **fields, detail="stored converted or made: present, not hashed again")
     if (now := storage.sha256_file(url)) != sha:
-        return link("corpus", CHANGED, **fields, detail=f"the stored copy now has sha256 {now}")
-    return link("corpus", OK, **fields)
+        return make_link("corpus", CHANGED, **fields, detail=f"the stored copy now has sha256 {now}")
+    return make_link("corpus", OK, **fields)
 
 
 # --- printing ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import re
 import time
 from typing import Any
 
-from flows.history.links import CHANGED, MISSING, OK, as_float, as_int, clean, get_or_none, link, model_id
+from flows.history.links import CHANGED, MISSING, OK, as_float, as_int, clean, get_or_none, make_link, model_id
 from mllm import UserError, layout, storage
 from tasks.data.download import corpus_digest, file_key
 from tasks.tracking import tracker as tracking
@@ -18,13 +18,13 @@ def packs_link(url: str, key: str | None) -> dict[str, Any]:
     """A many-file corpus's tokens: the packs its tokens list, each still complete."""
     fields: dict[str, Any] = {"key": key, "uri": url}
     if not storage.exists(url):
-        return link("tokens", MISSING, **fields, detail=f"{url} is gone")
+        return make_link("tokens", MISSING, **fields, detail=f"{url} is gone")
     doc = storage.read_json(url)
     fields.update(n_tokens=doc.get("n_tokens"), packs=len(doc["packs"]))
     for p in doc["packs"]:
         if not storage.is_complete(p["url"]):
-            return link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
-    return link("tokens", OK, **fields)
+            return make_link("tokens", MISSING, **fields, detail=f"the token pack {p['url']} is gone or incomplete")
+    return make_link("tokens", OK, **fields)
 
 
 def manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
@@ -35,21 +35,21 @@ def manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
                               "bytes": as_int(t.get("data.raw_bytes")), "files": as_int(t.get("data.raw_files"))}
     if not storage.exists(url):
-        return link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
+        return make_link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
     doc = storage.read_json(url)
     listed = doc["files"]
     fields["files"] = len(listed)
     if files:
         fields["file_list"] = [{"source": f["source"], "sha256": f["sha256"], "bytes": f["bytes"]} for f in listed]
     if (again := corpus_digest([file_key(f["url"], f["sha256"]) for f in listed])) != sha:
-        return link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
+        return make_link("corpus", CHANGED, **fields, detail=f"its files now digest to {again}")
     for f in listed:
         if not storage.exists(f["url"]):
-            return link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
+            return make_link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
         size = storage.filesystem(f["url"])[0].size(storage.filesystem(f["url"])[1])
         if f.get("stored_bytes") is not None and size != f["stored_bytes"]:
-            return link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
-    return link("corpus", OK, **fields)
+            return make_link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
+    return make_link("corpus", OK, **fields)
 
 
 def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ def get_or_none(fn: Any, *args: Any) -> Any:
         return None
 
 
-def link(link: str, status: str, /, **fields: Any) -> dict[str, Any]:
+def make_link(link: str, status: str, /, **fields: Any) -> dict[str, Any]:
     return {"link": link, "status": status, **{k: v for k, v in fields.items() if v not in (None, "")}}
 
 
