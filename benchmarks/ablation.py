@@ -54,6 +54,7 @@ def run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> 
     """`python -m mllm.train` with `overrides` on the default recipe; its event records."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     cfg = run_config("default", paths, folder / slug, {**FIXED, **overrides})
+    folder.mkdir(parents=True, exist_ok=True)
     config, events = folder / f"{slug}.yaml", folder / f"{slug}.jsonl"
     config.write_text(cfg.to_yaml(paths=True))
     out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume",

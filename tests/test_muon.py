@@ -3,6 +3,9 @@ state from a checkpoint (loaded with weights_only=True, as every checkpoint is).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from mllm.family import build_model
 from mllm.runtime.optim import Combined, build_optimizer, muon_split
 from mllm.train import train
 
+REPO = Path(__file__).resolve().parents[1]
 GPT = {"arch": "gpt", "n_embd": 16, "n_head": 2, "n_layer": 2, "block_size": 16, "dropout": 0.0}
 
 
@@ -110,3 +114,20 @@ def test_muon_learns(data_dir, tmp_path):
     result = train(make_config(data_dir, tmp_path, max_steps=30, eval_interval=30, muon_lr=0.05))
     first = train(make_config(data_dir, tmp_path / "one", max_steps=1, eval_interval=1))
     assert result.val_loss < first.val_loss - 0.3, (first.val_loss, result.val_loss)
+
+
+def test_ddp_on_two_cpu_ranks_resumes_exactly_with_muon(data_dir, tmp_path):
+    from test_train import DDP_SCRIPT  # the script of the AdamW test: straight, stopped, resumed
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    # A constant rate: the script's stopped run is a 3-step training of its own, whose schedule
+    # would end where the 6-step one is halfway.
+    cfg = make_config(data_dir, tmp_path, sampling="epoch", grad_accum=2, eval_interval=2, checkpoint_interval=3,
+                      lr_schedule="constant", warmup_steps=0)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), cfg.model_dump_json(), str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ranks 2 resumed_from 3 same True" in out.stdout
