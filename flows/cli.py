@@ -375,7 +375,7 @@ def sweep(recipe: Recipe = "default",
 
 # The commands that read tracked runs (runs, reproduce, lineage), and those that drive a Prefect
 # server (schedules) or the local stack; importing registers them.
-from flows import cli_runs, cli_servers  # noqa: E402,F401
+from flows import cli_runs, cli_servers, cli_stack_auth  # noqa: E402,F401
 
 
 def main() -> None:

@@ -91,7 +91,14 @@ def stack_up(home: StackHome = None, storage: Storage = None,
                       "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
                       "else SQLite]. The password stays in the servers' environment only.")] = None,
              slots: Annotated[Optional[int], typer.Option(
-                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None) -> None:
+                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None,
+             listen: Annotated[str, typer.Option(
+                 metavar="ADDRESS", help="Serve Prefect and MLflow on this address. Any but loopback: always HTTPS "
+                 "with each user's credential checked (docs/team-stack.md).")] = "127.0.0.1",
+             auth: Annotated[bool, typer.Option("--auth", help="HTTPS and users on a loopback stack too.")] = False,
+             tls_cert: Annotated[Optional[str], typer.Option(metavar="FILE", help="The team's certificate (PEM, chain "
+                                                             "included) [a CA and certificate of the stack's own].")] = None,
+             tls_key: Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")] = None) -> None:
     with user_errors():
         from flows import database, stack
 
@@ -103,7 +110,8 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             slots = stack.default_slots()  # a new stack; a running one keeps the limit it has
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
-            state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots)
+            state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots,
+                             listen=listen, auth=auth, tls_cert=tls_cert, tls_key=tls_key)
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
         if state["reused"]:

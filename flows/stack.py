@@ -40,6 +40,10 @@ def load(home: Path) -> dict:
     except (OSError, ValueError):
         return {"services": [], "env": {}}
     state["services"] = [Service(**s) for s in state.get("services", [])]
+    if state["services"]:
+        from flows import stack_auth
+
+        stack_auth.register(home)  # a secured stack's own calls authenticate
     return state
 
 
@@ -70,23 +74,27 @@ def _quiet_env(home: Path) -> dict[str, str]:
 
 def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
     """A server's environment beyond this shell's: never saved (the database's may hold a password)."""
+    from flows.stack_auth import server_env
+
     if name == "prefect-server":
-        return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env}
+        return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env, **server_env(name, home)}
     mlflow_env = _quiet_env(home)
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
         mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    return {**mlflow_env, **db.mlflow_env}
+    return {**mlflow_env, **db.mlflow_env, **server_env(name, home)}
 
 
 def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
        mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
-       database_url: str | None = None, slots: int | None = None) -> dict:
+       database_url: str | None = None, slots: int | None = None, listen: str = "127.0.0.1", auth: bool = False,
+       tls_cert: str | None = None, tls_key: str | None = None) -> dict:
     """Start the stack, or what of it is not running, and return its state (services, env, and
     the names of the services `restarted` and of those `reused` as they ran). What runs is reused; a
     service that died is started again with its recorded command (its port, so its URL holds),
     the options for a new stack (ports, pool, storage, database) then do not apply. `slots`: the
     pool's concurrency limit (None: no limit on a new stack, the limit unchanged on a running
-    one; the CLI gives its default)."""
+    one; the CLI gives its default). `listen` other than loopback, or `auth`: the servers behind
+    a TLS proxy that checks each user (flows/stack_auth.py)."""
     state = load(home)
     if any(s.alive() for s in state["services"]):
         restarted = _restart_servers(home, state, database_url, timeout)
@@ -105,20 +113,29 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     home.mkdir(parents=True, exist_ok=True)
     db = database.choose(home, database_url, timeout)
     db.record(home)
+    # -- a secured stack (flows/stack_auth.py): servers on loopback behind the TLS proxy ---------
+    from flows import stack_auth
+
+    ends = stack_auth.setup(home, listen, auth, prefect_port, mlflow_port, tls_cert, tls_key, db)
+    if ends:
+        prefect_port, mlflow_port = ends["backends"]["prefect"], ends["backends"]["mlflow"]
     # ------------------------------------------------------------------------------------------
     logs = home / "logs"
     api = f"http://127.0.0.1:{prefect_port}/api"
     tracking = f"http://127.0.0.1:{mlflow_port}"
     artifacts = storage.join(storage_root, "mlflow-artifacts")
     env = {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking, "MLLM_STORAGE": storage_root}
+    if ends:
+        env = {**env, **stack_auth.public_env(home)}
     py = sys.executable
     services = [
         Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
-                env=_server_env("prefect-server", home, api, db)),
+                env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
         Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
-                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
+                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+                                  *stack_auth.mlflow_args(home)],
                 str(logs / "mlflow-server.log"), f"{tracking}/health", tracking,
                 env=_server_env("mlflow-server", home, api, db)),
     ]
@@ -130,6 +147,10 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         _save(home, started, env, **extra)
         for s in services:
             s.wait_ready(timeout)
+        if ends:
+            started.append(stack_auth.start_proxy(home, timeout))
+            _save(home, started, env, **extra)
+        api = env["PREFECT_API_URL"]
         start_worker(home, timeout)
         set_slots(api, pool, slots)
     except BaseException:
@@ -199,12 +220,19 @@ def start_worker(home: Path, timeout: float = 180.0) -> Service:
                                 "--type", "process", "--name", f"{pool}-{socket.gethostname()}"],
                      str(home / "logs" / "worker.log"), None, f"pool {pool!r} (process)",
                      env={**_quiet_env(home), **env, "PREFECT_HOME": str(home / "worker"),
-                          **state.get("worker_env", {})})
+                          **state.get("worker_env", {}), **_worker_secrets(home)})
     services = [s for s in state["services"] if s.name != "worker"]
     worker.start()
     _save(home, [*services, worker], env, pool, state["storage"], state.get("worker_env", {}))
     worker.wait_ready(timeout, ready=lambda: _worker_online(env["PREFECT_API_URL"], pool, worker.pid))
     return worker
+
+
+def _worker_secrets(home: Path) -> dict[str, str]:
+    """A secured stack's worker's credentials (in its environment only, never saved)."""
+    from flows import stack_auth
+
+    return stack_auth.client_env(home, stack_auth.STACK_WORKER) if stack_auth.secured(home) else {}
 
 
 def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
@@ -236,7 +264,7 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
-            with _DIRECT.open(req, timeout=30):
+            with _open(req, timeout=30):
                 return
         except urllib.error.HTTPError as e:
             if e.code < 500 or time.monotonic() > deadline:
@@ -250,7 +278,7 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
 
 def slots_of(api: str, pool: str) -> int | None:
     try:
-        with _DIRECT.open(f"{api}/work_pools/{pool}", timeout=5) as r:
+        with _open(f"{api}/work_pools/{pool}", timeout=5) as r:
             return json.loads(r.read()).get("concurrency_limit")
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -306,5 +334,12 @@ def in_flight(state: dict) -> list[str]:
 def _post(url: str, body: dict, timeout: float = 10) -> list:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    with _DIRECT.open(req, timeout=timeout) as r:
+    with _open(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _open(req, timeout: float):
+    """The stack's own request to its server: as itself on a secured stack (flows/stack_auth.py)."""
+    from flows.stack_auth import open_url
+
+    return open_url(req, timeout)
