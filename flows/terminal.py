@@ -44,10 +44,11 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
+        from flows.auth_errors import auth_line
         from flows.database import down_line
         from tasks.outage import prefect_down, tracking_down
 
-        message = down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
+        message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)
