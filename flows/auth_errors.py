@@ -72,16 +72,3 @@ def mlflow_refused(code: int) -> str:
     return (f"the MLflow server {tracking} does not let {who} do this (403: a viewer only reads): run it as "
             "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
 
-
-def health_request(url: str):
-    """MLflow's health URL as its client would reach it: its CA file, its credential (a server
-    behind the stack's proxy answers /health only to a user it knows)."""
-    import base64
-    import urllib.request
-
-    req = urllib.request.Request(url)
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    if user and password:
-        req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
-    ca = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
-    return req, (ssl.create_default_context(cafile=ca) if ca and url.startswith("https") else None)

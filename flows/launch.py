@@ -118,7 +118,8 @@ def check_tracking_server(timeout: float = 5.0) -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if not uri.startswith(("http://", "https://")):
         return
-    from flows.auth_errors import _tls, health_request, mlflow_refused, tls_line
+    from flows.auth_errors import _tls, mlflow_refused, tls_line
+    from tasks.outage import health_request
 
     clean, _ = strip_userinfo(uri)
     req, ctx = health_request(f"{clean.rstrip('/')}/health")
