@@ -178,4 +178,7 @@ def _print_stack(state: dict, home: Path, services: bool = True) -> None:
                    f"{state.get('pool', 'local')!r} runs at once)")
     typer.echo("Use it from a shell with:")
     typer.echo("  export " + " ".join(f"{k}={v}" for k, v in state["env"].items()))
+    if state["env"].get("PREFECT_API_SSL_CERT_FILE"):  # a secured stack (docs/team-stack.md)
+        typer.echo("and a user's credential: `mllm-pipeline stack user add NAME --role worker`, then "
+                   "`mllm-pipeline stack worker-env --user NAME` (docker --env-file lines)")
     typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")

@@ -97,7 +97,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     a TLS proxy that checks each user (flows/stack_auth.py)."""
     state = load(home)
     if any(s.alive() for s in state["services"]):
-        restarted = _restart_servers(home, state, database_url, timeout)
+        restarted = _restart_servers(home, state, database_url, timeout) + _restart_proxy(home, timeout)
         if not any(s.name == "worker" and s.alive() for s in load(home)["services"]):
             start_worker(home, timeout)
             restarted.append("worker")
@@ -210,6 +210,21 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
                 new[name].stop()
         raise
     return restarted
+
+
+def _restart_proxy(home: Path, timeout: float) -> list[str]:
+    """Start again a secured stack's proxy that is down (flows/stack_auth.py)."""
+    from flows import stack_auth
+
+    state = load(home)
+    proxy = next((s for s in state["services"] if s.name == "proxy"), None)
+    if proxy is None or proxy.alive():
+        return []
+    proxy.stop()  # what is left of its process group
+    new = stack_auth.start_proxy(home, timeout)
+    _save(home, [new if s.name == "proxy" else s for s in state["services"]], state["env"], state["pool"],
+          state["storage"], state.get("worker_env", {}))
+    return ["proxy"]
 
 
 def start_worker(home: Path, timeout: float = 180.0) -> Service:

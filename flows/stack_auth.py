@@ -282,7 +282,9 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], backends: dict[str
     accounts = "\n".join(f"\t\t{n} {u['hash']}" for n, u in sorted(users.items()))
     host = f"[{listen}]" if ":" in listen else listen
     log = folder(home) / "caddy"
-    head = ["{", "\tadmin unix/" + str(log / "admin.sock"), "\tauto_https off",
+    # HTTP/1.1 and 2 over TCP only: no HTTP/3 listener on UDP beside them.
+    head = ["{", "\tadmin unix/" + str(log / "admin.sock"), "\tauto_https off", "\tservers {", "\t\tprotocols h1 h2",
+            "\t}",
             f"\tstorage file_system {log / 'data'}", "}"]
     sites = []
     for server in ("prefect", "mlflow"):
@@ -326,7 +328,9 @@ def proxy_service(home: Path):
 def reload_proxy(home: Path) -> bool:
     """Give the running proxy the users as they are now (at once: a removed or rotated secret
     stops working with this). False if no proxy runs."""
-    if not (folder(home) / "caddy" / "admin.sock").exists():
+    from flows import stack
+
+    if not any(s.name == "proxy" and s.alive() for s in stack.load(home)["services"]):
         return False
     write_caddyfile(home)
     done = subprocess.run([caddy_binary(), "reload", "--config", str(folder(home) / "Caddyfile"), "--adapter",
@@ -402,6 +406,7 @@ def public_env(home: Path) -> dict[str, str]:
 def start_proxy(home: Path, timeout: float):
     """Start the proxy, wait until both endpoints answer the stack's own credential over TLS,
     and give MLflow the stack's users."""
+    (folder(home) / "caddy" / "admin.sock").unlink(missing_ok=True)  # a killed proxy's
     proxy = proxy_service(home).start()
     try:
         proxy.wait_ready(timeout, ready=lambda: proxy_ready(home))
