@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from conftest import make_text
+
 from flows import stack, stack_auth
 from mllm import UserError
 

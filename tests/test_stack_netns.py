@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import make_text
+from servers import quiet_env, serving
+
 from flows import stack, stack_auth
 from flows.processes import Service, free_port
-from servers import quiet_env, serving
 
 pytestmark = pytest.mark.integration
 BUCKET = "mllm-netns"
