@@ -117,6 +117,33 @@ def test_proxy_configuration_is_valid_and_holds_hashes_only(tmp_path: Path, cadd
     assert stack_auth.secured(tmp_path) is None
 
 
+def test_a_certificate_for_another_host_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """A real TLS server whose certificate (from the stack's CA) names another address: the
+    client, trusting that CA, refuses it, and the pre-flight check says so in one line."""
+    import http.server
+    import threading
+
+    from flows.launch import check_tracking_server
+
+    certs = stack_auth.certificates(tmp_path, ["10.9.8.7"])
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(certs.cert, certs.key)
+    server.socket = tls.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(certs.ca))
+        with pytest.raises(UserError) as e:
+            check_tracking_server()
+    finally:
+        server.shutdown()
+    line = str(e.value)
+    assert line.startswith(f"the MLflow server https://127.0.0.1:{server.server_address[1]} has a certificate this "
+                           "client does not trust (IP address mismatch, certificate is not valid for '127.0.0.1'")
+    assert "MLFLOW_TRACKING_SERVER_CERT_PATH" in line and "\n" not in line
+
+
 # -- a secured stack on loopback ---------------------------------------------------------------
 
 
