@@ -14,40 +14,26 @@ one string, which a per-user credential can never match (and a proxy cannot rewr
 websocket). The proxy's per-user check is then Prefect's only lock, and the Prefect server
 listens on loopback only.
 
-The secrets live in `<home>/auth/users.json` (0600): one random secret per user, the MLflow
-admin's. Nothing else the stack writes holds one.
+The users and their secrets: flows/stack_users.py; the certificates: flows/stack_certs.py.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime
 import ipaddress
 import json
-import os
-import secrets
-import shutil
-import socket
 import ssl
 import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
+from flows.stack_certs import Certs, certificates, hosts_for  # noqa: F401 (the stack's API)
+from flows.stack_users import (BUILT_IN, INSTALL, MLFLOW_ADMIN, ROLES, STACK_ADMIN, STACK_WORKER,  # noqa: F401
+                               _write_users, add_user, caddy_binary, credential, ensure_built_in, folder,
+                               private, read_users, remove_user, rotate_user)
 from mllm import UserError
-
-ROLES = ("admin", "worker", "viewer")
-STACK_ADMIN = "stack-admin"  # the stack's own checks (readiness, slots, in-flight runs)
-STACK_WORKER = "stack-worker"  # the stack's own process worker
-MLFLOW_ADMIN = "mlflow-admin"  # MLflow's own admin: made at its first start, used to sync users
-BUILT_IN = (STACK_ADMIN, STACK_WORKER)
-INSTALL = "apt-get install caddy"
-
-
-def folder(home: Path) -> Path:
-    return home / "auth"
 
 
 def secured(home: Path) -> dict | None:
@@ -56,205 +42,6 @@ def secured(home: Path) -> dict | None:
         return json.loads((folder(home) / "endpoints.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-# -- files only their owner reads ------------------------------------------------------------
-
-
-def private(path: Path, data: str | bytes) -> Path:
-    """Write `data` atomically to `path`, readable by its owner only (0600) from the start."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    tmp.replace(path)
-    return path
-
-
-# -- users -------------------------------------------------------------------------------------
-
-
-def _users_file(home: Path) -> Path:
-    return folder(home) / "users.json"
-
-
-def read_users(home: Path) -> dict:
-    try:
-        data = json.loads(_users_file(home).read_text())
-    except FileNotFoundError:
-        data = {}
-    return {"users": data.get("users", {}), "mlflow_admin": data.get("mlflow_admin"),
-            "flask_key": data.get("flask_key"), "removed": data.get("removed", [])}
-
-
-def _write_users(home: Path, data: dict) -> None:
-    private(_users_file(home), json.dumps(data, indent=1) + "\n")
-
-
-def bcrypt_hash(secret: str) -> str:
-    """Caddy's own bcrypt hash of `secret`, given on stdin (never on a command line)."""
-    caddy = caddy_binary()
-    done = subprocess.run([caddy, "hash-password"], input=secret + "\n", capture_output=True, text=True, timeout=60)
-    if done.returncode != 0 or not done.stdout.startswith("$2"):
-        raise RuntimeError(f"caddy hash-password failed: {done.stderr.strip()[-300:]}")
-    return done.stdout.strip()
-
-
-def caddy_binary() -> str:
-    found = os.environ.get("MLLM_CADDY") or shutil.which("caddy")
-    if not found:
-        raise UserError(f"a secured stack (--listen ADDRESS or --auth) puts Caddy in front of its servers, and "
-                        f"Caddy is not installed: `{INSTALL}` installs it (Debian's 2.6 will do)")
-    return found
-
-
-def _check_name(name: str) -> None:
-    if not name or not all(c.isalnum() or c in "-_." for c in name) or len(name) > 64:
-        raise UserError(f"user name {name!r}: use letters, digits, '-', '_' or '.' (at most 64)")
-
-
-def add_user(home: Path, name: str, role: str, built_in: bool = False) -> str:
-    """A new user with a new random secret; the secret."""
-    _check_name(name)
-    if role not in ROLES:
-        raise UserError(f"--role {role!r}: give one of {', '.join(ROLES)}")
-    data = read_users(home)
-    if name in data["users"]:
-        raise UserError(f"user {name!r} exists already: `mllm-pipeline stack user rotate {name}` gives it a new "
-                        f"secret, `stack user remove {name}` removes it")
-    if name in BUILT_IN + (MLFLOW_ADMIN,) and not built_in:
-        raise UserError(f"user name {name!r} is the stack's own: choose another")
-    secret = secrets.token_urlsafe(32)
-    data["users"][name] = {"role": role, "secret": secret, "hash": bcrypt_hash(secret)}
-    data["removed"] = [n for n in data["removed"] if n != name]
-    _write_users(home, data)
-    return secret
-
-
-def rotate_user(home: Path, name: str) -> str:
-    data = read_users(home)
-    if name not in data["users"]:
-        raise UserError(f"no user {name!r}: `mllm-pipeline stack user list` shows them")
-    secret = secrets.token_urlsafe(32)
-    data["users"][name].update(secret=secret, hash=bcrypt_hash(secret))
-    _write_users(home, data)
-    return secret
-
-
-def remove_user(home: Path, name: str) -> None:
-    data = read_users(home)
-    if name in BUILT_IN:
-        raise UserError(f"{name!r} is the stack's own user (its worker's or its checks'): `stack user rotate "
-                        f"{name}` gives it a new secret")
-    if name not in data["users"]:
-        raise UserError(f"no user {name!r}: `mllm-pipeline stack user list` shows them")
-    del data["users"][name]
-    data["removed"] = sorted({*data["removed"], name})  # MLflow's copy goes at the next sync
-    _write_users(home, data)
-
-
-def ensure_built_in(home: Path) -> None:
-    """The stack's own users and MLflow's admin secret, made once."""
-    data = read_users(home)
-    for name, role in ((STACK_ADMIN, "admin"), (STACK_WORKER, "worker")):
-        if name not in read_users(home)["users"]:
-            add_user(home, name, role, built_in=True)
-    data = read_users(home)
-    if not data["mlflow_admin"] or not data["flask_key"]:
-        data["mlflow_admin"] = data["mlflow_admin"] or secrets.token_urlsafe(32)
-        data["flask_key"] = data["flask_key"] or secrets.token_urlsafe(32)  # MLflow's CSRF tokens
-        _write_users(home, data)
-
-
-def credential(home: Path, name: str) -> tuple[str, str]:
-    user = read_users(home)["users"].get(name)
-    if user is None:
-        raise UserError(f"no user {name!r} in the stack in {home}: `mllm-pipeline stack user list` shows them, "
-                        f"`stack user add {name} --role worker` adds one")
-    return name, user["secret"]
-
-
-# -- certificates ------------------------------------------------------------------------------
-
-
-@dataclass
-class Certs:
-    ca: Path  # what clients verify against
-    cert: Path
-    key: Path
-
-
-def certificates(home: Path, hosts: list[str], cert: str | None = None, key: str | None = None) -> Certs:
-    """The team's own certificate (`cert`, `key`; `ca`: the cert file itself, which holds its
-    chain), or the stack's: a CA made once and a server certificate for `hosts`, made again
-    when the hosts change."""
-    tls = folder(home) / "tls"
-    if cert or key:
-        if not (cert and key):
-            raise UserError("give both --tls-cert FILE and --tls-key FILE (or neither: the stack makes its own)")
-        for p in (cert, key):
-            if not Path(p).is_file():
-                raise UserError(f"{p}: no such file (--tls-cert/--tls-key take PEM files)")
-        return Certs(Path(cert).resolve(), Path(cert).resolve(), Path(key).resolve())
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    pem = serialization.Encoding.PEM
-    ca_file, ca_key_file = tls / "ca.pem", tls / "ca-key.pem"
-    if not ca_file.exists():
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mllm stack CA ({socket.gethostname()})")])
-        ca_cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=3650))
-                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                                content_commitment=False, key_encipherment=False,
-                                                data_encipherment=False, key_agreement=False,
-                                                encipher_only=False, decipher_only=False), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-                   .sign(ca_key, hashes.SHA256()))
-        private(ca_key_file, ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
-        ca_file.write_bytes(ca_cert.public_bytes(pem))
-    server_file, server_key_file, hosts_file = tls / "server.pem", tls / "server-key.pem", tls / "hosts.json"
-    wanted = sorted(set(hosts))
-    if server_file.exists() and hosts_file.exists() and json.loads(hosts_file.read_text()) == wanted:
-        return Certs(ca_file, server_file, server_key_file)
-    ca_cert = x509.load_pem_x509_certificate(ca_file.read_bytes())
-    ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), None)
-    key_ = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = []
-    for h in wanted:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            names.append(x509.DNSName(h))
-    server = (x509.CertificateBuilder()
-              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, wanted[0])]))
-              .issuer_name(ca_cert.subject).public_key(key_.public_key())
-              .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-              .not_valid_after(now + datetime.timedelta(days=397))
-              .add_extension(x509.SubjectAlternativeName(names), critical=False)
-              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-              .sign(ca_key, hashes.SHA256()))
-    private(server_key_file, key_.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    server_file.write_bytes(server.public_bytes(pem) + ca_cert.public_bytes(pem))
-    hosts_file.write_text(json.dumps(wanted) + "\n")
-    return Certs(ca_file, server_file, server_key_file)
-
-
-def hosts_for(listen: str) -> list[str]:
-    """What the server certificate names: the listening address, loopback, this host's names."""
-    return sorted({listen, "127.0.0.1", "localhost", socket.gethostname(), socket.getfqdn()} - {""})
-
 
 # -- the proxy's configuration -------------------------------------------------------------------
 
