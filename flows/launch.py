@@ -118,13 +118,22 @@ def check_tracking_server(timeout: float = 5.0) -> None:
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if not uri.startswith(("http://", "https://")):
         return
+    from flows.stack.auth_errors import _tls, mlflow_refused, tls_line
+    from tasks.tracking.outage import health_request
+
     clean, _ = strip_userinfo(uri)
+    req, ctx = health_request(f"{clean.rstrip('/')}/health")
     try:
-        with urllib.request.urlopen(f"{clean.rstrip('/')}/health", timeout=timeout):
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx):
             return
-    except urllib.error.HTTPError:
+    except urllib.error.HTTPError as e:
+        if e.code == 401 and "mllm stack" in e.headers.get("WWW-Authenticate", ""):
+            raise UserError(mlflow_refused(401)) from None
         return  # it answered (a proxy in front may guard /health): the server is there
     except (OSError, ValueError) as e:
+        why = _tls(getattr(e, "reason", None) or e)
+        if why:
+            raise UserError(tls_line(True, why)) from None
         reason = getattr(e, "reason", None) or e
         raise UserError(f"the MLflow tracking server {clean} does not answer ({reason}): start it "
                         "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "

@@ -14,7 +14,7 @@ import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-_SECRET_ENV = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL")
+_SECRET_ENV = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL", "AUTH_STRING")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "credentials")
 # Values too short or too common to be a secret: replacing them would garble every text.
 _NOT_SECRETS = {"true", "false", "none", "null", "yes", "no", "on", "off"}

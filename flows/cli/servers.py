@@ -10,6 +10,7 @@ import typer
 
 from flows.cli.app import Sets, Source, Storage, app
 from flows.cli.terminal import console, flows_module, user_errors
+from flows.stack import database, servers as stack
 from mllm import UserError
 
 
@@ -91,10 +92,15 @@ def stack_up(home: StackHome = None, storage: Storage = None,
                       "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
                       "else SQLite]. The password stays in the servers' environment only.")] = None,
              slots: Annotated[Optional[int], typer.Option(
-                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None) -> None:
+                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None,
+             listen: Annotated[str, typer.Option(
+                 metavar="ADDRESS", help="Serve Prefect and MLflow on this address. Any but loopback: always HTTPS "
+                 "with each user's credential checked (docs/team-stack.md).")] = "127.0.0.1",
+             auth: Annotated[bool, typer.Option("--auth", help="HTTPS and users on a loopback stack too.")] = False,
+             tls_cert: Annotated[Optional[str], typer.Option(metavar="FILE", help="The team's certificate (PEM, chain "
+                                                             "included) [a CA and certificate of the stack's own].")] = None,
+             tls_key: Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")] = None) -> None:
     with user_errors():
-        from flows.stack import database, servers as stack
-
         if slots is not None and slots < 1:
             raise UserError(f"--slots {slots}: give at least 1 (the trainings the pool runs at once)")
         root = flows_module().storage_root(storage)
@@ -103,7 +109,8 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             slots = stack.default_slots()  # a new stack; a running one keeps the limit it has
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
-            state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots)
+            state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots,
+                             listen=listen, auth=auth, tls_cert=tls_cert, tls_key=tls_key)
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
         if state["reused"]:
@@ -128,8 +135,6 @@ def stack_down(home: StackHome = None,
     """Stop what `stack up` started, and only that. Refused while flow runs on its Prefect server
     are pending, running or cancelling (it names them), unless --force."""
     with user_errors():
-        from flows.stack import servers as stack
-
         stopped = stack.down(stack.stack_home(home), force=force)
         if not stopped:
             typer.echo("no stack was running")
@@ -140,8 +145,6 @@ def stack_down(home: StackHome = None,
 @stack_app.command("status")
 def stack_status(home: StackHome = None) -> None:
     """Say what of the stack runs; exit status 1 unless all of it does."""
-    from flows.stack import servers as stack
-
     folder = stack.stack_home(home)
     services = stack.status(folder)
     if not services:
@@ -157,8 +160,6 @@ def stack_status(home: StackHome = None) -> None:
 
 
 def _print_stack(state: dict, home: Path, services: bool = True) -> None:
-    from flows.stack import database, servers as stack
-
     if services:
         for s in state["services"]:
             typer.echo(f"{s.name:15} {s.url or ''}")
@@ -170,4 +171,7 @@ def _print_stack(state: dict, home: Path, services: bool = True) -> None:
                    f"{state.get('pool', 'local')!r} runs at once)")
     typer.echo("Use it from a shell with:")
     typer.echo("  export " + " ".join(f"{k}={v}" for k, v in state["env"].items()))
+    if state["env"].get("PREFECT_API_SSL_CERT_FILE"):  # a secured stack (docs/team-stack.md)
+        typer.echo("and a user's credential: `mllm-pipeline stack user add NAME --role worker`, then "
+                   "`mllm-pipeline stack worker-env --user NAME` (docker --env-file lines)")
     typer.echo(f"then: mllm-pipeline run --train-on {state.get('pool', 'local')}")

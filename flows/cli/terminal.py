@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tasks
+from flows.stack.auth_errors import auth_line
 from flows.stack.database import down_line
 from mllm import UserError
 from mllm.failures import disk_full, unreachable
@@ -47,7 +48,7 @@ def user_errors() -> Iterator[None]:
     except UserError as e:
         fail(str(e))
     except Exception as e:
-        message = down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
+        message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
         fail(message)

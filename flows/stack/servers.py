@@ -19,14 +19,23 @@ import urllib.request
 from pathlib import Path
 
 from flows import QUIET_ENV
-from flows.stack import database
+from flows.stack import auth as stack_auth, database, state
 from flows.stack.orphans import crash_orphans
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
-from flows.stack.state import load, save, stack_home, state_file  # noqa: F401 (the stack's API)
+from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
 
 
 # -- the stack ---------------------------------------------------------------------------------
+
+
+def load(home: Path) -> dict:
+    """The stack's state (flows/stack/state.py); from then on a secured stack's own calls to its
+    servers authenticate as its admin."""
+    found = state.load(home)
+    if found["services"]:
+        stack_auth.register(home)
+    return found
 
 
 def _port(wanted: int, what: str, option: str) -> int:
@@ -48,25 +57,27 @@ def _quiet_env(home: Path) -> dict[str, str]:
 def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
     """A server's environment beyond this shell's: never saved (the database's may hold a password)."""
     if name == "prefect-server":
-        return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env}
+        return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env, **stack_auth.server_env(name, home)}
     mlflow_env = _quiet_env(home)
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
         mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    return {**mlflow_env, **db.mlflow_env}
+    return {**mlflow_env, **db.mlflow_env, **stack_auth.server_env(name, home)}
 
 
 def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
        mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
-       database_url: str | None = None, slots: int | None = None) -> dict:
+       database_url: str | None = None, slots: int | None = None, listen: str = "127.0.0.1", auth: bool = False,
+       tls_cert: str | None = None, tls_key: str | None = None) -> dict:
     """Start the stack, or what of it is not running, and return its state (services, env, and
     the names of the services `restarted` and of those `reused` as they ran). What runs is reused; a
     service that died is started again with its recorded command (its port, so its URL holds),
     the options for a new stack (ports, pool, storage, database) then do not apply. `slots`: the
     pool's concurrency limit (None: no limit on a new stack, the limit unchanged on a running
-    one; the CLI gives its default)."""
+    one; the CLI gives its default). `listen` other than loopback, or `auth`: the servers behind
+    a TLS proxy that checks each user (flows/stack/auth.py)."""
     state = load(home)
     if any(s.alive() for s in state["services"]):
-        restarted = _restart_servers(home, state, database_url, timeout)
+        restarted = _restart_servers(home, state, database_url, timeout) + _restart_proxy(home, timeout)
         if not any(s.name == "worker" and s.alive() for s in load(home)["services"]):
             start_worker(home, timeout)
             restarted.append("worker")
@@ -81,20 +92,27 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     home.mkdir(parents=True, exist_ok=True)
     db = database.choose(home, database_url, timeout)
     db.record(home)
+    # -- a secured stack (flows/stack/auth.py): servers on loopback behind the TLS proxy ---------
+    ends = stack_auth.setup(home, listen, auth, prefect_port, mlflow_port, tls_cert, tls_key, db)
+    if ends:
+        prefect_port, mlflow_port = ends["backends"]["prefect"], ends["backends"]["mlflow"]
     # ------------------------------------------------------------------------------------------
     logs = home / "logs"
     api = f"http://127.0.0.1:{prefect_port}/api"
     tracking = f"http://127.0.0.1:{mlflow_port}"
     artifacts = storage.join(storage_root, "mlflow-artifacts")
     env = {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking, "MLLM_STORAGE": storage_root}
+    if ends:
+        env = {**env, **stack_auth.public_env(home)}
     py = sys.executable
     services = [
         Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
-                env=_server_env("prefect-server", home, api, db)),
+                env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
         Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
-                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
+                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+                                  *stack_auth.mlflow_args(home)],
                 str(logs / "mlflow-server.log"), f"{tracking}/health", tracking,
                 env=_server_env("mlflow-server", home, api, db)),
     ]
@@ -106,6 +124,10 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         save(home, started, env, **extra)
         for s in services:
             s.wait_ready(timeout)
+        if ends:
+            started.append(stack_auth.start_proxy(home, timeout))
+            save(home, started, env, **extra)
+        api = env["PREFECT_API_URL"]
         start_worker(home, timeout)
         set_slots(api, pool, slots)
     except BaseException:
@@ -165,6 +187,19 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
     return restarted
 
 
+def _restart_proxy(home: Path, timeout: float) -> list[str]:
+    """Start again a secured stack's proxy that is down (flows/stack/auth.py)."""
+    state = load(home)
+    proxy = next((s for s in state["services"] if s.name == "proxy"), None)
+    if proxy is None or proxy.alive():
+        return []
+    proxy.stop()  # what is left of its process group
+    new = stack_auth.start_proxy(home, timeout)
+    save(home, [new if s.name == "proxy" else s for s in state["services"]], state["env"], state["pool"],
+          state["storage"], state.get("worker_env", {}))
+    return ["proxy"]
+
+
 def start_worker(home: Path, timeout: float = 180.0) -> Service:
     """Start the stack's process worker (again) and wait until the server sees it online."""
     state = load(home)
@@ -173,12 +208,17 @@ def start_worker(home: Path, timeout: float = 180.0) -> Service:
                                 "--type", "process", "--name", f"{pool}-{socket.gethostname()}"],
                      str(home / "logs" / "worker.log"), None, f"pool {pool!r} (process)",
                      env={**_quiet_env(home), **env, "PREFECT_HOME": str(home / "worker"),
-                          **state.get("worker_env", {})})
+                          **state.get("worker_env", {}), **_worker_secrets(home)})
     services = [s for s in state["services"] if s.name != "worker"]
     worker.start()
     save(home, [*services, worker], env, pool, state["storage"], state.get("worker_env", {}))
     worker.wait_ready(timeout, ready=lambda: _worker_online(env["PREFECT_API_URL"], pool, worker.pid))
     return worker
+
+
+def _worker_secrets(home: Path) -> dict[str, str]:
+    """A secured stack's worker's credentials (in its environment only, never saved)."""
+    return stack_auth.client_env(home, stack_auth.STACK_WORKER) if stack_auth.secured(home) else {}
 
 
 def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
@@ -210,7 +250,7 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
-            with _DIRECT.open(req, timeout=30):
+            with _open(req, timeout=30):
                 return
         except urllib.error.HTTPError as e:
             if e.code < 500 or time.monotonic() > deadline:
@@ -224,7 +264,7 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
 
 def slots_of(api: str, pool: str) -> int | None:
     try:
-        with _DIRECT.open(f"{api}/work_pools/{pool}", timeout=5) as r:
+        with _open(f"{api}/work_pools/{pool}", timeout=5) as r:
             return json.loads(r.read()).get("concurrency_limit")
     except (urllib.error.URLError, OSError, ValueError):
         return None
@@ -280,5 +320,10 @@ def in_flight(state: dict) -> list[str]:
 def _post(url: str, body: dict, timeout: float = 10) -> list:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
-    with _DIRECT.open(req, timeout=timeout) as r:
+    with _open(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def _open(req, timeout: float):
+    """The stack's own request to its server: as itself on a secured stack (flows/stack/auth.py)."""
+    return stack_auth.open_url(req, timeout)

@@ -60,6 +60,8 @@ PREFECT_API_URL=https://prefect.example.com/api
 # Optional:
 PREFECT_WORK_POOL=gpu-process
 # PREFECT_API_KEY=...                 (Prefect Cloud)
+# A secured stack: all of this from `mllm-pipeline stack worker-env --user NAME --ca-path /etc/mllm/ca.pem`,
+# its CA copied to /etc/mllm/ca.pem (docs/team-stack.md).
 MLFLOW_TRACKING_URI=https://mlflow.example.com
 MLLM_STORAGE=s3://my-bucket/mllm
 # AWS_ACCESS_KEY_ID=...
@@ -80,10 +82,13 @@ image=$(setting MLLM_IMAGE)
 pool=$(setting PREFECT_WORK_POOL)
 [[ -n $image ]] || { echo "mllm-worker: set MLLM_IMAGE in $ENV_FILE" >&2; exit 1; }
 [[ -n $(setting PREFECT_API_URL) ]] || { echo "mllm-worker: set PREFECT_API_URL in $ENV_FILE" >&2; exit 1; }
+# A secured stack's CA (`stack worker-env --ca-path /etc/mllm/ca.pem`), read-only in the container.
+ca=()
+[[ -r /etc/mllm/ca.pem ]] && ca=(-v /etc/mllm/ca.pem:/etc/mllm/ca.pem:ro)
 docker rm -f mllm-worker >/dev/null 2>&1 || true
 docker pull -q "$image" >/dev/null || echo "mllm-worker: could not pull $image, using the local copy" >&2
 exec docker run --rm --name mllm-worker --gpus all --shm-size 8g --network host \
-    --env-file "$ENV_FILE" "$image" \
+    --env-file "$ENV_FILE" "${ca[@]}" "$image" \
     prefect worker start --pool "${pool:-gpu-process}" --type process --name "$(hostname)"
 RUN
 chmod 755 "$RUNNER"

@@ -50,13 +50,28 @@ def answers(timeout: float = 3.0) -> bool:
     url = server()
     if url is None:
         return True
+    req, ctx = health_request(f"{url}/health")
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout):
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx):
             return True
     except urllib.error.HTTPError:
         return True  # it answered (a proxy in front may guard /health)
     except (OSError, ValueError):
         return False
+
+
+def health_request(url: str):
+    """MLflow's health URL as its client would reach it: its CA file, its credential (a server
+    behind the stack's proxy answers /health only to a user it knows)."""
+    import base64
+    import ssl
+
+    req = urllib.request.Request(url)
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+    ca = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    return req, (ssl.create_default_context(cafile=ca) if ca and url.startswith("https") else None)
 
 
 def _failed(exc: BaseException | None, silent: str = "stopped answering") -> str:

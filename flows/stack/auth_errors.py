@@ -1,0 +1,74 @@
+"""One line for a client of a secured stack that is refused: a credential the server does not
+take (401), a role that does not allow what was asked (403), a certificate the client does not
+trust. Prefect's client (httpx) and MLflow's (requests) each report these their own way."""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+from mllm.failures import exception_chain
+
+_USERS = "`mllm-pipeline stack user list` on the stack's machine shows its users"
+
+
+def _who(variable: str, prefect: bool) -> str:
+    value = os.environ.get(variable, "")
+    name = value.split(":", 1)[0] if prefect else value
+    return f"user {name!r}" if name else f"no user ({variable} is not set)"
+
+
+def _tls(e: BaseException) -> str | None:
+    if isinstance(e, ssl.SSLCertVerificationError):
+        return e.verify_message or str(e)
+    text = str(e)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return text.split("certificate verify failed:", 1)[-1].split("(")[0].strip(" )'\"") or "verify failed"
+    return None
+
+
+def auth_line(exc: BaseException | None) -> str | None:
+    prefect = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    tracking = os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
+    chain = list(exception_chain(exc))
+    for e in chain:
+        why = _tls(e)
+        if why is None:
+            continue
+        mlflow = tracking and (tracking.split("://", 1)[-1] in str(e) or type(e).__module__.startswith("requests"))
+        return tls_line(mlflow, why)
+    for e in chain:
+        response = getattr(e, "response", None)
+        code = getattr(response, "status_code", None)
+        if type(e).__module__.split(".")[0] in ("httpx", "prefect") and code in (401, 403):
+            who = _who("PREFECT_API_AUTH_STRING", True)
+            if code == 401:
+                return (f"the Prefect server {prefect} did not take the credential of {who} (401): set "
+                        "PREFECT_API_AUTH_STRING to NAME:SECRET as `mllm-pipeline stack worker-env --user NAME` "
+                        f"prints it (a removed or rotated user's old secret no longer works; {_USERS})")
+            return (f"the Prefect server {prefect} does not let {who} do this (403: a viewer only reads): run it as "
+                    "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
+        text = str(e)
+        if "API request to endpoint" in text and ("error code 401" in text or "error code 403" in text):
+            return mlflow_refused(401 if "error code 401" in text else 403)
+    return None
+
+
+def tls_line(mlflow: bool, why: str) -> str:
+    server, url, variable = (("MLflow", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH") if mlflow
+                             else ("Prefect", "PREFECT_API_URL", "PREFECT_API_SSL_CERT_FILE"))
+    return (f"the {server} server {os.environ.get(url, '').rstrip('/')} has a certificate this client does not "
+            f"trust ({why}): set {variable} to the stack's CA file (`mllm-pipeline stack worker-env` prints it; "
+            "the stack's own is auth/tls/ca.pem in its home), or use the address its certificate names")
+
+
+def mlflow_refused(code: int) -> str:
+    tracking = os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
+    who = _who("MLFLOW_TRACKING_USERNAME", False)
+    if code == 401:
+        return (f"the MLflow server {tracking} did not take the credential of {who} (401): set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD as `mllm-pipeline stack worker-env "
+                f"--user NAME` prints them (a removed or rotated user's old secret no longer works; {_USERS})")
+    return (f"the MLflow server {tracking} does not let {who} do this (403: a viewer only reads): run it as "
+            "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
+
