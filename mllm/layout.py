@@ -8,7 +8,6 @@ that does the work; that source is read as it was before the modules moved into 
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import inspect
@@ -58,9 +57,14 @@ def code_digest(*objects: Any) -> str:
 _NOT_MODEL_CODE = {"layout.py", "failures.py"}
 
 
+# A module that is its docstring alone (a package's __init__.py, say). Matched as text: parsing it
+# with `ast` here raced Prefect's own parsing in another thread of a flow run ("AST constructor
+# recursion depth mismatch", a CPython 3.11 bug fixed in 3.12).
+_DOCSTRING_ONLY = re.compile(r'\s*(?:"""|\'\'\')(?:(?!"""|\'\'\').)*(?:"""|\'\'\')\s*', re.S)
+
+
 def _is_docstring_only(text: str) -> bool:
-    body = ast.parse(text).body
-    return len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    return _DOCSTRING_ONLY.fullmatch(text) is not None
 
 
 @functools.cache

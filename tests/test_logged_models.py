@@ -9,6 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.pipeline import pipeline
+from servers import run_mlflow_server
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +17,14 @@ pytestmark = pytest.mark.integration
 # checkpoint stays the first validation's (step 6) and the last one (step 12) is another.
 STILL = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
          "train.lr=1e-12", "train.min_lr=0", "sample.max_new_tokens=10"]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """An MLflow server of this module's own: on the session's, the `smoke` experiment may be
+    another test's, its artifact root that test's S3 bucket."""
+    with run_mlflow_server(tmp_path_factory.mktemp("logged-models")) as server:
+        yield server
 
 
 @pytest.mark.usefixtures("prefect_server")

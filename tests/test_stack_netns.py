@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,14 +107,18 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
                         "PREFECT_WORKER_QUERY_SECONDS": "1", "MLLM_LOG_EVERY_S": "1"}
 
             # From the other side: no credential, plain HTTP.
-            probe = subprocess.run(_in_ns(ns, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--cacert",
-                                               envs["vic"]["PREFECT_API_SSL_CERT_FILE"], f"{api}/flow_runs/filter",
-                                               "-X", "POST", "-d", "{}"]), capture_output=True, text=True)
+            for _ in range(20):  # the proxy's TLS listener may still be coming up on the new address
+                probe = subprocess.run(_in_ns(ns, ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert",
+                                                   envs["vic"]["PREFECT_API_SSL_CERT_FILE"], f"{api}/flow_runs/filter",
+                                                   "-X", "POST", "-d", "{}"]), capture_output=True, text=True)
+                if probe.stdout != "000":
+                    break
+                time.sleep(0.5)
             plain = subprocess.run(_in_ns(ns, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                                                api.replace("https://", "http://") + "/health"]),
                                    capture_output=True, text=True)
             if shutil.which("curl"):
-                assert probe.stdout == "401" and plain.stdout == "400", (probe, plain)
+                assert probe.stdout == "401" and plain.stdout == "400", (probe.returncode, probe.stderr, plain)
             # A real worker there, of a pool of its own, from the file's settings alone.
             worker = Service("gpu-worker", _in_ns(ns, [sys.executable, "-m", "prefect", "worker", "start", "--pool",
                                                        "gpu", "--type", "process", "--name", "gpu-box"]),
