@@ -168,11 +168,12 @@ def is_recipe_file(recipe: str) -> bool:
     return recipe not in recipe_names() and (recipe.endswith((".yaml", ".yml")) or os.path.isfile(recipe))
 
 
-def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_fields(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as its dotted fields: {"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(_leaves(v, f"{prefix}{k}."))
+            out.update(flat_fields(v, f"{prefix}{k}."))
         else:
             out[prefix + k] = v
     return out
@@ -191,7 +192,7 @@ def recipe_file_overrides(recipe: str, sets: list[str]) -> tuple[str, list[str]]
         raise UserError(f"recipe file {recipe} names recipe {name!r}, not a shipped one: set its `recipe:` to one of "
                         f"{', '.join(recipe_names())}")
     data.pop("recipe")
-    base = _leaves(resolve(name).to_dict())
+    base = flat_fields(resolve(name).to_dict())
     fixed = {s.partition("=")[0].strip() for s in sets}
-    diff = [f"{k}={json.dumps(v)}" for k, v in _leaves(data).items() if base.get(k, object()) != v and k not in fixed]
+    diff = [f"{k}={json.dumps(v)}" for k, v in flat_fields(data).items() if base.get(k, object()) != v and k not in fixed]
     return name, [*diff, *sets]

@@ -17,6 +17,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mllm import UserError, layout
+from mllm.resolve import flat_fields
 from tasks.tracking.provenance import version_changes
 from tasks.tracking import tracker as tracking
 from tasks.tracking.tracker import tracking_uri
@@ -146,7 +147,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         cfg.setdefault("train", {})["compile"] = False
     recipe = cfg.pop("recipe", None) or run.data.params.get("recipe", "default")
     # JSON values: YAML reads them back exactly (a quoted prompt keeps its trailing space).
-    overrides = [f"{k}={json.dumps(v)}" for k, v in _leaves(cfg).items()]
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flat_fields(cfg).items()]
 
     out = Path(tempfile.mkdtemp(prefix=f"mllm-reproduce-{run_id[:8]}-"))
     worktree = out / "src"
@@ -204,16 +205,6 @@ def _trained_by(root: str, run: Any) -> Any:
         order_by=["attributes.start_time ASC"])
     trained = [r for r in found if "final_val_loss" in r.data.metrics and "reproduces" not in r.data.tags]
     return trained[0] if trained else run
-
-
-def _leaves(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_leaves(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _repo_root() -> str:
