@@ -4,7 +4,7 @@
 URL answers and stops its whole process group afterwards; `run_mlflow_server(folder)` is an
 `mlflow server` with an SQLite backend and artifacts served through it; `run_s3_server(folder)`
 is moto's S3 server behind a proxy that can be switched off. The fixtures here (`mlflow_server`,
-one per session; the Docker engine, registry and image) are registered once, as a plugin of
+one per module; the Docker engine, registry and image) are registered once, as a plugin of
 conftest.py: a test names them as arguments, and never imports them (a fixture imported into a
 module is made again for that module).
 
@@ -224,15 +224,18 @@ def run_mlflow_server(folder: Path, wait: bool = True, port: int | None = None) 
         server.process.stop()
 
 
-@pytest.fixture(scope="session")
+# One server per test module: the pipeline names its experiment after the recipe, so on a server
+# shared by modules a test met another module's `smoke` experiment, whose artifact root was that
+# test's S3 bucket (NoCredentialsError).
+@pytest.fixture(scope="module")
 def mlflow_server_starting(tmp_path_factory) -> Iterator[MlflowServer]:
-    """The session's server, not yet waited for: request it early to start it in the
+    """The module's server, not yet waited for: request it early to start it in the
     background while other tests run."""
     with run_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), wait=False) as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mlflow_server(mlflow_server_starting) -> MlflowServer:
     return mlflow_server_starting.wait_ready()
 
