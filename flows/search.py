@@ -20,7 +20,6 @@ import concurrent.futures
 import contextlib
 import io
 import json
-import os
 import threading
 import warnings
 from typing import Any
@@ -45,6 +44,8 @@ from flows.launch import (
 from flows.pipeline import evaluate, judge, prepare
 from flows import search_report
 from flows.search_report import TrialOutcome
+from flows.search_study import (optuna_module, check_options, check_study, make_pruner, make_sampler,
+                                open_storage, study_file, study_lock)
 from flows.search_space import Dim, check_space, parse_space, space_text, study_name
 from flows.sweep import PARENT_TAG, ParentRun
 from flows.sweep_table import csv_text
@@ -65,92 +66,12 @@ from tasks.tracking.tracker import (
     MAX_PARAM_VALUE,
     MAX_TAG_VALUE,
     RunTracker,
-    local_store,
     log_data,
 )
 from tasks.tracking.tracker import client as tracking_client
 
-SAMPLERS = ("tpe", "random")
-PRUNERS = ("median", "halving", "hyperband", "none")
 STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
 _preparing = threading.Lock()
-
-
-# --- where the study lives -----------------------------------------------------------------
-
-def study_file(root: str) -> str:
-    """optuna.db beside the storage root (in the current folder for an object-store root)."""
-    return os.path.join(os.path.dirname(local_store(root)), "optuna.db")
-
-
-def _optuna() -> Any:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # the terminal shows the bar and the table
-    return optuna
-
-
-def open_storage(path: str) -> Any:
-    return _optuna().storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 60}})
-
-
-def check_study(root: str, name: str, space: dict[str, Dim], recipe: str) -> None:
-    """A study of this name in the store with another space or recipe: one line, nothing opened
-    for writing (the store is only read, and only when it exists)."""
-    path = study_file(root)
-    if not os.path.exists(path):
-        return
-    st = open_storage(path)
-    try:
-        attrs = st.get_study_user_attrs(st.get_study_id_from_name(name))
-    except KeyError:
-        return
-    if (attrs.get("space"), attrs.get("recipe")) != (space_text(space), recipe):
-        raise UserError(f"study {name} in {path} searches recipe {attrs.get('recipe')} over "
-                        f"{attrs.get('space')!r}, not {recipe} over {space_text(space)!r}: give another --study "
-                        "name, or leave --study out (the name then follows the recipe and the space)")
-
-
-@contextlib.contextmanager
-def study_lock(path: str, name: str):
-    """The study held by this process: a RUNNING trial another search finds belongs to a dead one."""
-    folder = os.path.join(os.path.dirname(path), "optuna.locks", name)
-    with storage.exclusive(folder, lambda: print(f"another search of study {name} is running: waiting for it")):
-        yield
-
-
-def make_sampler(name: str, seed: int) -> Any:
-    samplers = _optuna().samplers
-    return samplers.RandomSampler(seed=seed) if name == "random" else samplers.TPESampler(seed=seed)
-
-
-def make_pruner(name: str, cfg: RunConfig, startup: int) -> Any:
-    pruners = _optuna().pruners
-    if name == "median":
-        return pruners.MedianPruner(n_startup_trials=startup, n_warmup_steps=0)
-    if name == "halving":
-        return pruners.SuccessiveHalvingPruner(min_resource=cfg.train.eval_interval)
-    if name == "hyperband":
-        return pruners.HyperbandPruner(min_resource=cfg.train.eval_interval,
-                                       max_resource=cfg.train.max_steps or "auto")
-    return pruners.NopPruner()
-
-
-def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None, pool: str | None,
-                  startup: int) -> None:
-    if trials_n < 1:
-        raise UserError(f"--trials {trials_n}: give at least 1 (the trials the study should finish)")
-    if sampler not in SAMPLERS:
-        raise UserError(f"unknown --sampler {sampler!r}: choose {' or '.join(SAMPLERS)}")
-    if pruner not in PRUNERS:
-        raise UserError(f"unknown --pruner {pruner!r}: choose {', '.join(PRUNERS)}")
-    if parallel is not None and parallel < 1:
-        raise UserError(f"--parallel {parallel}: give at least 1 (the trials that run at once)")
-    if startup < 0:
-        raise UserError(f"--startup-trials {startup}: give 0 or more")
-    if pool and pruner != "none":
-        raise UserError(f"--pruner {pruner} with a work pool: a worker's training cannot ask this process's "
-                        "pruner yet: give --pruner none with --train-on, or train here")
 
 
 # --- one trial -----------------------------------------------------------------------------
@@ -216,14 +137,14 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
         outcome.error = message[:500]
         trial.set_user_attr("error", outcome.error)
         _mark_failed(root, parent_id, study.study_name, trial.number)
-        study.tell(trial, state=_optuna().trial.TrialState.FAIL)
+        study.tell(trial, state=optuna_module().trial.TrialState.FAIL)
         return outcome
     for name in ("mlflow_run_id", "step", "val_loss", "resumed_from_step"):
         trial.set_user_attr(name, found[name])
     outcome = outcome.model_copy(update={k: found[k] for k in ("mlflow_run_id", "step", "val_loss",
                                                                 "resumed_from_step")} | {"state": found["state"]})
     if found["state"] == "pruned":
-        study.tell(trial, state=_optuna().trial.TrialState.PRUNED)
+        study.tell(trial, state=optuna_module().trial.TrialState.PRUNED)
     else:
         study.tell(trial, found["value"])
         outcome.value = found["value"]
@@ -280,7 +201,7 @@ class StudyRun(ParentRun):
 def revive(study: Any, root: str, parent_id: str) -> list[int]:
     """Trials left RUNNING by a dead search (this process holds the study's lock): each failed and
     asked again with its parameters, so that its training resumes from its checkpoint."""
-    optuna = _optuna()
+    optuna = optuna_module()
     revived = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
@@ -396,7 +317,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
         parallel: At most this many trials at once on the pool [as many as its slots take].
         startup_trials: The median pruner prunes nothing before this many trials finished.
     """
-    optuna = _optuna()
+    optuna = optuna_module()
     dims = parse_space(space)
     pool = training_pool(recipe, train_on)
     check_options(trials_n, sampler, pruner, parallel, pool, startup_trials)
@@ -504,7 +425,7 @@ def record(parent: StudyRun, st: Any, recipe: str, space: dict[str, Dim], overri
 
 def importances(st: Any) -> dict[str, float]:
     """Optuna's parameter importances (fANOVA) over the complete trials; none while too few."""
-    optuna = _optuna()
+    optuna = optuna_module()
     complete = st.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
     if len(complete) < 2:
         return {}

@@ -296,7 +296,7 @@ def _dead_run(client, study: str) -> str:
 def test_pruners_step_in_evaluations_of_the_recipe() -> None:
     import optuna
 
-    from flows.search import make_pruner
+    from flows.search_study import make_pruner
     from mllm.resolve import resolve
 
     cfg = resolve("smoke", overrides=["train.eval_interval=10", "train.max_steps=40"])

@@ -446,7 +446,7 @@ def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: S
 
 
 def test_a_search_on_a_pool_takes_no_pruner_yet() -> None:
-    from flows.search import check_options
+    from flows.search_study import check_options
 
     with pytest.raises(UserError, match="--pruner median with a work pool"):
         check_options(4, "tpe", "median", None, "local", 5)

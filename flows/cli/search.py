@@ -44,7 +44,7 @@ def search(recipe: Recipe = "default",
     evaluation. The study is kept in optuna.db beside the storage root: the same command again continues
     it, and resumes a trial whose process died from its checkpoint."""
     with user_errors():
-        from flows.search import check_options, check_study
+        from flows.search_study import check_options, check_study
         from flows.search_report import text_table
         from flows.search_space import check_space, parse_space, study_name
 
