@@ -3,10 +3,14 @@ its training goes to (`--train-on`, else the recipe's `pipeline.pool`, else this
 
 from __future__ import annotations
 
+import base64
+import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 import uuid
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +76,7 @@ def preflight(root: str) -> None:
     that cannot be a folder or cannot be written, and a tracking server that does not answer."""
     check_storage(root)
     check_tracking_server()
+    check_prefect_server()
 
 
 def check_storage(root: str) -> None:
@@ -138,6 +143,38 @@ def check_tracking_server(timeout: float = 5.0) -> None:
         raise UserError(f"the MLflow tracking server {clean} does not answer ({reason}): start it "
                         "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "
                         "runs (unset, runs are tracked in an SQLite file beside the storage root)") from None
+
+
+def check_prefect_server(timeout: float = 5.0) -> None:
+    """A Prefect server named by PREFECT_API_URL: its certificate, this client's credential, and
+    its Prefect version, the one this client runs. Its /admin/version route (which Prefect's
+    client reads too) shows all three."""
+    api = os.environ.get("PREFECT_API_URL", "").strip().rstrip("/")
+    if not api.startswith(("http://", "https://")):
+        return  # Prefect's temporary server, started by this command: the same version
+    from flows.stack.auth_errors import _tls, prefect_refused, tls_line, version_line
+
+    clean, _ = strip_userinfo(api)
+    req = urllib.request.Request(f"{api}/admin/version")
+    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
+        req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    ca = os.environ.get("PREFECT_API_SSL_CERT_FILE")
+    ctx = ssl.create_default_context(cafile=ca or None) if api.startswith("https") else None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
+            server = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise UserError(prefect_refused(e.code)) from None
+        return  # it answered: what else is wrong, Prefect's client reports
+    except (OSError, ValueError) as e:
+        why = _tls(getattr(e, "reason", None) or e)
+        if why:
+            raise UserError(tls_line(False, why)) from None
+        return  # no answer: the command's own handling of a Prefect server that is away says so
+    line = version_line(clean, str(server), version("prefect"))
+    if line:
+        raise UserError(line)
 
 
 def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,

@@ -171,11 +171,37 @@ def test_compose_worker_owns_a_gpu_and_talks_to_the_stack():
     command = command if isinstance(command, str) else " ".join(command)
     assert "prefect worker start" in command and "--type process" in command
 
-    # secrets only as ${VAR:-local default}, never a bare literal in an AWS or password variable
+    # secrets only as ${VAR:?...}, never a bare literal in an AWS or password variable
     for svc in services.values():
         for key, value in (svc.get("environment") or {}).items():
             if re.search(r"SECRET|PASSWORD", key) and value is not None:
                 assert str(value).startswith("${"), (key, value)
+
+
+def test_compose_has_no_default_password_and_publishes_on_loopback_only():
+    """No password works by default: each is `${VAR:?message}` (compose refuses to start without
+    it), infra/make-env.sh makes exactly those, random; and with no proxy in front (neither server
+    checks who calls) every published port is on 127.0.0.1."""
+    text = (INFRA / "compose.yaml").read_text()
+    used = re.findall(r"\$\{(\w+)(:?[-?])?([^}]*)\}", text)
+    secret = {name for name, _, _ in used if re.search(r"PASSWORD|SECRET|_USER$|TOKEN|KEY", name)}
+    assert secret == {"POSTGRES_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+    for name, how, message in used:
+        if name in secret:
+            assert how == ":?" and "infra/make-env.sh > infra/.env" in message, (name, how, message)
+    assert "local-only" not in text and "password1234" not in text
+    for name, svc in yaml.safe_load(text)["services"].items():
+        for port in svc.get("ports") or []:
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+        assert svc.get("network_mode") != "host", name
+
+    made = [subprocess.run(["bash", str(INFRA / "make-env.sh")], check=True, capture_output=True, text=True).stdout
+            for _ in range(2)]
+    envs = [dict(line.split("=", 1) for line in out.splitlines()) for out in made]
+    assert set(envs[0]) == secret
+    for key in ("POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD"):
+        assert re.fullmatch(r"[A-Za-z0-9]{40}", envs[0][key]) and envs[0][key] != envs[1][key]  # URL-safe, random
+    assert "infra/.env" in (INFRA.parent / ".gitignore").read_text().split()
 
 
 def test_dockerfile_installs_with_the_constraints():
@@ -193,7 +219,7 @@ def test_dockerfile_installs_with_the_constraints():
     assert {".venv", ".git", "storage", "mlruns", "benchmarks/out"} <= set(ignored)
 
 
-@pytest.mark.parametrize("script", sorted([*(INFRA / "paperspace").glob("*.sh"), *(INFRA / "docker").glob("*.sh")]),
+@pytest.mark.parametrize("script", sorted([*(INFRA / "paperspace").glob("*.sh"), *(INFRA / "docker").glob("*.sh"), *INFRA.glob("*.sh")]),
                          ids=lambda p: p.name)
 def test_shell_scripts_parse(script):
     bash = shutil.which("bash")

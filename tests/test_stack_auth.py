@@ -7,6 +7,7 @@ anywhere it should not be."""
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import ssl
 import stat
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ import pytest
 from conftest import make_text
 
 from flows.stack import servers as stack, auth as stack_auth
+from flows.stack.certs import sign_server
+from flows.stack.processes import free_port
 from mllm import UserError
 
 pytestmark = pytest.mark.integration
@@ -40,6 +44,11 @@ def caddy() -> str:
             pytest.fail("MLLM_REQUIRE_CADDY=1 but caddy is not installed", pytrace=False)
         pytest.skip("the secured stack needs Caddy: apt-get install caddy")
     return found
+
+
+def _days(start: float, end: float) -> tuple[datetime.datetime, datetime.datetime]:
+    now = datetime.datetime.now(datetime.UTC)
+    return now + datetime.timedelta(days=start), now + datetime.timedelta(days=end)
 
 
 def _mode(path: Path) -> int:
@@ -93,6 +102,11 @@ def test_certificates_made_for_the_address_keys_private(tmp_path: Path) -> None:
     again = stack_auth.certificates(tmp_path, ["10.9.8.6"])
     assert again.ca.read_bytes() == certs.ca.read_bytes()
     assert x509.load_pem_x509_certificate(again.cert.read_bytes()).serial_number != server.serial_number
+    # An expired server certificate (or one within 30 days of its end) is made again, never served.
+    cert_pem, _ = sign_server(tmp_path / "auth/tls", ["10.9.8.6"], *_days(-30, -1))
+    again.cert.write_bytes(cert_pem)
+    renewed = x509.load_pem_x509_certificate(stack_auth.certificates(tmp_path, ["10.9.8.6"]).cert.read_bytes())
+    assert renewed.not_valid_after_utc > datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=300)
     with pytest.raises(UserError, match="give both --tls-cert"):
         stack_auth.certificates(tmp_path, ["x"], cert=str(certs.cert))
     assert stack_auth.certificates(tmp_path, ["x"], str(certs.cert), str(certs.key)).ca == certs.cert
@@ -117,33 +131,6 @@ def test_proxy_configuration_is_valid_and_holds_hashes_only(tmp_path: Path, cadd
         stack_auth.setup(tmp_path, "127.0.0.1", False, 1, 2, "cert.pem", None, None)
     assert stack_auth.setup(tmp_path, "127.0.0.1", False, 1, 2, None, None, None) is None
     assert stack_auth.secured(tmp_path) is None
-
-
-def test_a_certificate_for_another_host_is_one_line(tmp_path: Path, monkeypatch) -> None:
-    """A real TLS server whose certificate (from the stack's CA) names another address: the
-    client, trusting that CA, refuses it, and the pre-flight check says so in one line."""
-    import http.server
-    import threading
-
-    from flows.launch import check_tracking_server
-
-    certs = stack_auth.certificates(tmp_path, ["10.9.8.7"])
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(certs.cert, certs.key)
-    server.socket = tls.wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"https://127.0.0.1:{server.server_address[1]}")
-        monkeypatch.setenv("MLFLOW_TRACKING_SERVER_CERT_PATH", str(certs.ca))
-        with pytest.raises(UserError) as e:
-            check_tracking_server()
-    finally:
-        server.shutdown()
-    line = str(e.value)
-    assert line.startswith(f"the MLflow server https://127.0.0.1:{server.server_address[1]} has a certificate this "
-                           "client does not trust (IP address mismatch, certificate is not valid for '127.0.0.1'")
-    assert "MLFLOW_TRACKING_SERVER_CERT_PATH" in line and "\n" not in line
 
 
 # -- a secured stack on loopback ---------------------------------------------------------------
@@ -350,23 +337,91 @@ print(json.dumps({{"steps": max(steps), "tasks": [t.state.type.value for t in ta
     secured.terminal.append(json.dumps([seen["params"], seen["tags"]]))
 
 
-def test_one_line_for_a_viewer_a_wrong_password_and_an_untrusted_certificate(secured: Secured, tmp_path: Path) -> None:
+def _odd_proxies(caddy: str, home: Path, folder: Path) -> tuple[dict[str, int], list[subprocess.Popen]]:
+    """Caddy in front of the stack's own servers with what a client must refuse: an expired
+    certificate, one for another address (both from the stack's CA), and a Prefect server that
+    says it runs another version (its /api/admin/version answered by Caddy: the one route a
+    client reads the version from; another Prefect cannot be installed beside the pinned one).
+    One Caddy each: a client that names an IP address sends no server name, and one Caddy
+    would answer it with whichever of its certificates names that address."""
+    ends = stack_auth.secured(home)
+    tls, back = home / "auth" / "tls", ends["backends"]
+    sites = {"expired": (sign_server(tls, ["127.0.0.1"], *_days(-30, -1)), back["mlflow"], ""),
+             "other host": (sign_server(tls, ["10.9.8.7"], *_days(0, 1)), back["prefect"], ""),
+             "other version": (None, back["prefect"], '\thandle /api/admin/version {\n\t\trespond "\\"3.7.2\\"" 200\n\t}')}
+    ports, procs = {}, []
+    for name, (pems, backend, extra) in sites.items():
+        port, site = free_port(), folder / name.replace(" ", "-")
+        site.mkdir()
+        if pems is None:
+            cert, key = ends["certs"]["cert"], ends["certs"]["key"]
+        else:
+            cert, key = site / "cert.pem", site / "key.pem"
+            cert.write_bytes(pems[0])
+            key.write_bytes(pems[1])
+            key.chmod(0o600)
+        (site / "Caddyfile").write_text("\n".join([
+            "{", "\tadmin off", "\tauto_https off", "\tdefault_sni 10.9.8.7" if name == "other host" else "",
+            f"\tstorage file_system {site / 'data'}", "}",
+            f"https://127.0.0.1:{port} {{", f"\ttls {cert} {key}", extra, f"\treverse_proxy 127.0.0.1:{backend} {{",
+            "\t\theader_up -Authorization", "\t}", "}"]) + "\n")
+        procs.append(subprocess.Popen([caddy, "run", "--config", str(site / "Caddyfile"), "--adapter", "caddyfile"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HOME": str(site)}))
+        ports[name] = port
+    deadline = time.monotonic() + 30
+    while not all(_listening(p) for p in ports.values()):
+        for proc in procs:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    return ports, procs
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_one_line_for_each_refused_credential_role_certificate_and_version(secured: Secured, tmp_path: Path,
+                                                                          caddy: str) -> None:
     (tmp_path / "corpus.txt").write_text(make_text(2000))
     args = ("run", "--recipe", "smoke", "--source", "corpus.txt", "--storage", str(tmp_path / "store"),
             *[a for s in FAST for a in ("--set", s)])
     wrong = {"PREFECT_API_AUTH_STRING": "vic:wrong"}
+    (tmp_path / "odd").mkdir()
+    odd, proxies = _odd_proxies(caddy, secured.home, tmp_path / "odd")
+    at = {k: f"https://127.0.0.1:{p}" for k, p in odd.items()}
+    from importlib.metadata import version
+
     cases = {"viewer": ({}, "does not let user 'vic' do this (403"),
              "wrong Prefect password": (wrong, "Prefect server https://127.0.0.1"),
              "wrong MLflow password": ({**wrong, "MLFLOW_TRACKING_PASSWORD": "wrong"}, "MLflow server https://"),
              "no CA": ({"PREFECT_API_SSL_CERT_FILE": "", "MLFLOW_TRACKING_SERVER_CERT_PATH": ""},
-                       "has a certificate this client does not trust")}
-    for case, (changes, expected) in cases.items():
-        done = secured.cli(*args, user="vic", cwd=tmp_path, **changes)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (case, done.stderr[-2000:])
-        assert lines[0].startswith("error: ") and expected in lines[0], (case, lines[0])
-        assert "401" in lines[0] or "403" in lines[0] or "trust" in lines[0]
-        assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.parquet")), case
+                       "has a certificate this client does not trust"),
+             "expired": ({"MLFLOW_TRACKING_URI": at["expired"]},
+                         (f"the MLflow server {at['expired']} has a certificate that is out of its validity period "
+                          "(certificate has expired): on the stack's machine `mllm-pipeline stack up` makes")),
+             "other host": ({"PREFECT_API_URL": at["other host"] + "/api"},
+                            (f"the Prefect server {at['other host']}/api has a certificate for other addresses (IP "
+                             "address mismatch, certificate is not valid for '127.0.0.1'")),
+             # A name the certificate lacks: Caddy has no certificate to offer and ends the handshake.
+             "other name": ({"PREFECT_API_URL": at["other host"].replace("127.0.0.1", "localhost") + "/api"},
+                            "has a certificate for other addresses (no certificate of the server names this address"),
+             "other version": ({"PREFECT_API_URL": at["other version"] + "/api"},
+                               (f"the Prefect server {at['other version']}/api runs Prefect 3.7.2 and this client "
+                                f"Prefect {version('prefect')}: install prefect==3.7.2 here"))}
+    try:
+        for case, (changes, expected) in cases.items():
+            done = secured.cli(*args, user="vic", cwd=tmp_path, **changes)
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (case, done.stderr[-2000:])
+            assert lines[0].startswith("error: ") and expected in lines[0], (case, lines[0])
+            assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.parquet")), case
+    finally:
+        for proxy in proxies:
+            proxy.terminate()
+            proxy.wait(30)
 
 
 def test_rotation_and_removal_take_effect_at_once_on_both_servers(secured: Secured) -> None:

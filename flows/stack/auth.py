@@ -72,8 +72,10 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], backends: dict[str
     host = f"[{listen}]" if ":" in listen else listen
     log = folder(home) / "caddy"
     # HTTP/1.1 and 2 over TCP only: no HTTP/3 listener on UDP beside them.
-    head = ["{", "\tadmin unix/" + str(log / "admin.sock"), "\tauto_https off", "\tservers {", "\t\tprotocols h1 h2",
-            "\t}",
+    # A client that sends no server name (one that connects to an IP address) gets the stack's
+    # certificate, which then names that address or is refused by the client as for another one.
+    head = ["{", "\tadmin unix/" + str(log / "admin.sock"), "\tauto_https off", f"\tdefault_sni {listen}",
+            "\tservers {", "\t\tprotocols h1 h2", "\t}",
             f"\tstorage file_system {log / 'data'}", "}"]
     sites = []
     for server in ("prefect", "mlflow"):
