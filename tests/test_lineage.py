@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PASSWORD, cli, make_text
+import conftest
+from conftest import PASSWORD, TOKEN, cli, files_holding, make_text
 
 pytestmark = pytest.mark.integration
 
@@ -70,10 +71,18 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     # The runs and `lineage` report to the tests' Prefect server, which keeps their events.
     env = {**env, "PREFECT_API_URL": prefect_api}
     since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=5)
+    # The first corpus is downloaded with a password in its URL and the run has a secret tag:
+    # neither may reach the terminal, storage, MLflow or Prefect (checked below).
     secret_source = f"http://reader:{PASSWORD}@127.0.0.1:{port}/corpus.txt"
-    for source in (secret_source, str(other)):
-        out = cli("run", "--recipe", "smoke", "--source", source, "--set", "train.max_steps=10", env=env)
+    runs = [cli("run", "--recipe", "smoke", "--source", source, "--set", "train.max_steps=10", *tag, env=env)
+            for source, tag in ((secret_source, ("--tag", f"token={TOKEN}")), (str(other), ()))]
+    for out in runs:
         assert out.returncode == 0, out.stderr[-3000:]
+        assert "val loss" in out.stdout
+    # A bad URL with credentials: the error line names the URL, not the password.
+    bad = cli("prepare", "--recipe", "smoke", "--source", f"https://reader:{PASSWORD}@127.0.0.1:{port}/nope.txt",
+              env=env)
+    assert bad.returncode == 2 and "error:" in bad.stderr
 
     out = cli("lineage", "smoke/1", env=env)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
@@ -116,8 +125,8 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     assert "no run was trained" in cli("lineage", "--corpus", "ffffffffffff", env=env).stdout
 
     # Nothing secret in any of it.
-    for out in (out, first, found, listed):
-        assert PASSWORD not in out.stdout + out.stderr
+    for said in (*runs, bad, out, first, found, listed):
+        assert PASSWORD not in said.stdout + said.stderr and TOKEN not in said.stdout + said.stderr
 
     # Prefect's events hold the same graph, each asset keyed by the storage URI the run wrote
     # (the corpus source by its URL without the password): source -> stored copy -> token
@@ -148,8 +157,13 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     assert payload[tokens]["n_tokens"] == chain["tokens"]["n_tokens"]
     assert payload[split]["train_tokens"] == chain["split"]["tokens"]["train"]
     assert all(any(r.role == "task-run" for r in e.related) for e in events if e.event == MATERIALIZED)
-    # No credential in any event the runs sent.
+    # No credential in any event the runs sent, nor in any file of storage, the MLflow store, or the
+    # Prefect server's folder (its database with the runs' parameters, logs and events; its log).
     assert not [e.event for e in events if PASSWORD in e.model_dump_json()]
+    (server_folder,) = conftest.SESSION_PREFECT_SERVER
+    assert list(server_folder.rglob("*.db"))  # the database is there to be searched
+    for secret in (PASSWORD, TOKEN):
+        assert files_holding(secret, storage, mlflow, server_folder) == []
 
     # A flow run recorded on another Prefect server, with no Prefect API, or with one that does
     # not answer, is unchecked: not a break.

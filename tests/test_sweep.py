@@ -73,7 +73,7 @@ def test_points_that_do_not_resolve_are_refused(grid: list[str], sets: list[str]
     ([], "give at least one --grid"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
-                                                               tmp_path: Path) -> None:
+                                                               tmp_path: Path, empty_mlflow_store: bytes) -> None:
     root = tmp_path / "storage"
     out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), *args)
     assert out.returncode == 2, (out.stdout, out.stderr)
@@ -81,7 +81,7 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], 
     errors = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error:") and needle in errors[0], out.stderr
     assert not root.exists()
-    assert not (tmp_path / "mlflow-store" / "mlflow.db").exists()  # no MLflow run either
+    assert (tmp_path / "mlflow-store" / "mlflow.db").read_bytes() == empty_mlflow_store  # no MLflow run either
 
 
 @pytest.mark.usefixtures("prefect_server")
