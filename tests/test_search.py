@@ -130,7 +130,7 @@ def _make_study(path: Path, name: str, space: str, recipe: str) -> None:
     (["--space", "train.lr=1e-4..1e-2", "--study", "mine"], "study mine in"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
-                                                               tmp_path: Path) -> None:
+                                                               tmp_path: Path, empty_mlflow_store: bytes) -> None:
     root = tmp_path / "storage"
     if "mine" in args:  # a study of that name searching another space
         _make_study(tmp_path / "optuna.db", "mine", "model.n_layer=1,2", "smoke")
@@ -141,7 +141,7 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], 
     errors = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error:") and needle in errors[0], out.stderr
     assert not root.exists()
-    assert not (tmp_path / "mlflow-store" / "mlflow.db").exists()  # no MLflow run either
+    assert (tmp_path / "mlflow-store" / "mlflow.db").read_bytes() == empty_mlflow_store  # no MLflow run either
     after = (tmp_path / "optuna.db").exists() and (tmp_path / "optuna.db").read_bytes()
     assert after == before  # no study made, none changed
 
