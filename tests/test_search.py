@@ -324,3 +324,29 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
     path.write_text("recipe: mine\ntrain: {lr: 0.1}\n")
     with pytest.raises(UserError, match="names recipe 'mine', not a shipped one"):
         as_overrides(str(path), [])
+
+
+def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no_verdict_comes(tmp_path: Path) -> None:
+    # The worker's side and the search's side of tasks/trials.py, over a storage folder as over S3.
+    from tasks import trials
+
+    run_dir = str(tmp_path / "run")
+    asked = []
+
+    def pruner(step: int, val_loss: float) -> bool:
+        asked.append((step, val_loss))
+        return step >= 20
+
+    worker = trials.through_storage(run_dir, wait_s=30)
+    with trials.answering(run_dir, pruner, every_s=0.05):
+        assert worker(10, 2.5) is False
+        assert worker(20, 2.4) is True
+    assert asked == [(10, 2.5), (20, 2.4)]
+    # No search answers (it died): the training goes on after the wait.
+    started = time.monotonic()
+    assert trials.through_storage(run_dir, wait_s=1)(30, 2.3) is False
+    assert time.monotonic() - started >= 1
+    # A later trial of the same config (the same folder) never reads the verdicts of this one.
+    with trials.answering(run_dir, lambda step, val_loss: False, every_s=0.05):
+        assert not (tmp_path / "run" / "search" / "verdict-20.json").exists()
+        assert worker(20, 2.4) is False
