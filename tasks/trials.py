@@ -74,16 +74,21 @@ def answering(run_dir: str, hook: EvalHook, every_s: float = 0.5) -> Iterator[No
     def answer() -> None:
         answered: set[str] = set()
         while not stop.wait(every_s):
-            with contextlib.suppress(Exception):  # storage unreachable a moment: the next round answers
+            try:
                 fs, path = storage.filesystem(folder(run_dir))
                 fs.invalidate_cache(path)
-                if not fs.exists(path):
+                names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
+            except Exception:  # noqa: BLE001, S112 (storage unreachable a moment: the next round answers)
+                continue
+            for name in names:
+                if not name.startswith("eval-") or name in answered:
                     continue
-                for name in sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)):
-                    if not name.startswith("eval-") or name in answered:
-                        continue
+                with contextlib.suppress(Exception):  # a half-written report: read again next round
                     asked = storage.read_json(storage.join(folder(run_dir), name))
-                    prune = hook(int(asked["step"]), float(asked["val_loss"]))
+                    try:
+                        prune = bool(hook(int(asked["step"]), float(asked["val_loss"])))  # numpy's bool too
+                    except Exception:  # noqa: BLE001 (a pruner that cannot answer stops no training)
+                        prune = False
                     storage.write_json(storage.join(folder(run_dir), name.replace("eval-", "verdict-")),
                                        {"prune": prune})
                     answered.add(name)

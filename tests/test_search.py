@@ -327,21 +327,31 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
 
 
 def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no_verdict_comes(tmp_path: Path) -> None:
-    # The worker's side and the search's side of tasks/trials.py, over a storage folder as over S3.
+    # The worker's side and the search's side of tasks/trials.py, over a storage folder as over S3,
+    # with Optuna's median pruner answering (its verdicts are numpy's bools).
+    import optuna
+
     from tasks import trials
 
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0))
+    done = study.ask()
+    done.report(2.0, 10)
+    done.report(1.9, 20)
+    study.tell(done, 1.8)
+    trial = study.ask()
     run_dir = str(tmp_path / "run")
     asked = []
 
     def pruner(step: int, val_loss: float) -> bool:
         asked.append((step, val_loss))
-        return step >= 20
+        trial.report(val_loss, step)
+        return trial.should_prune()
 
     worker = trials.through_storage(run_dir, wait_s=30)
     with trials.answering(run_dir, pruner, every_s=0.05):
-        assert worker(10, 2.5) is False
+        assert worker(10, 1.95) is False
         assert worker(20, 2.4) is True
-    assert asked == [(10, 2.5), (20, 2.4)]
+    assert asked == [(10, 1.95), (20, 2.4)]
     # No search answers (it died): the training goes on after the wait.
     started = time.monotonic()
     assert trials.through_storage(run_dir, wait_s=1)(30, 2.3) is False
