@@ -29,7 +29,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 import mllm.train
 from conftest import make_text
 from flows.stack import servers as stack
-from mllm import UserError, storage
+from mllm import storage
 from mllm.config import RunConfig
 from servers import S3Server, run_s3_server
 
