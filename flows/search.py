@@ -244,15 +244,15 @@ def on_stale(root: str, parent: dict[str, str]) -> Any:
 def claim(st: Any, trials_n: int) -> Any | None:
     """The next trial to run, or None once the study has its trials (finished, running or queued,
     by any search). Trials whose heartbeat stopped are failed and queued again first."""
-    optuna = optuna_module()
     with warnings.catch_warnings():
+        # Optuna calls its heartbeats experimental and meant for study.optimize: this search beats them itself.
         warnings.simplefilter("ignore")
-        optuna.storages.fail_stale_trials(st)
-    outcomes = outcomes_of(st)
-    queued = any(o.state == "waiting" for o in outcomes)
-    counted = sum(o.state in ("complete", "pruned", "failed", "running", "waiting") and o.resumed_by is None
-                  for o in outcomes)
-    return st.ask() if queued or counted < trials_n else None
+        optuna_module().storages.fail_stale_trials(st)
+        outcomes = outcomes_of(st)
+        queued = any(o.state == "waiting" for o in outcomes)
+        counted = sum(o.state in ("complete", "pruned", "failed", "running", "waiting") and o.resumed_by is None
+                      for o in outcomes)
+        return st.ask() if queued or counted < trials_n else None
 
 
 def outcomes_of(study: Any) -> list[TrialOutcome]:

@@ -360,3 +360,39 @@ def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no
     with trials.answering(run_dir, lambda step, val_loss: False, every_s=0.05):
         assert not (tmp_path / "run" / "search" / "verdict-20.json").exists()
         assert worker(20, 2.4) is False
+
+
+def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_study_stops_at_its_trials(
+        tmp_path: Path) -> None:
+    # The PostgreSQL path's bookkeeping (flows/search.py claim and on_stale) on Optuna's heartbeats,
+    # here over SQLite: the second trial's search "dies" (no more beats), the next ask fails it and
+    # takes it again with its values, and the study then has its two trials.
+    import warnings
+
+    import optuna
+
+    from flows.search import claim, on_stale, outcomes_of
+    from flows.search_study import resumed_number
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1,
+                                         heartbeat_stale_trial_callback=on_stale(str(tmp_path), {}))
+    study = optuna.create_study(storage=rdb, study_name="beats")
+    first = claim(study, 2)
+    rdb.record_heartbeat(first._trial_id)
+    first.suggest_float("x", 0, 1)
+    study.tell(first, 1.0)
+    second = claim(study, 2)
+    rdb.record_heartbeat(second._trial_id)
+    x = second.suggest_float("x", 0, 1)
+    time.sleep(2.5)  # its search is gone: no beat within the grace period
+    again = claim(study, 2)
+    assert again.number == 2 and resumed_number(study.trials[2]) == second.number
+    assert again.suggest_float("x", 0, 1) == x
+    assert study.trials[second.number].state == optuna.trial.TrialState.FAIL
+    rdb.record_heartbeat(again._trial_id)
+    study.tell(again, 0.5)
+    assert claim(study, 2) is None
+    states = {o.number: (o.state, o.resumed_by) for o in outcomes_of(study)}
+    assert states == {0: ("complete", None), 1: ("failed", 2), 2: ("complete", None)}
