@@ -123,14 +123,15 @@ def gpu_variables(cfg: RunConfig, variables: set[str]) -> dict[str, Any]:
 _NO_GPU_RUNTIME = "could not select device driver"
 
 
-def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str) -> Trained:
+def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str,
+                  search: bool = False) -> Trained:
     """Run the `train` flow on a worker of `pool`, follow it, and return what it trained."""
     logger = _logger()
     name, variables = ensure_deployment(train, pool)
     _, run_dir = train_job(cfg, data, root)
     job_variables: dict[str, Any] = {"env": job_env(root), **gpu_variables(cfg, variables)}
     params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
-              "run_id": run_id, "code": training_code()}
+              "run_id": run_id, "code": training_code(), **({"search": True} if search else {})}
     restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
     lost_after = float(os.environ.get("MLLM_LOST_AFTER_S", "300"))
     for attempt in range(restarts + 1):

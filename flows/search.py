@@ -1,12 +1,14 @@
 """`mllm-pipeline search`: Optuna samples a space of config fields, and each trial is a tracked,
 cached pipeline run whose training a pruner may stop at an evaluation.
 
-The study lives in an SQLite file beside the storage root (`optuna.db`, as `mlflow.db` is), named
-by the recipe, the space and the data, so the same command again continues it: finished trials
-stay finished, and a trial that was running when its process died (SIGKILL, Ctrl-C, a crash) is
-asked again with the same parameters, which give the same config, the same training key and so
-the same checkpoint folder: its training resumes from its last checkpoint. While a search runs it
-holds the study's lock, so a trial found RUNNING by the next one is known dead.
+The study lives in an SQLite file beside the storage root (`optuna.db`, as `mlflow.db` is), or on
+PostgreSQL where several searches share it (flows/search_study.py), named by the recipe, the space
+and the data, so the same command again continues it: finished trials stay finished, and a trial
+that was running when its process died (SIGKILL, Ctrl-C, a crash) is asked again with the same
+parameters, which give the same config, the same training key and so the same checkpoint folder:
+its training resumes from its last checkpoint. On SQLite a search holds the study's lock, so a
+trial found RUNNING by the next one is known dead; on PostgreSQL a trial is dead when its
+heartbeat stops.
 
 Every trial shares the data stages (cached by content) and nests its MLflow run under one parent
 run per study, tagged `trial_state` complete, pruned or failed. The training reports its val loss
@@ -20,6 +22,8 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import os
+import socket
 import threading
 import warnings
 from typing import Any
@@ -44,8 +48,9 @@ from flows.launch import (
 from flows.pipeline import evaluate, judge, prepare
 from flows import search_report
 from flows.search_report import TrialOutcome
-from flows.search_study import (optuna_module, check_options, check_study, make_pruner, make_sampler,
-                                open_storage, study_file, study_lock)
+from flows.search_study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
+                                one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
+                                study_store)
 from flows.search_space import Dim, check_space, parse_space, space_text, study_name
 from flows.sweep import PARENT_TAG, ParentRun
 from flows.sweep_table import csv_text
@@ -85,7 +90,7 @@ def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int
     with RunTracker(cfg, root, tags=tags, run_name=f"{study}-trial-{number}") as run:
         log_data(run.run_id, quote(cfg), root, quote(data))
         run.set_tags(model_tasks.lineage_tags(cfg, data))
-        trained = run_training(cfg, data, root, run.run_id, pool)
+        trained = run_training(cfg, data, root, run.run_id, pool, search=pool is not None)
         found = {"mlflow_run_id": run.run_id, "step": trained.steps, "val_loss": trained.val_loss,
                  "resumed_from_step": trained.resumed_from_step, "key": key}
         if trained.stop_reason == "pruned":
@@ -106,7 +111,7 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
             overrides: list[str], parent_id: str, pool: str | None, sign: float) -> TrialOutcome:
     """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
     params = {field: dim.suggest(trial) for field, dim in space.items()}
-    resumes = trial.user_attrs.get("resumes")
+    resumes = resumed_number(study.trials[trial.number])
     outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
     tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number),
             **({"train.pool": pool} if pool else {})}
@@ -126,8 +131,10 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
                 trial.report(sign * val_loss, step)
             return trial.should_prune()
 
-        hook = ask_pruner if pool is None else None
-        with trials.asking(model_tasks.train_key(cfg, data), hook) if hook else contextlib.nullcontext():
+        # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
+        asking = (trials.asking(model_tasks.train_key(cfg, data), ask_pruner) if pool is None
+                  else trials.answering(model_tasks.train_job(cfg, data, root)[1], ask_pruner))
+        with asking:
             found = trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
                 cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool)
     except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
@@ -207,17 +214,50 @@ def revive(study: Any, root: str, parent_id: str) -> list[int]:
         study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         study.enqueue_trial(t.params, user_attrs={"resumes": t.number})
         revived.append(t.number)
-    if revived:
-        waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-        by = {t.user_attrs.get("resumes"): t.number for t in waiting}
-        for number in revived:
-            _mark_failed(root, parent_id, study.study_name, number, by.get(number))
+    for number in revived:
+        _mark_failed(root, parent_id, study.study_name, number, _resumed_by(study, number))
     return revived
+
+
+def _resumed_by(study: Any, number: int) -> int | None:
+    waiting = study.get_trials(deepcopy=False, states=(optuna_module().trial.TrialState.WAITING,))
+    return next((t.number for t in waiting if resumed_number(t) == number), None)
+
+
+def on_stale(root: str, parent: dict[str, str]) -> Any:
+    """On PostgreSQL, for a trial whose heartbeat stopped (its search died, here or on another
+    machine): Optuna's callback queues it again with its parameters; its MLflow run is marked."""
+    optuna = optuna_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental in Optuna 5
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback()
+
+    def failed(study: Any, frozen: Any) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            retry(study, frozen)
+        if parent.get("id"):
+            _mark_failed(root, parent["id"], study.study_name, frozen.number, _resumed_by(study, frozen.number))
+    return failed
+
+
+def claim(st: Any, trials_n: int) -> Any | None:
+    """The next trial to run, or None once the study has its trials (finished, running or queued,
+    by any search). Trials whose heartbeat stopped are failed and queued again first."""
+    with warnings.catch_warnings():
+        # Optuna calls its heartbeats experimental and meant for study.optimize: this search beats them itself.
+        warnings.simplefilter("ignore")
+        optuna_module().storages.fail_stale_trials(st)
+        outcomes = outcomes_of(st)
+        queued = any(o.state == "waiting" for o in outcomes)
+        counted = sum(o.state in ("complete", "pruned", "failed", "running", "waiting") and o.resumed_by is None
+                      for o in outcomes)
+        return st.ask() if queued or counted < trials_n else None
 
 
 def outcomes_of(study: Any) -> list[TrialOutcome]:
     """Every trial of the study, from what it holds (runs of earlier searches included)."""
-    resumed_by = {t.user_attrs["resumes"]: t.number for t in study.trials if t.user_attrs.get("resumes") is not None}
+    resumed_by = {resumed_number(t): t.number for t in study.trials if resumed_number(t) is not None}
     out = []
     for t in study.trials:
         state = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}.get(t.state.name, t.state.name.lower())
@@ -225,7 +265,7 @@ def outcomes_of(study: Any) -> list[TrialOutcome]:
         out.append(TrialOutcome(
             number=t.number, params={k: str(v) for k, v in t.params.items()}, state=state,
             value=t.value if state == "complete" else None, step=a.get("step"), val_loss=a.get("val_loss"),
-            mlflow_run_id=a.get("mlflow_run_id"), resumes=a.get("resumes"), resumed_by=resumed_by.get(t.number),
+            mlflow_run_id=a.get("mlflow_run_id"), resumes=resumed_number(t), resumed_by=resumed_by.get(t.number),
             resumed_from_step=a.get("resumed_from_step"),
             error=a.get("error") or (f"its process died; resumed by trial {resumed_by[t.number]}"
                                      if t.number in resumed_by else None)))
@@ -320,55 +360,70 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
     optuna = optuna_module()
     dims = parse_space(space)
     pool = training_pool(recipe, train_on)
-    check_options(trials_n, sampler, pruner, parallel, pool, startup_trials)
+    check_options(trials_n, sampler, pruner, parallel, startup_trials)
     base = check_space(recipe, dims, overrides, source)
     fam = family_of(base)
     name = study or study_name(recipe, dims, overrides, base)
     root = storage_root(storage_url)
-    check_study(root, name, dims, recipe)
+    store = study_store(root)
+    check_study(store, name, dims, recipe)
     preflight(root)
     if pool:
         dispatch.ensure_deployment(train, pool)
-    path = study_file(root)
     direction = "maximize" if fam.higher_is_better else "minimize"
     sign = -1.0 if fam.higher_is_better else 1.0  # the pruner reads val loss in the study's direction
-    with study_lock(path, name):
-        st = optuna.create_study(study_name=name, storage=open_storage(path), direction=direction,
-                                 load_if_exists=True)
-        st.set_user_attr("space", space_text(dims))
-        st.set_user_attr("recipe", recipe)
-        # A seed per start: a rerun must not draw the first trials' values again.
-        st.sampler = make_sampler(sampler, int(storage.digest([name, len(st.trials)])[:8], 16))
-        st.pruner = make_pruner(pruner, base, startup_trials)
-        options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name,
-                   "study_file": path}
-        parent = StudyRun(base, root, name, dims, overrides, options)
-        with parent:
-            revived = revive(st, root, parent.run_id)
+    parent_id: dict[str, str] = {}
+    rdb = open_storage(store, on_stale(root, parent_id))
+    with study_lock(store, name), Heartbeats(rdb, store) as beats:
+        with one_at_a_time(rdb, store, name):
+            st = beats.study = optuna.create_study(study_name=name, storage=rdb, direction=direction,
+                                                   load_if_exists=True)
+            st.set_user_attr("space", space_text(dims))
+            st.set_user_attr("recipe", recipe)
+            # A seed per start (and per process where searches share the study): a rerun, or the
+            # search beside it, must not draw the same values again.
+            st.sampler = make_sampler(sampler, int(storage.digest([name, len(st.trials),
+                                                                   *([os.getpid(), socket.gethostname()]
+                                                                     if store.shared else [])])[:8], 16))
+            st.pruner = make_pruner(pruner, base, startup_trials)
+            options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name,
+                       "study_file": store.shown}
+            parent = StudyRun(base, root, name, dims, overrides, options).__enter__()
+        parent_id["id"] = parent.run_id
+        with contextlib.ExitStack() as stack:
+            stack.push(parent.__exit__)
+            revived = [] if store.shared else revive(st, root, parent.run_id)
             done = finished_count(outcomes_of(st))
             ended = TrialsEnded(trials_n, done, fam.higher_is_better)
             futures: list[Any] = []
-            for _ in range(max(0, trials_n - done)):
+            while True:
                 running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
                 if parallel and len(running) >= parallel:
                     concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                trial = st.ask()
+                with one_at_a_time(rdb, store, name):
+                    trial = claim(st, trials_n)
+                    if trial is None:
+                        break
+                    beats.add(trial._trial_id)
                 one = run_one.with_options(task_run_name=f"trial {trial.number}")
                 args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign)
                 if pool is None:
                     # One at a time, each asking the sampler what the last taught; in this thread,
                     # where a Ctrl-C reaches the training, which writes its checkpoint first.
                     ended.record(one(*args))
+                    beats.discard(trial._trial_id)
                     continue
                 future = one.submit(*args)
                 future.add_done_callback(ended)
+                future.add_done_callback(lambda _, tid=trial._trial_id: beats.discard(tid))
                 futures.append(future)
             for f in futures:
                 f.wait()
             outcomes = outcomes_of(st)
             if down := next((o.error for o in outcomes if o.error and o.error.startswith(database.DOWN)), None):
                 raise UserError(down)
-            result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, path, revived)
+            result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, store.shown, revived)
+    rdb.engine.dispose()
     return result
 
 

@@ -1,14 +1,29 @@
-"""A search's study: where Optuna keeps it (optuna.db beside the storage root), the lock a
-running search holds on it, its sampler and pruner, and the checks of a search's options made
-before anything starts."""
+"""A search's study: where Optuna keeps it, the lock a running search holds on it, its sampler and
+pruner, and the checks of a search's options made before anything starts.
+
+Two places. `optuna.db` (SQLite) beside a local storage root: one search at a time holds the
+study's lock, so a trial the next one finds RUNNING is known dead. Or PostgreSQL: the stack's own
+cluster, or the server in $MLLM_STUDY_DATABASE (flows/stack/database.study_database), where
+searches on several machines share one study. There no lock can tell a dead trial from another
+machine's live one, so each search beats a heartbeat for the trials it runs (Optuna beats only
+inside `study.optimize`, which a search does not use) and fails the trials whose heartbeat stopped
+before each ask, re-queued with their parameters by Optuna's `RetryHeartbeatStaleTrialCallback`
+(the name `RetryFailedTrialCallback` has in Optuna 5); and a PostgreSQL advisory lock makes
+counting the study's trials and asking the next one a single step, so that searches together
+start exactly --trials."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from flows.search_space import Dim, space_text
+from flows.stack import database
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks.tracking.tracker import local_store
@@ -17,9 +32,34 @@ SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "hyperband", "none")
 
 
+HEARTBEAT_S, GRACE_S = 10, 90  # a stale trial is one whose search went silent this long (a busy CPU stalls threads)
+
+
 def study_file(root: str) -> str:
     """optuna.db beside the storage root (in the current folder for an object-store root)."""
     return os.path.join(os.path.dirname(local_store(root)), "optuna.db")
+
+
+@dataclass
+class StudyStore:
+    """Where the study lives: `url` carries the database's password, for Optuna's storage only;
+    `shown` names it without (for the terminal, MLflow and Prefect)."""
+
+    url: str = field(repr=False)
+    shown: str
+    shared: bool  # PostgreSQL: several searches at once
+
+    @property
+    def exists(self) -> bool:
+        return self.shared or os.path.exists(self.url.removeprefix("sqlite:///"))
+
+
+def study_store(root: str) -> StudyStore:
+    found = database.study_database()
+    if found:
+        return StudyStore(found[0], found[1], shared=True)
+    path = study_file(root)
+    return StudyStore(f"sqlite:///{path}", path, shared=False)
 
 
 def optuna_module() -> Any:
@@ -29,33 +69,115 @@ def optuna_module() -> Any:
     return optuna
 
 
-def open_storage(path: str) -> Any:
-    return optuna_module().storages.RDBStorage(f"sqlite:///{path}", engine_kwargs={"connect_args": {"timeout": 60}})
+def open_storage(store: StudyStore, on_stale: Callable[[Any, Any], None] | None = None) -> Any:
+    optuna = optuna_module()
+    if not store.shared:
+        return optuna.storages.RDBStorage(store.url, engine_kwargs={"connect_args": {"timeout": 60}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # heartbeats are "experimental" in Optuna 5
+        return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True},
+                                          heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                          heartbeat_stale_trial_callback=on_stale)
 
 
-def check_study(root: str, name: str, space: dict[str, Dim], recipe: str) -> None:
+def check_study(store: StudyStore, name: str, space: dict[str, Dim], recipe: str) -> None:
     """A study of this name in the store with another space or recipe: one line, nothing opened
     for writing (the store is only read, and only when it exists)."""
-    path = study_file(root)
-    if not os.path.exists(path):
+    if not store.exists:
         return
-    st = open_storage(path)
+    st = open_storage(store)
     try:
         attrs = st.get_study_user_attrs(st.get_study_id_from_name(name))
     except KeyError:
         return
+    finally:
+        st.engine.dispose()
     if (attrs.get("space"), attrs.get("recipe")) != (space_text(space), recipe):
-        raise UserError(f"study {name} in {path} searches recipe {attrs.get('recipe')} over "
+        raise UserError(f"study {name} in {store.shown} searches recipe {attrs.get('recipe')} over "
                         f"{attrs.get('space')!r}, not {recipe} over {space_text(space)!r}: give another --study "
                         "name, or leave --study out (the name then follows the recipe and the space)")
 
 
 @contextlib.contextmanager
-def study_lock(path: str, name: str):
-    """The study held by this process: a RUNNING trial another search finds belongs to a dead one."""
-    folder = os.path.join(os.path.dirname(path), "optuna.locks", name)
+def study_lock(store: StudyStore, name: str):
+    """The study held by this process: a RUNNING trial another search finds belongs to a dead one.
+    (No lock on PostgreSQL: there heartbeats tell the dead.)"""
+    if store.shared:
+        yield
+        return
+    folder = os.path.join(os.path.dirname(store.shown), "optuna.locks", name)
     with storage.exclusive(folder, lambda: print(f"another search of study {name} is running: waiting for it")):
         yield
+
+
+@contextlib.contextmanager
+def one_at_a_time(rdb: Any, store: StudyStore, name: str) -> Iterator[None]:
+    """On PostgreSQL, the study's advisory lock while inside (searches count and ask in turn)."""
+    if not store.shared:
+        yield
+        return
+    from sqlalchemy import text
+
+    with rdb.engine.connect() as conn:
+        conn.execute(text("SELECT pg_advisory_lock(hashtext(:n))"), {"n": f"mllm-search:{name}"})
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(hashtext(:n))"), {"n": f"mllm-search:{name}"})
+            conn.commit()
+
+
+class Heartbeats:
+    """This search's trials beating in the study (PostgreSQL only), from one thread."""
+
+    def __init__(self, rdb: Any, store: StudyStore):
+        self.rdb, self.ids, self.lock, self.stop = rdb, set(), threading.Lock(), threading.Event()
+        self.study: Any = None  # set once the study is open: a search stopped by an error queues its trials again
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="search-heartbeats") if store.shared else None
+
+    def __enter__(self) -> Heartbeats:
+        if self.thread:
+            self.thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.stop.set()
+        if not self.thread:
+            return
+        self.thread.join(timeout=30)
+        if exc_type is not None and self.study is not None:
+            # Ctrl-C or a crash of this search: its trials are queued again now, not after the grace.
+            callback = self.rdb.get_heartbeat_stale_trial_callback()
+            for trial_id in list(self.ids):
+                with contextlib.suppress(Exception):
+                    if self.rdb.set_trial_state_values(trial_id, state=optuna_module().trial.TrialState.FAIL) \
+                            and callback:
+                        callback(self.study, self.rdb.get_trial(trial_id))
+
+    def add(self, trial_id: int) -> None:
+        if self.thread:
+            self.rdb.record_heartbeat(trial_id)
+            with self.lock:
+                self.ids.add(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.discard(trial_id)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            with self.lock:
+                ids = list(self.ids)
+            for trial_id in ids:
+                with contextlib.suppress(Exception):  # a dropped connection: the next beat reconnects
+                    self.rdb.record_heartbeat(trial_id)
+
+
+def resumed_number(t: Any) -> int | None:
+    """The dead trial whose checkpoint this one resumes: re-queued by Optuna's heartbeat callback
+    (the last of its retry history) or by `revive` (its `resumes`)."""
+    history = t.system_attrs.get("retry_history")
+    return history[-1] if history else t.user_attrs.get("resumes")
 
 
 def make_sampler(name: str, seed: int) -> Any:
@@ -75,8 +197,7 @@ def make_pruner(name: str, cfg: RunConfig, startup: int) -> Any:
     return pruners.NopPruner()
 
 
-def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None, pool: str | None,
-                  startup: int) -> None:
+def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None, startup: int) -> None:
     if trials_n < 1:
         raise UserError(f"--trials {trials_n}: give at least 1 (the trials the study should finish)")
     if sampler not in SAMPLERS:
@@ -87,6 +208,3 @@ def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None
         raise UserError(f"--parallel {parallel}: give at least 1 (the trials that run at once)")
     if startup < 0:
         raise UserError(f"--startup-trials {startup}: give 0 or more")
-    if pool and pruner != "none":
-        raise UserError(f"--pruner {pruner} with a work pool: a worker's training cannot ask this process's "
-                        "pruner yet: give --pruner none with --train-on, or train here")

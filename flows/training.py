@@ -24,7 +24,7 @@ def _run_name() -> str:
 
 @flow(name="train", flow_run_name=_run_name)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
-          code: dict[str, str] | None = None) -> Trained:
+          code: dict[str, str] | None = None, search: bool = False) -> Trained:
     """Train (or resume) a model on prepared data, writing checkpoints under the storage root.
 
     Started by the pipeline, here or on a work pool's worker; its parameters come from there.
@@ -35,16 +35,19 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
         root: The storage root URL where inputs are read and checkpoints written.
         run_id: The MLflow run that receives the training metrics.
         code: The caller's training code (digest and commit): a worker with other code refuses the job.
+        search: A search's trial: at each evaluation, ask the search's pruner through storage.
     """
     if code is not None:
         model_tasks.check_training_code(code)
     # On a worker with several GPUs: GPUs of its own, one a rank, beside the worker's other trainings.
     with gpus.own_devices(cfg.train.nproc_per_node, cfg.train.device, get_run_logger()):
-        return model_tasks.train(cfg, data, root, run_id)
+        return model_tasks.train(cfg, data, root, run_id, search)
 
 
-def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None) -> Trained:
-    """Train here, or hand the `train` flow to a worker of `pool` and follow it."""
+def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None,
+                 search: bool = False) -> Trained:
+    """Train here, or hand the `train` flow to a worker of `pool` and follow it (`search`: the
+    worker's training asks a search's pruner, tasks/trials.py)."""
     if pool:
-        return dispatch.train_on_pool(train, cfg, data, root, run_id, pool)
+        return dispatch.train_on_pool(train, cfg, data, root, run_id, pool, search)
     return with_results(train, root)(cfg, data, root, run_id)

@@ -174,8 +174,9 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
 
 @task(name="train", on_failure=[forget_exception],
       retries=2, retry_delay_seconds=5, retry_condition_fn=retry_io_only)
-def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) -> Trained:
-    """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches.
+def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, search: bool = False) -> Trained:
+    """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches. A
+    trial of a search that runs elsewhere (`search`) asks its pruner through storage.
 
     A storage failure is retried (training resumes from its last checkpoint). The result is
     also written to `<run_dir>/trained.json`, where a pipeline that dispatched this training to
@@ -202,7 +203,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None) 
     try:
         with storage.room_on(root):
             result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger,
-                            trials.hook_for(train_key(cfg, data)))
+                            trials.hook_for(train_key(cfg, data)) or (trials.through_storage(run_dir) if search else None))
     except BaseException:
         # Nothing written (a full disk at the first checkpoint, a crash before it): no empty
         # checkpoints folder is left to look like a training.

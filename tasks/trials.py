@@ -4,13 +4,21 @@ evaluation whether to stop (`mllm.train.train(on_eval=...)`), found by the train
 The search (flows/search.py) registers one for the key a trial trains under before it starts the
 trial's pipeline, and the training stage in this process picks it up. A key has one hook at a
 time: two trials of the same config train into the same folder, so they never run at once.
+
+A trial trained on a work pool asks through storage, which the worker and the search share: at
+each evaluation the worker's training writes `<run dir>/search/eval-<step>.json` (its val loss)
+and waits for `verdict-<step>.json`, which the search writes once its pruner has answered
+(`answering`). A verdict that does not come in time (the search is gone) lets the training go on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
+
+from mllm import storage
 
 EvalHook = Callable[[int, float], bool]  # (step, val loss) -> stop here
 
@@ -35,3 +43,60 @@ def asking(key: str, hook: EvalHook) -> Iterator[None]:
 def hook_for(key: str) -> EvalHook | None:
     with _lock:
         return _hooks.get(key)
+
+
+def folder(run_dir: str) -> str:
+    return storage.join(run_dir, "search")
+
+
+def through_storage(run_dir: str, wait_s: float = 120.0) -> EvalHook:
+    """On a worker: the hook that asks the search over storage, and waits up to `wait_s` for it."""
+    def ask(step: int, val_loss: float) -> bool:
+        storage.write_json(storage.join(folder(run_dir), f"eval-{step}.json"), {"step": step, "val_loss": val_loss})
+        verdict = storage.join(folder(run_dir), f"verdict-{step}.json")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if storage.exists(verdict):
+                return bool(storage.read_json(verdict)["prune"])
+            time.sleep(0.5)
+        return False
+    return ask
+
+
+@contextlib.contextmanager
+def answering(run_dir: str, hook: EvalHook, every_s: float = 0.5) -> Iterator[None]:
+    """In the search: while inside, each evaluation a worker's training of `run_dir` reports is
+    answered with `hook`'s verdict. Verdicts of an earlier training of the same folder are removed
+    first (a pruned trial's, which a new trial of the same config must not read)."""
+    storage.remove(folder(run_dir))
+    stop = threading.Event()
+
+    def answer() -> None:
+        answered: set[str] = set()
+        while not stop.wait(every_s):
+            try:
+                fs, path = storage.filesystem(folder(run_dir))
+                fs.invalidate_cache(path)
+                names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
+            except Exception:  # noqa: BLE001, S112 (storage unreachable a moment: the next round answers)
+                continue
+            for name in names:
+                if not name.startswith("eval-") or name in answered:
+                    continue
+                with contextlib.suppress(Exception):  # a half-written report: read again next round
+                    asked = storage.read_json(storage.join(folder(run_dir), name))
+                    try:
+                        prune = bool(hook(int(asked["step"]), float(asked["val_loss"])))  # numpy's bool too
+                    except Exception:  # noqa: BLE001 (a pruner that cannot answer stops no training)
+                        prune = False
+                    storage.write_json(storage.join(folder(run_dir), name.replace("eval-", "verdict-")),
+                                       {"prune": prune})
+                    answered.add(name)
+
+    thread = threading.Thread(target=answer, daemon=True, name=f"answering {run_dir}")
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)

@@ -324,3 +324,75 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
     path.write_text("recipe: mine\ntrain: {lr: 0.1}\n")
     with pytest.raises(UserError, match="names recipe 'mine', not a shipped one"):
         as_overrides(str(path), [])
+
+
+def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no_verdict_comes(tmp_path: Path) -> None:
+    # The worker's side and the search's side of tasks/trials.py, over a storage folder as over S3,
+    # with Optuna's median pruner answering (its verdicts are numpy's bools).
+    import optuna
+
+    from tasks import trials
+
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0))
+    done = study.ask()
+    done.report(2.0, 10)
+    done.report(1.9, 20)
+    study.tell(done, 1.8)
+    trial = study.ask()
+    run_dir = str(tmp_path / "run")
+    asked = []
+
+    def pruner(step: int, val_loss: float) -> bool:
+        asked.append((step, val_loss))
+        trial.report(val_loss, step)
+        return trial.should_prune()
+
+    worker = trials.through_storage(run_dir, wait_s=30)
+    with trials.answering(run_dir, pruner, every_s=0.05):
+        assert worker(10, 1.95) is False
+        assert worker(20, 2.4) is True
+    assert asked == [(10, 1.95), (20, 2.4)]
+    # No search answers (it died): the training goes on after the wait.
+    started = time.monotonic()
+    assert trials.through_storage(run_dir, wait_s=1)(30, 2.3) is False
+    assert time.monotonic() - started >= 1
+    # A later trial of the same config (the same folder) never reads the verdicts of this one.
+    with trials.answering(run_dir, lambda step, val_loss: False, every_s=0.05):
+        assert not (tmp_path / "run" / "search" / "verdict-20.json").exists()
+        assert worker(20, 2.4) is False
+
+
+def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_study_stops_at_its_trials(
+        tmp_path: Path) -> None:
+    # The PostgreSQL path's bookkeeping (flows/search.py claim and on_stale) on Optuna's heartbeats,
+    # here over SQLite: the second trial's search "dies" (no more beats), the next ask fails it and
+    # takes it again with its values, and the study then has its two trials.
+    import warnings
+
+    import optuna
+
+    from flows.search import claim, on_stale, outcomes_of
+    from flows.search_study import resumed_number
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1,
+                                         heartbeat_stale_trial_callback=on_stale(str(tmp_path), {}))
+    study = optuna.create_study(storage=rdb, study_name="beats")
+    first = claim(study, 2)
+    rdb.record_heartbeat(first._trial_id)
+    first.suggest_float("x", 0, 1)
+    study.tell(first, 1.0)
+    second = claim(study, 2)
+    rdb.record_heartbeat(second._trial_id)
+    x = second.suggest_float("x", 0, 1)
+    time.sleep(2.5)  # its search is gone: no beat within the grace period
+    again = claim(study, 2)
+    assert again.number == 2 and resumed_number(study.trials[2]) == second.number
+    assert again.suggest_float("x", 0, 1) == x
+    assert study.trials[second.number].state == optuna.trial.TrialState.FAIL
+    rdb.record_heartbeat(again._trial_id)
+    study.tell(again, 0.5)
+    assert claim(study, 2) is None
+    states = {o.number: (o.state, o.resumed_by) for o in outcomes_of(study)}
+    assert states == {0: ("complete", None), 1: ("failed", 2), 2: ("complete", None)}

@@ -29,7 +29,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 import mllm.train
 from conftest import make_text
 from flows.stack import servers as stack
-from mllm import UserError, storage
+from mllm import storage
 from mllm.config import RunConfig
 from servers import S3Server, run_s3_server
 
@@ -445,21 +445,18 @@ def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: S
     assert "no-such-bucket-9" not in {b["Name"] for b in stack_env.s3.client().list_buckets()["Buckets"]}
 
 
-def test_a_search_on_a_pool_takes_no_pruner_yet() -> None:
-    from flows.search_study import check_options
-
-    with pytest.raises(UserError, match="--pruner median with a work pool"):
-        check_options(4, "tpe", "median", None, "local", 5)
-
-
 def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, tmp_path: Path) -> None:
     # `mllm-pipeline search --train-on POOL`: trials trained side by side on the stack's pool, with an
-    # object-store root (the study then lives in optuna.db in the current folder).
+    # object-store root (the study then lives in optuna.db in the current folder); the median pruner
+    # stops a worker's training at an evaluation, asked through storage (tasks/trials.py).
     sets = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30",
             "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+    # This study's name seeds the random sampler: its trials draw lr 2.1e-3 and 1.1e-3 side by side,
+    # then 2.2e-6, hopeless at step 30 against the first two (drawn again the same in every run).
     proc = stack_env.cli("search", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus2.txt",
-                         "--storage", f"s3://{BUCKET}/search", "--train-on", "local", "--pruner", "none",
-                         "--parallel", "2", "--trials", "2", "--space", "train.lr=1e-3..3e-3",
+                         "--storage", f"s3://{BUCKET}/search", "--train-on", "local", "--pruner", "median",
+                         "--startup-trials", "1", "--sampler", "random", "--study", "pool-prune-193",
+                         "--parallel", "2", "--trials", "3", "--space", "train.lr=log:1e-6..3e-3",
                          *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 0, err[-3000:]
@@ -468,7 +465,17 @@ def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, 
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
     trials = client.search_runs([client.get_run(parent_id).info.experiment_id],
                                 f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    assert len(trials) == 2
-    assert all(r.data.tags["train.pool"] == "local" and r.data.tags["trial_state"] == "complete" for r in trials)
-    assert {r.data.tags["search.trial"] for r in trials} == {"0", "1"}
+    assert len(trials) == 3 and all(r.data.tags["train.pool"] == "local" for r in trials)
+    state = {r.data.tags["search.trial"]: (r.data.tags["trial_state"], r.data.tags.get("trial.step")) for r in trials}
+    failed = [line for line in err.splitlines() if line.startswith("failed:")]
+    assert not failed and "failed" not in out, ([line for line in err.splitlines() if "fail" in line][-8:], out[-2000:])
+    # (0 and 1 side by side are complete, unless one reached its step 30 after the other ended and lost)
+    assert state["2"] == ("pruned", "30") and ("complete", "60") in (state["0"], state["1"]), state
+    assert {state["0"], state["1"]} <= {("complete", "60"), ("pruned", "30")}, state
+    pruned = next(r for r in trials if r.data.tags["search.trial"] == "2")
+    assert float(pruned.data.params["train.lr"]) < 1e-5
+    assert [m.step for m in client.get_metric_history(pruned.info.run_id, "val_loss")] == [30]
+    # The worker's training asked at each evaluation and read the search's verdicts from storage.
+    verdicts = [k for k in stack_env.keys("search/runs/") if "/search/verdict-" in k]
+    assert len(verdicts) == 3 and sum(k.endswith("verdict-30.json") for k in verdicts) == 3, verdicts
     assert len({k.split("/")[2] for k in stack_env.keys("search/tokens/")}) == 1  # prepared once, shared

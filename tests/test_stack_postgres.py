@@ -206,6 +206,59 @@ def _most_at_once(runs) -> int:
     return most
 
 
+def test_two_searches_on_the_stacks_postgres_share_one_study_and_together_run_its_trials_once(
+        pg_stack: dict, tmp_path: Path) -> None:
+    # The study lives in the stack's cluster (database mllm_optuna): two search processes started
+    # together on it each take trials until the study has its five, none run twice.
+    home = pg_stack["home"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **pg_stack["state"]["env"], "MLLM_STACK_HOME": str(home)}
+    password = (home / "postgres" / "password").read_text().strip()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=11))
+    started = datetime.now().astimezone()
+    args = [sys.executable, "-m", "flows.cli", "search", "--recipe", "smoke", "--source", str(corpus), "--storage",
+            pg_stack["root"], "--space", "train.lr=log:1e-4..1e-2", "--trials", "5", "--sampler", "random",
+            "--startup-trials", "1", "--study", "shared", *[a for s in FAST for a in ("--set", s)]]
+    procs = [subprocess.Popen(args, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=500) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "already finished" not in out + err and "Traceback" not in err
+        assert password not in out + err
+        port = database.recorded(home)["database"].rsplit(":", 1)[1]
+        assert f"study: shared in postgresql://mllm@127.0.0.1:{port}/mllm_optuna" in out
+    assert not (Path(pg_stack["root"]).parent / "optuna.db").exists() and not (tmp_path / "optuna.db").exists()
+
+    trials = _cluster_query(home, "mllm_optuna", "SELECT t.number, t.state::text, t.trial_id FROM trials t JOIN studies s "
+                                                 "ON t.study_id = s.study_id WHERE s.study_name = 'shared' ORDER BY t.number")
+    assert [n for n, _, _ in trials] == [0, 1, 2, 3, 4], trials
+    assert {state for _, state, _ in trials} <= {"COMPLETE", "PRUNED"}, trials
+    # Each trial beat its heartbeat while it ran (Optuna's own table).
+    beats = _cluster_query(home, "mllm_optuna", "SELECT DISTINCT trial_id FROM trial_heartbeats")
+    assert {t for _, _, t in trials} <= {b for (b,) in beats}
+
+    # One MLflow run per trial, under the one study run; and both searches ran trials.
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("smoke").experiment_id
+    parents = client.search_runs([experiment], "tags.`search.study` = 'shared' and tags.`search.parent` = 'true'")
+    # (MLflow's params are scrubbed: a URL's user is hidden as well)
+    assert len(parents) == 1 and parents[0].data.params["study_file"] == f"postgresql://***@127.0.0.1:{port}/mllm_optuna"
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    assert sorted(int(r.data.tags["search.trial"]) for r in children) == [0, 1, 2, 3, 4]
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
+        trial_runs = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["search-trial"])),
+                                            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+        searches = {prefect.read_task_run(r.parent_task_run_id).flow_run_id for r in trial_runs}
+    assert len(trial_runs) == 5 and len(searches) == 2, (len(trial_runs), searches)
+    # The cluster's password reached neither server's records.
+    for db, sql in (("mllm_mlflow", "SELECT count(*) FROM params WHERE value LIKE %s"),
+                    ("mllm_mlflow", "SELECT count(*) FROM tags WHERE value LIKE %s"),
+                    ("mllm_prefect", "SELECT count(*) FROM log WHERE message LIKE %s"),
+                    ("mllm_prefect", "SELECT count(*) FROM flow_run WHERE parameters::text LIKE %s")):
+        assert _cluster_query(home, db, sql.replace("%s", f"'%{password}%'")) == [(0,)], (db, sql)
+
+
 def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_nowhere(
         team_server: int, open_dir: Path, tmp_path: Path) -> None:
     home = open_dir / "team-stack"

@@ -41,10 +41,11 @@ def search(recipe: Recipe = "default",
                metavar="N", help="With --train-on: at most N trials at once [as many as the pool's slots take].")] = None
            ) -> None:
     """Search a space of config fields with Optuna: each trial a pipeline run, a losing one stopped at an
-    evaluation. The study is kept in optuna.db beside the storage root: the same command again continues
-    it, and resumes a trial whose process died from its checkpoint."""
+    evaluation. The study is kept in optuna.db beside the storage root, or in PostgreSQL (the stack's own
+    cluster, or $MLLM_STUDY_DATABASE) where searches on several machines share it: the same command again
+    continues it, and resumes a trial whose process died from its checkpoint."""
     with user_errors():
-        from flows.search_study import check_options, check_study
+        from flows.search_study import check_options, check_study, study_store
         from flows.search_report import text_table
         from flows.search_space import check_space, parse_space, study_name
 
@@ -52,10 +53,10 @@ def search(recipe: Recipe = "default",
         space = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in space or [])]
         dims = parse_space(space)
         pool = training_pool(recipe, train_on)
-        check_options(trials, sampler, pruner, parallel, pool, startup_trials)
+        check_options(trials, sampler, pruner, parallel, startup_trials)
         base = check_space(recipe, dims, set_, source)  # every choice and both ends of each range
         name = study or study_name(recipe, dims, set_, base)
-        check_study(storage_root(storage), name, dims, recipe)
+        check_study(study_store(storage_root(storage)), name, dims, recipe)
         checked_config(recipe, set_, source, storage, train_here=not pool)
         with flow_session() as fl, progress(stages=("trials",), silent=True):
             from flows.search import search as search_flow

@@ -164,33 +164,69 @@ def _database(describe: str, urls: tuple[str, str], services: list[Service] = ()
 
 
 def _given(url: str) -> Database:
+    user, password, host, port, name = _parts(url, "--database-url")
+    shown = f"postgresql://{user}@{host}:{port}"
+    create_databases(user, password, host, port, name, shown)
+    return _database(f"PostgreSQL at {shown} (databases {name}_prefect, {name}_mlflow)",
+                     _urls(user, password, host, port, name))
+
+
+def _parts(url: str, option: str) -> tuple[str, str, str, int, str]:
+    """A PostgreSQL URL's user, password, host, port and name, or one line naming `option`."""
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.split("+")[0]
     if scheme not in ("postgresql", "postgres") or not parts.hostname:
-        raise UserError("--database-url takes a PostgreSQL server's URL: postgresql://USER:PASSWORD@HOST:PORT/NAME")
+        raise UserError(f"{option} takes a PostgreSQL server's URL: postgresql://USER:PASSWORD@HOST:PORT/NAME")
     if parts.query or parts.fragment:
-        raise UserError("--database-url takes no ?options: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
+        raise UserError(f"{option} takes no ?options: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
     user = urllib.parse.unquote(parts.username or "")
     if not user:
-        raise UserError("--database-url names no user: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
-    password = urllib.parse.unquote(parts.password or "")
-    name = parts.path.strip("/") or DEFAULT_NAME
+        raise UserError(f"{option} names no user: give postgresql://USER:PASSWORD@HOST:PORT/NAME")
     try:
         port = parts.port or 5432
     except ValueError:
-        raise UserError(f"--database-url has a bad port: give postgresql://USER:PASSWORD@{parts.hostname}:PORT/NAME") from None
-    shown = f"postgresql://{user}@{parts.hostname}:{port}"
-    create_databases(user, password, parts.hostname, port, name, shown)
-    return _database(f"PostgreSQL at {shown} (databases {name}_prefect, {name}_mlflow)",
-                     _urls(user, password, parts.hostname, port, name))
+        raise UserError(f"{option} has a bad port: give postgresql://USER:PASSWORD@{parts.hostname}:PORT/NAME") from None
+    return user, urllib.parse.unquote(parts.password or ""), parts.hostname, port, parts.path.strip("/") or DEFAULT_NAME
 
 
-def create_databases(user: str, password: str, host: str, port: int, name: str, shown: str) -> None:
-    """Create `<name>_prefect` and `<name>_mlflow` where missing; one clear line if the server
-    cannot be reached or refuses."""
+STUDY_ENV = "MLLM_STUDY_DATABASE"
+
+
+def study_database() -> tuple[str, str] | None:
+    """Where searches keep their Optuna studies so that several, on this machine or others, share
+    one: the server in $MLLM_STUDY_DATABASE (postgresql://USER:PASSWORD@HOST:PORT/NAME), else the
+    cluster of the stack that $PREFECT_API_URL belongs to (in $MLLM_STACK_HOME or ./.mllm-stack);
+    its database `<NAME>_optuna` created where missing. The SQLAlchemy URL (with the password: for
+    the storage only) and a line that names it without the password; None on neither (SQLite)."""
+    given = os.environ.get(STUDY_ENV)
+    if given:
+        user, password, host, port, name = _parts(given, f"${STUDY_ENV}")
+    else:
+        home = state.stack_home()
+        api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+        describe = recorded(home).get("database", "")
+        if (not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api
+                or not describe.startswith("PostgreSQL ") or describe.startswith("PostgreSQL at ")):
+            return None  # no stack, another's, on SQLite, or a team's server whose password it does not keep
+        folder = home / "postgres"
+        user, host, name = ROLE, "127.0.0.1", DEFAULT_NAME
+        port = json.loads((folder / "cluster.json").read_text())["port"]
+        password = (folder / "password").read_text().strip()
+    shown = f"postgresql://{user}@{host}:{port}/{name}_optuna"
+    create_databases(user, password, host, port, name, shown, suffixes=("optuna",), hint=f"check ${STUDY_ENV}"
+                     if given else "start the stack again: `mllm-pipeline stack up`")
+    cred = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@"
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    return f"postgresql+psycopg://{cred}{where}/{name}_optuna", shown
+
+
+def create_databases(user: str, password: str, host: str, port: int, name: str, shown: str,
+                     suffixes: tuple[str, ...] = ("prefect", "mlflow"), hint: str = "check --database-url") -> None:
+    """Create `<name>_prefect` and `<name>_mlflow` (or the other `suffixes`) where missing; one
+    clear line if the server cannot be reached or refuses."""
     import psycopg
 
-    wanted = [f"{name}_prefect", f"{name}_mlflow"]
+    wanted = [f"{name}_{s}" for s in suffixes]
     try:
         with psycopg.connect(host=host, port=port, user=user, password=password, dbname="postgres",
                              connect_timeout=10, autocommit=True) as conn:
@@ -201,7 +237,7 @@ def create_databases(user: str, password: str, host: str, port: int, name: str, 
     except psycopg.Error as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"the database server {shown} did not take the stack's databases {', '.join(wanted)}: "
-                        f"{reason} (check --database-url; the role needs CREATEDB, or create them)") from None
+                        f"{reason} ({hint}; the role needs CREATEDB, or create them)") from None
 
 
 # -- the stack's own cluster ---------------------------------------------------------------------
