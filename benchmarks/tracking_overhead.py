@@ -7,8 +7,11 @@ server, so every call is HTTP as it would be to a remote one). The same training
 nanoGPT's CPU size on War and Peace for 200 steps (100 with --quick), log_interval 10 and a
 validation eval every 100 steps, runs
 - untracked (on_metrics=None),
-- tracked: inside `RunTracker` with `RunTracker.log_metrics` as on_metrics, one synchronous
-  log_batch request per log step, as the pipeline's train task does,
+- tracked: inside `RunTracker`, with the train task's own on_metrics
+  (`RunTracker.metrics_after_resume`): synchronous log_batch requests, at most one every
+  MLLM_METRICS_EVERY_S seconds (default 2) but at once for an evaluation or a checkpoint's step,
+- tracked, every log step: the same with MLLM_METRICS_EVERY_S=0, one request per log step (what
+  the train task did before the requests were paced),
 - tracked with MLflow's asynchronous logging (what-if: the same log_metrics with its client's
   log_batch(synchronous=False), flushed when training returns; the flush counts),
 alternating, a few times each, after one warm-up run of each; each figure is the median. The
@@ -24,6 +27,7 @@ anything else touches make a small model's step time jump tenfold from one momen
 
 from __future__ import annotations
 
+import os
 import time
 
 from benchmarks.common import header, load, median, parse_args, run_config, save, table, tracked_war_and_peace
@@ -82,14 +86,19 @@ def main() -> None:
                 shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
                 if shim:
                     run.client = shim
+                os.environ["MLLM_METRICS_EVERY_S"] = "2" if mode == "tracked" else "0"
+                held = run.metrics_after_resume()
 
                 def on_metrics(records):
                     c = time.perf_counter()
-                    run.log_metrics(records)
+                    held(records)
                     calls.append(time.perf_counter() - c)
 
                 t = time.perf_counter()
                 result = train(cfg, on_metrics=on_metrics, resume=False)
+                c = time.perf_counter()
+                held.flush()
+                calls.append(time.perf_counter() - c)
                 if shim:
                     shim.flush()
                     run.client = shim.client
@@ -101,7 +110,7 @@ def main() -> None:
                     "logged": len(logged),
                     "loss": result.train_loss, "load": load()}
 
-        modes = ("untracked", "tracked", "tracked, async")
+        modes = ("untracked", "tracked", "tracked, every log step", "tracked, async")
         for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
             once(mode, 20)
         samples: dict[str, list[dict]] = {mode: [] for mode in modes}

@@ -25,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import write_char_ids
 from mllm.runtime.checkpoint import load_checkpoint
+from mllm import UserError
 from mllm.config import RunConfig
 from mllm.lm.generate import sample_text
 from flows.stack.servers import free_port
@@ -284,6 +285,45 @@ def test_metrics_go_in_one_request_per_call_with_their_steps(store, uri, tmp_pat
     png = Path(mlflow.artifacts.download_artifacts(run_id=run.run_id, artifact_path="loss_curve.png",
                                                    dst_path=str(tmp_path / "art")))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_once(store, uri, tmp_path,
+                                                                                       monkeypatch):
+    # The train task's on_metrics: at most one request every MLLM_METRICS_EVERY_S seconds while
+    # training logs every few steps; an evaluation, a checkpoint's step (checkpoint_interval 30
+    # here) and the end of training send what is held at once, each step once.
+    monkeypatch.setenv("MLLM_METRICS_EVERY_S", "60")
+    cfg = config()
+    cfg.train.checkpoint_interval = 30
+    with RunTracker(cfg, str(tmp_path / "storage")) as run:
+        calls = []
+        real = run.client.log_batch
+        monkeypatch.setattr(run.client, "log_batch", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
+        on_metrics = run.metrics_after_resume()
+        loss = lambda step: [{"step": step, "train_loss": 3.0 - step / 100}]  # noqa: E731
+        for step in (10, 20):
+            on_metrics(loss(step))
+        assert calls == []  # held: the minute is not over
+        on_metrics([*loss(25), {"step": 25, "val_loss": 2.9}])
+        assert len(calls) == 1 and {m.step for m in calls[0]["metrics"]} == {10, 20, 25}
+        on_metrics(loss(27))
+        on_metrics(loss(30))  # a checkpoint's step: a resumed training starts after it
+        assert len(calls) == 2 and {m.step for m in calls[1]["metrics"]} == {27, 30}
+        on_metrics(loss(35))
+        assert len(calls) == 2
+        on_metrics.flush()  # training ended
+        assert len(calls) == 3
+        # With 0 seconds, one request per log step, as before the pacing.
+        monkeypatch.setenv("MLLM_METRICS_EVERY_S", "0")
+        every = run.metrics_after_resume()
+        every(loss(40))
+        every(loss(50))
+        assert len(calls) == 5
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "train_loss")] == [10, 20, 25, 27, 30,
+                                                                                               35, 40, 50]
+    monkeypatch.setenv("MLLM_METRICS_EVERY_S", "soon")
+    with pytest.raises(UserError, match="MLLM_METRICS_EVERY_S='soon': give seconds"):
+        run.metrics_after_resume()
 
 
 def test_datasets_carry_our_digest_source_and_size(uri, tmp_path):

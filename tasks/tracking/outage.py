@@ -39,6 +39,20 @@ def _logger() -> Any:
 HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
 
 
+def metrics_every_s() -> float:
+    """Seconds between two metric requests of a training (MLLM_METRICS_EVERY_S, default 2): one
+    log_batch costs 25-55 ms over HTTP on a 2-core machine, 3-5% of a small model's training
+    when sent at every log step (docs/team-stack.md, tracking overhead). 0 sends every log step."""
+    raw = os.environ.get("MLLM_METRICS_EVERY_S", "2")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise UserError(f"MLLM_METRICS_EVERY_S={raw!r}: give seconds between metric requests, 0 or more")
+    return value
+
+
 def server() -> str | None:
     """The tracking server's URL (without credentials), or None for a local store."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
@@ -194,14 +208,21 @@ def fail_fast(timeout: float = 10.0) -> Iterator[None]:
 
 class HeldMetrics:
     """`send` (a RunTracker's log_metrics) that holds what it could not send while the tracking
-    server is away, and sends it with the next records once the server answers again."""
+    server is away, and sends it with the next records once the server answers again.
 
-    def __init__(self, send: Callable[[list[dict]], None], every_s: float = 10.0):
-        self.send, self.every_s = send, every_s
+    While the server answers, records are also held for up to `pace_s` seconds and sent together
+    (one request, not one per log step), except that an evaluation's records, and those of a step
+    that `urgent(step)` names (a checkpoint's: a training resumed from it never logs the steps
+    before it again), go at once with everything held."""
+
+    def __init__(self, send: Callable[[list[dict]], None], every_s: float = 10.0, pace_s: float = 0.0,
+                 urgent: Callable[[int], bool] | None = None):
+        self.send, self.every_s, self.pace_s, self.urgent = send, every_s, pace_s, urgent
         self.held: list[dict] = []
         self.dropped = 0
         self.away_since_step: int | None = None
         self.next_try = 0.0
+        self.last_sent = time.monotonic()
 
     def __call__(self, records: list[dict]) -> None:
         self.held += records
@@ -209,6 +230,9 @@ class HeldMetrics:
             self.dropped += len(self.held) - HOLD_AT_MOST
             self.held = self.held[-HOLD_AT_MOST:]
         if not self.held:
+            return
+        if records and self.away_since_step is None and time.monotonic() - self.last_sent < self.pace_s and not any(
+                "val_loss" in r or (self.urgent is not None and self.urgent(int(r["step"]))) for r in records):
             return
         if self.away_since_step is not None:
             if time.monotonic() < self.next_try:
@@ -234,6 +258,7 @@ class HeldMetrics:
                         self.away_since_step, lost)
             self.away_since_step, self.dropped = None, 0
         self.held = []
+        self.last_sent = time.monotonic()
 
     def flush(self) -> None:
         """A last try at what is held (training ended); what the server cannot take is dropped."""

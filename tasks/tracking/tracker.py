@@ -281,7 +281,8 @@ class RunTracker:
             if fresh:
                 self.log_metrics(fresh)
 
-        return outage.HeldMetrics(log)
+        every = self.cfg.train.checkpoint_interval
+        return outage.HeldMetrics(log, pace_s=outage.metrics_every_s(), urgent=lambda step: step % every == 0)
 
     def log_loss_curve(self) -> str | None:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""
