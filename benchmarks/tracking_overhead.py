@@ -83,11 +83,11 @@ def main() -> None:
             t = time.perf_counter()
             with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
                 setup_s = time.perf_counter() - t
+                os.environ["MLLM_METRICS_EVERY_S"] = "2" if mode == "tracked" else "0"
+                held = run.metrics_after_resume()  # (it reads the run's history: before the shim)
                 shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
                 if shim:
                     run.client = shim
-                os.environ["MLLM_METRICS_EVERY_S"] = "2" if mode == "tracked" else "0"
-                held = run.metrics_after_resume()
 
                 def on_metrics(records):
                     c = time.perf_counter()
