@@ -232,10 +232,10 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
     from mllm.runtime.checkpoint import read_checkpoint
 
     root = tmp_path / "storage"
-    steps = 800
+    steps = 300
     args = ["search", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
             "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
-            *_sets([f"train.max_steps={steps}", "train.eval_interval=200", "train.checkpoint_interval=20",
+            *_sets([f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
                     "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"])]
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
