@@ -60,7 +60,8 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
     splits = split_source(tokens, vocab, d, root)  # one file contiguous; many span by span, pack by pack
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                     tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
-                    raw_skipped=raw.skipped, raw_previous=raw.previous)
+                    raw_skipped=raw.skipped, raw_previous=raw.previous,
+                    raw_duplicates=raw.duplicates)
 
 
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
@@ -295,7 +296,8 @@ def files_line(c: dict[str, int]) -> str:
     """A corpus's files against the last read of its sources: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
     line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
             f"{c['tokenized']} tokenized")
-    return line + (f"; {c['skipped']} left out" if c.get("skipped") else "")
+    return (line + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
+            + (f"; {c['skipped']} left out" if c.get("skipped") else ""))
 
 
 def _mfu(t: Any) -> str:

@@ -25,7 +25,8 @@ class RawText(BaseModel):
     # files' sorted digests), url and manifest its manifest (tasks/data/download.py), bytes the total.
     files: int = 1
     manifest: str | None = None
-    skipped: list[str] = []  # files left out (data.bad_files: skip), each with why
+    skipped: list[str] = []  # files left out (hidden or markers; data.bad_files: skip), each with why
+    duplicates: int = 0  # files read once because another holds the same bytes (the manifest names them)
     previous: str | None = None  # the corpus digest the same sources gave the run before
 
 
