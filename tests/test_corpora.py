@@ -273,6 +273,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
 
     params = MlflowClient().get_run(grown.mlflow_run_id).data.params
     assert (params["corpus.new"], params["corpus.reused"], params["corpus.tokenized"]) == ("1", "5", "1")
+    assert float(params["corpus.chars_dropped"]) == round(grown.data.tokens.dropped_share(), 4) > 0
     # lineage: the file count, every file on request, and the run found by one file's digest.
     out = _cli("lineage", grown.mlflow_run_id, "--files", "--storage", str(root))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -69,3 +69,39 @@ def test_the_manifest_names_the_files_left_out_and_every_duplicate_beside_the_on
     changes = corpus_changes(data, root)
     assert (changes["files"], changes["skipped"], changes["duplicates"]) == (2, 1, 2)
     assert files_line(changes).endswith("; 2 the same bytes as another, read once; 1 left out")
+
+
+def test_a_corpus_that_loses_characters_to_the_tokenizer_says_how_many_and_which(tmp_path: Path) -> None:
+    from mllm.config import TokenizerConfig
+    from mllm.data import packs
+    from mllm.data.text import build_tokenizer
+    from tasks.data import Tokens
+    from tasks.data.tokenize import Loss, dropped_line
+
+    prose, code = tmp_path / "prose.txt", tmp_path / "code.txt"
+    prose.write_text("It was the best of times, it was the worst of times. " * 40)
+    code.write_text('def main(args):\n    return {"x": args[0]}\n' * 40)
+    (tmp_path / "pack").mkdir()
+    tok = build_tokenizer(TokenizerConfig(kind="char", normalize=True))
+    packed = packs.tokenize_pack([("p", str(prose)), ("c", str(code))], tok, str(tmp_path / "pack"), False, 4096)
+    by = {p.sha256: p for p in packed}
+    assert (by["p"].chars, by["p"].lost) == (len(prose.read_text()), {})
+    assert by["c"].chars == len(code.read_text()) and by["c"].lost["\n"] == 80 and by["c"].lost["("] == 40
+
+    def tokens(files) -> Tokens:
+        loss = Loss()
+        for p in files:
+            loss.add({"chars": p.chars, "lost": p.lost})
+        return Tokens(key="k", url="u", tokenizer="t", n_tokens=sum(p.tokens for p in files), n_chunks=1,
+                      raw_sha256="r", **loss.fields())
+
+    assert dropped_line(tokens([by["p"]])) is None
+    both = tokens(packed)
+    share = 1 - both.n_tokens / both.chars
+    assert both.dropped_share() == pytest.approx(share) and share > 0.1
+    line = dropped_line(both)
+    assert line.startswith(f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters "
+                           "(most: '\\n' 2.1%, ' ' 2.1%, '\"' 2.1%, ':' 2.1%, '(' 1.1%")
+    assert "data.tokenizer.normalize=false" in line and "\n" not in line
+    # A file tokenized before the loss was measured leaves the corpus's unknown, never understated.
+    assert Loss().fields() == {} and tokens([by["c"], packs.PackedFile("old", 1, 5, 1)]).dropped_share() is None

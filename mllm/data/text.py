@@ -71,6 +71,11 @@ class Tokenizer(ABC):
     def detokenize(self, tokens: list[str]) -> str:
         return "".join(tokens)
 
+    def take_loss(self) -> tuple[int, dict[str, int]] | None:
+        """What normalisation dropped from the text tokenized since the last call: (characters
+        read, characters dropped by character), counters reset; None where it is not measured."""
+        return None
+
     def _state(self) -> dict:
         return {}
 
@@ -104,11 +109,32 @@ class CharTokenizer(Tokenizer):
 
     kind = "char"
 
+    def __init__(self, normalize: bool = True):
+        super().__init__(normalize)
+        # Byte histograms of the text read and the tokens made: what normalisation dropped is their
+        # difference, at the cost of two bincounts a chunk.
+        self._read = np.zeros(256, dtype=np.int64)
+        self._made = np.zeros(256, dtype=np.int64)
+
+    def take_loss(self) -> tuple[int, dict[str, int]] | None:
+        if not self.normalize:
+            return None
+        read, made = self._read, self._made
+        self._read, self._made = np.zeros(256, dtype=np.int64), np.zeros(256, dtype=np.int64)
+        # A character beyond ASCII is its UTF-8 lead byte (0xC0 and up); all of them are dropped.
+        n_read = int(read[:128].sum() + read[0xC0:].sum())
+        lost = {chr(i): int(read[i] - made[i]) for i in range(128) if read[i] > made[i]}
+        if beyond := int(read[0xC0:].sum()):
+            lost["non-ASCII"] = beyond
+        return n_read, lost
+
     def _normalized(self, chunks: Iterable[str]) -> Iterator[np.ndarray]:
         """The normalised text of each chunk as ASCII bytes (uint8), empty pieces skipped."""
         space = False  # the last token so far was a space: a run may continue into this chunk
         for chunk in chunks:
-            b = np.frombuffer(chunk.encode("utf-8").translate(_CHAR_NEWLINE_TO_SPACE, _CHAR_DROP), dtype=np.uint8)
+            raw = chunk.encode("utf-8")
+            self._read += np.bincount(np.frombuffer(raw, dtype=np.uint8), minlength=256)
+            b = np.frombuffer(raw.translate(_CHAR_NEWLINE_TO_SPACE, _CHAR_DROP), dtype=np.uint8)
             if not len(b):
                 continue
             is_space = b == 32
@@ -118,6 +144,7 @@ class CharTokenizer(Tokenizer):
             b = b[keep]
             if len(b):
                 space = bool(is_space[-1])
+                self._made += np.bincount(b, minlength=256)
                 yield b
 
     def tokenize(self, chunks):
