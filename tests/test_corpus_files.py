@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from prefect import flow
 
 from flows.pipeline import files_line
 from mllm.data import files
@@ -51,7 +52,7 @@ def test_the_manifest_names_the_files_left_out_and_every_duplicate_beside_the_on
     found, hidden = files.list_files([str(src)])
     records = download_files.fn(found, "text", "fail", root)
     with caplog.at_level(logging.INFO):
-        raw = record_corpus(records, [str(src)], None, root, hidden)
+        raw = flow(name="record-corpus-test")(lambda: record_corpus(records, [str(src)], None, root, hidden))()
     said = [r.getMessage() for r in caplog.records if "same bytes" in r.getMessage()]
     assert said == [(f"2 files hold the same bytes as another, read once: {src / 'b.txt'} = {src / 'a.txt'}, "
                      f"{src / 'c' / 'a.txt'} = {src / 'a.txt'} (every name in the corpus manifest {raw.manifest})")], said
