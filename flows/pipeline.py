@@ -11,7 +11,7 @@ import functools
 import re
 from typing import Any, Callable, Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.utilities.annotations import quote
 from pydantic import BaseModel
@@ -29,7 +29,7 @@ from tasks.data.download import corpus_changes, download, download_source
 from tasks.data.generated import generate_data
 from tasks.data.pairs import numbers_corpus, prepare_pairs
 from tasks.data.split import split_source
-from tasks.data.tokenize import tokenize_source
+from tasks.data.tokenize import dropped_line, tokenize_source
 from tasks.data.vocabulary import build_vocabulary
 from tasks.tracking import outage
 from tasks.model import Evaluation, Prepared, Trained, describe
@@ -56,11 +56,14 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
                         tokens=pairs.tokens, vocab=pairs.vocab, splits=pairs.splits, source_side=pairs.source_side)
     raw = download_source(d, root)  # one file, or many: listed, then file by file
     tokens = tokenize_source(raw, d, root)  # each file once per tokenizer
+    if line := dropped_line(tokens):
+        get_run_logger().warning(line)
     vocab = build_vocabulary(tokens, d.vocab, root)
     splits = split_source(tokens, vocab, d, root)  # one file contiguous; many span by span, pack by pack
     return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
                     tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
-                    raw_skipped=raw.skipped, raw_previous=raw.previous)
+                    raw_skipped=raw.skipped, raw_previous=raw.previous,
+                    raw_duplicates=raw.duplicates)
 
 
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
@@ -183,6 +186,8 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
             # A corpus of many files: what changed since its sources were last read (a schedule's question).
             changes = corpus_changes(data, root)
             run.log_params({f"corpus.{k}": v for k, v in changes.items()})
+            if (dropped := data.tokens.dropped_share()) is not None:
+                run.log_params({"corpus.chars_dropped": round(dropped, 4)})  # by the tokenizer's normalisation
             if skip:
                 outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
             else:
@@ -295,7 +300,8 @@ def files_line(c: dict[str, int]) -> str:
     """A corpus's files against the last read of its sources: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
     line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
             f"{c['tokenized']} tokenized")
-    return line + (f"; {c['skipped']} left out" if c.get("skipped") else "")
+    return (line + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
+            + (f"; {c['skipped']} left out" if c.get("skipped") else ""))
 
 
 def _mfu(t: Any) -> str:

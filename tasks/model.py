@@ -51,6 +51,7 @@ class Prepared(BaseModel):
     raw_files: int = 1
     raw_manifest: str | None = None
     raw_skipped: list[str] = []
+    raw_duplicates: int = 0  # files of the same bytes as another, read once
     raw_previous: str | None = None  # the corpus digest the same sources gave the run before
 
 

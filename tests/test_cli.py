@@ -63,6 +63,48 @@ def test_help_lists_every_command() -> None:
     assert "--recipe" in out.stdout and "--set" in out.stdout and "--storage" in out.stdout
 
 
+def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_something() -> None:
+    import re
+
+    from typer.testing import CliRunner
+
+    from flows.cli.main import app
+
+    def helps(*command: str) -> str:
+        out = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "1000"}, catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        return re.sub(r"[\s│]+", " ", out.output)  # rich's boxes and wrapping
+
+    skips = "a run skips training only when this root holds the finished training"
+    commands = {("run",): True, ("train",): True, ("evaluate",): True, ("sweep",): True, ("search",): True,
+                ("schedule",): True, ("prepare",): False, ("sample",): False, ("runs",): False, ("lineage",): False,
+                ("reproduce",): False, ("stack", "up"): False}
+    for command, trains in commands.items():
+        text = helps(*command)
+        assert "--storage URL" in text and (skips in text) == trains, (command, text)
+        assert "list[str]" not in text and "{" not in text, (command, text)
+    assert "reproduce [OPTIONS] RUN_ID " in helps("reproduce")
+    assert "add [OPTIONS] NAME " in helps("stack", "user", "add") and "{" not in helps("stack", "user", "add")
+    assert "--set FIELD=VALUE" in helps("run") and "--tag KEY=VALUE" in helps("run")
+    # `runs`: every column has its header, the model's LoggedModel id too.
+    from mlflow.tracking import MlflowClient
+
+    tracking = MlflowClient()
+    run = tracking.create_run(tracking.create_experiment("smoke"), tags={"model_id": "m-0123abcd"})
+    tracking.set_terminated(run.info.run_id, "KILLED")
+    out = CliRunner().invoke(app, ["runs"], catch_exceptions=False)
+    header, row = out.output.splitlines()
+    assert header.split()[-2:] == ["started", "model"] and row.endswith("  m-0123abcd"), out.output
+    assert row.index("m-0123abcd") == header.index("model"), out.output
+    out = CliRunner().invoke(app, ["--version"])
+    assert out.exit_code == 0 and re.fullmatch(r"mllm-pipeline \d+\.\d+\.\d+\S*\n", out.output), out.output
+    # Every code block of the docs is closed: a stray fence turns the rest of a page into code.
+    docs = Path(__file__).resolve().parents[1]
+    for page in [docs / "README.md", *(docs / "docs").glob("*.md")]:
+        fences = [line for line in page.read_text().splitlines() if line.lstrip().startswith("```")]
+        assert len(fences) % 2 == 0, page
+
+
 def test_recipes_lists_the_shipped_recipes() -> None:
     out = cli("recipes")
     assert out.returncode == 0

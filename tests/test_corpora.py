@@ -43,7 +43,7 @@ def _books(folder: Path, n: int, words: int = 3000, first_seed: int = 0) -> list
 def test_a_folder_lists_every_file_below_it_and_skips_hidden_files_and_markers(tmp_path: Path) -> None:
     _books(tmp_path / "c", 2)
     _books(tmp_path / "c" / "more", 1, first_seed=5)
-    for name in ("_SUCCESS", ".DS_Store", ".cache/x.txt", "_tmp/y.txt"):
+    for name in ("_SUCCESS", ".DS_Store", ".cache/x.txt", "_temporary/y.txt"):
         (tmp_path / "c" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "c" / name).write_text("not corpus")
     found, skipped = files.list_files([str(tmp_path / "c")])
@@ -238,7 +238,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     again = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
     assert again.decision == "skipped" and again.data.tokens.files_tokenized == 0
     assert again.corpus_changes == {"files": 5, "new": 0, "changed": 0, "removed": 0, "reused": 5, "tokenized": 0,
-                                    "skipped": 0}
+                                    "skipped": 1, "duplicates": 0}
     # Each split is a manifest of the packs' pieces, which lie where they were routed.
     first_pieces = {name: read_chain(getattr(first.data.splits, name).ids)["pieces"] for name in ("train", "val")}
     stamps = {p["url"]: (os.stat(p["url"]).st_ino, os.stat(p["url"]).st_mtime_ns)
@@ -256,7 +256,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     assert stamps == {url: (os.stat(url).st_ino, os.stat(url).st_mtime_ns) for url in stamps}
     assert grown.decision in ("promoted", "kept") and grown.data.tokens.files_tokenized == 1
     assert grown.corpus_changes == {"files": 6, "new": 1, "changed": 0, "removed": 0, "reused": 5, "tokenized": 1,
-                                    "skipped": 0}
+                                    "skipped": 1, "duplicates": 0}
     states = _task_states("tokenize-pack")
     assert states[:2].count("Cached") == 1 and states[:2].count("Completed") == 1
     # The split routed the new book's pack alone: the first pack's piece was found and reused.
@@ -273,6 +273,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
 
     params = MlflowClient().get_run(grown.mlflow_run_id).data.params
     assert (params["corpus.new"], params["corpus.reused"], params["corpus.tokenized"]) == ("1", "5", "1")
+    assert float(params["corpus.chars_dropped"]) == round(grown.data.tokens.dropped_share(), 4) > 0
     # lineage: the file count, every file on request, and the run found by one file's digest.
     out = _cli("lineage", grown.mlflow_run_id, "--files", "--storage", str(root))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -116,6 +116,22 @@ def test_char_normalize_rules():
     assert all(len(t) == 1 for t in flat(tok.tokenize([text])))
 
 
+def test_char_normalisation_counts_what_it_drops_by_character_for_any_chunking():
+    from collections import Counter
+
+    text = make_text(400, seed=3) + "def f(x_1):\n    return {'é': x_1 == 2}\n"
+    for chunks in chunkings(text):
+        tok = build_tokenizer(TokenizerConfig(kind="char", normalize=True))
+        out = "".join(token for arr in tok.token_arrays(chunks) for token in arr.to_pylist())
+        chars, lost = tok.take_loss()
+        read, made = Counter(text), Counter(out)
+        want = {c: read[c] - made[c] for c in read if ord(c) < 128 and read[c] > made[c]}
+        want["non-ASCII"] = sum(n for c, n in read.items() if ord(c) >= 128)
+        assert (chars, lost) == (len(text), want)
+        assert tok.take_loss() == (0, {})  # counted from the last call on
+    assert build_tokenizer(TokenizerConfig(kind="char", normalize=False)).take_loss() is None
+
+
 def test_char_raw_mode_keeps_everything():
     tok = build_tokenizer(TokenizerConfig(kind="char", normalize=False))
     text = make_text(300) + "\r\t☃"

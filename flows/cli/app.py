@@ -13,9 +13,31 @@ from mllm.storage import hide_credentials
 # is then refused: a flag shows no type.
 _display_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
+# ... and a required argument in braces (`reproduce {run_id}`), which reads as a literal or a
+# template: the usage line names it as click does, `RUN_ID`, an optional one `[RUN_ID]`.
+_usage_name = typer.core.TyperArgument._usage_display_name
+typer.core.TyperArgument._usage_display_name = (
+    lambda self: _usage_name(self).replace("{", "", 1).replace("}", "", 1) if self.required else _usage_name(self))
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
                   help="A reproducible training pipeline for small language models.")
+
+
+def _version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"mllm-pipeline {version('mllm-pipeline')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("mllm-pipeline (not installed: run `make install`)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                   help="Print the version and exit.")] = False) -> None:
+    """A reproducible training pipeline for small language models."""
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[list[str]], typer.Option(
@@ -25,8 +47,11 @@ TaskRunner = Annotated[Optional[str], typer.Option(
     "--task-runner", metavar="RUNNER",
     help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
          "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
-Sets = Annotated[Optional[list[str]], typer.Option("--set", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
+Storage = Annotated[Optional[str], typer.Option("--storage", metavar="URL",
+                                                help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
+# The commands that train: what a root means for skipping a training.
+TrainingStorage = Annotated[Optional[str], typer.Option("--storage", metavar="URL", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
+Sets = Annotated[Optional[list[str]], typer.Option("--set", metavar="FIELD=VALUE", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
 
 
 def without_credentials(source: list[str] | None, sets: list[str] | None,
@@ -41,7 +66,7 @@ def without_credentials(source: list[str] | None, sets: list[str] | None,
     return (sources[0] if len(sources) == 1 else sources or None), sets
 
 
-Tags = Annotated[Optional[list[str]], typer.Option("--tag", help="An extra MLflow run tag: --tag key=value (repeatable).")]
+Tags = Annotated[Optional[list[str]], typer.Option("--tag", metavar="KEY=VALUE", help="An extra MLflow run tag: --tag key=value (repeatable).")]
 TrainOn = Annotated[Optional[str], typer.Option(
     "--train-on", metavar="POOL",
     help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]

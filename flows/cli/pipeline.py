@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.cli.app import Force, Recipe, Reproduces, Sets, Source, Storage, Tags, TaskRunner, TrainOn, without_credentials, app
+from flows.cli.app import Force, Recipe, Reproduces, Sets, Source, Storage, TrainingStorage, Tags, TaskRunner, TrainOn, without_credentials, app
 from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
 from flows.launch import checked_config
 from mllm import UserError
@@ -18,7 +18,7 @@ from mllm.storage import hide_credentials
 
 
 @app.command()
-def run(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
         task_runner: TaskRunner = None, reproduces: Reproduces = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample.
@@ -107,7 +107,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
 
 
 @app.command()
-def train(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+def train(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
           set_: Sets = None, train_on: TrainOn = None, task_runner: TaskRunner = None) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with user_errors():
@@ -124,7 +124,7 @@ def train(recipe: Recipe = "default", source: Source = None, storage: Storage = 
 
 
 @app.command()
-def evaluate(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
+def evaluate(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
              set_: Sets = None, task_runner: TaskRunner = None) -> None:
     """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
     this process (to train on a pool, run `train --train-on POOL` first)."""
@@ -261,7 +261,7 @@ def sweep(recipe: Recipe = "default",
           grid: Annotated[Optional[list[str]], typer.Option(
               "--grid", metavar="FIELD=V1,V2,...",
               help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).")] = None,
-          source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None,
+          source: Source = None, storage: TrainingStorage = None, set_: Sets = None, train_on: TrainOn = None,
           parallel: Annotated[Optional[int], typer.Option(
               metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None) -> None:
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""

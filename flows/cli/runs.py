@@ -30,19 +30,18 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
             typer.echo(runs.as_json(rows))
             return
         typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9} {'mfu':>6} {'dtype':8}  {'status':9} "
-                   f"{'decision':9} started")
+                   f"{'decision':9} {'started':16}  model")
         for r in rows:
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
             typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9} {mfu:>6} "
                        f"{r['dtype'] or '-':8}  {r['status']:9} "
-                       f"{r['decision'] or '-':9} {r['started']}"
-                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else "")
-                       + (f"  model {r['model_id']}" if r["model_id"] else ""))
+                       f"{r['decision'] or '-':9} {r['started']:16}  {r['model_id'] or '-'}"
+                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
 
 
 @app.command()
-def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to reproduce.")],
+def reproduce(run_id: Annotated[str, typer.Argument(metavar="RUN_ID", help="The MLflow run to reproduce.")],
               storage: Storage = None) -> None:
     """Re-run a run at its git commit with its recorded config and data, and compare metrics."""
     with user_errors():
@@ -66,7 +65,7 @@ def reproduce(run_id: Annotated[str, typer.Argument(help="The MLflow run to repr
 
 
 @app.command()
-def lineage(model: Annotated[Optional[str], typer.Argument(
+def lineage(model: Annotated[Optional[str], typer.Argument(metavar="MODEL",
                 help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)] = None,
             corpus: Annotated[Optional[str], typer.Option(
                 "--corpus", metavar="SHA256-PREFIX",

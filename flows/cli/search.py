@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli.app import Recipe, Sets, Source, Storage, TrainOn, app, without_credentials
+from flows.cli.app import Recipe, Sets, Source, TrainingStorage, TrainOn, app, without_credentials
 from flows.cli.terminal import console, escape, flow_session, progress, user_errors
 from flows.launch import checked_config, storage_root, training_pool
 from mllm.redact import scrub
@@ -36,7 +36,7 @@ def search(recipe: Recipe = "default",
            study: Annotated[Optional[str], typer.Option(
                metavar="NAME", help="The study's name (default: from the recipe, the space, --set and the data, "
                                     "so the same command continues the same study).")] = None,
-           source: Source = None, storage: Storage = None, set_: Sets = None, train_on: TrainOn = None,
+           source: Source = None, storage: TrainingStorage = None, set_: Sets = None, train_on: TrainOn = None,
            parallel: Annotated[Optional[int], typer.Option(
                metavar="N", help="With --train-on: at most N trials at once [as many as the pool's slots take].")] = None
            ) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli.app import Sets, Source, Storage, app
+from flows.cli.app import Sets, Source, Storage, TrainingStorage, app
 from flows.cli.terminal import console, flows_module, user_errors
 from flows.stack import database, servers as stack
 from mllm import UserError
@@ -30,7 +30,7 @@ def schedule(ctx: typer.Context,
              train_on: Annotated[Optional[str], typer.Option(
                  "--train-on", help="A work pool whose worker trains the model (default: the recipe's pipeline.pool, "
                  "else the --pool worker that runs the scheduled pipeline).")] = None,
-             source: Source = None, storage: Storage = None, set_: Sets = None,
+             source: Source = None, storage: TrainingStorage = None, set_: Sets = None,
              pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
              resume: Annotated[bool, typer.Option("--resume", help="Resume it.")] = False,
              delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:

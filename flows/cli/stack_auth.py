@@ -18,6 +18,7 @@ user_app = typer.Typer(no_args_is_help=True, help=(
 stack_app.add_typer(user_app, name="user")
 
 Role = Annotated[str, typer.Option("--role", help="admin, worker or viewer.")]
+UserName = Annotated[str, typer.Argument(metavar="NAME", help="The user's name.")]
 
 
 def _apply(home) -> str:
@@ -29,7 +30,7 @@ def _apply(home) -> str:
 
 
 @user_app.command("add")
-def user_add(name: str, role: Role = "worker", home: StackHome = None) -> None:
+def user_add(name: UserName, role: Role = "worker", home: StackHome = None) -> None:
     """Add a user with a new random secret; `stack worker-env --user NAME` prints its settings."""
     with user_errors():
         folder = stack.stack_home(home)
@@ -39,7 +40,7 @@ def user_add(name: str, role: Role = "worker", home: StackHome = None) -> None:
 
 
 @user_app.command("remove")
-def user_remove(name: str, home: StackHome = None) -> None:
+def user_remove(name: UserName, home: StackHome = None) -> None:
     """Remove a user: its secret stops working at once on a running stack."""
     with user_errors():
         folder = stack.stack_home(home)
@@ -48,7 +49,7 @@ def user_remove(name: str, home: StackHome = None) -> None:
 
 
 @user_app.command("rotate")
-def user_rotate(name: str, home: StackHome = None) -> None:
+def user_rotate(name: UserName, home: StackHome = None) -> None:
     """Give a user a new random secret: the old one stops working at once on a running stack."""
     with user_errors():
         folder = stack.stack_home(home)

@@ -1,8 +1,11 @@
 """A corpus of many files: which files a source names, what format each is in, and its documents.
 
 A source is a file, a folder or object-store prefix (every file below it), or a glob (`**`
-included), on any filesystem fsspec reaches; a run may name several. Hidden files and markers
-(`.DS_Store`, `_SUCCESS`, anything under a `.` or `_` folder) are skipped. A file's format is
+included), on any filesystem fsspec reaches; a run may name several. Hidden files (a name that
+starts with `.`, or anything under such a folder) and the markers and bookkeeping that Hadoop,
+Spark, Databricks and Delta Lake write beside their output (`_SUCCESS`, `_committed_<id>`,
+`_started_<id>`, `_metadata`, `_temporary/`, `_delta_log/`...) are skipped, unless a glob names
+them; any other name that starts with `_` (`__init__.py`) is a corpus file. A file's format is
 its extension, after any compression extension: JSON Lines (`.jsonl`, `.ndjson`, `.json`) and
 Parquet (`.parquet`) hold one document per record in a text field; anything else is plain text,
 one document a file.
@@ -18,6 +21,7 @@ bytes; `documents(url)` reads either back as a stream of documents.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -68,8 +72,23 @@ def file_format(name: str) -> str:
     return "text"
 
 
-def _hidden(relative: str) -> bool:
-    return any(part.startswith((".", "_")) for part in relative.split("/") if part)
+# What writers of data sets leave beside their output: Hadoop's job markers and temporary folder,
+# Parquet's summary files, Spark's streaming sink log, Databricks' transactional commit markers
+# (`_started_<txn>`, `_committed_<txn>`, `_committed_vacuum<txn>`) and Delta Lake's log.
+MARKERS = frozenset({"_SUCCESS", "_metadata", "_common_metadata", "_temporary", "_logs", "_spark_metadata",
+                     "_delta_log"})
+MARKER_PREFIXES = ("_started_", "_committed_")
+
+
+def _marker(part: str) -> bool:
+    return part.startswith(".") or part in MARKERS or part.startswith(MARKER_PREFIXES)
+
+
+def _hidden(relative: str, named: tuple[str, ...] = ()) -> bool:
+    """Whether a file at `relative` (to its source) is hidden or a marker: a part of its path is,
+    and no part of the glob (`named`) that matched it names such a name."""
+    return any(_marker(part) and not any(fnmatch.fnmatchcase(part, n) for n in named)
+               for part in relative.split("/") if part)
 
 
 def list_files(sources: list[str]) -> tuple[list[SourceFile], list[str]]:
@@ -98,10 +117,11 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
             if not infos:
                 raise UserError(f"source glob {source} matches no file: check the pattern (** matches any depth)")
             base = path[: min(path.find(c) for c in _GLOB if c in path)].rsplit("/", 1)[0]
+            named = tuple(p for p in path[len(base):].split("/") if p.startswith((".", "_")))
         elif fs.isdir(path):
             fs.invalidate_cache(path)  # s3fs caches listings; files may have landed since
             infos = fs.find(path, detail=True)
-            base = path.rstrip("/")
+            base, named = path.rstrip("/"), ()
             if not infos:
                 raise UserError(f"source folder {describe(source)} holds no files: put the corpus files in it, "
                                 "or give a file or a glob")
@@ -126,7 +146,7 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
         if info.get("type") == "directory":
             continue
         url = p if local else fs.unstrip_protocol(p)
-        if _hidden(p[len(base):]):
+        if _hidden(p[len(base):], named):
             hidden.append(describe(url))
         else:
             files.append(SourceFile(url, _size(info), file_format(p), _stamp(info)))

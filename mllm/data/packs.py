@@ -91,6 +91,10 @@ class PackedFile:
     rows: int
     tokens: int
     documents: int
+    # What the tokenizer's normalisation dropped (Tokenizer.take_loss): characters read, and
+    # dropped by character; None where it is not measured.
+    chars: int | None = None
+    lost: dict[str, int] | None = None
 
 
 def tokenize_pack(files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, strip: bool,
@@ -103,6 +107,7 @@ def tokenize_pack(files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, 
     with fs.open(f"{path}/{PACK_FILE}", "wb") as f:
         writer = _RowWriter(f)
         try:
+            tokenizer.take_loss()  # from here on, file by file
             for sha, url in files:
                 counts = _Counts()
                 rows = tokens = docs = 0
@@ -118,7 +123,8 @@ def tokenize_pack(files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, 
                     count_rows["file"].append(sha)
                     count_rows["token"].append(token)
                     count_rows["count"].append(n)
-                packed.append(PackedFile(sha, rows, tokens, docs))
+                loss = tokenizer.take_loss()
+                packed.append(PackedFile(sha, rows, tokens, docs, *(loss or (None, None))))
         finally:
             writer.close()
     with fs.open(f"{path}/{COUNTS_FILE}", "wb") as f:

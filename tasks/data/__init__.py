@@ -25,7 +25,8 @@ class RawText(BaseModel):
     # files' sorted digests), url and manifest its manifest (tasks/data/download.py), bytes the total.
     files: int = 1
     manifest: str | None = None
-    skipped: list[str] = []  # files left out (data.bad_files: skip), each with why
+    skipped: list[str] = []  # files left out (hidden or markers; data.bad_files: skip), each with why
+    duplicates: int = 0  # files read once because another holds the same bytes (the manifest names them)
     previous: str | None = None  # the corpus digest the same sources gave the run before
 
 
@@ -40,6 +41,14 @@ class Tokens(BaseModel):
     corpus: str | None = None
     files_tokenized: int | None = None
     files_reused: int | None = None
+    # What the tokenizer's normalisation dropped: characters read, and dropped by character (all
+    # the corpus's files); None where it is not measured (a tokenizer that does not normalise so).
+    chars: int | None = None
+    lost: dict[str, int] | None = None
+
+    def dropped_share(self) -> float | None:
+        """The share of the corpus's characters that the tokenizer's normalisation dropped."""
+        return None if not self.chars or self.lost is None else max(self.chars - self.n_tokens, 0) / self.chars
 
 
 class Vocabulary(BaseModel):

@@ -72,12 +72,19 @@ def file_key(url: str, sha256: str) -> str:
 
 
 @task(name="list-source", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
-def list_source(sources: list[str]) -> list[files.SourceFile]:
+def list_source(sources: list[str]) -> tuple[list[files.SourceFile], list[str]]:
+    """The files of the sources, and the hidden and marker files left out (each named in the log)."""
     found, hidden = files.list_files(sources)
     if hidden:
-        shown = ", ".join(hidden[:5]) + (f" and {len(hidden) - 5} more" if len(hidden) > 5 else "")
-        get_run_logger().info("skipped %d hidden or marker files: %s", len(hidden), shown, extra=NOTICE)
-    return found
+        get_run_logger().info("skipped %d hidden or marker files: %s", len(hidden), _some(hidden), extra=NOTICE)
+    return found, hidden
+
+
+HIDDEN = "a hidden or marker file"
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 @task(name="download-files", retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
@@ -117,11 +124,21 @@ def corpus_digest(shas: list[str]) -> str:
 
 
 @task(name="record-corpus", retries=1, retry_condition_fn=retry_unless_mistake)
-def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | None, root: str) -> RawText:
+def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | None, root: str,
+                  hidden: list[str] | None = None) -> RawText:
     """The corpus manifest, `corpora/<digest>.json`: every file with its source, bytes, digest and
-    documents, and the files left out."""
-    kept = {r.key: r for r in sorted(records, key=lambda r: (r.key, r.source)) if not r.skipped}
-    skipped = [r for r in records if r.skipped]
+    documents; the files whose bytes are another's (`duplicates`: each kept file's twins); and the
+    files left out: hidden and marker files, and bad files with data.bad_files=skip."""
+    kept: dict[str, FileRecord] = {}
+    twins: dict[str, list[str]] = {}
+    for r in sorted(records, key=lambda r: (r.key, r.source)):
+        if r.skipped:
+            continue
+        if r.key in kept:
+            twins.setdefault(kept[r.key].source, []).append(r.source)
+        else:
+            kept[r.key] = r
+    skipped = [r for r in records if r.skipped] + [FileRecord(source=h, skipped=HIDDEN) for h in hidden or []]
     if not kept:
         raise UserError(f"no usable file in {', '.join(sources)}: all {len(records)} were left out "
                         f"({skipped[0].source}: {skipped[0].skipped})")
@@ -130,32 +147,40 @@ def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | N
         raise UserError(f"the corpus has digest {digest}, not the pinned {sha256}: its files changed; update "
                         "data.sha256 or remove it")
     url = layout.folder(root, layout.CORPORA, f"{digest}.json")
-    # The same bytes under another name: one file, named by the first source in order.
+    # The same bytes under another name: one file, named by the first source in order, its twins
+    # beside it. Which names a corpus came by, and what was left out, may change with its digest
+    # unchanged: the manifest says this run's.
     doc = {"digest": digest, "sources": sources, "files": [r.model_dump() for r in kept.values()],
-           "skipped": [{"source": r.source, "reason": r.skipped} for r in skipped]}
-    if not storage.exists(url):
+           "duplicates": twins, "skipped": [{"source": r.source, "reason": r.skipped} for r in skipped]}
+    if not storage.exists(url) or storage.read_json(url) != doc:
         storage.write_json(url, doc)
     total = sum(r.bytes for r in kept.values())
     assets.materializes(url, reads=[r.source for r in kept.values()][:50], name="corpus manifest")
     assets.describe(url, digest=digest, files=len(kept), bytes=total, skipped=len(skipped))
-    get_run_logger().info("corpus %s: %d files, %d bytes%s", digest[:12], len(kept), total,
-                          f", {len(skipped)} left out" if skipped else "")
+    logger = get_run_logger()
+    logger.info("corpus %s: %d files, %d bytes%s", digest[:12], len(kept), total,
+                f", {len(skipped)} left out" if skipped else "")
+    n_twins = sum(len(t) for t in twins.values())
+    if n_twins:
+        logger.info("%d files hold the same bytes as another, read once: %s (every name in the corpus manifest %s)",
+                    n_twins, _some([f"{d} = {k}" for k, ds in twins.items() for d in ds], 3), url, extra=NOTICE)
     source = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
     # The corpus these sources gave last time, for what changed since (then this one's).
     last_url = layout.folder(root, layout.CORPORA, f"last-{storage.digest(sources)}.json")
     previous = storage.read_json(last_url)["digest"] if storage.exists(last_url) else None
     storage.write_json(last_url, {"digest": digest})
     return RawText(source=source, url=url, sha256=digest, bytes=total, files=len(kept), manifest=url,
-                   skipped=[f"{r.source}: {r.skipped}" for r in skipped], previous=previous)
+                   skipped=[f"{r.source}: {r.skipped}" for r in skipped], previous=previous, duplicates=n_twins)
 
 
 def download_source(d: DataConfig, root: str) -> RawText:
     """The download stage for any source: one text file as it always was; many files (or JSONL
     and Parquet) listed, each downloaded as a mapped task, and recorded in a corpus manifest."""
     sources = d.sources
-    found = list_source(sources)
+    found, hidden = list_source(sources)
     if len(found) == 1 and found[0].format == "text":
-        return download(found[0].url, d.sha256, root)
+        raw = download(found[0].url, d.sha256, root)
+        return raw.model_copy(update={"skipped": [f"{h}: {HIDDEN}" for h in hidden]}) if hidden else raw
     # What was read depends on the text field too (a JSONL file's documents are that field's).
     index_url = layout.folder(root, layout.CORPORA, f"seen-{storage.digest([sources, d.text_field])}.json")
     known = _known(index_url, root) if not d.sha256 else {}  # a pinned corpus is read whole, always
@@ -173,7 +198,7 @@ def download_source(d: DataConfig, root: str) -> RawText:
             if not r.skipped and (key := _quick_key(r)):
                 seen[key] = r
         storage.write_json(index_url, {k: r.model_dump() for k, r in seen.items()})
-    return record_corpus(records, sources, d.sha256, root)
+    return record_corpus(records, sources, d.sha256, root, hidden)
 
 
 def _quick_key(f: files.SourceFile | FileRecord) -> str | None:
@@ -240,4 +265,4 @@ def corpus_changes(data: Any, root: str) -> dict[str, int]:
     return {"files": len(now), "new": sum(f.key not in old_sha and f.source not in old_names for f in now),
             "changed": changed, "removed": sum(f.key not in new_sha and f.source not in new_names for f in before),
             "reused": len(new_sha & old_sha), "tokenized": data.tokens.files_tokenized or 0,
-            "skipped": len(data.raw_skipped)}
+            "skipped": len(data.raw_skipped), "duplicates": data.raw_duplicates}

@@ -4,6 +4,7 @@ tokenizer trained first on a sample of the corpus)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -38,8 +39,9 @@ def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
             raw.url, cfg, out, source=raw.source, progress=lambda n: report_progress("tokenize", n, None))
         report_progress("tokenize", n_tokens, n_tokens)
         storage.write_text(storage.join(out, "tokenizer.json"), tokenizer.to_json())
+        chars, lost = tokenizer.take_loss() or (None, None)
         result = Tokens(key=key, url=url, tokenizer=storage.join(url, "tokenizer.json"),
-                        n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256)
+                        n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256, chars=chars, lost=lost)
         write_manifest(out, result)
     assets.describe(url, key=key, tokenizer=cfg.kind, n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256)
     get_run_logger().info("tokenized %s: %d tokens in %d chunks", raw.source, n_tokens, n_chunks)
@@ -110,8 +112,9 @@ def tokenize_pack(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_byt
     tok = text.tokenizer_from_json(storage.read_text(tokenizer), source=tokenizer)
     with storage.staged_dir(pack.url) as out:
         packed = packs.tokenize_pack(pack.files, tok, out, cfg.strip_gutenberg, span_bytes)
-        result = {"key": pack.key, "url": pack.url, "files": {p.sha256: {"rows": p.rows, "tokens": p.tokens,
-                                                                        "documents": p.documents} for p in packed}}
+        result = {"key": pack.key, "url": pack.url,
+                  "files": {p.sha256: {"rows": p.rows, "tokens": p.tokens, "documents": p.documents,
+                                       "chars": p.chars, "lost": p.lost} for p in packed}}
         storage.write_json(storage.join(out, "manifest.json"), result)
     n = sum(p.tokens for p in packed)
     assets.materializes(pack.url, reads=[u for _, u in pack.files][:50], name="token pack")
@@ -177,11 +180,14 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
     wanted = set(by_sha)
     used = []
     n_tokens = n_rows = 0
+    loss = Loss()
     for m in made:
         mine = sorted(set(m["files"]) & wanted)
         used.append({"url": m["url"], "files": None if len(mine) == len(m["files"]) else mine})
         n_tokens += sum(m["files"][s]["tokens"] for s in mine)
         n_rows += sum(m["files"][s]["rows"] for s in mine)
+        for s in mine:
+            loss.add(m["files"][s])
     if n_tokens == 0:
         raise UserError(f"no tokens left in {raw.source} after the {cfg.kind} tokenizer's normalisation: is it "
                         "the text you meant? (data.tokenizer.normalize=false keeps every character)")
@@ -192,7 +198,42 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
     assets.materializes(corpus_url, reads=[raw.url], name="token chunks")
     assets.describe(corpus_url, tokenizer=cfg.kind, n_tokens=n_tokens, files=len(records), packs=len(used))
     return Tokens(key=storage.digest([key, raw.sha256]), url=folder, corpus=corpus_url, tokenizer=tokenizer, n_tokens=n_tokens,
-                  n_chunks=n_rows, raw_sha256=raw.sha256, files_tokenized=len(new), files_reused=len(reused))
+                  n_chunks=n_rows, raw_sha256=raw.sha256, files_tokenized=len(new), files_reused=len(reused),
+                  **loss.fields())
+
+
+class Loss:
+    """The normalisation losses of a corpus's files, summed; unknown when one file's is."""
+
+    def __init__(self) -> None:
+        self.chars: int | None = 0
+        self.lost: Counter[str] = Counter()
+
+    def add(self, facts: dict[str, Any]) -> None:
+        if self.chars is None or facts.get("chars") is None or facts.get("lost") is None:
+            self.chars = None
+            return
+        self.chars += facts["chars"]
+        self.lost.update(facts["lost"])
+
+    def fields(self) -> dict[str, Any]:
+        return {"chars": self.chars, "lost": dict(self.lost)} if self.chars else {}
+
+
+# A corpus that loses more of its characters than this to the tokenizer says so.
+DROPPED_WARN = 0.02
+
+
+def dropped_line(tokens: Tokens) -> str | None:
+    """One line for a corpus whose tokenizer's normalisation dropped more than DROPPED_WARN of its
+    characters: the share and the characters dropped most."""
+    share = tokens.dropped_share()
+    if share is None or share <= DROPPED_WARN:
+        return None
+    top = sorted(tokens.lost.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
+    shown = ", ".join(f"{c if c == 'non-ASCII' else repr(c)} {n / tokens.chars:.1%}" for c, n in top)
+    return (f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: {shown}): set "
+            "data.tokenizer.normalize=false to keep every character, or choose a recipe made for such text")
 
 
 def corpus_packs(tokens: Tokens) -> tuple[packs.CorpusPacks, int]:
