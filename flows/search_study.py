@@ -73,11 +73,26 @@ def open_storage(store: StudyStore, on_stale: Callable[[Any, Any], None] | None 
     optuna = optuna_module()
     if not store.shared:
         return optuna.storages.RDBStorage(store.url, engine_kwargs={"connect_args": {"timeout": 60}})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # heartbeats are "experimental" in Optuna 5
-        return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True},
-                                          heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                                          heartbeat_stale_trial_callback=on_stale)
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    # Optuna creates its tables and enum types when it opens a new database; two searches
+    # opening it at once race there (PostgreSQL refuses the second CREATE TYPE). One at a time.
+    lock = create_engine(store.url, poolclass=NullPool)
+    try:
+        with lock.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(hashtext('mllm-search:schema'))"))
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # heartbeats are "experimental" in Optuna 5
+                    return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True},
+                                                      heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                                      heartbeat_stale_trial_callback=on_stale)
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(hashtext('mllm-search:schema'))"))
+                conn.commit()
+    finally:
+        lock.dispose()
 
 
 def check_study(store: StudyStore, name: str, space: dict[str, Dim], recipe: str) -> None:

@@ -233,7 +233,10 @@ def create_databases(user: str, password: str, host: str, port: int, name: str, 
             have = {r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", [wanted])}
             for db in wanted:
                 if db not in have:
-                    conn.execute(f'CREATE DATABASE "{db}"')
+                    try:
+                        conn.execute(f'CREATE DATABASE "{db}"')
+                    except (psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                        pass  # another process (a second search started at once) made it first
     except psycopg.Error as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         raise UserError(f"the database server {shown} did not take the stack's databases {', '.join(wanted)}: "
