@@ -526,7 +526,12 @@ def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, t
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     with RunTracker(cfg, root) as run, system_metrics(run.run_id, root):
         sum(i * i for i in range(3_000_000))  # some CPU work to be seen
-        time.sleep(0.5)
+        # Sampled while the work goes on: a second sample within a few intervals (more on a
+        # loaded machine, where the monitor's thread waits its turn).
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(
+                MlflowClient(uri).get_metric_history(run.run_id, "system/system_memory_usage_megabytes")) < 2:
+            time.sleep(0.2)
     with RunTracker(cfg, root) as short:
         monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "60")
         with system_metrics(short.run_id, root):
