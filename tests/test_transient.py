@@ -88,8 +88,8 @@ def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, t
     prefect, mlflow = servers["prefect"], servers["mlflow"]
     before = prefect.answered_503, mlflow.answered_503
     _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(20), mlflow.unavailable(20)))
-    # Metrics sent every second, so that MLflow meets the window even on a machine slow enough to
-    # spend all of it in one evaluation.
+    # Requests to both during the window, however slow the machine: the training's progress line
+    # goes to Prefect's API every second, its metrics to MLflow every 2 s (MLLM_METRICS_EVERY_S).
     out = _sweep(servers, tmp_path, seed=11, env={"MLLM_LOG_EVERY_S": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     assert prefect.answered_503 > before[0] and mlflow.answered_503 > before[1]  # the clients did meet them
