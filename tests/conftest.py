@@ -16,6 +16,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from flows import QUIET_ENV
@@ -182,11 +183,16 @@ TOKEN = "tok-9f8e7d6c5b4a-secret"
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 600,
-        **env_vars: str) -> subprocess.CompletedProcess:
+        fresh: bool = False, **env_vars: str) -> subprocess.CompletedProcess:
     """`mllm-pipeline ARGS` in a process of its own, as a user runs it: its exit status, stdout
-    and stderr."""
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {}), **env_vars})
+    and stderr. The process is forked from one that has imported the large libraries already
+    (tests/prewarmed.py); `fresh=True` starts a new interpreter, for a test about start-up, as
+    MLLM_TESTS_FRESH=1 does for every command (to tell whether a failure is the fork's)."""
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {}), **env_vars}
+    if fresh or os.environ.get("MLLM_TESTS_FRESH") == "1":
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd, env=full_env)
+    return prewarmed.run("flows.cli", list(args), full_env, cwd, timeout)
 
 
 @pytest.fixture

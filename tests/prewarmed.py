@@ -1,0 +1,231 @@
+"""CLI commands in processes of their own that start without paying for their imports again.
+
+A command of the suite (`conftest.cli`) spends about 5 s of CPU importing torch, MLflow, pandas and
+the rest before its first line runs: two thirds of a short command's CPU, for about 160 commands a
+suite. Here one process per test process (`python tests/prewarmed.py SOCKET`) imports those
+libraries once and then forks a child for each command, as a fork server does:
+
+- the child is a process of its own, with its own PID, exit status, stdin (/dev/null), stdout and
+  stderr (the caller's pipes), working directory, environment and signal handlers; it runs
+  `python -m MODULE ARGS` as `runpy` does, and ends as an interpreter ends (threads joined, atexit
+  handlers run, streams flushed);
+- only third-party libraries are imported ahead, and only those that read no setting of this
+  project's or Prefect's at import: the project's own modules, Prefect and everything that reads
+  the command's environment are imported by the child, after its environment is in place;
+- Python's hash seed is the fork server's, one per test process rather than one per command, and
+  numpy's global generator is seeded again in each child.
+
+A test whose subject is the process itself (start-up time, what a fresh interpreter imports,
+signals sent to a command started in the background) starts a real interpreter instead
+(`subprocess`), as it always did.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Imported once, ahead of every command: large, and indifferent to the command's environment.
+AHEAD = ("torch", "numpy", "pandas", "pyarrow", "pyarrow.parquet", "mlflow", "mlflow.tracking", "fsspec",
+         "s3fs", "httpx", "fastapi", "sqlalchemy", "pydantic", "typer", "rich.console", "rich.progress", "yaml")
+
+
+# --- the fork server ----------------------------------------------------------------------------
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise EOFError("connection closed")
+        data += chunk
+    return data
+
+
+def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
+    """In the child: become the command and exit as an interpreter would. Never returns."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in (null, out_fd, err_fd):
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = [request["module"], *request["args"]]
+    # The path a new interpreter would have: the working directory, then PYTHONPATH, then the rest.
+    ahead = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:] = [request["cwd"], *ahead, *_BASE_PATH]
+    code: int = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  (what the interpreter does first at exit)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        if code < 0:  # an uncaught KeyboardInterrupt ends the process by SIGINT, as Python does
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+def _attend(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> None:
+    """In a child of the server: start the command, tell the caller its PID, wait for it and tell
+    its exit status. Never returns."""
+    try:
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _run_command(request, out_fd, err_fd)
+        os.close(out_fd)
+        os.close(err_fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+    finally:
+        os._exit(0)
+
+
+_BASE_PATH: list[str] = []  # the server's sys.path without its script's folder and its PYTHONPATH
+
+
+def serve(path: str) -> None:
+    own = {entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
+    _BASE_PATH[:] = [entry for entry in sys.path[1:] if entry not in own]
+    for name in AHEAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    listener.listen(16)
+    os.rename(path + ".tmp", path)  # the socket appears only once the imports are done
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # attendants are reaped by the kernel
+    sys.stdout.flush()
+    sys.stderr.flush()
+    while True:
+        conn, _ = listener.accept()
+        try:
+            header, fds, _, _ = socket.recv_fds(conn, 8, 2)
+            size = int.from_bytes(header, "big")
+            payload = b""
+            while len(payload) < size:
+                payload += conn.recv(size - len(payload))
+            request = json.loads(payload)
+        except Exception:  # a caller that went away mid-request
+            conn.close()
+            continue
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _attend(conn, request, *fds)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+# --- the caller's side --------------------------------------------------------------------------
+
+_server: list[tuple[subprocess.Popen, str]] = []
+
+
+def _socket_path() -> str:
+    if _server and _server[0][0].poll() is None:
+        return _server[0][1]
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="mllm-prewarmed-")
+    path = os.path.join(folder, "socket")
+    log = open(os.path.join(folder, "server.log"), "wb")
+    proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            cwd=str(Path(__file__).resolve().parents[1]))
+    atexit.register(proc.kill)
+    deadline = time.monotonic() + 180
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the prewarmed command server did not start: {Path(log.name).read_text()[-2000:]}")
+        time.sleep(0.05)
+    _server[:] = [(proc, path)]
+    return path
+
+
+def run(module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in a process of its own, forked from the prewarmed server: what
+    `subprocess.run(..., capture_output=True, text=True, timeout=...)` gives."""
+    cmd = [sys.executable, "-m", module, *args]
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(_socket_path())
+        payload = json.dumps({"module": module, "args": list(args), "env": env,
+                              "cwd": str(cwd or os.getcwd())}).encode()
+        socket.send_fds(conn, [len(payload).to_bytes(8, "big")], [out_w, err_w])
+        conn.sendall(payload)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    pid = json.loads(_read_line(conn))["pid"]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    with selectors.DefaultSelector() as sel:
+        sel.register(out_r, selectors.EVENT_READ)
+        sel.register(err_r, selectors.EVENT_READ)
+        while sel.get_map():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                for fd in chunks:
+                    os.close(fd)
+                conn.close()
+                raise subprocess.TimeoutExpired(cmd, timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
+            for key, _ in sel.select(left):
+                data = os.read(key.fd, 65536)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    sel.unregister(key.fd)
+    for fd in chunks:
+        os.close(fd)
+    if deadline is not None:
+        conn.settimeout(max(deadline - time.monotonic(), 1.0))
+    returncode = json.loads(_read_line(conn))["returncode"]
+    conn.close()
+    decode = lambda fd: b"".join(chunks[fd]).decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")  # noqa: E731
+    return subprocess.CompletedProcess(cmd, returncode, decode(out_r), decode(err_r))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
