@@ -187,12 +187,10 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, 
     """`mllm-pipeline ARGS` in a process of its own, as a user runs it: its exit status, stdout
     and stderr. The process is forked from one that has imported the large libraries already
     (tests/prewarmed.py); `fresh=True` starts a new interpreter, for a test about start-up, as
-    MLLM_TESTS_FRESH=1 does for every command (to tell whether a failure is the fork's)."""
+    MLLM_TESTS_FRESH=1 does for every command (to tell whether a failure is the fork's).
+    `prewarmed.start` starts one in the background."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {}), **env_vars}
-    if fresh or os.environ.get("MLLM_TESTS_FRESH") == "1":
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=cwd, env=full_env)
-    return prewarmed.run("flows.cli", list(args), full_env, cwd, timeout)
+    return prewarmed.run("flows.cli", list(args), full_env, cwd, timeout, fresh=fresh)
 
 
 @pytest.fixture

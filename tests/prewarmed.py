@@ -61,6 +61,8 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
     os.dup2(err_fd, 2)
     for fd in (null, out_fd, err_fd):
         os.close(fd)
+    if request.get("new_session"):
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -177,54 +179,128 @@ def _socket_path() -> str:
     return path
 
 
-def run(module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
-        timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python -m MODULE ARGS` in a process of its own, forked from the prewarmed server: what
-    `subprocess.run(..., capture_output=True, text=True, timeout=...)` gives."""
-    cmd = [sys.executable, "-m", module, *args]
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+class Command:
+    """A command forked from the prewarmed server, used as a `subprocess.Popen(..., text=True,
+    stdout=PIPE, stderr=PIPE)` is: `pid`, `returncode`, `stdout` and `stderr` (text, universal
+    newlines), `poll()`, `wait()`, `communicate()`, `send_signal()`, `terminate()`, `kill()`."""
+
+    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
+                 new_session: bool = False):
+        self.args = [sys.executable, "-m", module, *args]
+        self.returncode: int | None = None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(_socket_path())
+            payload = json.dumps({"module": module, "args": list(args), "env": env, "new_session": new_session,
+                                  "cwd": str(cwd or os.getcwd())}).encode()
+            socket.send_fds(self._conn, [len(payload).to_bytes(8, "big")], [out_w, err_w])
+            self._conn.sendall(payload)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self.pid: int = json.loads(_read_line(self._conn))["pid"]
+        self.stdout = open(out_r, encoding="utf-8", errors="replace", newline=None)
+        self.stderr = open(err_r, encoding="utf-8", errors="replace", newline=None)
+        self._status = b""
+
+    def _status_line(self, timeout: float | None) -> bool:
+        """Read the exit status if it comes within `timeout` seconds (None: wait for it)."""
+        if self.returncode is not None:
+            return True
+        self._conn.settimeout(timeout)
+        try:
+            while not self._status.endswith(b"\n"):
+                chunk = self._conn.recv(4096)
+                if not chunk:
+                    raise RuntimeError(f"the prewarmed server lost command {self.pid}")
+                self._status += chunk
+        except (TimeoutError, BlockingIOError):
+            return False
+        self.returncode = json.loads(self._status)["returncode"]
+        self._conn.close()
+        return True
+
+    def poll(self) -> int | None:
+        self._status_line(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._status_line(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode  # type: ignore[return-value]
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Everything left on stdout and stderr once the command ends (and its pipes close)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        texts = {self.stdout: [], self.stderr: []}
+        with selectors.DefaultSelector() as sel:
+            for stream in texts:
+                if not stream.closed:
+                    sel.register(stream.fileno(), selectors.EVENT_READ, stream)
+            while sel.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout, "".join(texts[self.stdout]),
+                                                    "".join(texts[self.stderr]))
+                for key, _ in sel.select(left):
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        texts[key.data].append(data)
+                    else:
+                        sel.unregister(key.fd)
+        for stream in texts:
+            if not stream.closed:
+                stream.close()
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 1.0))
+        return tuple(_text(b"".join(chunks)) for chunks in texts.values())  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def run(module: str, args: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+        timeout: float | None = None, fresh: bool = False, check: bool = False) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` run to its end: what `subprocess.run(..., capture_output=True,
+    text=True, timeout=..., check=...)` gives (env None: this process's environment). `fresh=True`,
+    or MLLM_TESTS_FRESH=1 in the environment, starts a new interpreter instead (to tell whether a
+    failure is the fork's)."""
+    env = dict(os.environ) if env is None else env
+    if fresh or os.environ.get("MLLM_TESTS_FRESH") == "1":
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd, env=env, check=check)
+    command = Command(module, args, env, cwd)
     try:
-        conn.connect(_socket_path())
-        payload = json.dumps({"module": module, "args": list(args), "env": env,
-                              "cwd": str(cwd or os.getcwd())}).encode()
-        socket.send_fds(conn, [len(payload).to_bytes(8, "big")], [out_w, err_w])
-        conn.sendall(payload)
-    finally:
-        os.close(out_w)
-        os.close(err_w)
-    pid = json.loads(_read_line(conn))["pid"]
-    deadline = None if timeout is None else time.monotonic() + timeout
-    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
-    with selectors.DefaultSelector() as sel:
-        sel.register(out_r, selectors.EVENT_READ)
-        sel.register(err_r, selectors.EVENT_READ)
-        while sel.get_map():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                for fd in chunks:
-                    os.close(fd)
-                conn.close()
-                raise subprocess.TimeoutExpired(cmd, timeout, b"".join(chunks[out_r]), b"".join(chunks[err_r]))
-            for key, _ in sel.select(left):
-                data = os.read(key.fd, 65536)
-                if data:
-                    chunks[key.fd].append(data)
-                else:
-                    sel.unregister(key.fd)
-    for fd in chunks:
-        os.close(fd)
-    if deadline is not None:
-        conn.settimeout(max(deadline - time.monotonic(), 1.0))
-    returncode = json.loads(_read_line(conn))["returncode"]
-    conn.close()
-    decode = lambda fd: b"".join(chunks[fd]).decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")  # noqa: E731
-    return subprocess.CompletedProcess(cmd, returncode, decode(out_r), decode(err_r))
+        out, err = command.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        command.kill()
+        raise
+    done = subprocess.CompletedProcess(command.args, command.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def start(module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
+          new_session: bool = False) -> Command | subprocess.Popen:
+    """`python -m MODULE ARGS` started in the background, as `subprocess.Popen(..., text=True,
+    stdout=PIPE, stderr=PIPE, start_new_session=new_session)` starts it."""
+    if os.environ.get("MLLM_TESTS_FRESH") == "1":
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=cwd, env=env, start_new_session=new_session)
+    return Command(module, args, env, cwd, new_session)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import prewarmed
 import pytest
 
 from conftest import make_text
@@ -321,8 +322,7 @@ def test_jsonl_parquet_and_a_glob_train_on_the_text_field_only(tmp_path: Path) -
 def _cli(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})}, cwd=cwd)
+    return prewarmed.run("flows.cli", list(args), {**os.environ, **(env or {})}, cwd, 300)
 
 
 def _one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:

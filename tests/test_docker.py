@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import prewarmed
 import pytest
 import yaml
 
@@ -65,8 +66,7 @@ class DockerStack:
                 "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "MLLM_LOST_AFTER_S": "120", **extra}
 
     def cli(self, *args: str, cwd: Path, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env(**extra))
+        return prewarmed.start("flows.cli", list(args), self.env(**extra), cwd)
 
     def keys(self, prefix: str) -> list[str]:
         pages = self.s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import numpy as np
+import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -74,22 +73,19 @@ def test_cbow_smoke_trains_evaluates_exports_and_registers_a_model_that_answers(
 
     # The CLI prints neighbours, and names the nearest spelling of a word the vocabulary lacks.
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--model", "cbow-smoke@champion",
-                          "--prompt", "war prince", "--neighbours", "3"], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--model", "cbow-smoke@champion", "--prompt", "war prince", "--neighbours", "3"],
+                        env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == answer
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
-                          "--prompt", "prinse"], capture_output=True, text=True, env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "prinse"],
+                        env=env, timeout=300)
     assert out.returncode == 2 and "'prinse' is not in the vocabulary; did you mean 'prince'?" in out.stderr
     # A prompt is tokenized as the corpus was (basic_english: lower case, ':' dropped).
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
-                          "--prompt", "War: PRINCE", "--neighbours", "3"], capture_output=True, text=True, env=env,
-                         timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "War: PRINCE", "--neighbours", "3"],
+                        env=env, timeout=300)
     assert out.returncode == 0 and out.stdout.splitlines()[0] == answer, out.stderr[-2000:]
     # Sampling options of a language model do not apply to neighbours: refused, not ignored.
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
-                          "--prompt", "war", "--method", "top-p", "--top-p", "0.9"], capture_output=True, text=True,
-                         env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "war", "--method", "top-p", "--top-p", "0.9"],
+                        env=env, timeout=300)
     assert out.returncode == 2 and ("model answers with nearest neighbours: --method, --top-p do not apply "
                                     "(--neighbours sets how many)") in out.stderr, out.stderr[-2000:]

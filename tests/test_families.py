@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import prewarmed
 import pytest
 import torch
 
@@ -131,8 +132,7 @@ def _checkpoint(recipe: str, folder: Path) -> str:
                                            ("seq2seq-smoke", "twenty-one"), ("sequences-smoke", "7 8 9")])
 def test_python_m_mllm_sample_answers_on_a_checkpoint_of_every_family(recipe: str, prompt: str, tmp_path: Path):
     url = _checkpoint(recipe, tmp_path)
-    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", url, "--prompt", prompt],
-                         capture_output=True, text=True, timeout=120)
+    out = prewarmed.run("mllm.sample", ["--checkpoint", url, "--prompt", prompt], timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() and "Traceback" not in out.stderr
     # The same answer from the entry point the CLI and the served model call.
@@ -141,8 +141,7 @@ def test_python_m_mllm_sample_answers_on_a_checkpoint_of_every_family(recipe: st
 
 def test_a_sample_option_the_family_has_no_use_for_is_refused_in_one_line(tmp_path: Path) -> None:
     url = _checkpoint("seq2seq-smoke", tmp_path)
-    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", url, "--prompt", "two",
-                          "--method", "top-p"], capture_output=True, text=True, timeout=120)
+    out = prewarmed.run("mllm.sample", ["--checkpoint", url, "--prompt", "two", "--method", "top-p"], timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and out.stderr.count("\n") == 1
     assert "greedy, beam, temperature" in out.stderr
 

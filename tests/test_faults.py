@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from conftest import cli, make_text, one_line_error
@@ -60,8 +60,8 @@ def test_checkpoint_errors_name_the_real_cause(tmp_path, own_stores):
                   "vocab": str(tmp_path / "vocab.json"), "checkpoint_dir": str(tmp_path / "ckpt")}})
     checkpoint = train(cfg).checkpoint
     if not __import__("torch").cuda.is_available():
-        out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", checkpoint, "--prompt", "the ",
-                              "--device", "cuda"], capture_output=True, text=True, timeout=120)
+        out = prewarmed.run("mllm.sample", ["--checkpoint", checkpoint, "--prompt", "the ", "--device", "cuda"],
+                            timeout=120)
         line = one_line_error(out, "no CUDA GPU is visible", "cpu")
         assert "corrupt" not in line
     env, *_ = own_stores
@@ -152,8 +152,7 @@ def _first_checkpoint(storage: Path, proc: subprocess.Popen, timeout: float = 30
 
 def _interruptible(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     # A process group of its own, as a terminal gives a command: the signal goes to the group.
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "COLUMNS": "200", **env}, start_new_session=True)
+    return prewarmed.start("flows.cli", args, {**os.environ, "COLUMNS": "200", **env}, new_session=True)
 
 
 def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, own_stores):
@@ -217,8 +216,7 @@ def test_every_command_that_reads_runs_says_when_nothing_is_tracked_there_and_cr
     root = tmp_path / "elsewhere" / "storage"
     for args in (["runs"], ["lineage", "smoke@champion"], ["sample", "--model", "smoke@champion"],
                  ["reproduce", "0" * 32]):
-        out = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--storage", str(root)], capture_output=True,
-                             text=True, timeout=120, env=env, cwd=tmp_path)
+        out = prewarmed.run("flows.cli", [*args, "--storage", str(root)], env=env, cwd=tmp_path, timeout=120)
         one_line_error(out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist")
         assert "INFO" not in out.stderr, out.stderr  # no MLflow lines about creating tables
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "mlflow.db").exists()
@@ -261,8 +259,7 @@ def test_sampling_a_file_that_is_no_checkpoint_is_one_line(what, tmp_path, own_s
         path.write_bytes(buf.getvalue()[:200])
     needle = "truncated or corrupt" if what == "truncated" else "is not a checkpoint"
     one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
-    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
-                         capture_output=True, text=True, timeout=120)
+    out = prewarmed.run("mllm.sample", ["--checkpoint", str(path), "--prompt", "the"], timeout=120)
     one_line_error(out, needle)
 
 
@@ -346,10 +343,8 @@ def test_two_runs_of_one_training_at_once_on_a_new_tracking_store_train_it_once(
     from mlflow.tracking import MlflowClient
 
     env, _, _, storage = own_stores
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus),
-           "--set", "train.max_steps=60", "--force"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, **env, "PREFECT_HOME": str(tmp_path / f"prefect-{i}")})
+    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=60", "--force"]
+    procs = [prewarmed.start("flows.cli", args, {**os.environ, **env, "PREFECT_HOME": str(tmp_path / f"prefect-{i}")})
              for i in range(2)]
     for p, (stdout, stderr) in zip(procs, [p.communicate(timeout=600) for p in procs]):
         assert p.returncode == 0, stderr[-3000:]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import bz2
 import os
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from conftest import cli, one_line_error
@@ -46,7 +46,6 @@ def _logged_steps(client, experiment: str) -> list[int]:
 def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, own_stores):
     import json
     import signal
-    import subprocess
     import time
 
     from mlflow.tracking import MlflowClient
@@ -56,8 +55,7 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=3000",
             "--set", "train.checkpoint_interval=3000", "--set", "train.checkpoint_minutes=60",
             "--set", "train.eval_interval=3000", "--set", "train.log_interval=10"]
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "COLUMNS": "200", **env})
+    proc = prewarmed.start("flows.cli", args, {**os.environ, "COLUMNS": "200", **env})
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     deadline = time.monotonic() + 300
     while max(_logged_steps(client, "smoke"), default=0) < 50:
@@ -88,10 +86,7 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
 
 
 def _start_training(args: list[str], env: dict[str, str]):
-    import subprocess
-
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200", **env})
+    return prewarmed.start("flows.cli", args, {**os.environ, "COLUMNS": "200", **env})
 
 
 def _wait_for_logged_step(client, proc, step: int, timeout: float = 300) -> None:
@@ -250,7 +245,6 @@ def test_sibling_storage_roots_share_the_default_store_and_a_new_root_trains(cor
 
 @pytest.mark.parametrize("case", ["newer format", "config field", "empty file"])
 def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_stores, tmp_path):
-    import subprocess
 
     import torch
 
@@ -280,8 +274,7 @@ def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_store
     else:
         path.write_bytes(b"")
     one_line_error(cli("sample", "--checkpoint", str(path), "--prompt", "the", env=env), needle)
-    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(path), "--prompt", "the"],
-                         capture_output=True, text=True, timeout=120)
+    out = prewarmed.run("mllm.sample", ["--checkpoint", str(path), "--prompt", "the"], timeout=120)
     one_line_error(out, needle)
 
 

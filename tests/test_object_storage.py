@@ -8,11 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from conftest import make_text
@@ -32,8 +32,7 @@ LONG = ["train.max_steps=3000", "train.eval_interval=100", "train.checkpoint_int
 
 
 def cli(*args: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(env))
+    return prewarmed.run("flows.cli", list(args), _env(env), timeout=timeout)
 
 
 def _env(env: dict[str, str]) -> dict[str, str]:
@@ -182,11 +181,10 @@ def test_a_store_that_hangs_mid_training_ends_the_run_like_a_dead_one_and_keeps_
     with run_s3_server(tmp_path / "s3") as server:
         server.client().create_bucket(Bucket=BUCKET)
         # One attempt per request (AWS_MAX_ATTEMPTS=1) keeps the test short: the bound scales with it.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"),
-             "--storage", f"s3://{BUCKET}/hang", *[a for s in LONG for a in ("--set", s)]],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=_env({**server.env, **stores, "AWS_MAX_ATTEMPTS": "1", "MLLM_S3_READ_TIMEOUT": str(READ_S)}))
+        proc = prewarmed.start(
+            "flows.cli", ["run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"),
+                          "--storage", f"s3://{BUCKET}/hang", *[a for s in LONG for a in ("--set", s)]],
+            _env({**server.env, **stores, "AWS_MAX_ATTEMPTS": "1", "MLLM_S3_READ_TIMEOUT": str(READ_S)}))
         stopped = None
         try:
             deadline = time.monotonic() + 240

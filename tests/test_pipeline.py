@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import prewarmed
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
@@ -71,9 +70,8 @@ def test_pipeline_writes_every_stage_and_a_usable_checkpoint(corpus: Path, tmp_p
     assert r.evaluation.tokens == len(val) - 1 or r.evaluation.tokens == len(val)
     assert (Path(r.trained.run_dir) / "samples" / "greedy.txt").is_file()
 
-    out = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", r.trained.checkpoint,
-                          "--prompt", "The ", "--max-new-tokens", "30", "--method", "top-p"],
-                         capture_output=True, text=True, timeout=120)
+    out = prewarmed.run("mllm.sample", ["--checkpoint", r.trained.checkpoint, "--prompt", "The ", "--max-new-tokens", "30", "--method", "top-p"],
+                        timeout=120)
     assert out.returncode == 0, out.stderr
     text = out.stdout.removesuffix("\n")
     assert text.startswith("The ") and len(text) == 4 + 30  # one character per new token

@@ -6,11 +6,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import mlflow.pyfunc
+import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -88,13 +88,12 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     # The same model from the CLI, by registered name and by run.
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url)
     for how in (["--model", "smoke@champion"], ["--run", r.mlflow_run_id]):
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", *how, "--prompt", "The ", "--method",
-                              "greedy", "--max-new-tokens", "15"], capture_output=True, text=True, env=env, timeout=300)
+        out = prewarmed.run("flows.cli", ["sample", *how, "--prompt", "The ", "--method", "greedy", "--max-new-tokens", "15"],
+                            env=env, timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.rstrip("\n") == text
 
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "runs", "--json"], capture_output=True, text=True,
-                         env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["runs", "--json"], env=env, timeout=300)
     rows = json.loads(out.stdout)
     [row] = [row for row in rows if row["run_id"] == r.mlflow_run_id]
     assert row["val_loss"] == pytest.approx(r.evaluation.loss) and row["mfu"] == pytest.approx(r.trained.mfu)
@@ -125,8 +124,7 @@ def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
                PREFECT_HOME=str(tmp_path / "prefect"))
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=repo, env=env, capture_output=True,
-                              text=True, timeout=600)
+        return prewarmed.run("flows.cli", list(args), env, repo, 600)
 
     sets = [a for s in FAST for a in ("--set", s)]
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(storage), *sets)
@@ -172,8 +170,7 @@ def test_reproducing_a_skipped_run_on_s3_compares_with_the_training_it_reused_an
                    PREFECT_HOME=str(tmp_path / "prefect"))
 
         def cli(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--storage", "s3://runs/r"], cwd=repo,
-                                  env=env, capture_output=True, text=True, timeout=600)
+            return prewarmed.run("flows.cli", [*args, "--storage", "s3://runs/r"], env, repo, 600)
 
         sets = [a for s in FAST for a in ("--set", s)]
         for _ in range(2):  # the second finds the champion trained on the same data, config and code

@@ -2,9 +2,8 @@
 repeat, beam search beats greedy, and the CLI turns a checkpoint and a prompt into text."""
 
 import json
-import subprocess
-import sys
 
+import prewarmed
 import pytest
 import torch
 import torch.nn.functional as F
@@ -364,7 +363,6 @@ def test_cli_user_errors_exit_2_without_traceback(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'Q'" in err and err.count("\n") == 1
     # The module runs as a script too.
-    r = subprocess.run([sys.executable, "-m", "mllm.sample", "--checkpoint", str(tmp_path / "none.pt"),
-                        "--prompt", "the "], capture_output=True, text=True)
+    r = prewarmed.run("mllm.sample", ["--checkpoint", str(tmp_path / "none.pt"), "--prompt", "the "])
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "none.pt" in r.stderr
     assert "Traceback" not in r.stderr

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 
@@ -24,8 +25,7 @@ FAST = ["train.max_steps=40", "train.eval_interval=10", "train.checkpoint_interv
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, COLUMNS="200"), cwd=REPO)
+    return prewarmed.run("flows.cli", list(args), dict(os.environ, COLUMNS="200"), REPO, timeout)
 
 
 def _sets(overrides: list[str]) -> list[str]:

@@ -5,12 +5,11 @@ itself, and on a TSV file of pairs."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pyarrow.parquet as pq
+import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -67,21 +66,21 @@ def test_seq2seq_smoke_trains_scores_draws_attention_and_registers_a_translator(
     lines = tmp_path / "lines.txt"
     lines.write_text("twenty-one\n\nthree hundred and five\n")
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--model", "seq2seq-smoke@champion",
-                          "--prompt-file", str(lines)], capture_output=True, text=True, env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--model", "seq2seq-smoke@champion", "--prompt-file", str(lines)],
+                        env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     first, third = model.predict(texts)
     assert out.stdout.splitlines() == [first, "", third]  # a line an answer: the blank line stays blank
     # A line with a word the source vocabulary lacks is named; the other lines are translated.
     lines.write_text("twenty-one\neleventy one\nthree hundred and five\n")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--model", "seq2seq-smoke@champion",
-                          "--prompt-file", str(lines)], capture_output=True, text=True, env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--model", "seq2seq-smoke@champion", "--prompt-file", str(lines)],
+                        env=env, timeout=300)
     assert out.returncode == 2 and out.stdout.splitlines() == [first, "", third], out.stderr[-2000:]
     assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
         f"error: 1 of 3 lines of {lines} were not answered (left blank): line 2: the input has tokens the source "
         "vocabulary lacks: 'eleventy'; leave them out or rephrase"]
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "sample", "--checkpoint", r.trained.best_checkpoint,
-                          "--prompt", "eleventy one"], capture_output=True, text=True, env=env, timeout=300)
+    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "eleventy one"],
+                        env=env, timeout=300)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: the input has tokens the source vocabulary lacks: 'eleventy'; leave them out or rephrase"]
 
@@ -116,8 +115,8 @@ def test_a_tsv_of_pairs_trains_and_a_file_without_pairs_is_one_line(tmp_path: Pa
 
     bad = tmp_path / "bad.tsv"
     bad.write_text("no tab here\n\t\n")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "seq2seq-smoke", "--source", str(bad),
-                          "--storage", str(tmp_path / "s2")], capture_output=True, text=True, timeout=300)
+    out = prewarmed.run("flows.cli", ["run", "--recipe", "seq2seq-smoke", "--source", str(bad), "--storage", str(tmp_path / "s2")],
+                        timeout=300)
     assert out.returncode == 2
     errors = [line for line in out.stderr.splitlines() + out.stdout.splitlines() if "no valid pair" in line]
     assert errors == [f"error: {bad} has no valid pair in 2 lines: give lines of 'source<TAB>target' "

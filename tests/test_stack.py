@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import prewarmed
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
@@ -54,9 +55,7 @@ class Stack:
         return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
     def cli(self, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**os.environ, **self.env, "MLLM_LOST_AFTER_S": "8", **env})
+        return prewarmed.start("flows.cli", list(args), {**os.environ, **self.env, "MLLM_LOST_AFTER_S": "8", **env}, cwd)
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +209,7 @@ def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finis
 
 
 def test_stack_status_reports_each_service(stack_env: Stack, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status", "--home", str(stack_env.home)],
-                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = prewarmed.run("flows.cli", ["stack", "status", "--home", str(stack_env.home)], cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     for name in ("prefect-server", "mlflow-server", "worker"):
@@ -226,8 +224,7 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     try:
         stack.save(tmp_path, [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"),
                                                    pid=other.pid)], {}, "local", "storage", {})
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "status", "--home", str(tmp_path)],
-                             capture_output=True, text=True, timeout=60)
+        out = prewarmed.run("flows.cli", ["stack", "status", "--home", str(tmp_path)], timeout=60)
         assert out.returncode == 1 and "mlflow-server   NOT RUNNING" in out.stdout
         assert stack.down(tmp_path) == [("mlflow-server", False), ("worker", True)]
         assert ours._popen.poll() is not None and other.poll() is None
@@ -257,8 +254,7 @@ def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then
     env = {**os.environ, "HOME": str(tmp_path / "home"), "MLLM_STACK_HOME": str(home)}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", "stack", *args], cwd=tmp_path, text=True,
-                              capture_output=True, env=env, timeout=300)
+        return prewarmed.run("flows.cli", ["stack", *args], env=env, cwd=tmp_path, timeout=300)
 
     new = ("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), "--storage", str(tmp_path / "storage"))
     try:
@@ -327,8 +323,7 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     fast = FAST + ["data.split.span_bytes=1024"]  # these books give 45 spans, 4 of them val; with the fourth 60 and 5
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=tmp_path, text=True, capture_output=True,
-                              env={**os.environ, **stack_env.env}, timeout=120)
+        return prewarmed.run("flows.cli", list(args), {**os.environ, **stack_env.env}, tmp_path, 120)
 
     out = cli("schedule", "--recipe", "smoke", "--interval", "20", "--source", source, "--storage", root,
               *[a for s in fast for a in ("--set", s)])
@@ -428,9 +423,8 @@ def test_a_sweep_on_the_pool_trains_its_points_side_by_side_on_the_worker(stack_
 
 
 def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: Stack, tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "schedule", "--recipe", "default", "--cron", "0 3 1 1 *",
-                          "--storage", f"s3://{BUCKET}/form"], cwd=tmp_path, text=True, capture_output=True,
-                         env={**os.environ, **stack_env.env}, timeout=120)
+    out = prewarmed.run("flows.cli", ["schedule", "--recipe", "default", "--cron", "0 3 1 1 *", "--storage", f"s3://{BUCKET}/form"],
+                        env={**os.environ, **stack_env.env}, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     with get_client(sync_client=True) as prefect:
         deployment = prefect.read_deployment_by_name("pipeline/default")

@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import prewarmed
 import pytest
 from conftest import make_text
 
@@ -150,15 +151,13 @@ class Secured:
         return {**base, "PREFECT_HOME": str(self.home.parent / "client-prefect"), **changes}
 
     def cli(self, *args: str, user: str | None, cwd: Path, **changes: str) -> subprocess.CompletedProcess:
-        done = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True, capture_output=True,
-                              env=self.env(user, **changes), timeout=600)
+        done = prewarmed.run("flows.cli", [*args], env=self.env(user, **changes), cwd=cwd, timeout=600)
         self.terminal += [done.stdout, done.stderr]
         return done
 
 
 def _worker_env(home: Path, user: str) -> dict[str, str]:
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "worker-env", "--home", str(home),
-                           "--user", user], capture_output=True, text=True, check=True)
+    done = prewarmed.run("flows.cli", ["stack", "worker-env", "--home", str(home), "--user", user], check=True)
     return dict(line.split("=", 1) for line in done.stdout.splitlines())
 
 
@@ -172,8 +171,7 @@ def secured(tmp_path_factory) -> Secured:
         stack.up(home, str(storage), pool="local", prefect_port=0, mlflow_port=0, auth=True,
                  worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
         for name, role in (("vic", "viewer"), ("wendy", "worker")):
-            subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "add", name, "--role", role,
-                            "--home", str(home)], check=True, capture_output=True)
+            prewarmed.run("flows.cli", ["stack", "user", "add", name, "--role", role, "--home", str(home)], check=True)
         yield Secured(home, storage, {u: _worker_env(home, u) for u in ("vic", "wendy", "stack-admin")}, [])
     finally:
         stack.down(home, force=True)
@@ -432,19 +430,15 @@ def test_rotation_and_removal_take_effect_at_once_on_both_servers(secured: Secur
         return (_call(f"{api}/flow_runs/filter", ca, (user, secret), "POST", {}),
                 _call(f"{tracking}/api/2.0/mlflow/experiments/search?max_results=1", ca, (user, secret)))
 
-    subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "add", "tmp-worker", "--home", home],
-                   check=True, capture_output=True)
+    prewarmed.run("flows.cli", ["stack", "user", "add", "tmp-worker", "--home", home], check=True)
     old = stack_auth.read_users(secured.home)["users"]["tmp-worker"]["secret"]
     assert answers("tmp-worker", old) == (200, 200)
-    subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "rotate", "tmp-worker", "--home", home],
-                   check=True, capture_output=True)
+    prewarmed.run("flows.cli", ["stack", "user", "rotate", "tmp-worker", "--home", home], check=True)
     new = stack_auth.read_users(secured.home)["users"]["tmp-worker"]["secret"]
     assert answers("tmp-worker", old) == (401, 401) and answers("tmp-worker", new) == (200, 200)
-    subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "remove", "tmp-worker", "--home", home],
-                   check=True, capture_output=True)
+    prewarmed.run("flows.cli", ["stack", "user", "remove", "tmp-worker", "--home", home], check=True)
     assert answers("tmp-worker", new) == (401, 401)
-    listed = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "list", "--home", home],
-                            check=True, capture_output=True, text=True).stdout
+    listed = prewarmed.run("flows.cli", ["stack", "user", "list", "--home", home], check=True).stdout
     assert "tmp-worker" not in listed and "vic" in listed and new not in listed
 
 

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import prewarmed
 import pytest
 from conftest import make_text
 from servers import quiet_env, serving
@@ -91,11 +92,10 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
                 socket.create_connection(("127.0.0.1", int(api.split(":")[2].split("/")[0])), timeout=3).close()
             envs = {}
             for user, role in (("gpu-box", "worker"), ("vic", "viewer")):
-                subprocess.run([sys.executable, "-m", "flows.cli", "stack", "user", "add", user, "--role", role,
-                                "--home", str(home)], check=True, capture_output=True)
-                out = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "worker-env", "--home", str(home),
-                                      "--user", user, "--with-storage-credentials"],
-                                     check=True, capture_output=True, text=True).stdout
+                prewarmed.run("flows.cli", ["stack", "user", "add", user, "--role", role, "--home", str(home)],
+                              check=True)
+                out = prewarmed.run("flows.cli", ["stack", "worker-env", "--home", str(home), "--user", user, "--with-storage-credentials"],
+                                    check=True).stdout
                 (tmp_path / f"{user}.env").write_text(out)
                 envs[user] = dict(line.split("=", 1) for line in out.splitlines())
             assert envs["gpu-box"]["AWS_ENDPOINT_URL"] == s3 and envs["gpu-box"]["PREFECT_WORK_POOL"] == "local"

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 import psycopg
+import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
@@ -110,8 +110,7 @@ def pg_stack(open_dir: Path) -> Iterator[dict]:
 
 
 def _cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, text=True, capture_output=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
+    return prewarmed.run("flows.cli", list(args), {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd, timeout)
 
 
 def _cluster_query(home: Path, db: str, sql: str) -> list[tuple]:
@@ -216,11 +215,10 @@ def test_two_searches_on_the_stacks_postgres_share_one_study_and_together_run_it
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=11))
     started = datetime.now().astimezone()
-    args = [sys.executable, "-m", "flows.cli", "search", "--recipe", "smoke", "--source", str(corpus), "--storage",
+    args = ["search", "--recipe", "smoke", "--source", str(corpus), "--storage",
             pg_stack["root"], "--space", "train.lr=log:1e-4..1e-2", "--trials", "5", "--sampler", "random",
             "--startup-trials", "1", "--study", "shared", *[a for s in FAST for a in ("--set", s)]]
-    procs = [subprocess.Popen(args, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-             for _ in range(2)]
+    procs = [prewarmed.start("flows.cli", args, env, tmp_path) for _ in range(2)]
     outs = [p.communicate(timeout=500) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
@@ -368,10 +366,9 @@ def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_
     steps = ["train.max_steps=2000", "train.checkpoint_interval=20", "train.log_interval=10", "sample.max_new_tokens=10"]
     runs = Path(pg_stack["root"]) / "runs"
     before = set(runs.glob("*/checkpoints/last.pt"))
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus),
-                             "--storage", pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]],
-                            cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    proc = prewarmed.start("flows.cli", ["run", "--recipe", "smoke", "--source", str(corpus), "--storage",
+                                         pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]],
+                           {**os.environ, "OMP_NUM_THREADS": "1", **env}, tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
@@ -417,12 +414,11 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     corpus.write_text(make_text(3000, seed=7))
     steps = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50", "train.log_interval=10",
              "sample.max_new_tokens=10"]
-    args = [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(corpus), "--storage",
+    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--storage",
             pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]]
     runs = Path(pg_stack["root"]) / "runs"
     before = set(runs.glob("*/checkpoints/last.pt"))
-    proc = subprocess.Popen(args, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    proc = prewarmed.start("flows.cli", args, {**os.environ, "OMP_NUM_THREADS": "1", **env}, tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
@@ -457,7 +453,7 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     assert _cli("stack", "status", "--home", str(home), cwd=tmp_path).returncode == 0
 
     # The same command again: the data stages are cached, the training in storage goes on or is reused.
-    again = _cli(*args[3:], cwd=tmp_path, env=env)
+    again = _cli(*args, cwd=tmp_path, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     for stage in ("tokenize", "build-vocabulary", "split"):
         assert any(stage in line and "Cached" in line for line in again.stderr.splitlines()), stage

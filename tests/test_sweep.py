@@ -7,9 +7,9 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 from flows.sweep import expand, parse_grid, resolve_points, split_values
@@ -22,8 +22,7 @@ FAST = ["train.max_steps=6", "train.eval_interval=6", "train.checkpoint_interval
 
 
 def cli(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, COLUMNS="200", **(env or {})))
+    return prewarmed.run("flows.cli", list(args), dict(os.environ, COLUMNS="200", **(env or {})), timeout=timeout)
 
 
 def _sets(overrides: list[str]) -> list[str]:

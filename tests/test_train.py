@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import prewarmed
 import pytest
 import torch
 import yaml
@@ -341,8 +342,7 @@ def test_another_vocabulary_is_refused(data_dir, tmp_path):
 
 def run_cli(*args, cwd=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "mllm.train", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+    return prewarmed.run("mllm.train", [*args], env=env, cwd=cwd, timeout=300)
 
 
 def write_config(path: Path, cfg: RunConfig) -> Path:

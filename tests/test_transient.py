@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import prewarmed
 import pytest
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
@@ -65,12 +66,11 @@ def _when_training_starts(root: Path, fault) -> threading.Thread:
 def _sweep(servers: dict, tmp_path: Path, seed: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=seed))
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", "sweep", "--recipe", "smoke", "--source", str(corpus), "--storage",
-         str(tmp_path / "storage"), "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in STEPS for a in ("--set", s)]],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO), **servers["env"],
-             **(env or {})})
+    args = ["sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
+            "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in STEPS for a in ("--set", s)]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO), **servers["env"],
+           **(env or {})}
+    return prewarmed.run("flows.cli", args, env, tmp_path, 600)
 
 
 def _point_runs(servers: dict, out: subprocess.CompletedProcess, view: int = ViewType.ACTIVE_ONLY) -> list:
