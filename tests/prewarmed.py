@@ -38,7 +38,8 @@ from pathlib import Path
 
 # Imported once, ahead of every command: large, and indifferent to the command's environment.
 AHEAD = ("torch", "numpy", "pandas", "pyarrow", "pyarrow.parquet", "mlflow", "mlflow.tracking", "fsspec",
-         "s3fs", "httpx", "fastapi", "sqlalchemy", "pydantic", "typer", "rich.console", "rich.progress", "yaml")
+         "s3fs", "httpx", "fastapi", "sqlalchemy", "pydantic", "pydantic.v1", "typer", "rich.console", "rich.progress",
+         "yaml", "mlflow.pyfunc")
 
 
 # --- the fork server ----------------------------------------------------------------------------

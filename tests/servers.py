@@ -287,9 +287,11 @@ def registry(docker_engine, tmp_path_factory) -> Iterator[Registry]:
     if binary is None:
         skip_docker(f"Docker tests: no image registry (docker-registry) on PATH; {SETUP_HINT}")
     folder = tmp_path_factory.mktemp("registry")
-    # Its storage outlives the session, as a cache: the next session's push finds the layers
-    # there (the image's dependency layer is 2 GB, 80 s to push).
-    data = REPO / ".pytest_cache" / "mllm-registry"
+    # Its storage outlives the session and the checkout, as Docker's own layer cache does: the
+    # next session's push, from this clone or a fresh one, finds the layers there (the image's
+    # dependency layer is 2 GB, 80 s to push). Blobs are named by their digest, so a stale one
+    # is never taken for another.
+    data = Path(os.environ.get("MLLM_TEST_REGISTRY_CACHE", "/var/tmp/mllm-pipeline-tests/registry"))
     port = free_port()
     config = folder / "config.yml"
     config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {data}\n"
