@@ -173,6 +173,8 @@ def _own_mlflow_store(tmp_path: Path, monkeypatch, empty_mlflow_store: bytes) ->
     another skip its training. (`own_stores` gives a store that does not exist yet.)"""
     (tmp_path / "mlflow-store").mkdir()
     (tmp_path / "mlflow-store" / "mlflow.db").write_bytes(empty_mlflow_store)
+    if "mlflow" in sys.modules:  # an earlier test's set_tracking_uri outlives it and wins over the variable
+        sys.modules["mlflow"].set_tracking_uri(None)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow-store' / 'mlflow.db'}")
 
 
