@@ -102,7 +102,12 @@ def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> 
     if prompts is None:
         loaded = getattr(model.unwrap_python_model(), "loaded", None)
         prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
-    return list(model.predict(prompts, params=params or None))
+    try:
+        return list(model.predict(prompts, params=params or None))
+    except MlflowException as e:  # the served model's refusal of a parameter, as a server would answer it
+        if e.error_code != "INVALID_PARAMETER_VALUE":
+            raise
+        raise UserError(e.message) from None
 
 
 # --- reproduce ----------------------------------------------------------------------------
