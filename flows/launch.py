@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import ssl
 import urllib.error
 import urllib.request
@@ -177,6 +178,16 @@ def check_prefect_server(timeout: float = 5.0) -> None:
     line = version_line(clean, str(server), version("prefect"))
     if line:
         raise UserError(line)
+
+
+# A registered model's name, as `models:/NAME@champion` takes it.
+MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+
+
+def check_model_name(name: str) -> None:
+    if not re.fullmatch(MODEL_NAME, name):
+        raise UserError(f"--model {name!r} is not a model name: use letters, digits, '.', '_' and '-' (at most 128, "
+                        "the first a letter or digit), e.g. --model stdlib-smoke")
 
 
 def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,

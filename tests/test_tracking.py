@@ -405,12 +405,20 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     name = cfg.recipe
     client = MlflowClient(uri)
     results = []
-    for loss in (2.0, 2.5, 1.5):
+    corpus, other = ["a" * 64, "b" * 64], ["c" * 64]
+    # The last two: a far better model of a corpus that shares no file with the champion's, under
+    # the recipe's name (no rival: registered beside it) and under a name of its own (its first).
+    for loss, files, model_name in ((2.0, corpus, None), (2.5, corpus, None), (1.5, corpus, None),
+                                    (0.5, other, None), (0.5, other, f"{name}-other")):
         with RunTracker(cfg, str(tmp_path / "storage")) as run:
-            results.append(registry.log_model(run, _scored(checkpoint, loss)).model_dump(mode="json"))
-            results[-1]["champion"] = str(client.get_model_version_by_alias(name, "champion").version)
+            results.append(registry.log_model(run, _scored(checkpoint, loss), files=files,
+                                              model_name=model_name).model_dump(mode="json"))
+            results[-1]["champion"] = str(client.get_model_version_by_alias(model_name or name, "champion").version)
     assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
-        ("1", True, "1"), ("2", False, "1"), ("3", True, "3")]
+        ("1", True, "1"), ("2", False, "1"), ("3", True, "3"), ("4", False, "3"), ("1", True, "1")]
+    assert results[3]["reason"].startswith("not judged against champion v3, whose corpus shares no file with this run's")
+    assert results[4]["name"] == f"{name}-other" and results[4]["reason"] == "no champion yet"
+    assert registry.current_champion(client, name).files == sorted(f[:16] for f in corpus)
     assert results[0]["previous"] is None
     assert results[1]["previous"]["version"] == "1" and results[1]["previous"]["val_loss"] == 2.0
     assert results[2]["previous"]["version"] == "1"

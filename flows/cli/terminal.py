@@ -65,8 +65,9 @@ class _QuietAfterUserError(logging.Filter):
 
     Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
     are what the terminal shows:
-    of the info lines only a retry, a stage reused (Cached) and the stages' notices
-    (`tasks.NOTICE`: a wait, a converted source) stay; warnings and errors always do. Without a
+    of the info lines only a retry and the stages' notices (`tasks.NOTICE`: a wait, a converted
+    source) stay, not Prefect's "Finished in state Cached" of each stage reused; warnings and
+    errors always do. Without a
     terminal (a log file, CI) every line stays: there they are the progress."""
 
     def __init__(self) -> None:
@@ -94,7 +95,7 @@ class _QuietAfterUserError(logging.Filter):
             self.failed = True
             return False
         if self.terse and record.levelno < logging.WARNING:
-            return "Finished in state Cached" in message or bool(getattr(record, "notice", False))
+            return bool(getattr(record, "notice", False))
         return True
 
 
