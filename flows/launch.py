@@ -193,8 +193,8 @@ def check_model_name(name: str) -> None:
 def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,
              train_here: bool = True, trains: bool = True):
     """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
-    server, a source that is missing, unreachable, or (a local file) not usable text, and a
-    device this machine lacks, all fail at once in one line."""
+    server, a source that is missing, unreachable, or (a local file) not usable text, a local
+    corpus's file whose head is not, and a device this machine lacks, all fail at once in one line."""
     from mllm.data import corpus, files
     from mllm.family import family_of
     from mllm.runtime.devices import resolve_device
@@ -212,6 +212,12 @@ def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] 
             # fails here. A corpus of many files is checked file by file by the download stage.
             found, _ = files.list_files(cfg.data.sources)
             single = found[0].url if len(found) == 1 and found[0].format == "text" else None
+            if not single and cfg.data.bad_files == "fail":
+                # Each local file's head: a bad file is this one line, before Prefect or storage
+                # are touched, not a stage's failure half a minute in (11 MB in 668 files: 0.2 s).
+                for f in found:
+                    if "://" not in f.url or f.url.startswith("file://"):
+                        files.check_head(f, cfg.data.text_field)
         if single:
             try:
                 corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
