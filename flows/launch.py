@@ -80,25 +80,43 @@ def preflight(root: str) -> None:
     check_prefect_server()
 
 
+# The local folders this process made for a storage root, deepest first: a command that ends in
+# a mistake takes away those still empty (`remove_empty_roots`), so that it leaves nothing behind.
+made_roots: list[Path] = []
+
+
 def check_storage(root: str) -> None:
     if "://" in root and not root.startswith("file://"):
         storage.check_writable(root, "choose another --storage (or MLLM_STORAGE)")
         return
     path = Path(root.removeprefix("file://"))
     fix = "choose another folder with --storage or MLLM_STORAGE"
+    missing = []
     for folder in [path, *path.parents]:
         if folder.exists():
             if not folder.is_dir():
                 what = "is" if folder == path else f"is under {folder}, which is"
                 raise UserError(f"storage root {root} {what} a file, not a folder: {fix}")
             break
+        missing.append(folder)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        made_roots.extend(f for f in missing if f not in made_roots)
         probe = path / f".mllm-write-test-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise UserError(f"storage root {root} cannot be written ({e.strerror or type(e).__name__}): {fix}") from None
+
+
+def remove_empty_roots() -> None:
+    """The storage folders this process made that are still empty, removed."""
+    for folder in made_roots:
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            pass
+    made_roots.clear()
 
 
 def check_tracked(root: str) -> None:

@@ -365,13 +365,16 @@ def test_many_file_mistakes_end_in_one_line(case: str, tmp_path: Path) -> None:
         source = str(folder / "**" / "*.jsonl")
     elif case == "jsonl line":
         _books(folder, 1)
-        (folder / "x.jsonl").write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
+        # Past the head that is read before Prefect starts: the download stage finds it.
+        (folder / "x.jsonl").write_text((json.dumps({"text": "fine " * 20}) + "\n") * 1000 + "not json\n")
     root = tmp_path / "storage"
     out = cli("run", "--recipe", "smoke", "--source", source, "--storage", str(root), cwd=tmp_path)
     needles = {"empty folder": ["holds no files", str(folder)], "glob": ["matches no file"],
-               "jsonl line": ["x.jsonl line 2 is not JSON"]}[case]
+               "jsonl line": ["x.jsonl line 1001 is not JSON"]}[case]
     _one_line_error(out, *needles)
-    assert not root.exists()  # each found before Prefect starts
+    # No stage but the good files' copies, and no empty folder of Prefect's results.
+    assert not list(root.glob("corpora/*")) and not list(root.glob("tokens/*"))
+    assert not (root / "prefect-results").exists() and (case == "jsonl line" or not root.exists())
 
 
 # --- object storage and a Dask cluster ---------------------------------------------------------

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tasks
+from flows.launch import remove_empty_roots
 from flows.stack.auth_errors import auth_line
 from flows.stack.database import down_line
 from mllm import UserError
@@ -46,11 +47,13 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except UserError as e:
+        remove_empty_roots()
         fail(str(e))
     except Exception as e:
         message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
+        remove_empty_roots()
         fail(message)
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "

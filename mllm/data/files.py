@@ -236,7 +236,7 @@ def check_head(f: SourceFile, text_field: str) -> None:
         return
     _, _, src = open_source(f.url)
     with src:
-        read, _ = _decompressed(f.url, src.read)
+        read, _ = _decompressed(f.url, lambda k: src.read(min(k, HEAD)))
         block = read(HEAD)
         whole = len(block) < HEAD or not read(1)
     if not block:
