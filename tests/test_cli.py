@@ -89,13 +89,27 @@ def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_so
     # `runs`: every column has its header, the model's LoggedModel id too.
     from mlflow.tracking import MlflowClient
 
+    from tasks.tracking.provenance import process_tag
+
     tracking = MlflowClient()
-    run = tracking.create_run(tracking.create_experiment("smoke"), tags={"model_id": "m-0123abcd"})
+    experiment = tracking.create_experiment("smoke")
+    run = tracking.create_run(experiment, tags={"model_id": "m-0123abcd"})
     tracking.set_terminated(run.info.run_id, "KILLED")
+    # A run whose process was killed with no word (kill -9) is RUNNING in MLflow: listed KILLED.
+    sleeper = subprocess.Popen(["sleep", "60"])
+    tag = process_tag(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    tracking.create_run(experiment, tags={"process": tag, "reproduces": "0123456789" * 3 + "ab"})
+    tracking.create_run(experiment, tags={"process": process_tag()})  # this process: running indeed
     out = CliRunner().invoke(app, ["runs"], catch_exceptions=False)
-    header, row = out.output.splitlines()
-    assert header.split()[-2:] == ["started", "model"] and row.endswith("  m-0123abcd"), out.output
-    assert row.index("m-0123abcd") == header.index("model"), out.output
+    header, *rows = out.output.splitlines()
+    assert header.split()[-3:] == ["started", "model", "reproduces"], out.output
+    status = header.index("status")
+    assert [r[status:].split()[0] for r in rows] == ["RUNNING", "KILLED", "KILLED"], out.output
+    assert rows[1].endswith("  01234567") and rows[2].split()[-2:] == ["m-0123abcd", "-"], out.output
+    assert rows[1].index("01234567") == header.index("reproduces"), out.output
+    assert rows[2].index("m-0123abcd") == header.index("model"), out.output
     out = CliRunner().invoke(app, ["--version"])
     assert out.exit_code == 0 and re.fullmatch(r"mllm-pipeline \d+\.\d+\.\d+\S*\n", out.output), out.output
     # Every code block of the docs is closed: a stray fence turns the rest of a page into code.
@@ -113,7 +127,8 @@ def test_recipes_lists_the_shipped_recipes() -> None:
                  "seq2seq-numbers-rnn", "seq2seq-numbers-transformer", "seq2seq-smoke"):
         assert name in lines
     assert lines["shakespeare-gpt"][1:] == ["gpt", "char", "6x6x384", "5000", "steps"]
-    assert lines["seq2seq-numbers-transformer"][1:4] == ["seq2seq-transformer", "word", "->"]
+    assert lines["seq2seq-numbers-transformer"][1:6] == ["seq2seq-transformer", "word", "->", "bpe", "2+2x4x128"]
+    assert lines["seq2seq-numbers-rnn"][5] == "2x256"  # its encoder's hidden size, as README says
 
 
 def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
