@@ -94,7 +94,9 @@ def check_params(loaded: Any, params: dict[str, Any], max_new_tokens: int) -> No
 class _UnknownParams(logging.Filter):
     """MLflow drops a request's parameter that the model's signature lacks before the model sees
     the request, saying so only in the server's log (`_enforce_params_schema` in
-    mlflow/models/utils.py, MLflow 3.17): that warning becomes the request's answer, a 400."""
+    mlflow/models/utils.py, MLflow 3.17): that warning becomes the request's answer, a 400.
+    (A server whose MLflow logging is set above WARNING never makes the record: there MLflow's
+    silence stands. tests/test_tracking.py fails if MLflow changes the warning's words.)"""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
