@@ -1,11 +1,18 @@
-"""The champion policy, as pure functions of typed inputs: no server, no store."""
+"""The champion policy, as pure functions of typed inputs: no server, no store (a corpus's
+manifest, for what its files are, in a temporary folder)."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from tasks.tracking.registry import Champion, ChampionScore, decide, files_tag, skip_reason
+from tasks.tracking.registry import (
+    Champion,
+    ChampionScore,
+    decide,
+    files_tag,
+    skip_reason,
+)
 
 CHAMP = Champion(name="smoke", version="3", val_loss=1.5, splits_key="s1", checkpoint="mem://c.pt",
                  headline="val_bits_per_byte", score=2.0)
