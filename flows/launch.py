@@ -232,7 +232,8 @@ def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] 
             single = found[0].url if len(found) == 1 and found[0].format == "text" else None
             if not single and cfg.data.bad_files == "fail":
                 # Each local file's head: a bad file is this one line, before Prefect or storage
-                # are touched, not a stage's failure half a minute in (11 MB in 668 files: 0.2 s).
+                # are touched, not a stage's failure half a minute in (the standard library's 168
+                # top-level modules, 4.7 MB: 0.06 s on 2 cores at load 5).
                 for f in found:
                     if "://" not in f.url or f.url.startswith("file://"):
                         files.check_head(f, cfg.data.text_field)
