@@ -17,7 +17,7 @@ from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows import dispatch
-from flows.launch import data_runner, preflight, storage_root, training_pool, with_results
+from flows.launch import check_model_name, data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig
@@ -25,7 +25,7 @@ from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
 from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
-from tasks.data.download import corpus_changes, download, download_source
+from tasks.data.download import corpus_changes, download, download_source, file_identities
 from tasks.data.generated import generate_data
 from tasks.data.pairs import numbers_corpus, prepare_pairs
 from tasks.data.split import split_source
@@ -33,7 +33,8 @@ from tasks.data.tokenize import dropped_line, tokenize_source
 from tasks.data.vocabulary import build_vocabulary
 from tasks.tracking import outage
 from tasks.model import Evaluation, Prepared, Trained, describe
-from tasks.tracking.registry import Champion, Outcome, current_champion, log_outcome, log_skipped, skip_reason, version_trained_on
+from tasks.tracking.registry import (Champion, Outcome, current_champion, log_outcome, log_skipped,
+                                     shares_files, skip_reason, version_trained_on)
 from tasks.tracking.tracker import RunTracker, log_data, run_url
 from tasks.tracking.tracker import client as tracking_client
 
@@ -105,7 +106,7 @@ def _run_name() -> str:
 
 # The pipeline's parameters as the Prefect UI's Run form names them, for the CLI options of the same.
 FORM_FIELDS = {"--set": "overrides", "--storage": "storage_url", "--source": "source", "--train-on": "train_on",
-               "--recipe": "recipe", "--tag": "tags", "--force": "force"}
+               "--recipe": "recipe", "--tag": "tags", "--force": "force", "--model": "model"}
 
 
 def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -131,7 +132,8 @@ def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
 @_form_fields
 def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = None, storage_url: str | None = None,
              overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
-             train_on: str | None = None, force: bool = False, reproduces: str | None = None) -> PipelineResult:
+             train_on: str | None = None, force: bool = False, reproduces: str | None = None,
+             model: str | None = None) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
     The source is always read again. When a version of the recipe's model was trained on the same
@@ -149,8 +151,12 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
             register and judge again (a finished training of the same key in storage is reused, not repeated).
         reproduces: The MLflow run this run reproduces (`mllm-pipeline reproduce` sets it): it trains and
             evaluates, registers nothing and moves no alias; the run is tagged `reproduces`.
+        model: The registered model the run's model joins and is judged in [the recipe's name].
     """
     cfg = resolve(recipe, overrides=overrides, source=source)
+    if model:
+        check_model_name(model)
+    model_name = model or cfg.recipe
     root = storage_root(storage_url)
     preflight(root)
     pool = training_pool(recipe, train_on)
@@ -163,12 +169,12 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         key = model_tasks.train_key(cfg, data)
         registry = tracking_client(root)
         # A reproduction never reads or touches the registry: it verifies a run, it never competes.
-        champion = None if reproduces else current_champion(registry, cfg.recipe)
+        champion = None if reproduces else current_champion(registry, model_name)
         # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
         # run skips only when this root holds the finished training, so a new --storage trains.
         trained_here = storage.exists(layout.folder(root, layout.RUNS, key, "trained.json"))
         skip = None if force or reproduces or not trained_here else skip_reason(
-            champion, version_trained_on(registry, cfg.recipe, key), data.raw_sha256, key)
+            champion, version_trained_on(registry, model_name, key), data.raw_sha256, key)
         trained = evaluation = None
         samples: dict[str, list[str]] = {}
         where = {"train.pool": pool} if pool else {}
@@ -194,7 +200,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
                 trained = run_training(cfg, data, root, run.run_id, pool)
                 evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
                 outage.check_back(trained.run_dir)
-                outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces)
+                outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces, model_name)
     result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
                             reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
                             mlflow_run_id=run.run_id, champion=outcome, corpus_changes=changes)
@@ -204,16 +210,20 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
 
 def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: Evaluation,
           samples: dict[str, list[str]], data: Prepared, champion: Champion | None,
-          reproduces: str | None = None) -> Outcome:
-    """Register the challenger; it becomes champion only if it beats the champion on the same
-    validation split (the champion's checkpoint is scored on this run's split when its own differs).
-    A reproduction is logged the same way but registered and judged not at all."""
+          reproduces: str | None = None, model: str | None = None) -> Outcome:
+    """Register the challenger under `model` (default: the recipe); it becomes champion only if it
+    beats the champion on the same validation split (the champion's checkpoint is scored on this
+    run's split when its own differs), and is not judged at all against a champion whose corpus
+    shares no file with its own. A reproduction is logged the same way but registered and judged
+    not at all."""
     score = None
-    if champion and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
+    files = None if family_of(cfg).data == "generated" else file_identities(data)
+    rival = champion is not None and shares_files(champion, files)
+    if rival and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
         scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
     return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,
-                       reproduces)
+                       reproduces, model, quote(files))
 
 
 def publish(result: PipelineResult) -> None:

@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_API_URL
 from prefect.utilities.callables import parameter_schema
 
 from flows.dispatch import job_env, one_slot
-from flows.launch import storage_root, training_pool
+from flows.launch import check_model_name, storage_root, training_pool
 from flows.pipeline import pipeline
 from mllm import UserError
 from mllm.resolve import resolve
@@ -65,9 +65,12 @@ def _schedule(cron: str | None, interval: float | None, timezone: str) -> Any:
 
 def upsert(recipe: str, *, cron: str | None = None, interval: float | None = None, timezone: str = "UTC",
            pool: str = "local", train_on: str | None = None, source: str | list[str] | None = None,
-           storage_url: str | None = None, overrides: list[str] = (), paused: bool = False) -> dict[str, Any]:
+           storage_url: str | None = None, overrides: list[str] = (), paused: bool = False,
+           model: str | None = None) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
     resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
+    if model:
+        check_model_name(model)
     schedule = _schedule(cron, interval, timezone)
     _require_server()
     root = storage_root(storage_url)
@@ -76,6 +79,8 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
         params["source"] = source
     if train_on:
         params["train_on"] = train_on
+    if model:
+        params["model"] = model
     with get_client(sync_client=True) as client:
         for name in {pool, train_on} - {None}:
             try:

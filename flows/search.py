@@ -35,6 +35,7 @@ import tasks
 from flows import dispatch
 from flows.stack import database
 from flows.launch import (
+    check_model_name,
     data_runner,
     preflight,
     storage_root,
@@ -78,7 +79,7 @@ _preparing = threading.Lock()
 
 @flow(name="search-trial", on_failure=[forget_exception], on_crashed=[forget_exception])
 def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int, tags: dict[str, str],
-              pool: str | None = None) -> dict[str, Any]:
+              pool: str | None = None, model: str | None = None) -> dict[str, Any]:
     """One trial: the pipeline's training, evaluation and judgement in a run nested under the
     study's; a pruned training ends the trial without an evaluation."""
     key = model_tasks.train_key(cfg, data)
@@ -96,14 +97,15 @@ def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int
         evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
         outage.check_back(trained.run_dir)
         judge(run.run_id, cfg, root, trained, evaluation, samples, data,
-              current_champion(tracking_client(root), cfg.recipe))
+              current_champion(tracking_client(root), model or cfg.recipe), None, model)
         run.set_tags({STATE_TAG: "complete", "trial.step": str(trained.steps)})
         return {**found, "state": "complete", "value": evaluation.score, "headline": evaluation.headline}
 
 
 @task(name="search-trial", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
 def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: str | list[str] | None, root: str,
-            overrides: list[str], parent_id: str, pool: str | None, sign: float) -> TrialOutcome:
+            overrides: list[str], parent_id: str, pool: str | None, sign: float,
+            model: str | None = None) -> TrialOutcome:
     """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
     params = {field: dim.suggest(trial) for field, dim in space.items()}
     resumes = resumed_number(study.trials[trial.number])
@@ -131,7 +133,8 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
                   else trials.answering(model_tasks.train_job(cfg, data, root)[1], ask_pruner))
         with asking:
             found = trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
-                cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool)
+                cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool,
+                model=model)
     except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
@@ -314,7 +317,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
            sampler: str = "tpe", pruner: str = "median", study: str | None = None,
            source: str | list[str] | None = None, storage_url: str | None = None,
            overrides: list[str] = [], train_on: str | None = None,  # noqa: B006
-           parallel: int | None = None, startup_trials: int = 5) -> SearchResult:
+           parallel: int | None = None, startup_trials: int = 5, model: str | None = None) -> SearchResult:
     """Search a space of config fields with Optuna; each trial is a pipeline run, stopped at an
     evaluation when the pruner says so. Running it again continues the study.
 
@@ -332,7 +335,10 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
         train_on: A work pool whose workers train the trials [this process, one at a time].
         parallel: At most this many trials at once on the pool [as many as its slots take].
         startup_trials: The median pruner prunes nothing before this many trials finished.
+        model: The registered model the trials' models join [the recipe's name].
     """
+    if model:
+        check_model_name(model)
     optuna = optuna_module()
     dims = parse_space(space)
     pool = training_pool(recipe, train_on)
@@ -382,7 +388,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
                         break
                     beats.add(trial._trial_id)
                 one = run_one.with_options(task_run_name=f"trial {trial.number}")
-                args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign)
+                args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign, model)
                 if pool is None:
                     # One at a time, each asking the sampler what the last taught; in this thread,
                     # where a Ctrl-C reaches the training, which writes its checkpoint first.

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 import tasks
 from flows import dispatch
 from flows.stack import database
-from flows.launch import preflight, storage_root, training_pool, with_results
+from flows.launch import check_model_name, preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
     PointOutcome, csv_text, direction, figure, headline_of, label, markdown_table, table_rows, text_table)
@@ -165,14 +165,14 @@ def passing_failure(task: object, task_run: object, state: object) -> bool:
 @task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception],
       retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)
 def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
-              pool: str | None) -> PointOutcome:
+              pool: str | None, model: str | None = None) -> PointOutcome:
     from prefect.runtime import task_run
 
     again = task_run.run_count > 1
     if again:
         outage.wait_for_servers()  # bounded: a server still away fails the point, as it would
     r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
-                 train_on=pool, force=True)
+                 train_on=pool, force=True, model=model)
     if again:
         supersede(root, tags, r.mlflow_run_id)
     e = r.evaluation
@@ -203,7 +203,7 @@ def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
       on_failure=[forget_exception], on_crashed=[forget_exception])
 def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | list[str] | None = None,  # noqa: B006
           storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
-          train_on: str | None = None, parallel: int | None = None) -> SweepResult:
+          train_on: str | None = None, parallel: int | None = None, model: str | None = None) -> SweepResult:
     """Run the pipeline at every point of a grid of config fields and compare their headlines.
 
     Args:
@@ -214,7 +214,10 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         overrides: Config fields fixed for every point, as section.field=value.
         train_on: A work pool whose workers train the points side by side [this process, one at a time].
         parallel: At most this many points at once on the pool [as many as the pool's slots take].
+        model: The registered model the points' models join [the recipe's name].
     """
+    if model:
+        check_model_name(model)
     fields = parse_grid(grid)
     points = expand(fields)
     cfgs = resolve_points(recipe, fields, overrides, source)
@@ -228,7 +231,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         keys = [model_tasks.train_key(cfg, with_results(prepare, root)(cfg, root)) for cfg in cfgs]
     parent = ParentRun(cfgs[0], root, fields, overrides)
     with parent:
-        futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel)
+        futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel, model)
         outcomes = [outcome(point, future) for point, future in zip(points, futures)]
         if down := next((o.error for o in outcomes if not o.ok and o.error.startswith(database.DOWN)), None):
             raise UserError(down)  # nothing can be recorded either: the points in flight end with this line
@@ -244,7 +247,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
 
 def submit_points(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], points: list[dict[str, str]],
                   keys: list[str | None], parent_id: str, pool: str | None,
-                  parallel: int | None = None) -> list[PrefectFuture]:
+                  parallel: int | None = None, model: str | None = None) -> list[PrefectFuture]:
     """Start every point: all at once on a pool (as many train as its slots take), or `parallel`
     at a time, else one after another. Points with the same training key (a sweep of a sample
     setting) wait for each other: they would train into the same folder."""
@@ -258,7 +261,7 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
         after = [allow_failure(last_of_key[key])] if key in last_of_key else []
         future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
             recipe, source, root, point_overrides(overrides, point),
-            {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, wait_for=after)
+            {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, model, wait_for=after)
         future.add_done_callback(functools.partial(ended, label(point)))
         if pool is None:
             future.wait()

@@ -71,6 +71,11 @@ class Family:
     extra: ClassVar[str | None] = None  # the pip extra it needs beyond the base install, if any
 
     @property
+    def a_model(self) -> str:
+        """The family's model in a phrase: "a language model", "a word embeddings model"."""
+        return f"a {self.name}" if self.name.endswith("model") else f"a {self.name} model"
+
+    @property
     def archs(self) -> tuple[str, ...]:
         return tuple(a for s in self.sections for a in typing.get_args(s.model_fields["arch"].annotation))
 
@@ -78,7 +83,7 @@ class Family:
     def check(self, cfg: Any) -> None:
         """Raise ValueError when the run's other sections do not fit this family's model."""
         if bad := [m for m in cfg.sample.methods if m not in self.methods]:
-            raise ValueError(f"sample.methods {', '.join(bad)}: a {self.name} model samples with "
+            raise ValueError(f"sample.methods {', '.join(bad)}: {self.a_model} samples with "
                              f"{', '.join(self.methods)}")
 
     def takes_muon(self, model: Any) -> bool:

@@ -54,10 +54,10 @@ def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> lis
              if options.get(k) is not None]
     if not family.methods and given:  # a model with no sampling methods (CBOW: nearest neighbours)
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise UserError(f"a {family.name} model answers with nearest neighbours: {flags} do not apply "
+        raise UserError(f"{family.a_model} answers with nearest neighbours: {flags} do not apply "
                         "(--neighbours sets how many)")
     if method is not None and family.methods and method not in family.methods:
-        raise UserError(f"a {family.name} model samples with {', '.join(family.methods)}, not {method!r}")
+        raise UserError(f"{family.a_model} samples with {', '.join(family.methods)}, not {method!r}")
     return family.sample(loaded, prompts, {k: v for k, v in options.items() if v is not None})
 
 

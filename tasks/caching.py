@@ -75,3 +75,11 @@ def forget_exception(*hook_args: Any) -> None:
             storage.remove(key)
         except Exception:  # noqa: BLE001  (a leftover file is no reason to mask the failure)
             pass
+        # A flow that failed before any task kept a result leaves no empty results folder behind
+        # (a flow's hook: its tasks have ended, none is about to write there).
+        folder = Path(key).parent
+        if type(hook_args[0]).__name__ == "Flow" and folder.name == layout.PREFECT_RESULTS and folder.is_dir():
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                pass

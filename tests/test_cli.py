@@ -89,13 +89,27 @@ def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_so
     # `runs`: every column has its header, the model's LoggedModel id too.
     from mlflow.tracking import MlflowClient
 
+    from tasks.tracking.provenance import process_tag
+
     tracking = MlflowClient()
-    run = tracking.create_run(tracking.create_experiment("smoke"), tags={"model_id": "m-0123abcd"})
+    experiment = tracking.create_experiment("smoke")
+    run = tracking.create_run(experiment, tags={"model_id": "m-0123abcd"})
     tracking.set_terminated(run.info.run_id, "KILLED")
+    # A run whose process was killed with no word (kill -9) is RUNNING in MLflow: listed KILLED.
+    sleeper = subprocess.Popen(["sleep", "60"])
+    tag = process_tag(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    tracking.create_run(experiment, tags={"process": tag, "reproduces": "0123456789" * 3 + "ab"})
+    tracking.create_run(experiment, tags={"process": process_tag()})  # this process: running indeed
     out = CliRunner().invoke(app, ["runs"], catch_exceptions=False)
-    header, row = out.output.splitlines()
-    assert header.split()[-2:] == ["started", "model"] and row.endswith("  m-0123abcd"), out.output
-    assert row.index("m-0123abcd") == header.index("model"), out.output
+    header, *rows = out.output.splitlines()
+    assert header.split()[-3:] == ["started", "model", "reproduces"], out.output
+    status = header.index("status")
+    assert [r[status:].split()[0] for r in rows] == ["RUNNING", "KILLED", "KILLED"], out.output
+    assert rows[1].endswith("  01234567") and rows[2].split()[-2:] == ["m-0123abcd", "-"], out.output
+    assert rows[1].index("01234567") == header.index("reproduces"), out.output
+    assert rows[2].index("m-0123abcd") == header.index("model"), out.output
     out = CliRunner().invoke(app, ["--version"])
     assert out.exit_code == 0 and re.fullmatch(r"mllm-pipeline \d+\.\d+\.\d+\S*\n", out.output), out.output
     # Every code block of the docs is closed: a stray fence turns the rest of a page into code.
@@ -113,7 +127,8 @@ def test_recipes_lists_the_shipped_recipes() -> None:
                  "seq2seq-numbers-rnn", "seq2seq-numbers-transformer", "seq2seq-smoke"):
         assert name in lines
     assert lines["shakespeare-gpt"][1:] == ["gpt", "char", "6x6x384", "5000", "steps"]
-    assert lines["seq2seq-numbers-transformer"][1:4] == ["seq2seq-transformer", "word", "->"]
+    assert lines["seq2seq-numbers-transformer"][1:6] == ["seq2seq-transformer", "word", "->", "bpe", "2+2x4x128"]
+    assert lines["seq2seq-numbers-rnn"][5] == "2x256"  # its encoder's hidden size, as README says
 
 
 def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
@@ -121,6 +136,8 @@ def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr"), "train.lr", "section.field=value")
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lrr=1"), "train.lrr", "unknown field")
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr=-1"), "train.lr")
+    _assert_one_line_error(cli("run", "--recipe", "smoke", "--model", "a/b"), "--model 'a/b' is not a model name",
+                           "e.g. --model stdlib-smoke")
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "binary", "latin1", "sha256"])
@@ -311,7 +328,7 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     at a terminal: no MLflow table creation lines, no asset-key warnings, no Prefect line through
     the bars; stderr is the bars, stdout the outcome."""
     root = tmp_path / "my storage"
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--model", "terminal-smoke",
               "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -322,18 +339,19 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
         assert noise not in printed, (noise, printed)
     bars = [line.split()[0] for line in out.stderr.splitlines() if line.strip()]
     assert set(bars) == {"download", "tokenize", "train"}, out.stderr
-    assert "model: smoke v1 (promoted to champion" in out.stdout and f"checkpoint: {root}/runs/" in out.stdout
+    assert "model: terminal-smoke v1 (promoted to champion" in out.stdout, out.stdout
+    assert f"checkpoint: {root}/runs/" in out.stdout
 
-    # Run again: a stage reused is said (one Cached line each, above the bars), and nothing else.
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
+    # Run again: the stages reused say nothing (no Prefect "Finished in state Cached" line), the
+    # model named as before is found, and the outcome says why nothing trained.
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--model", "terminal-smoke",
               "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
-    said = [line for line in lines if "| INFO" in line]
-    assert all("Finished in state Cached" in line for line in said) and len(said) == 3, out.stderr
-    assert {line.split()[0] for line in lines if line not in said} <= {"download", "tokenize", "train"}, out.stderr
+    assert {line.split()[0] for line in lines} <= {"download", "tokenize", "train"}, out.stderr
     assert out.stdout.startswith("skipped: data, config and code unchanged")
+    assert "champion: terminal-smoke v1" in out.stdout
 
 
 def test_a_mistake_found_inside_the_flows_at_a_terminal_is_the_one_error_line(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import prewarmed
 import pytest
 
-from conftest import make_text
+from conftest import cli, make_text
 from mllm import UserError
 from mllm.data import files, packs, splits
 from mllm.config import SplitConfig, TokenizerConfig
@@ -114,6 +114,10 @@ def test_bad_records_name_the_file_and_line_and_store_nothing(case: str, tmp_pat
             "not text": "holds int, not text", "no column": "has no column 'text'",
             "not parquet": "not a readable Parquet file"}[case] in message
     assert not out.exists()
+    if fmt == "jsonl":  # a line within a file's head is found before any stage starts, in the same words
+        with pytest.raises(UserError) as head:
+            files.check_head(files.SourceFile(str(path), None, fmt), "text")
+        assert str(head.value) == message
 
 
 # --- packs and stable splits -----------------------------------------------------------------
@@ -338,10 +342,11 @@ def test_a_bad_file_among_good_ones_fails_the_run_or_is_skipped_and_named(tmp_pa
     _books(folder, 3)
     (folder / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
     root = tmp_path / "storage"
-    out = _cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
-               "data.split.span_bytes=2048", cwd=tmp_path)
+    # Found in the file's head before Prefect starts: nothing in storage, not even an empty folder.
+    out = cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
+              "data.split.span_bytes=2048", cwd=tmp_path)
     _one_line_error(out, "cover.txt", "binary")
-    assert not list(root.glob("tokens/*")) and not list(root.glob("corpora/*"))
+    assert not root.exists()
     out = _cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
                "data.split.span_bytes=2048", "--set", "data.bad_files=skip", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -360,13 +365,16 @@ def test_many_file_mistakes_end_in_one_line(case: str, tmp_path: Path) -> None:
         source = str(folder / "**" / "*.jsonl")
     elif case == "jsonl line":
         _books(folder, 1)
-        (folder / "x.jsonl").write_text(json.dumps({"text": "fine"}) + "\nnot json\n")
+        # Past the head that is read before Prefect starts: the download stage finds it.
+        (folder / "x.jsonl").write_text((json.dumps({"text": "fine " * 20}) + "\n") * 1000 + "not json\n")
     root = tmp_path / "storage"
-    out = _cli("run", "--recipe", "smoke", "--source", source, "--storage", str(root), cwd=tmp_path)
+    out = cli("run", "--recipe", "smoke", "--source", source, "--storage", str(root), cwd=tmp_path)
     needles = {"empty folder": ["holds no files", str(folder)], "glob": ["matches no file"],
-               "jsonl line": ["x.jsonl line 2 is not JSON"]}[case]
+               "jsonl line": ["x.jsonl line 1001 is not JSON"]}[case]
     _one_line_error(out, *needles)
+    # No stage but the good files' copies, and no empty folder of Prefect's results.
     assert not list(root.glob("corpora/*")) and not list(root.glob("tokens/*"))
+    assert not (root / "prefect-results").exists() and (case == "jsonl line" or not root.exists())
 
 
 # --- object storage and a Dask cluster ---------------------------------------------------------

@@ -1,10 +1,18 @@
-"""The champion policy, as pure functions of typed inputs: no server, no store."""
+"""The champion policy, as pure functions of typed inputs: no server, no store (a corpus's
+manifest, for what its files are, in a temporary folder)."""
 
 from __future__ import annotations
 
+import json
 import math
 
-from tasks.tracking.registry import Champion, ChampionScore, decide, skip_reason
+from tasks.tracking.registry import (
+    Champion,
+    ChampionScore,
+    decide,
+    files_tag,
+    skip_reason,
+)
 
 CHAMP = Champion(name="smoke", version="3", val_loss=1.5, splits_key="s1", checkpoint="mem://c.pt",
                  headline="val_bits_per_byte", score=2.0)
@@ -61,3 +69,33 @@ def test_skip_only_when_a_version_was_trained_on_the_same_key() -> None:
     assert skip_reason(CHAMP, None, "ab" * 32, "k") is None
     assert "since champion v3 was trained" in skip_reason(CHAMP, "3", "ab" * 32, "k")
     assert "v4 was trained, which did not beat champion v3" in skip_reason(CHAMP, "4", "ab" * 32, "k")
+
+
+def test_a_challenger_of_a_corpus_that_shares_no_file_with_the_champions_is_not_judged() -> None:
+    ours, theirs = ["a" * 64, "b" * 64], ["c" * 64]
+    champ = CHAMP.model_copy(update={"files": files_tag(theirs).split()})
+    promoted, why = decide("val_bits_per_byte", 0.5, False, champ, files=ours)  # far better, but of another corpus
+    assert not promoted and why == ("not judged against champion v3, whose corpus shares no file with this run's "
+                                    "(--model NAME registers a model of its own)")
+    # One file in common (a corpus grown or changed), or either side not recorded: judged as ever.
+    assert decide("val_bits_per_byte", 0.5, False, champ, files=[*ours, "c" * 64])[0]
+    assert decide("val_bits_per_byte", 0.5, False, CHAMP, files=ours)[0]
+    assert decide("val_bits_per_byte", 0.5, False, champ)[0]
+    assert files_tag(["ab" * 32] * 3) == "ab" * 8 and files_tag([]) is None
+
+
+def test_a_corpus_file_is_known_by_its_bytes_and_by_where_it_was_read(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from tasks.data.download import file_identities
+
+    one = file_identities(SimpleNamespace(raw_manifest=None, raw_sha256="a" * 64, source="/data/wp.txt"))
+    edited = file_identities(SimpleNamespace(raw_manifest=None, raw_sha256="b" * 64, source="/data/wp.txt"))
+    packed = file_identities(SimpleNamespace(raw_manifest=None, raw_sha256="c" * 64, source="/data/wp.txt.gz"))
+    other = file_identities(SimpleNamespace(raw_manifest=None, raw_sha256="d" * 64, source="/data/stdlib.txt"))
+    assert one[0] == "a" * 64 and set(one) & set(edited) and set(one) & set(packed) and not set(one) & set(other)
+    manifest = tmp_path / "corpus.json"
+    manifest.write_text(json.dumps({"files": [{"source": "/lib/os.py", "sha256": "e" * 64},
+                                              {"source": "/lib/bad.py", "sha256": "f" * 64, "skipped": "not UTF-8"}]}))
+    many = file_identities(SimpleNamespace(raw_manifest=str(manifest), raw_sha256="0" * 64, source="/lib"))
+    assert len(many) == 2 and many[0] == "e" * 64 and "f" * 64 not in many

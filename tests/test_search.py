@@ -128,6 +128,7 @@ def _make_study(path: Path, name: str, space: str, recipe: str) -> None:
     (["--space", "train.lr=log:0..1e-2"], "a log: range needs both ends above 0"),
     (["--space", "train.lr=1e-4..1e-2", "--trials", "0"], "--trials 0: give at least 1"),
     (["--space", "train.lr=1e-4..1e-2", "--study", "mine"], "study mine in"),
+    (["--space", "train.lr=1e-4..1e-2", "--model", "a/b"], "--model 'a/b' is not a model name"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
                                                                tmp_path: Path, empty_mlflow_store: bytes) -> None:
@@ -165,7 +166,7 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
     # A fixed study name: the sampler's seed follows it, so the learning rates drawn are the same each time.
     result = search(recipe="smoke", space=["train.lr=log:1e-5..3e-2"], trials_n=5, sampler="random",
                     pruner="median", study="prune-test", source=str(corpus), storage_url=str(root),
-                    overrides=FAST, startup_trials=1)
+                    overrides=FAST, startup_trials=1, model="prune-test-model")
     states = [o.state for o in result.outcomes]
     assert len(states) == 5 and states[0] == "complete", states
     assert "pruned" in states and states.count("complete") >= 2, states
@@ -195,6 +196,9 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
             assert run.data.metrics["final_val_bits_per_byte"] == pytest.approx(o.value)
     done = [o for o in result.outcomes if o.state == "complete"]
     assert result.best.value == min(o.value for o in done)
+    # Each complete trial registered under the model named, none under the recipe's.
+    versions = client.search_model_versions("name = 'prune-test-model'")
+    assert sorted(v.run_id for v in versions) == sorted(o.mlflow_run_id for o in done)
 
     folder = root / "searches" / "prune-test"
     assert {p.name for p in folder.iterdir()} >= {"search.md", "search.csv", "search.json", "history.png",

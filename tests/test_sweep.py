@@ -70,6 +70,7 @@ def test_points_that_do_not_resolve_are_refused(grid: list[str], sets: list[str]
 @pytest.mark.parametrize("args, needle", [
     (["--grid", "train.lr=1e-3,3e-3", "--grid", "train.nonsense=1"], "train.nonsense: unknown field"),
     ([], "give at least one --grid"),
+    (["--grid", "train.lr=1e-3", "--model", "two words"], "--model 'two words' is not a model name"),
 ])
 def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
                                                                tmp_path: Path, empty_mlflow_store: bytes) -> None:
@@ -140,7 +141,7 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
     # A window longer than the validation split resolves, then fails in training. As at a terminal
     # (MLLM_PROGRESS): the bar of points, a line for the failed point, the table; none of Prefect's lines.
     out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
-              "--grid", "train.window=5000,16", *_sets(FAST), env={"MLLM_PROGRESS": "1"})
+              "--grid", "train.window=5000,16", *_sets(FAST), "--model", "sweep-of-windows", env={"MLLM_PROGRESS": "1"})
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stdout + out.stderr
     # (the temporary Prefect server's start, before the sweep's flow run, is the one line of Prefect's)
@@ -162,6 +163,8 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
     assert parent.info.status == "FAILED" and parent.data.tags["sweep.failed"] == "train.window=5000"
     assert client.get_run(failed[3]).info.status == "FAILED"  # the failed point's own run, found by its tags
     assert client.get_run(done[3]).data.tags["mlflow.parentRunId"] == parent_id
+    # The point that trained registered under the model named (--model), not the recipe's.
+    assert [v.run_id for v in client.search_model_versions("name = 'sweep-of-windows'")] == [done[3]]
 
 
 def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point() -> None:

@@ -405,12 +405,20 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     name = cfg.recipe
     client = MlflowClient(uri)
     results = []
-    for loss in (2.0, 2.5, 1.5):
+    corpus, other = ["a" * 64, "b" * 64], ["c" * 64]
+    # The last two: a far better model of a corpus that shares no file with the champion's, under
+    # the recipe's name (no rival: registered beside it) and under a name of its own (its first).
+    for loss, files, model_name in ((2.0, corpus, None), (2.5, corpus, None), (1.5, corpus, None),
+                                    (0.5, other, None), (0.5, other, f"{name}-other")):
         with RunTracker(cfg, str(tmp_path / "storage")) as run:
-            results.append(registry.log_model(run, _scored(checkpoint, loss)).model_dump(mode="json"))
-            results[-1]["champion"] = str(client.get_model_version_by_alias(name, "champion").version)
+            results.append(registry.log_model(run, _scored(checkpoint, loss), files=files,
+                                              model_name=model_name).model_dump(mode="json"))
+            results[-1]["champion"] = str(client.get_model_version_by_alias(model_name or name, "champion").version)
     assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
-        ("1", True, "1"), ("2", False, "1"), ("3", True, "3")]
+        ("1", True, "1"), ("2", False, "1"), ("3", True, "3"), ("4", False, "3"), ("1", True, "1")]
+    assert results[3]["reason"].startswith("not judged against champion v3, whose corpus shares no file with this run's")
+    assert results[4]["name"] == f"{name}-other" and results[4]["reason"] == "no champion yet"
+    assert registry.current_champion(client, name).files == sorted(f[:16] for f in corpus)
     assert results[0]["previous"] is None
     assert results[1]["previous"]["version"] == "1" and results[1]["previous"]["val_loss"] == 2.0
     assert results[2]["previous"]["version"] == "1"
@@ -434,6 +442,23 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     sampled = model.predict(pd.DataFrame({"prompt": ["The "]}), params=top_p)
     assert sampled == [sample_text(loaded, "The ", **top_p)]
     assert model.predict({"prompt": ["the "]}, params={"max_new_tokens": 3})[0].startswith("the ")
+
+    # A bad parameter is refused by its name with what it may be, as a 400 of the scoring server.
+    from mlflow.exceptions import MlflowException
+
+    refusals = []
+    for bad in ({"method": "nope"}, {"max_new_tokens": -5}, {"max_new_tokens": 5000}, {"top_p": 1.5},
+                {"max_new_tokens": 5, "nope": 1}):
+        with pytest.raises(MlflowException) as e:
+            model.predict(["The "], params=bad)
+        assert e.value.get_http_status_code() == 400 and not e.value.json_kwargs
+        refusals.append(e.value.message)
+    bound = "give a whole number from 1 to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)"
+    assert refusals[:4] == [
+        "parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam",
+        f"parameter max_new_tokens -5: {bound}", f"parameter max_new_tokens 5000: {bound}",
+        "parameter top_p 1.5: give a number above 0 and at most 1"]
+    assert refusals[4].startswith("unknown parameter nope: this model takes beam_width, max_new_tokens, method")
 
 
 def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
@@ -486,11 +511,24 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
                 assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, "mlflow models serve did not answer in 240 s"
                 time.sleep(1)
+        refused = {}
+        for name, params in (("bad", {"method": "nope", "max_new_tokens": -5}), ("unknown", {"nope": 1})):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(
+                {"inputs": ["The "], "params": params}).encode(), headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(request, timeout=60)
+            assert e.value.code == 400
+            refused[name] = json.loads(e.value.read())
     finally:
         server.terminate()
         server.wait(30)
         log.close()
     assert answer == {"predictions": [expected]}
+    # The request's mistake in the message, and no traceback of the server's code beside it.
+    assert all("stack_trace" not in r and r["error_code"] == "INVALID_PARAMETER_VALUE" for r in refused.values())
+    assert refused["bad"]["message"].endswith(
+        "Error: parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam")
+    assert "unknown parameter nope: this model takes" in refused["unknown"]["message"]
     assert "prefect" not in (tmp_path / "serve.log").read_text().lower()
 
 

@@ -73,5 +73,8 @@ TrainOn = Annotated[Optional[str], typer.Option(
 
 
 # Set by `reproduce` (hidden: a reproduction is asked for with that command).
+ModelName = Annotated[Optional[str], typer.Option(
+    "--model", metavar="NAME", help="The registered model that the trained model joins, and whose champion it is "
+                                    "judged against (default: the recipe's name).")]
 Reproduces = Annotated[Optional[str], typer.Option("--reproduces", hidden=True, metavar="RUN_ID")]
 Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]

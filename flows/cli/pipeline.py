@@ -7,9 +7,9 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.cli.app import Force, Recipe, Reproduces, Sets, Source, Storage, TrainingStorage, Tags, TaskRunner, TrainOn, without_credentials, app
+from flows.cli.app import Force, ModelName, Recipe, Reproduces, Sets, Source, Storage, TrainingStorage, Tags, TaskRunner, TrainOn, without_credentials, app
 from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
-from flows.launch import checked_config
+from flows.launch import check_model_name, checked_config
 from mllm import UserError
 from mllm.config import METHODS
 from mllm.resolve import recipe_file_overrides, recipe_names, resolve
@@ -20,7 +20,7 @@ from mllm.storage import hide_credentials
 @app.command()
 def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
         set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
-        task_runner: TaskRunner = None, reproduces: Reproduces = None) -> None:
+        task_runner: TaskRunner = None, model: ModelName = None, reproduces: Reproduces = None) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample.
 
     --recipe takes a recipe file too (a search's best.yaml): the recipe it names, with its fields."""
@@ -29,13 +29,15 @@ def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStor
 
         source, set_ = without_credentials(source, set_, task_runner)
         recipe, set_ = recipe_file_overrides(recipe, set_)
+        if model:
+            check_model_name(model)
         cfg = checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
             result = fl.pipeline(recipe=recipe, source=source, storage_url=fl.storage_root(storage),
                                  overrides=set_ or [], tags=tags, train_on=train_on, force=force,
-                                 reproduces=reproduces)
+                                 reproduces=reproduces, model=model)
         c = result.champion
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
@@ -263,11 +265,14 @@ def sweep(recipe: Recipe = "default",
               help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).")] = None,
           source: Source = None, storage: TrainingStorage = None, set_: Sets = None, train_on: TrainOn = None,
           parallel: Annotated[Optional[int], typer.Option(
-              metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None) -> None:
+              metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None,
+          model: ModelName = None) -> None:
     """Run the pipeline at every point of a grid and compare the points' headline metrics."""
     with user_errors():
         if parallel is not None and parallel < 1:
             raise UserError(f"--parallel {parallel}: give at least 1 (the points that run at once)")
+        if model:
+            check_model_name(model)
         from flows.launch import training_pool
         from flows.sweep import PointsFailed, parse_grid, resolve_points, split_values, text_table
 
@@ -286,7 +291,7 @@ def sweep(recipe: Recipe = "default",
             try:
                 result = sweep_flow(recipe=recipe, grid=grid, source=source,
                                     storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on,
-                                    parallel=parallel)
+                                    parallel=parallel, model=model)
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)
         for o in result.failed:

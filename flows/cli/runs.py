@@ -30,14 +30,14 @@ def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest fir
             typer.echo(runs.as_json(rows))
             return
         typer.echo(f"{'run id':32}  {'recipe':18} {'commit':16} {'val loss':>9} {'mfu':>6} {'dtype':8}  {'status':9} "
-                   f"{'decision':9} {'started':16}  model")
+                   f"{'decision':12} {'started':16}  {'model':35}  reproduces")
         for r in rows:
             loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
             mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
             typer.echo(f"{r['run_id']:32}  {r['recipe']:18} {r['commit'] or '-':16} {loss:>9} {mfu:>6} "
                        f"{r['dtype'] or '-':8}  {r['status']:9} "
-                       f"{r['decision'] or '-':9} {r['started']:16}  {r['model_id'] or '-'}"
-                       + (f"  (reproduces {r['reproduces'][:8]})" if r["reproduces"] else ""))
+                       f"{r['decision'] or '-':12} {r['started']:16}  {r['model_id'] or '-':35}  "
+                       f"{(r['reproduces'] or '-')[:8]}".rstrip())
 
 
 @app.command()

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli.app import Recipe, Sets, Source, TrainingStorage, TrainOn, app, without_credentials
+from flows.cli.app import ModelName, Recipe, Sets, Source, TrainingStorage, TrainOn, app, without_credentials
 from flows.cli.terminal import console, escape, flow_session, progress, user_errors
-from flows.launch import checked_config, storage_root, training_pool
+from flows.launch import check_model_name, checked_config, storage_root, training_pool
 from mllm.redact import scrub
 from mllm.storage import hide_credentials
 
@@ -38,8 +38,8 @@ def search(recipe: Recipe = "default",
                                     "so the same command continues the same study).")] = None,
            source: Source = None, storage: TrainingStorage = None, set_: Sets = None, train_on: TrainOn = None,
            parallel: Annotated[Optional[int], typer.Option(
-               metavar="N", help="With --train-on: at most N trials at once [as many as the pool's slots take].")] = None
-           ) -> None:
+               metavar="N", help="With --train-on: at most N trials at once [as many as the pool's slots take].")] = None,
+           model: ModelName = None) -> None:
     """Search a space of config fields with Optuna: each trial a pipeline run, a losing one stopped at an
     evaluation. The study is kept in optuna.db beside the storage root, or in PostgreSQL (the stack's own
     cluster, or $MLLM_STUDY_DATABASE) where searches on several machines share it: the same command again
@@ -52,6 +52,8 @@ def search(recipe: Recipe = "default",
         source, set_ = without_credentials(source, set_)
         space = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in space or [])]
         dims = parse_space(space)
+        if model:
+            check_model_name(model)
         pool = training_pool(recipe, train_on)
         check_options(trials, sampler, pruner, parallel, startup_trials)
         base = check_space(recipe, dims, set_, source)  # every choice and both ends of each range
@@ -63,7 +65,7 @@ def search(recipe: Recipe = "default",
 
             result = search_flow(recipe=recipe, space=space, trials_n=trials, sampler=sampler, pruner=pruner,
                                  study=study, source=source, storage_url=fl.storage_root(storage), overrides=set_,
-                                 train_on=train_on, parallel=parallel, startup_trials=startup_trials)
+                                 train_on=train_on, parallel=parallel, startup_trials=startup_trials, model=model)
         for o in result.failed:
             values = " ".join(f"{f}={v}" for f, v in o.params.items())
             console.print(f"[bold red]failed:[/] trial {o.number} {escape(scrub(values))}: "

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from flows.cli.app import Sets, Source, Storage, TrainingStorage, app
+from flows.cli.app import ModelName, Sets, Source, Storage, TrainingStorage, app
 from flows.cli.terminal import console, flows_module, user_errors
 from flows.stack import database, servers as stack
 from mllm import UserError
@@ -33,7 +33,8 @@ def schedule(ctx: typer.Context,
              source: Source = None, storage: TrainingStorage = None, set_: Sets = None,
              pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
              resume: Annotated[bool, typer.Option("--resume", help="Resume it.")] = False,
-             delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False) -> None:
+             delete: Annotated[bool, typer.Option("--delete", help="Delete the deployment and its schedule.")] = False,
+             model: ModelName = None) -> None:
     if ctx.invoked_subcommand is not None:
         return
     with user_errors():
@@ -49,7 +50,7 @@ def schedule(ctx: typer.Context,
             return
         d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
                          source=(source[0] if len(source) == 1 else source) if source else None,
-                         storage_url=storage, overrides=set_ or [])
+                         storage_url=storage, overrides=set_ or [], model=model)
         typer.echo(f"{d['name']}: {d['schedule']} on pool {d['pool']!r}; next run {d['next_run'] or 'not yet scheduled'}")
         typer.echo(f"parameters: {d['parameters']}")
 

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 import tasks
+from flows.launch import remove_empty_roots
 from flows.stack.auth_errors import auth_line
 from flows.stack.database import down_line
 from mllm import UserError
@@ -46,11 +47,13 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except UserError as e:
+        remove_empty_roots()
         fail(str(e))
     except Exception as e:
         message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
+        remove_empty_roots()
         fail(message)
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
@@ -65,8 +68,9 @@ class _QuietAfterUserError(logging.Filter):
 
     Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
     are what the terminal shows:
-    of the info lines only a retry, a stage reused (Cached) and the stages' notices
-    (`tasks.NOTICE`: a wait, a converted source) stay; warnings and errors always do. Without a
+    of the info lines only a retry and the stages' notices (`tasks.NOTICE`: a wait, a converted
+    source) stay, not Prefect's "Finished in state Cached" of each stage reused; warnings and
+    errors always do. Without a
     terminal (a log file, CI) every line stays: there they are the progress."""
 
     def __init__(self) -> None:
@@ -94,7 +98,7 @@ class _QuietAfterUserError(logging.Filter):
             self.failed = True
             return False
         if self.terse and record.levelno < logging.WARNING:
-            return "Finished in state Cached" in message or bool(getattr(record, "notice", False))
+            return bool(getattr(record, "notice", False))
         return True
 
 

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, layout
 from mllm.resolve import flat_fields
-from tasks.tracking.provenance import version_changes
+from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
 from tasks.tracking import tracker as tracking
 from tasks.tracking.tracker import tracking_uri
 
@@ -47,7 +47,10 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
         "mfu": r.data.metrics.get("final_mfu", r.data.metrics.get("mfu")),
         "dtype": r.data.params.get("train.dtype_used"),
-        "status": r.info.status,
+        # A run whose process died without a word (kill -9, a machine that went down) is RUNNING
+        # in MLflow for ever: it is shown as what it is.
+        "status": "KILLED" if r.info.status == "RUNNING" and process_gone(r.data.tags.get(PROCESS_TAG))
+        else r.info.status,
         "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
         "reproduces": r.data.tags.get("reproduces"),
         "decision": r.data.tags.get("decision"),
@@ -102,7 +105,12 @@ def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> 
     if prompts is None:
         loaded = getattr(model.unwrap_python_model(), "loaded", None)
         prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
-    return list(model.predict(prompts, params=params or None))
+    try:
+        return list(model.predict(prompts, params=params or None))
+    except MlflowException as e:  # the served model's refusal of a parameter, as a server would answer it
+        if e.error_code != "INVALID_PARAMETER_VALUE":
+            raise
+        raise UserError(e.message) from None
 
 
 # --- reproduce ----------------------------------------------------------------------------

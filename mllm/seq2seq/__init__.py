@@ -47,7 +47,11 @@ class SequenceToSequence(Family):
                 raise ValueError(f"{side}.kind basic_english is for CBOW paragraphs: use char, word or bpe")
 
     def size(self, m: Any) -> str:
-        return f"{m.n_layer} layer{'s' if m.n_layer != 1 else ''}, {m.n_embd} wide"
+        # As the language models' sizes read: an RNN's encoder layers x hidden size (n_embd is
+        # only its embedding); a transformer's encoder+decoder layers x heads x width.
+        if m.arch == "seq2seq-rnn":
+            return f"{m.n_layer}x{m.hidden_size}"
+        return f"{m.n_layer}+{m.n_layer}x{m.n_head}x{m.n_embd}"
 
     def check_source(self, cfg: Any) -> None:
         from mllm.seq2seq.pairs import read_tsv

@@ -248,6 +248,31 @@ def manifest_files(raw: RawText) -> list[FileRecord]:
     return [FileRecord.model_validate(f) for f in storage.read_json(raw.manifest)["files"]]
 
 
+# A file compressed in place stays the file it was: its name without the compression's suffix.
+_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
+
+
+def file_identities(data: Any) -> list[str]:
+    """What two corpora compare to say whether they share a file: each file's sha256, and a
+    digest of where it was read from (without a compression suffix), so that a file edited or
+    compressed in place is still the file it was. Files left out count not."""
+    if data.raw_manifest is None:
+        named = [(data.raw_sha256, data.source)]
+    else:
+        named = [(f.sha256, f.source) for f in manifest_records(data.raw_manifest) if f.sha256 and not f.skipped]
+
+    def place(source: str) -> str:
+        for suffix in _COMPRESSED:
+            source = source.removesuffix(suffix)
+        return storage.sha256_bytes(source.encode())
+
+    return [d for sha, source in named for d in (sha, place(source))]
+
+
+def manifest_records(url: str) -> list[FileRecord]:
+    return [FileRecord.model_validate(f) for f in storage.read_json(url)["files"]]
+
+
 def corpus_changes(data: Any, root: str) -> dict[str, int]:
     """What a many-file corpus holds against the corpus its sources gave the run before: files
     new, changed (a source name whose bytes differ), removed and reused, and how many files this

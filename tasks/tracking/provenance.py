@@ -108,8 +108,38 @@ def _prefect_flow_run() -> tuple[str | None, str | None]:
     return run_id, (flow_run.ui_url if PREFECT_UI_URL.value() else None)
 
 
+PROCESS_TAG = "process"
+
+
+def process_tag(pid: int | None = None) -> str:
+    """A process as `host:pid:start` (its start in clock ticks since boot), which tells it from a
+    later process given the same PID: whoever reads a RUNNING run can ask whether it still runs."""
+    pid = pid or os.getpid()
+    return f"{os.uname().nodename}:{pid}:{_started(pid)}"
+
+
+def _started(pid: int) -> str:
+    try:
+        # Field 22 of /proc/PID/stat, counted after the command's closing parenthesis (a
+        # command may hold spaces and parentheses of its own).
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_gone(tag: str | None) -> bool:
+    """Whether the process a PROCESS_TAG names has ended: False when it runs, or runs on another
+    machine, or the tag says too little to tell."""
+    host, _, rest = (tag or "").partition(":")
+    pid, _, start = rest.partition(":")
+    if host != os.uname().nodename or not pid.isdigit() or not start:
+        return False
+    return _started(int(pid)) != start
+
+
 def run_tags(cfg: RunConfig, storage_root: str, git: dict[str, Any]) -> dict[str, str]:
-    tags = {"storage.root": storage_root, "device": describe_device(cfg.train.device), **versions()}
+    tags = {"storage.root": storage_root, "device": describe_device(cfg.train.device), **versions(),
+            PROCESS_TAG: process_tag()}
     if cfg.paths is not None:
         tags.update({f"storage.{k}": v for k, v in cfg.paths.model_dump().items() if v})
     if git["commit"]:

@@ -61,6 +61,7 @@ class Champion(BaseModel):
     raw_sha256: str | None = None
     headline: str | None = None  # the family's headline metric, and its value for this version
     score: float | None = None
+    files: list[str] | None = None  # its corpus's file digests, shortened (FILES_TAG); None: not recorded
 
 
 class ChampionScore(BaseModel):
@@ -106,6 +107,28 @@ def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha2
     return f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); force retrains"
 
 
+# The version tag that lists a corpus's files, each by the first FILE_DIGEST hex digits of its
+# sha256 (2**64 digests: no two files of two corpora meet by chance), for a corpus of at most
+# FILES_TAGGED files (17 characters a file); a larger one is judged against any champion.
+FILES_TAG = "data.files"
+FILE_DIGEST = 16
+FILES_TAGGED = 5000
+
+
+def files_tag(files: list[str]) -> str | None:
+    """A corpus's file digests as the value of FILES_TAG, or None when there are too many."""
+    short = sorted({f[:FILE_DIGEST] for f in files})
+    return " ".join(short) if short and len(short) <= FILES_TAGGED else None
+
+
+def shares_files(champion: Champion, files: list[str] | None) -> bool:
+    """Whether the challenger's corpus (its file digests) and the champion's have a file in
+    common; True when either is not known, so that a model is judged as it was before."""
+    if files is None or champion.files is None:
+        return True
+    return not {f[:FILE_DIGEST] for f in files}.isdisjoint(champion.files)
+
+
 # A challenger must beat the champion by more than this fraction of the champion's value: the
 # same weights scored on another machine or thread count differ in the last digits, and a model
 # must never beat itself.
@@ -113,16 +136,21 @@ TIE_TOLERANCE = 1e-4
 
 
 def decide(headline: str, value: float, higher_is_better: bool, champion: Champion | None,
-           champion_score: ChampionScore | None = None) -> tuple[bool, str]:
+           champion_score: ChampionScore | None = None, files: list[str] | None = None) -> tuple[bool, str]:
     """(promoted, why): the challenger's headline value against the champion's, measured on this
     run's validation split when `champion_score` is given (the champion's data differed), else
     against the value recorded on the champion's version (the same split, or a headline that does
     not depend on the split). Both come from the family's one scoring (`Family.evaluate` and
-    `Family.rescore` share their setting); a tie within TIE_TOLERANCE keeps the champion."""
+    `Family.rescore` share their setting); a tie within TIE_TOLERANCE keeps the champion. A
+    challenger whose corpus (`files`: its file digests) shares no file with the champion's is no
+    rival of it: it is registered and left beside it."""
     if not math.isfinite(value):
         return False, f"{headline} {value} is not finite"
     if champion is None:
         return True, "no champion yet"
+    if not shares_files(champion, files):
+        return False, (f"not judged against champion v{champion.version}, whose corpus shares no file with this "
+                       "run's (--model NAME registers a model of its own)")
 
     def beats(theirs: float) -> tuple[bool, str]:
         if abs(value - theirs) <= TIE_TOLERANCE * max(abs(value), abs(theirs)):
@@ -156,7 +184,8 @@ def current_champion(client: MlflowClient, name: str) -> Champion | None:
                     val_loss=None if loss is None else float(loss), train_key=mv.tags.get("train.key"),
                     splits_key=mv.tags.get("data.splits_key"), raw_sha256=mv.tags.get("data.raw_sha256"),
                     headline=mv.tags.get("headline"),
-                    score=float(mv.tags["headline.value"]) if "headline.value" in mv.tags else None)
+                    score=float(mv.tags["headline.value"]) if "headline.value" in mv.tags else None,
+                    files=mv.tags[FILES_TAG].split() if mv.tags.get(FILES_TAG) else None)
 
 
 def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str | None:
@@ -173,13 +202,15 @@ def version_trained_on(client: MlflowClient, name: str, train_key: str) -> str |
 
 def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | None = None,
               champion_score: ChampionScore | None = None, model_name: str | None = None,
-              last_url: str | None = None, last_step: int | None = None, reproduces: str | None = None) -> Outcome:
+              last_url: str | None = None, last_step: int | None = None, reproduces: str | None = None,
+              files: list[str] | None = None) -> Outcome:
     """Log the evaluated checkpoint as a pyfunc model (tasks/tracking/served_model.py), register a version
     under `model_name` (default: the recipe), and move `champion` to it only if `decide` says its
     headline metric beats the champion's. The logged model carries the checkpoint's step and its
     validation metrics; the last checkpoint (`last_url` at `last_step`), when another, is a
     logged model of its own (see `checkpoint_models`). A reproduction (`reproduces`: the run it
-    reproduces) logs its model and registers nothing: it verifies, it never competes."""
+    reproduces) logs its model and registers nothing: it verifies, it never competes. `files`:
+    the digests of the corpus's files, kept on the version (FILES_TAG) for the next decision."""
     name = model_name or run.cfg.recipe
     checkpoint_url, e = evaluation.checkpoint, evaluation
     with tempfile.TemporaryDirectory(prefix="mllm-model-") as tmp:
@@ -215,9 +246,11 @@ def log_model(run: RunTracker, evaluation: Any, version_tags: dict[str, str] | N
     previous = current_champion(run.client, name)
     tags = {"val_loss": repr(float(e.loss)), "run_id": run.run_id, "checkpoint": scrub(checkpoint_url),
             "headline": e.headline, "headline.value": repr(float(e.score)), **(version_tags or {})}
+    if files and (listed := files_tag(files)):
+        tags[FILES_TAG] = listed
     with _quiet_registration():
         registered = mlflow.register_model(info.model_uri, name, tags=tags)
-    promoted, reason = decide(e.headline, float(e.score), e.higher_is_better, previous, champion_score)
+    promoted, reason = decide(e.headline, float(e.score), e.higher_is_better, previous, champion_score, files)
     if promoted:
         run.client.set_registered_model_alias(name, CHAMPION, registered.version)
     outcome = Outcome(name=name, version=str(registered.version), decision="promoted" if promoted else "kept",
@@ -340,7 +373,8 @@ def log_skipped(run_id: str, cfg: RunConfig, root: str, champion: Champion, reas
 @task(name="log-outcome", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation: Any,
                 samples: dict[str, list[str]], data: Any, champion_score: ChampionScore | None = None,
-                reproduces: str | None = None) -> Outcome:
+                reproduces: str | None = None, model_name: str | None = None,
+                files: list[str] | None = None) -> Outcome:
     """Final metrics, report, samples, loss curve; the model, and the champion decision."""
     run = RunTracker.attach(run_id, cfg, root)
     e = evaluation
@@ -360,8 +394,8 @@ def log_outcome(run_id: str, cfg: RunConfig, root: str, trained: Any, evaluation
                   "train.run_dir": trained.run_dir, "train.resumed_from_step": trained.resumed_from_step,
                   "train.key": trained.key})
     version_tags = {"train.key": trained.key, "data.splits_key": data.splits.key, "data.raw_sha256": data.raw_sha256}
-    outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score,
-                        last_url=trained.checkpoint, last_step=trained.steps, reproduces=reproduces)
+    outcome = log_model(run, e, version_tags=version_tags, champion_score=champion_score, model_name=model_name,
+                        last_url=trained.checkpoint, last_step=trained.steps, reproduces=reproduces, files=files)
     run.set_tags({"model_uri": outcome.model_uri,
                   **({"model_version": f"{outcome.name}/{outcome.version}"} if outcome.version else {})})
     return outcome
