@@ -213,7 +213,7 @@ def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] 
     """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
     server, a source that is missing, unreachable, or (a local file) not usable text, a local
     corpus's file whose head is not, and a device this machine lacks, all fail at once in one line."""
-    from mllm.data import corpus, files
+    from mllm.data import corpus, files, heads
     from mllm.family import family_of
     from mllm.runtime.devices import resolve_device
 
@@ -236,10 +236,10 @@ def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] 
                 # top-level modules, 4.7 MB: 0.06 s on 2 cores at load 5).
                 for f in found:
                     if "://" not in f.url or f.url.startswith("file://"):
-                        files.check_head(f, cfg.data.text_field)
+                        heads.check_head(f, cfg.data.text_field)
         if single:
             try:
-                corpus.open_source(single)[2].close()  # a missing file or unreachable host: seconds, not minutes
+                heads.open_local(single).close()  # a missing file or unreachable host: seconds, not minutes
             except corpus.SourceServerError:
                 pass  # a server error may pass: the download stage retries it
             if "://" not in single or single.startswith("file://"):

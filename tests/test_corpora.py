@@ -19,7 +19,7 @@ import pytest
 
 from conftest import cli, make_text
 from mllm import UserError
-from mllm.data import files, packs, splits
+from mllm.data import files, heads, packs, splits
 from mllm.config import SplitConfig, TokenizerConfig
 from mllm.runtime.epochs import ChainedIds, ids_digest, load_ids, read_chain
 from mllm.data.text import build_tokenizer
@@ -116,7 +116,7 @@ def test_bad_records_name_the_file_and_line_and_store_nothing(case: str, tmp_pat
     assert not out.exists()
     if fmt == "jsonl":  # a line within a file's head is found before any stage starts, in the same words
         with pytest.raises(UserError) as head:
-            files.check_head(files.SourceFile(str(path), None, fmt), "text")
+            heads.check_head(files.SourceFile(str(path), None, fmt), "text")
         assert str(head.value) == message
 
 

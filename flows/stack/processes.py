@@ -140,8 +140,9 @@ class Service:
     def _stop_orphans(self) -> None:
         """Stop what is left of our process group once its leader is gone: `mlflow server` killed
         by its pid leaves its uvicorn listening on the port. A pid that runs again belongs to
-        another process, and so would its group."""
-        if self.pid is None or Path(f"/proc/{self.pid}").exists() or not Path("/proc/self").exists():
+        another process, and so would its group. A leader that is a zombie is gone too: killed, it
+        waits for whoever adopted it to reap it (a container's first process may never do so)."""
+        if self.pid is None or not Path("/proc/self").exists() or _runs(self.pid):
             return
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -171,6 +172,14 @@ def _stats() -> Iterator[tuple[int, list[str]]]:
                 yield int(entry.name), (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
+
+
+def _runs(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def group(pgid: int) -> list[int]:

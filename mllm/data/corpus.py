@@ -76,11 +76,6 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         return fs, path, fs.open(path, "rb")
     except UserError:
         raise
-    except PermissionError as e:
-        if local is None:
-            raise
-        raise UserError(f"source file {describe(source)} cannot be read ({e.strerror}): check its permissions, "
-                        "or leave it out of the source") from None
     except Exception as e:
         # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
         # FileNotFoundError too; its cause tells them from a real 404.

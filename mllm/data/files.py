@@ -218,40 +218,6 @@ def download_records(source: str, fmt: str, text_field: str,
     return Records(describe(source), url, sha, n, documents, compression)
 
 
-# How much of each file of a local corpus is read before any stage starts (`check_head`).
-HEAD = 1 << 16
-
-
-def check_head(f: SourceFile, text_field: str) -> None:
-    """A look at a file's first HEAD bytes, before the download stage reads it all: a file gone or
-    unreadable, bytes that are not text, an empty file, a JSONL line among them that is not a
-    record with the field, a Parquet file without the column. Each is the UserError that stage
-    would raise, seconds earlier; what lies past the head is still that stage's to find."""
-    if f.format == "parquet":
-        _, _, src = open_source(f.url)
-        with src:
-            parquet = src.read(4)
-        if parquet != b"PAR1":
-            raise UserError(f"{f.url} is not a readable Parquet file (it does not start with PAR1): download it again")
-        return
-    _, _, src = open_source(f.url)
-    with src:
-        read, _ = _decompressed(f.url, lambda k: src.read(min(k, HEAD)))
-        block = read(HEAD)
-        whole = len(block) < HEAD or not read(1)
-    if not block:
-        raise UserError(f"{f.url} is empty: give a file with {'records' if f.format == 'jsonl' else 'text'} in it")
-    text = TextDecoder(f.url).decode(block, final=whole)
-    if f.format == "jsonl":
-        lines = text.split("\n")
-        for line_no, line in enumerate(lines if whole else lines[:-1], 1):  # (the last may be cut short)
-            if line.strip():
-                _record_text(f.url, line_no, line, text_field)
-    elif whole and not text.strip():
-        raise UserError(f"{f.url} {'is empty' if not text else 'holds no text, only white space'}: give a file "
-                        "with text in it")
-
-
 def _write_documents(texts: Iterator[str], path: str) -> int:
     schema = pa.schema([("text", pa.large_string())])
     n = 0
