@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -87,9 +86,15 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
                              listen=host_ip)
             api = state["env"]["PREFECT_API_URL"]
             assert api.startswith(f"https://{host_ip}:")
-            # Only the listening address: nothing of the stack answers on loopback's side of that port.
-            with pytest.raises(OSError):
-                socket.create_connection(("127.0.0.1", int(api.split(":")[2].split("/")[0])), timeout=3).close()
+            # Only the listening address: the stack's processes listen on that port there alone, not on
+            # loopback's side (where another test's server may hold the same number).
+            import psutil
+
+            stack_pids = {p for s in stack.load(home)["services"] if s.pid for p in (s.pid, *stack.descendants(s.pid))}
+            api_port = int(api.split(":")[2].split("/")[0])
+            listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                         and c.laddr.port == api_port and c.pid in stack_pids}
+            assert listening == {host_ip}, listening
             envs = {}
             for user, role in (("gpu-box", "worker"), ("vic", "viewer")):
                 prewarmed.run("flows.cli", ["stack", "user", "add", user, "--role", role, "--home", str(home)],
