@@ -41,6 +41,16 @@ AHEAD = ("torch", "numpy", "pandas", "pyarrow", "pyarrow.parquet", "mlflow", "ml
          "s3fs", "httpx", "fastapi", "sqlalchemy", "pydantic", "pydantic.v1", "typer", "rich.console", "rich.progress",
          "yaml", "mlflow.pyfunc")
 
+# Prefect reads its settings (PREFECT_HOME, the API URL, logging) when it is imported. It is imported
+# ahead all the same, for about 0.7 s of CPU a command, and each child builds its settings and logging
+# again from its own environment (`_own_prefect`), as a fresh import would. A command of this project
+# that names no Prefect server (Prefect's temporary-server path) starts a new interpreter instead:
+# forked from here, its events client failed against the temporary server on every event.
+AHEAD_PREFECT = ("prefect.main", "prefect.flows", "prefect.tasks", "prefect.client.orchestration", "prefect.deployments",
+                 "prefect.flow_engine", "prefect.task_engine", "prefect.runtime", "prefect.artifacts",
+                 "prefect.logging.formatters", "prefect.variables", "prefect.exceptions", "prefect.states",
+                 "prefect.futures", "prefect.results")
+
 
 # --- the fork server ----------------------------------------------------------------------------
 
@@ -73,6 +83,8 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
     # The path a new interpreter would have: the working directory, then PYTHONPATH, then the rest.
     ahead = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:] = [request["cwd"], *ahead, *_BASE_PATH]
+    if "prefect.context" in sys.modules:
+        _own_prefect()
     code: int = 0
     try:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -101,6 +113,16 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
         os._exit(code & 0xFF)
 
 
+def _own_prefect() -> None:
+    """In the child: Prefect's settings and logging from the command's environment and folder."""
+    import prefect.context
+    import prefect.logging.configuration as logging_configuration
+
+    prefect.context.refresh_global_settings_context()
+    logging_configuration.PROCESS_LOGGING_CONFIG.clear()
+    logging_configuration.setup_logging(incremental=False)
+
+
 def _attend(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> None:
     """In a child of the server: start the command, tell the caller its PID, wait for it and tell
     its exit status. Never returns."""
@@ -124,7 +146,7 @@ _BASE_PATH: list[str] = []  # the server's sys.path without its script's folder 
 def serve(path: str) -> None:
     own = {entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
     _BASE_PATH[:] = [entry for entry in sys.path[1:] if entry not in own]
-    for name in AHEAD:
+    for name in (*AHEAD, *AHEAD_PREFECT):
         importlib.import_module(name)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
@@ -272,6 +294,12 @@ def _text(data: bytes) -> str:
     return data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+def _fresh(module: str, env: dict[str, str]) -> bool:
+    """Whether a command starts a new interpreter rather than a fork (see AHEAD_PREFECT)."""
+    temporary_server = module.split(".")[0] == "flows" and not env.get("PREFECT_API_URL")
+    return temporary_server or os.environ.get("MLLM_TESTS_FRESH") == "1"
+
+
 def run(module: str, args: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
         timeout: float | None = None, fresh: bool = False, check: bool = False) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` run to its end: what `subprocess.run(..., capture_output=True,
@@ -279,7 +307,7 @@ def run(module: str, args: list[str], env: dict[str, str] | None = None, cwd: st
     or MLLM_TESTS_FRESH=1 in the environment, starts a new interpreter instead (to tell whether a
     failure is the fork's)."""
     env = dict(os.environ) if env is None else env
-    if fresh or os.environ.get("MLLM_TESTS_FRESH") == "1":
+    if fresh or _fresh(module, env):
         return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                               cwd=cwd, env=env, check=check)
     command = Command(module, args, env, cwd)
@@ -298,7 +326,7 @@ def start(module: str, args: list[str], env: dict[str, str], cwd: str | os.PathL
           new_session: bool = False) -> Command | subprocess.Popen:
     """`python -m MODULE ARGS` started in the background, as `subprocess.Popen(..., text=True,
     stdout=PIPE, stderr=PIPE, start_new_session=new_session)` starts it."""
-    if os.environ.get("MLLM_TESTS_FRESH") == "1":
+    if _fresh(module, env):
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=cwd, env=env, start_new_session=new_session)
     return Command(module, args, env, cwd, new_session)
