@@ -15,6 +15,7 @@ import functools
 import io
 import itertools
 import json
+import os
 import threading
 
 from prefect import flow, task
@@ -163,7 +164,7 @@ def passing_failure(task: object, task_run: object, state: object) -> bool:
 # A point that fails of a server's passing failure runs once more, on its own: its finished data
 # stages are found cached and its training in storage, so only what had not finished runs again.
 @task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception],
-      retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)
+      retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)  # delay: MLLM_SWEEP_RETRY_DELAY_S
 def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
               pool: str | None, model: str | None = None) -> PointOutcome:
     from prefect.runtime import task_run
@@ -254,12 +255,14 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
     futures: list[PrefectFuture] = []
     last_of_key: dict[str, PrefectFuture] = {}
     ended = PointsEnded(len(points))
+    retry_delay = float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10"))  # before a point runs once more
     for point, key in zip(points, keys):
         running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
         if parallel and len(running) >= parallel:  # the next point starts when one ends
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         after = [allow_failure(last_of_key[key])] if key in last_of_key else []
-        future = run_point.with_options(task_run_name=f"point {label(point)}"[:100]).submit(
+        future = run_point.with_options(task_run_name=f"point {label(point)}"[:100],
+                                        retry_delay_seconds=retry_delay).submit(
             recipe, source, root, point_overrides(overrides, point),
             {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, model, wait_for=after)
         future.add_done_callback(functools.partial(ended, label(point)))

@@ -8,22 +8,23 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import prewarmed
 import pytest
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterStartTime
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from conftest import make_text
-from flows.stack.processes import free_port
-from servers import FaultProxy, quiet_env, run_mlflow_server, serving
+from servers import FaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -33,21 +34,17 @@ STEPS = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_inter
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory) -> Iterator[dict]:
-    """A Prefect server (SQLite) and an MLflow server, each behind a FaultProxy."""
-    folder = tmp_path_factory.mktemp("transient")
-    port = free_port()
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with serving(cmd, f"http://127.0.0.1:{port}/api/health", folder / "prefect.log", quiet_env(folder / "prefect"),
-                 timeout=180), run_mlflow_server(folder / "mlflow") as mlflow:
-        prefect_proxy = FaultProxy(port).start()
-        mlflow_proxy = FaultProxy(int(mlflow.url.rsplit(":", 1)[1])).start()
-        try:
-            yield {"prefect": prefect_proxy, "mlflow": mlflow_proxy,
-                   "env": {"PREFECT_API_URL": f"{prefect_proxy.url}/api", "MLFLOW_TRACKING_URI": mlflow_proxy.url}}
-        finally:
-            prefect_proxy.stop()
-            mlflow_proxy.stop()
+def servers(prefect_server: str, mlflow_server) -> Iterator[dict]:
+    """The session's Prefect server and the module's MLflow server, each behind a FaultProxy: only
+    the commands of these tests go through the proxies."""
+    prefect_proxy = FaultProxy(urlsplit(prefect_server).port).start()
+    mlflow_proxy = FaultProxy(urlsplit(mlflow_server.url).port).start()
+    try:
+        yield {"prefect": prefect_proxy, "mlflow": mlflow_proxy,
+               "env": {"PREFECT_API_URL": f"{prefect_proxy.url}/api", "MLFLOW_TRACKING_URI": mlflow_proxy.url}}
+    finally:
+        prefect_proxy.stop()
+        mlflow_proxy.stop()
 
 
 def _when_training_starts(root: Path, fault) -> threading.Thread:
@@ -81,13 +78,13 @@ def _point_runs(servers: dict, out: subprocess.CompletedProcess, view: int = Vie
 
 
 def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, tmp_path: Path) -> None:
-    # 20 s: both clients back off and retry (Prefect doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES
+    # 10 s: both clients back off and retry (Prefect doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES
     # times; MLflow likewise), so a window shorter than their budgets costs time and fails nothing.
     # The budgets' lengths (the project's 7 retries, about 4 minutes, against Prefect's default 5,
     # about a minute) are in flows/__init__.py; waiting out a minute here would only re-measure them.
     prefect, mlflow = servers["prefect"], servers["mlflow"]
     before = prefect.answered_503, mlflow.answered_503
-    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(20), mlflow.unavailable(20)))
+    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(10), mlflow.unavailable(10)))
     # Requests to both during the window, however slow the machine: the training's progress line
     # goes to Prefect's API every second, its metrics to MLflow every 2 s (MLLM_METRICS_EVERY_S).
     out = _sweep(servers, tmp_path, seed=11, env={"MLLM_LOG_EVERY_S": "1"})
@@ -101,14 +98,16 @@ def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, t
 def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing_is_left_failed(
         servers: dict, tmp_path: Path) -> None:
     # With Prefect's client told to give up after 2 retries (2 + 4 s; a user's own setting wins over
-    # the project's), Prefect answering 503 to every new flow run for 12 s fails the point that is
-    # about to start one; the sweep runs that point once more, 10 s later, and it finishes.
+    # the project's), Prefect answering 503 to every new flow run for 9 s fails the point that is
+    # about to start one; the sweep runs that point once more (5 s later here: MLLM_SWEEP_RETRY_DELAY_S, past the
+    # window), and it finishes.
     prefect = servers["prefect"]
-    before, started = prefect.answered_503, time.time()
-    _when_training_starts(tmp_path / "storage", lambda: prefect.unavailable(12, only="POST /api/flow_runs/ "))
+    before, started = prefect.answered_503, datetime.now(UTC)
+    _when_training_starts(tmp_path / "storage", lambda: prefect.unavailable(9, only="POST /api/flow_runs/ "))
     # As at a terminal (MLLM_PROGRESS): Prefect's lines, the failed attempt's traceback among them,
     # stay in its run record.
-    out = _sweep(servers, tmp_path, seed=12, env={"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_PROGRESS": "1"})
+    out = _sweep(servers, tmp_path, seed=12, env={"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_PROGRESS": "1",
+                                                   "MLLM_SWEEP_RETRY_DELAY_S": "5"})
     assert out.returncode == 0, out.stderr[-4000:]
     assert prefect.answered_503 > before
     assert "FAILED" not in out.stdout, out.stdout
@@ -117,8 +116,8 @@ def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing
     # In Prefect's record: one point ran twice, and every point ended Completed.
     with temporary_settings({PREFECT_API_URL: servers["env"]["PREFECT_API_URL"]}), \
             get_client(sync_client=True) as client:
-        points = [r for r in client.read_task_runs() if r.name.startswith("point train.lr=")
-                  and r.start_time and r.start_time.timestamp() > started]
+        points = [r for r in client.read_task_runs(task_run_filter=TaskRunFilter(
+            name=TaskRunFilterName(like_="point train.lr="), start_time=TaskRunFilterStartTime(after_=started)))]
     assert sorted(r.run_count for r in points) == [1, 1, 2] and all(r.state.is_completed() for r in points), \
         [(r.name, r.run_count, r.state_name) for r in points]
     runs = _point_runs(servers, out)
