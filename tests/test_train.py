@@ -260,6 +260,26 @@ def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_p
 
 
 
+def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
+    import signal
+
+    from mllm.runtime.checkpoint import Signals
+
+    noted = Signals()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        assert noted.received == signal.SIGHUP
+    finally:
+        noted.restore()
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    try:
+        ignored = Signals()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert ignored.received is None
+        ignored.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
 def _compiler_processes(parent: int) -> list[int]:
     """The C++ compiler's processes under `parent` (g++ and what it runs: cc1plus, as, ld)."""
     table = [line.split(None, 2) for line in subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True,

@@ -186,25 +186,30 @@ def _ctrl_c() -> Iterator[None]:
         return
 
     def again(signum: int, frame: Any) -> None:
-        sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
-        sys.stderr.flush()
-        # No atexit handler runs after os._exit: the temporary server, which ignores SIGINT,
-        # would outlive this process.
+        with contextlib.suppress(OSError):  # a terminal that hung up
+            sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
+            sys.stderr.flush()
+        # No atexit handler runs after os._exit: the temporary server, in a process group of its
+        # own, would outlive this process.
         for server in _servers:
             with contextlib.suppress(Exception):
                 server.server_process.kill()
         os._exit(128 + signum)
 
     def first(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, again)
-        signal.signal(signal.SIGTERM, again)
+        for s in previous:
+            signal.signal(s, again)
         _quiet.failed = True  # the terminal shows our one line, not Prefect's "Crash detected!"
         interrupted_by[:] = [signum]
         raise KeyboardInterrupt
 
     # SIGTERM (docker stop, Kubernetes, a spot reclaim) ends the command as Ctrl-C does: training
     # writes its checkpoint first (mllm.train), the runs are marked, the exit status says which.
-    previous = {s: signal.signal(s, first) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP (the terminal closed) too, unless ignored (nohup): the temporary server, in a process
+    # group of its own, does not get the terminal's hang-up and must be stopped by this process.
+    wanted = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+              if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, first) for s in wanted}
     try:
         yield
     finally:

@@ -177,7 +177,7 @@ class Signals:
     when it compiles, and a signal sent to the whole process group has already ended the C++
     compiler it waits for."""
 
-    NAMES = (signal.SIGINT, signal.SIGTERM)
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 
     def __init__(self) -> None:
         self.received: int | None = None
