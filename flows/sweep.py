@@ -155,8 +155,10 @@ class PointsFailed(UserError):
 
 def passing_failure(task: object, task_run: object, state: object) -> bool:
     """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
-    clients' own retries, a refused connection), not the point's own error."""
-    return failures.transient(getattr(state, "data", None))
+    clients' own retries, a refused connection, a tracking server still away when its training
+    ended), not the point's own error."""
+    exc = getattr(state, "data", None)
+    return failures.transient(exc) or any(isinstance(e, outage.TrackingAway) for e in failures.exception_chain(exc))
 
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.

@@ -182,9 +182,13 @@ def test_a_tracking_server_that_stays_away_ends_the_run_in_one_line_and_is_told_
         runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("smoke").experiment_id])}
         assert runs[first.info.run_id].info.status == "FAILED"  # closed when the server came back
         assert "stopped answering" in runs[first.info.run_id].data.tags["error"]
+        # The metrics it could not take while away were kept in storage and sent then: each step once.
+        history = client.get_metric_history(first.info.run_id, "train_loss")
+        assert sorted(m.step for m in history) == list(range(10, 801, 10)), [m.step for m in history]
         [second] = [r for r in runs.values() if r.info.run_id != first.info.run_id]
         assert second.info.status == "FINISHED" and second.data.tags["train.resumed_from_step"] == "800"
-    assert not list(storage.glob("tracking/unfinished/*.json"))
+    assert "are kept in" in stderr and "were not sent" not in stderr, stderr[-3000:]
+    assert not list(storage.glob("tracking/unfinished/*.json")) and not list(storage.glob("tracking/unsent/*"))
 
 
 def json_steps(storage: Path) -> int:

@@ -191,3 +191,31 @@ def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point
     assert lines[0].split() == ["point", "accuracy", "val", "loss", "mlflow", "run"]
     assert lines[1].split() == ["model.arch=rnn", "data.window=4", "0.9000", "0.5000", "run0"]
     assert lines[4].split() == ["model.arch=lstm", "data.window=8", "FAILED", "-", "-"]
+
+
+def test_a_point_is_run_once_more_after_a_passing_failure_and_never_after_its_own() -> None:
+    # A tracking server still away when a point's training ended (killed, restarted by `stack up`,
+    # back a minute later) is a passing failure: the point runs again once the server answers
+    # (its training found in storage). A point's own error is not run again.
+    from prefect import flow, task
+
+    from flows.sweep import passing_failure
+    from tasks.tracking.outage import TrackingAway
+
+    attempts: list[str] = []
+
+    @task(retries=1, retry_delay_seconds=0, retry_condition_fn=passing_failure, persist_result=False)
+    def point(name: str, error: Exception) -> str:
+        attempts.append(name)
+        if attempts.count(name) == 1:
+            raise error
+        return name
+
+    @flow(persist_result=False)
+    def points() -> list[str]:
+        away = point.submit("away", TrackingAway("the MLflow tracking server http://127.0.0.1:1 stopped answering"))
+        own = point.submit("own", UserError("train.lr: must be positive"))
+        return [away.result(), own.result(raise_on_failure=False).__class__.__name__]
+
+    assert points() == ["away", "UserError"]
+    assert sorted(attempts) == ["away", "away", "own"]
