@@ -188,7 +188,7 @@ def test_a_tracking_server_that_stays_away_ends_the_run_in_one_line_and_is_told_
         [second] = [r for r in runs.values() if r.info.run_id != first.info.run_id]
         assert second.info.status == "FINISHED" and second.data.tags["train.resumed_from_step"] == "800"
     assert "are kept in" in stderr and "were not sent" not in stderr, stderr[-3000:]
-    assert not list(storage.glob("tracking/unfinished/*.json")) and not list(storage.glob("tracking/unsent/*"))
+    assert not list(storage.glob("tracking/unfinished/*.json")) and not list(storage.glob("tracking/unsent/*.json"))
 
 
 def json_steps(storage: Path) -> int:

@@ -324,15 +324,16 @@ def send_unsent(root: str, send: Callable[[str, list[dict]], None]) -> None:
     if not storage.exists(folder):
         return
     fs, path = storage.filesystem(folder)
-    for name in sorted(fs.glob(f"{path.rstrip('/')}/*.json")):
-        url = storage.join(folder, os.path.basename(name))
-        kept = storage.read_json(url)
-        if kept.get("server") != server():
-            continue  # another server's run
-        send(kept["run_id"], kept["records"])
-        storage.remove(url)
-        _logger().info("sent %d metric records of MLflow run %s kept while the tracking server was away",
-                       len(kept["records"]), kept["run_id"])
+    with storage.exclusive(folder):  # runs side by side (a sweep's points) send each file once
+        for name in sorted(fs.glob(f"{path.rstrip('/')}/*.json")):
+            url = storage.join(folder, os.path.basename(name))
+            kept = storage.read_json(url)
+            if kept.get("server") != server():
+                continue  # another server's run
+            send(kept["run_id"], kept["records"])
+            storage.remove(url)
+            _logger().info("sent %d metric records of MLflow run %s kept while the tracking server was away",
+                           len(kept["records"]), kept["run_id"])
 
 
 def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
