@@ -223,9 +223,12 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
     with contextlib.suppress(Exception):  # the interruption is what the user must hear about
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter
+        from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
         from prefect.states import Cancelled
 
-        with get_client(sync_client=True) as client:
+        # Seconds at most, not a client's minutes of retries: the user asked to stop.
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
+                get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
             for run in runs:
