@@ -282,8 +282,8 @@ def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
 
 def _compiler_processes(parent: int) -> list[int]:
     """The C++ compiler's processes under `parent` (g++ and what it runs: cc1plus, as, ld)."""
-    table = [line.split(None, 2) for line in subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True,
-                                                             text=True).stdout.splitlines()]
+    ps = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True, text=True, check=True)
+    table = [line.split(None, 2) for line in ps.stdout.splitlines()]
     found = [int(pid) for pid, ppid, comm in table if int(ppid) == parent and comm.strip() in ("g++", "c++", "cc")]
     for pid in found:  # a child's children come after it in `found`: the loop reaches them too
         found += [int(p) for p, pp, _ in table if int(pp) == pid]

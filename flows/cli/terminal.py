@@ -223,7 +223,11 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
     with contextlib.suppress(Exception):  # the interruption is what the user must hear about
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter
-        from prefect.settings import PREFECT_API_REQUEST_TIMEOUT, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_REQUEST_TIMEOUT,
+            PREFECT_CLIENT_MAX_RETRIES,
+            temporary_settings,
+        )
         from prefect.states import Cancelled
 
         # Seconds at most, not a client's minutes of retries: the user asked to stop.
