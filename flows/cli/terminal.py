@@ -288,7 +288,9 @@ class _InItsOwnGroup:
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
-        return subprocess.Popen(*args, process_group=0, stdin=subprocess.DEVNULL, **kwargs)
+        kwargs.setdefault("process_group", 0)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)  # a background group reading the terminal would stop
+        return subprocess.Popen(*args, **kwargs)
 
 
 def _own_group_and_log(server: Any) -> None:
