@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import threading
+from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -42,7 +43,7 @@ from tasks import model as model_tasks
 from tasks.tracking import outage
 from tasks.caching import forget_exception
 from tasks.tracking.provenance import code_git_info, run_tags
-from tasks.tracking.tracker import MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
+from tasks.tracking.tracker import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
 from tasks.tracking.tracker import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
@@ -156,8 +157,10 @@ class PointsFailed(UserError):
 
 def passing_failure(task: object, task_run: object, state: object) -> bool:
     """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
-    clients' own retries, a refused connection), not the point's own error."""
-    return failures.transient(getattr(state, "data", None))
+    clients' own retries, a refused connection, a tracking server still away when its training
+    ended), not the point's own error."""
+    exc = getattr(state, "data", None)
+    return failures.transient(exc) or any(isinstance(e, outage.TrackingAway) for e in failures.exception_chain(exc))
 
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
@@ -185,15 +188,31 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
 def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
     """The MLflow runs of a point's failed attempt, once its retry finished as `run_id`: tagged
     `sweep.superseded_by`, and moved to MLflow's trash unless they finished (the parent then
-    nests one run for the point, and no FAILED run stands for a point that finished)."""
+    nests one run for the point, and no FAILED run stands for a point that finished). The steps
+    they logged that `run_id` does not hold are copied into it first: a retry resumes or reuses
+    their training, so the run that stands for the point has the whole curve."""
     client = tracking_client(root)
     experiment = client.get_run(run_id).info.experiment_id
     for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
         if run.info.run_id == run_id or run.data.tags.get(POINT_TAG) != tags[POINT_TAG]:
             continue
+        copy_history(client, run.info.run_id, run_id)
         client.set_tag(run.info.run_id, "sweep.superseded_by", run_id)
         if run.info.status != "FINISHED":
             client.delete_run(run.info.run_id)
+
+
+def copy_history(client: Any, source: str, target: str) -> None:
+    """The training metrics `source` logged at steps `target` has none of, logged into `target`
+    (the machine's system metrics stay with the attempt they measured)."""
+    held = client.get_run(target).data.metrics
+    for key in client.get_run(source).data.metrics:
+        if key.startswith("system/"):
+            continue
+        have = {m.step for m in client.get_metric_history(target, key)} if key in held else set()
+        missing = [m for m in client.get_metric_history(source, key) if m.step not in have]
+        for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
+            client.log_batch(target, metrics=missing[i:i + MAX_METRICS_PER_BATCH])
 
 
 # --- the flow ------------------------------------------------------------------------------

@@ -335,7 +335,7 @@ class TrainConfig(_Section):
     log_interval: int = Field(10, ge=1)
     checkpoint_interval: int = Field(1000, ge=1)
     # Also write last.pt after this many minutes of training since the last write (None: by steps
-    # only); SIGINT and SIGTERM write it too, at the end of the step they arrive in.
+    # only); SIGINT and SIGTERM write it too, of the last finished step.
     checkpoint_minutes: float | None = Field(5.0, gt=0)
     early_stopping_patience: int | None = Field(None, ge=1)  # evaluations without improvement
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps

@@ -5,9 +5,10 @@ then cosine decay, gradient clipping and accumulation, bf16 autocast where it is
 (mllm.speed), optional torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
 step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
 it would have reached. last.pt is written every `checkpoint_interval` steps, every
-`checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (at the end of
-that step, before the signal takes its usual course), so an interrupt, `docker stop` or a spot
-reclaim loses no finished step.
+`checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (of the last
+finished step, before the signal takes its usual course; a one-process training drops the
+forward and backward or the evaluation it is in, under DDP the ranks finish their step), so an
+interrupt, `docker stop` or a spot reclaim loses no finished step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mllm.config import RunConfig, TrainConfig
 from mllm.family import build_model, family_of, load_inputs
 from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
-from mllm.runtime.checkpoint import Signals, check_vocab, read_checkpoint, save_checkpoint
+from mllm.runtime.checkpoint import BrokenOff, Signals, check_vocab, read_checkpoint, save_checkpoint
 from mllm.runtime.compiling import Compiler, compile_key
 from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
@@ -160,6 +161,26 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
             tdist.destroy_process_group()
 
 
+def _where(batches, device: torch.device) -> tuple:
+    """Where the data order and the RNGs stand before a step, to draw its batches again."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return batches.state_dict(), batches.rng_state(), torch.get_rng_state(), cuda
+
+
+def _rewind(batches, where: tuple, device: torch.device) -> None:
+    data, data_rng, cpu, cuda = where
+    batches.load_state_dict(data, data_rng)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _signalled_alone(signals: Signals, d: Dist) -> bool:
+    """Whether an error in the loop follows a signal this process noted, so it is the signal's
+    doing. One process only: under DDP the other ranks would wait in a collective for this one."""
+    return signals.received is not None and d.world_size == 1
+
+
 def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
          on_eval=None) -> TrainResult:
     t = cfg.train
@@ -246,23 +267,48 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     loss_sum = torch.zeros((), device=device)
     loss_count, tokens_run, mark, tokens_mark = 0, 0, t0, 0
     saved_at = elapsed_before  # training seconds when last.pt was last written
+
+    def broken_off(where: tuple | None) -> None:
+        """A signal broke off a step's forward and backward or an evaluation (Signals.breaking),
+        or failed it: one sent to the whole process group (`timeout`, a batch scheduler, Ctrl-C at
+        a terminal) also ends the C++ compiler that inductor waits for. The work is lost, not the
+        training: last.pt holds the last finished step (a broken step's batches are drawn again on
+        resume), then the signal takes its course."""
+        if where is not None:
+            _rewind(batches, where, device)
+        optimizer.zero_grad(set_to_none=True)
+        save(last_url)
+        signals.deliver(step)
+
     while stop is None:
         step_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        for micro in range(t.grad_accum):
-            batch = batches.next()
-            tokens_run += _samples(batch) * d.world_size  # each rank's batch is as large, near enough
-            if pin:
-                batch = [x.pin_memory() for x in batch]
-            batch = [x.to(device, non_blocking=pin) for x in batch]
-            if d.world_size > 1:
-                # Average gradients across ranks once per step, not after every micro-batch.
-                model.require_backward_grad_sync = micro == t.grad_accum - 1
-            with autocast():
-                _, loss, _ = model(*batch)
-            (loss / t.grad_accum).backward()
-            loss_sum += loss.detach()
-            loss_count += 1
+        where = _where(batches, device) if d.world_size == 1 else None
+        try:
+            with signals.breaking(d.world_size == 1):
+                for micro in range(t.grad_accum):
+                    batch = batches.next()
+                    tokens_run += _samples(batch) * d.world_size  # each rank's batch is as large, near enough
+                    if pin:
+                        batch = [x.pin_memory() for x in batch]
+                    batch = [x.to(device, non_blocking=pin) for x in batch]
+                    if d.world_size > 1:
+                        # Average gradients across ranks once per step, not after every micro-batch.
+                        model.require_backward_grad_sync = micro == t.grad_accum - 1
+                    with autocast():
+                        _, loss, _ = model(*batch)
+                    (loss / t.grad_accum).backward()
+                    loss_sum += loss.detach()
+                    loss_count += 1
+        except BrokenOff:
+            pass
+        except Exception:
+            if not _signalled_alone(signals, d):
+                raise
+        else:
+            where = None
+        if where is not None:  # out of the except block: the signal's course is no follow-up of an error
+            broken_off(where)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), t.grad_clip or math.inf)
         optimizer.step()
         scheduler.step()
@@ -299,7 +345,17 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         improved = False
         if step % t.eval_interval == 0 or stop:
             eval_start = time.perf_counter()
-            val = _val_loss(compiling.evaluator, val_batches, device, autocast, d)
+            try:
+                with signals.breaking(d.world_size == 1):
+                    val = _val_loss(compiling.evaluator, val_batches, device, autocast, d)
+            except BrokenOff:
+                val = None
+            except Exception:
+                if not _signalled_alone(signals, d):
+                    raise
+                val = None
+            if val is None:
+                broken_off(None)
             improved = val < best
             best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
             metrics.update(val_loss=val, best_val_loss=best, evals_since_best=evals_since_best)

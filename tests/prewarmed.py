@@ -265,8 +265,8 @@ class Command:
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise subprocess.TimeoutExpired(self.args, timeout, "".join(texts[self.stdout]),
-                                                    "".join(texts[self.stderr]))
+                    raise subprocess.TimeoutExpired(self.args, timeout, _text(b"".join(texts[self.stdout])),
+                                                    _text(b"".join(texts[self.stderr])))
                 for key, _ in sel.select(left):
                     data = os.read(key.fd, 65536)
                     if data:

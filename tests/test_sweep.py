@@ -191,3 +191,58 @@ def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point
     assert lines[0].split() == ["point", "accuracy", "val", "loss", "mlflow", "run"]
     assert lines[1].split() == ["model.arch=rnn", "data.window=4", "0.9000", "0.5000", "run0"]
     assert lines[4].split() == ["model.arch=lstm", "data.window=8", "FAILED", "-", "-"]
+
+
+def test_a_point_is_run_once_more_after_a_passing_failure_and_never_after_its_own() -> None:
+    # A tracking server still away when a point's training ended (killed, restarted by `stack up`,
+    # back a minute later) is a passing failure: the point runs again once the server answers
+    # (its training found in storage). A point's own error is not run again.
+    from prefect import flow, task
+
+    from flows.sweep import passing_failure
+    from tasks.tracking.outage import TrackingAway
+
+    attempts: list[str] = []
+
+    @task(retries=1, retry_delay_seconds=0, retry_condition_fn=passing_failure, persist_result=False)
+    def point(name: str, error: Exception) -> str:
+        attempts.append(name)
+        if attempts.count(name) == 1:
+            raise error
+        return name
+
+    @flow(persist_result=False)
+    def points() -> list[str]:
+        away = point.submit("away", TrackingAway("the MLflow tracking server http://127.0.0.1:1 stopped answering"))
+        own = point.submit("own", UserError("train.lr: must be positive"))
+        return [away.result(), own.result(raise_on_failure=False).__class__.__name__]
+
+    assert points() == ["away", "UserError"]
+    assert sorted(attempts) == ["away", "away", "own"]
+
+
+def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attempt_logged(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    # The retry reuses or resumes the failed attempt's training, which logged the curve (sent late
+    # when the tracking server came back): the attempt goes to the trash, its curve stays.
+    from mlflow.entities import Metric
+    from mlflow.entities.lifecycle_stage import LifecycleStage
+    from mlflow.tracking import MlflowClient
+
+    from flows.sweep import PARENT_TAG, POINT_TAG, supersede
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient()
+    experiment = client.create_experiment("retried")
+    parent = client.create_run(experiment).info.run_id
+    tags = {PARENT_TAG: parent, POINT_TAG: "train.lr=0.003"}
+    failed, retry = (client.create_run(experiment, tags=tags).info.run_id for _ in range(2))
+    client.log_batch(failed, metrics=[Metric("train_loss", 3.0 - s / 100, 0, s) for s in range(10, 60, 10)]
+                     + [Metric("system/cpu_utilization_percentage", 50.0, 0, 0)])
+    client.log_batch(retry, metrics=[Metric("train_loss", 2.5, 0, 50), Metric("val_loss", 2.6, 0, 50)])
+    client.set_terminated(failed, "FAILED")
+    supersede(str(tmp_path / "storage"), tags, retry)
+    assert sorted(m.step for m in client.get_metric_history(retry, "train_loss")) == [10, 20, 30, 40, 50]
+    assert "system/cpu_utilization_percentage" not in client.get_run(retry).data.metrics
+    gone = client.get_run(failed)
+    assert gone.info.lifecycle_stage == LifecycleStage.DELETED and gone.data.tags["sweep.superseded_by"] == retry

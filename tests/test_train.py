@@ -240,7 +240,7 @@ def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path
     assert saved_steps(1e-7) == [2, 4, 6]  # a few microseconds of training each time: every step
 
 
-def test_sigterm_writes_the_checkpoint_of_the_step_it_arrives_in(data_dir, tmp_path):
+def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_path):
     cfg = make_config(data_dir, tmp_path, max_steps=10_000, checkpoint_interval=10_000, checkpoint_minutes=None,
                       log_interval=1, eval_interval=10_000)
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
@@ -258,6 +258,89 @@ def test_sigterm_writes_the_checkpoint_of_the_step_it_arrives_in(data_dir, tmp_p
     step = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
     assert 20 <= step < 10_000  # no step printed before the signal is lost
 
+
+
+def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
+    import signal
+
+    from mllm.runtime.checkpoint import Signals
+
+    noted = Signals()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        assert noted.received == signal.SIGHUP
+    finally:
+        noted.restore()
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
+    try:
+        ignored = Signals()
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert ignored.received is None
+        ignored.restore()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+def _compiler_processes(parent: int) -> list[int]:
+    """The C++ compiler's processes under `parent` (g++ and what it runs: cc1plus, as, ld)."""
+    ps = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,comm="], capture_output=True, text=True, check=True)
+    table = [line.split(None, 2) for line in ps.stdout.splitlines()]
+    found = [int(pid) for pid, ppid, comm in table if int(ppid) == parent and comm.strip() in ("g++", "c++", "cc")]
+    for pid in found:  # a child's children come after it in `found`: the loop reaches them too
+        found += [int(p) for p, pp, _ in table if int(pp) == pid]
+    return found
+
+
+def test_a_signal_to_the_whole_group_while_inductor_compiles_stops_in_seconds_at_the_last_finished_step(
+        data_dir, tmp_path, monkeypatch):
+    # `timeout`, a batch scheduler or a terminal signal every process of the command's group: the
+    # g++ that inductor waits for dies of it too. A compilation takes minutes on a busy machine,
+    # and a dead compiler used to fail the task: both give way to the signal, as at any step.
+    import signal
+    import threading
+    import time
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled: g++ runs
+    torch._dynamo.reset()
+    # Inductor's probes of the CPU's vector instructions first (once a process): a probe the
+    # signal ends only counts as an instruction set missing. The g++ that gets the signal below
+    # compiles the model's kernels, and dying fails the compilation.
+    valid_vec_isa_list()
+    cfg = make_config(data_dir, tmp_path, max_steps=1000, compile=True, checkpoint_interval=1000,
+                      checkpoint_minutes=None, eval_interval=1000)
+    sent: list[float] = []
+
+    def group_signal() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (compiler := _compiler_processes(os.getpid())):
+            time.sleep(0.02)
+        sent.append(time.monotonic())
+        for pid in [*compiler, os.getpid()]:  # what os.killpg does, without the test's other processes
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def interrupted(signum, frame):  # the CLI's handler of a first signal (flows/cli/terminal.py)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupted)
+    watcher = threading.Thread(target=group_signal, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+        stopped = time.monotonic()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch._dynamo.reset()
+    assert sent, "inductor never ran the C++ compiler"
+    assert stopped - sent[0] < 10, stopped - sent[0]
+    state = torch.load(tmp_path / "last.pt", weights_only=True)
+    # The first step's compilation was broken off: last.pt holds step 0, and the batches that step
+    # drew are drawn again on resume.
+    assert state["step"] == 0 and state["data_state"] == {"batches": 0}
 
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist

@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -154,9 +155,10 @@ def flow_session() -> Iterator[Any]:
     with this process, flow runs send no heartbeats: nothing could ever read them, and stopping
     each run's heartbeat thread costs up to a second.
 
-    Ctrl-C belongs to this process: the temporary server does not take the terminal's SIGINT
-    (it would die under the runs it records), the first Ctrl-C stops the work and marks its flow
-    runs Cancelled (the MLflow run ends KILLED), and a second one exits at once."""
+    Ctrl-C belongs to this process: the temporary server runs in a process group of its own, so
+    neither the terminal's Ctrl-C nor a SIGTERM to this command's group (`timeout`, a batch
+    scheduler) kills it under the runs it records; the first signal stops the work and marks its
+    flow runs Cancelled (the MLflow run ends KILLED), and a second one exits at once."""
     started = datetime.datetime.now(datetime.timezone.utc)
     waiting = _start_temporary_server()
     fl = flows_module()
@@ -184,25 +186,30 @@ def _ctrl_c() -> Iterator[None]:
         return
 
     def again(signum: int, frame: Any) -> None:
-        sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
-        sys.stderr.flush()
-        # No atexit handler runs after os._exit: the temporary server, which ignores SIGINT,
-        # would outlive this process.
+        with contextlib.suppress(OSError):  # a terminal that hung up
+            sys.stderr.write("error: interrupted again: stopped at once; run the same command to continue\n")
+            sys.stderr.flush()
+        # No atexit handler runs after os._exit: the temporary server, in a process group of its
+        # own, would outlive this process.
         for server in _servers:
             with contextlib.suppress(Exception):
                 server.server_process.kill()
         os._exit(128 + signum)
 
     def first(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, again)
-        signal.signal(signal.SIGTERM, again)
+        for s in previous:
+            signal.signal(s, again)
         _quiet.failed = True  # the terminal shows our one line, not Prefect's "Crash detected!"
         interrupted_by[:] = [signum]
         raise KeyboardInterrupt
 
     # SIGTERM (docker stop, Kubernetes, a spot reclaim) ends the command as Ctrl-C does: training
     # writes its checkpoint first (mllm.train), the runs are marked, the exit status says which.
-    previous = {s: signal.signal(s, first) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP (the terminal closed) too, unless ignored (nohup): the temporary server, in a process
+    # group of its own, does not get the terminal's hang-up and must be stopped by this process.
+    wanted = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+              if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {s: signal.signal(s, first) for s in wanted}
     try:
         yield
     finally:
@@ -216,9 +223,16 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
     with contextlib.suppress(Exception):  # the interruption is what the user must hear about
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter
+        from prefect.settings import (
+            PREFECT_API_REQUEST_TIMEOUT,
+            PREFECT_CLIENT_MAX_RETRIES,
+            temporary_settings,
+        )
         from prefect.states import Cancelled
 
-        with get_client(sync_client=True) as client:
+        # Seconds at most, not a client's minutes of retries: the user asked to stop.
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
+                get_client(sync_client=True) as client:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
             for run in runs:
@@ -243,13 +257,9 @@ def _start_temporary_server() -> Callable[[], None] | None:
 
     server = SubprocessASGIServer()
     _servers.append(server)
-    _log_to_file(server)
+    _own_group_and_log(server)
 
     def start() -> None:
-        # The server process inherits this thread's signal mask: with SIGINT blocked it does not
-        # die of the terminal's Ctrl-C (sent to the whole process group) under the runs it
-        # records; it is stopped with SIGTERM when this process ends.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             server.start()
         except BaseException as e:  # handed to the caller's thread
@@ -266,13 +276,33 @@ def _start_temporary_server() -> Callable[[], None] | None:
     return wait
 
 
-def _log_to_file(server: Any) -> None:
-    """The temporary server's own lines go to `$PREFECT_HOME/temporary-server.log`, not the
-    terminal: stopped right after a run failed, its services log the events they could not flush
-    with a traceback, around the one `error:` line. Its process takes stderr when it is started,
-    so stderr is that file for the moment of the start."""
+class _InItsOwnGroup:
+    """`subprocess` as Prefect's server module sees it: the process it starts (the temporary
+    server) leads a process group of its own. A signal to this command's group (the terminal's
+    Ctrl-C, `timeout`, a scheduler's SIGTERM, `kill -TERM -PGID`) would otherwise end the server
+    too, and this command would wait minutes on a dead server to record how its runs ended. It is
+    stopped with SIGTERM when this process ends (atexit), or killed after a second signal."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        kwargs.setdefault("process_group", 0)
+        kwargs.setdefault("stdin", subprocess.DEVNULL)  # a background group reading the terminal would stop
+        return subprocess.Popen(*args, **kwargs)
+
+
+def _own_group_and_log(server: Any) -> None:
+    """The temporary server in a process group of its own (`_InItsOwnGroup`), its own lines in
+    `$PREFECT_HOME/temporary-server.log`, not the terminal: stopped right after a run failed, its
+    services log the events they could not flush with a traceback, around the one `error:` line.
+    Its process takes stderr when it is started, so stderr is that file for the moment of the
+    start."""
+    import prefect.server.api.server as server_module
     from prefect.settings import PREFECT_HOME
 
+    server_module.subprocess = _InItsOwnGroup()  # only that module's calls: ours are as they were
     start = server._run_uvicorn_command
 
     def started_with_log() -> Any:

@@ -10,10 +10,12 @@ carries everything needed to resume training or to sample, and nothing that runs
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,17 +161,28 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
     return Loaded(model, config, ckpt_vocab, tokenizer, int(state["step"]), metrics, src_vocab, src_tokenizer, url)
 
 
+class BrokenOff(BaseException):
+    """A signal arrived while `Signals.breaking`: the work in progress is dropped. A BaseException,
+    so that no `except Exception` on the way (inductor's own fallbacks) takes it for a failure."""
+
+
 class Signals:
     """SIGINT and SIGTERM, while the loop runs in the main thread, only noted: the loop writes
-    last.pt at the end of the step, then hands the signal to the handler it displaced (a
+    last.pt of the last finished step, then hands the signal to the handler it displaced (a
     terminal's Ctrl-C, Prefect's termination, Python's default), which stops the run as before.
-    A second signal before that goes to the displaced handler at once."""
+    A second signal before that goes to the displaced handler at once.
 
-    NAMES = (signal.SIGINT, signal.SIGTERM)
+    Within `breaking()` (a step's forward and backward, an evaluation: work that changes no state
+    a checkpoint holds) the first signal also raises BrokenOff there: that work can take minutes
+    when it compiles, and a signal sent to the whole process group has already ended the C++
+    compiler it waits for."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.previous: dict[int, object] = {}
+        self._breaking = False
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only; there the caller's handlers stay
         for signum in self.NAMES:
@@ -179,8 +192,20 @@ class Signals:
     def _note(self, signum: int, frame) -> None:
         if self.received is None:
             self.received = signum
+            if self._breaking:
+                self._breaking = False
+                raise BrokenOff(signum)
         else:
             self._hand_on(signum, frame)
+
+    @contextlib.contextmanager
+    def breaking(self, allowed: bool = True) -> Iterator[None]:
+        """The first signal in this block raises BrokenOff in it (when `allowed`)."""
+        self._breaking = allowed and self.received is None
+        try:
+            yield
+        finally:
+            self._breaking = False
 
     def restore(self) -> None:
         for signum, handler in self.previous.items():

@@ -2,10 +2,12 @@
 
 Training does not wait for it: during training MLflow's requests fail in seconds instead of
 retrying for minutes (`fail_fast`), and metrics that cannot be sent are held and sent when the
-server answers again (`HeldMetrics`), with one warning. After training the pipeline asks the
-server once (`check_back`): still down, the command ends with one line naming it, the training
-kept in storage; the MLflow run it leaves open is noted in storage (`note_unfinished`) and closed
-by the next run against that storage root that reaches the server (`settle_unfinished`).
+server answers again (`HeldMetrics`), with one warning; those still held when training ends are
+kept in storage (`keep_unsent`). After training the pipeline asks the server once (`check_back`):
+still down, the command ends with one line naming it (`TrackingAway`: a sweep runs the point once
+more), the training kept in storage; the MLflow run it leaves open is noted in storage
+(`note_unfinished`), and the next run against that storage root that reaches the server sends its
+kept metrics and closes it (`settle_unfinished`).
 """
 
 from __future__ import annotations
@@ -216,8 +218,9 @@ class HeldMetrics:
     before it again), go at once with everything held."""
 
     def __init__(self, send: Callable[[list[dict]], None], every_s: float = 10.0, pace_s: float = 0.0,
-                 urgent: Callable[[int], bool] | None = None):
+                 urgent: Callable[[int], bool] | None = None, keep: Callable[[list[dict]], str] | None = None):
         self.send, self.every_s, self.pace_s, self.urgent = send, every_s, pace_s, urgent
+        self.keep = keep  # where what is still held when training ends goes (keep_unsent); None: dropped
         self.held: list[dict] = []
         self.dropped = 0
         self.away_since_step: int | None = None
@@ -261,27 +264,76 @@ class HeldMetrics:
         self.last_sent = time.monotonic()
 
     def flush(self) -> None:
-        """A last try at what is held (training ended); what the server cannot take is dropped."""
+        """A last try at what is held (training ended); what the server cannot take is kept in
+        storage (`keep`) for the next run that reaches it to send (`settle_unfinished`)."""
         self.next_try = 0.0
         if self.held:
             self([])
-        if self.held:
+        if not self.held:
+            return
+        where = None
+        if self.keep is not None:
+            try:
+                where = self.keep(self.held)
+            except Exception as e:  # noqa: BLE001 (storage away too: the warning says they are lost)
+                log.debug("could not keep the unsent metrics: %s", e)
+        if where is not None:
             _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
-                        "records since step %d were not sent", server(), len(self.held), self.away_since_step)
-            self.held = []
+                              "records since step %d are kept in %s and sent by the next run that reaches it "
+                              "(the same command, run again)", server(), len(self.held), self.away_since_step, where)
+        else:
+            _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
+                              "records since step %d were not sent", server(), len(self.held), self.away_since_step)
+        self.held = []
+
+
+class TrackingAway(UserError):
+    """The tracking server was away when training ended: the training is kept, and the same
+    command, once the server is back, records it. A sweep runs such a point once more (after
+    waiting for the server), as it does a point that failed of a refused connection."""
 
 
 def check_back(run_dir: str) -> None:
     """After training: the server must answer before the outcome is recorded (MLflow's client
     would retry for minutes, then fail naming no server)."""
     if not answers(5.0):
-        raise UserError(f"the MLflow tracking server {server()} stopped answering during the run: the training is "
+        raise TrackingAway(f"the MLflow tracking server {server()} stopped answering during the run: the training is "
                         f"finished and kept in {run_dir}; start the server again (`mllm-pipeline stack up` restarts "
                         "one) and run the same command to evaluate, register and record it (training is reused)")
 
 
 def _unfinished(root: str) -> str:
     return layout.folder(root, layout.TRACKING, "unfinished")
+
+
+def _unsent(root: str) -> str:
+    return layout.folder(root, layout.TRACKING, "unsent")
+
+
+def keep_unsent(root: str, run_id: str, records: list[dict]) -> str:
+    """Metric records of `run_id` that the away server could not take, written to storage for
+    `settle_unfinished`; the file's URL."""
+    url = storage.join(_unsent(root), f"{run_id}-{time.time_ns()}.json")
+    storage.write_json(url, {"run_id": run_id, "server": server(), "records": records})
+    return url
+
+
+def send_unsent(root: str, send: Callable[[str, list[dict]], None]) -> None:
+    """Send the metric records kept for this server's runs (`keep_unsent`), each file once."""
+    folder = _unsent(root)
+    if not storage.exists(folder):
+        return
+    fs, path = storage.filesystem(folder)
+    with storage.exclusive(folder):  # runs side by side (a sweep's points) send each file once
+        for name in sorted(fs.glob(f"{path.rstrip('/')}/*.json")):
+            url = storage.join(folder, os.path.basename(name))
+            kept = storage.read_json(url)
+            if kept.get("server") != server():
+                continue  # another server's run
+            send(kept["run_id"], kept["records"])
+            storage.remove(url)
+            _logger().info("sent %d metric records of MLflow run %s kept while the tracking server was away",
+                           len(kept["records"]), kept["run_id"])
 
 
 def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
@@ -291,8 +343,12 @@ def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
                            {"run_id": run_id, "status": status, "error": error, "server": server()})
 
 
-def settle_unfinished(client: Any, root: str) -> None:
-    """Close the runs an away server left open, with the status and error they ended with."""
+def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None] | None = None) -> None:
+    """Send the metrics an away server could not take (`send(run_id, records)`), then close the
+    runs it left open, with the status and error they ended with."""
+    if send is not None:
+        with contextlib.suppress(Exception):  # kept for the next run: this one goes on
+            send_unsent(root, send)
     folder = _unfinished(root)
     with contextlib.suppress(Exception):
         if not storage.exists(folder):

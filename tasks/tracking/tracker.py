@@ -154,6 +154,22 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 # --- the run -------------------------------------------------------------------------------
 
+def log_records(client: MlflowClient, run_id: str, records: list[dict]) -> None:
+    """Metric records ({"step": int, name: float, ...}) into a run, one log_batch request per
+    1000 metrics."""
+    now = int(time.time() * 1000)
+    metrics = []
+    for record in records:
+        if "step" not in record:
+            raise ValueError(f"metric record without a step: {record}")
+        step = int(record["step"])
+        values = {k: float(v) for k, v in record.items()
+                  if k != "step" and v is not None and not isinstance(v, bool)}
+        metrics += [Metric(k, v, now, step) for k, v in values.items()]
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+
+
 class RunTracker:
     """One MLflow run for one training: `with RunTracker(cfg, root) as run: ...`."""
 
@@ -183,7 +199,8 @@ class RunTracker:
         tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
             k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
-        outage.settle_unfinished(self.client, self.storage_root)
+        outage.settle_unfinished(self.client, self.storage_root, lambda run_id, records: log_records(
+            self.client, run_id, records))
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
@@ -229,6 +246,9 @@ class RunTracker:
                 outage.note_unfinished(self.storage_root, self.run_id, status, error)
                 return
         else:
+            with contextlib.suppress(Exception):  # still kept: the next run sends them
+                outage.send_unsent(self.storage_root, lambda run_id, records: log_records(
+                    self.client, run_id, records))
             self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
@@ -255,17 +275,7 @@ class RunTracker:
     def log_metrics(self, records: list[dict]) -> None:
         """Records as mllm.train's on_metrics sends them: {"step": int, name: float, ...}.
         One log_batch request per call (per 1000 metrics)."""
-        now = int(time.time() * 1000)
-        metrics = []
-        for record in records:
-            if "step" not in record:
-                raise ValueError(f"metric record without a step: {record}")
-            step = int(record["step"])
-            values = {k: float(v) for k, v in record.items()
-                      if k != "step" and v is not None and not isinstance(v, bool)}
-            metrics += [Metric(k, v, now, step) for k, v in values.items()]
-        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+        log_records(self.client, self.run_id, records)
 
     def metrics_after_resume(self) -> outage.HeldMetrics:
         """`log_metrics` for a training that may resume: records at steps this run already holds
@@ -282,7 +292,8 @@ class RunTracker:
                 self.log_metrics(fresh)
 
         every = self.cfg.train.checkpoint_interval
-        return outage.HeldMetrics(log, pace_s=outage.metrics_every_s(), urgent=lambda step: step % every == 0)
+        return outage.HeldMetrics(log, pace_s=outage.metrics_every_s(), urgent=lambda step: step % every == 0,
+                                  keep=lambda records: outage.keep_unsent(self.storage_root, self.run_id, records))
 
     def log_loss_curve(self) -> str | None:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""
