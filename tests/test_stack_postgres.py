@@ -150,49 +150,45 @@ def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_
     assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
 
 
-def _sweep_trainings(pg_stack: dict, tmp_path: Path, seed: int, *options: str) -> list:
-    """A small sweep on the stack's pool (`options`: its grid and the like), and the training flow
-    runs it made."""
-    env = pg_stack["state"]["env"]
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(3000, seed=seed))
+def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and_parallel_bounds_one(
+        pg_stack: dict, tmp_path: Path) -> None:
+    # One sweep of three points and one of two that takes one at a time (--parallel 1), together on
+    # the pool's two slots: five trainings, never more than two at once, each on a GPU of its own.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **pg_stack["state"]["env"]}
     started = datetime.now().astimezone()
     steps = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "sample.max_new_tokens=10"]
-    done = _cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
-                *options, *[a for s in steps for a in ("--set", s)], cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    procs = {}
+    for name, seed, options in (("three", 5, ["--grid", "train.lr=1e-3,2e-3,3e-3"]),
+                                ("one-at-a-time", 6, ["--parallel", "1", "--grid", "train.lr=1e-3,2e-3"])):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "corpus.txt").write_text(make_text(3000, seed=seed))
+        procs[name] = prewarmed.start("flows.cli", [
+            "sweep", "--recipe", "smoke", "--source", str(folder / "corpus.txt"), "--storage", pg_stack["root"],
+            "--train-on", "local", *options, *[a for s in steps for a in ("--set", s)]], env, folder)
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=500)
+        assert proc.returncode == 0, (name, err[-3000:])
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
-        return prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
-                                      flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
-
-
-def test_a_sweep_with_more_points_than_slots_runs_at_most_the_limit_at_once_and_finishes_every_point(
-        pg_stack: dict, tmp_path: Path) -> None:
-    trains = _sweep_trainings(pg_stack, tmp_path, 5, "--grid", "train.lr=1e-3,2e-3,3e-3")
-    assert len(trains) == 3 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
-    assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
-    # Each training took a GPU of its own from the worker's two: trainings that overlapped, different ones.
-    with temporary_settings({PREFECT_API_URL: pg_stack["state"]["env"]["PREFECT_API_URL"]}), \
-            get_client(sync_client=True) as prefect:
+        trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
+                                        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
         gpu = {}
         for t in trains:
             logs = prefect.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[t.id])))
             gpu[t.id] = next(m.message.rsplit("CUDA_VISIBLE_DEVICES=", 1)[1].rstrip(")") for m in logs
                              if "CUDA_VISIBLE_DEVICES=" in m.message)
+    assert len(trains) == 5 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
+    assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
+    # Trainings that overlapped took different GPUs of the worker's two.
     assert set(gpu.values()) <= {"0", "1"}
     overlapping = [(a, b) for a in trains for b in trains if a.id < b.id and a.start_time < b.end_time and b.start_time < a.end_time]
     assert overlapping and all(gpu[a.id] != gpu[b.id] for a, b in overlapping), (gpu, overlapping)
+    # The --parallel 1 sweep took one slot at a time: each of its trainings submitted after the last ended.
+    bounded = sorted((t for t in trains if "one-at-a-time" in str(t.parameters["cfg"]["data"]["source"])), key=lambda t: t.created)
+    assert len(bounded) == 2 and _most_at_once(bounded) == 1
+    assert all(later.created >= earlier.end_time for earlier, later in zip(bounded, bounded[1:]))
 
-
-def test_sweep_parallel_bounds_one_sweep_below_the_pools_slots(pg_stack: dict, tmp_path: Path) -> None:
-    trains = _sweep_trainings(pg_stack, tmp_path, 6, "--parallel", "1", "--grid", "train.lr=1e-3,2e-3")
-    assert len(trains) == 2 and all(t.state.is_completed() for t in trains)
-    # The pool has 2 slots; the sweep took one at a time: each training was submitted after the last ended.
-    assert _most_at_once(trains) == 1
-    ordered = sorted(trains, key=lambda t: t.created)
-    assert all(later.created >= earlier.end_time for earlier, later in zip(ordered, ordered[1:]))
-
-    bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=pg_stack["state"]["env"])
+    bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --parallel 0: give at least 1 (the points that run at once)"
 
 
