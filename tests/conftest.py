@@ -47,9 +47,10 @@ pytest_plugins = ("servers",)
 
 # The modules that take longest, longest first (`make test`'s --durations): sent to the two workers
 # first, so that neither is left with one of them at the end while the other idles.
-HEAVY_FIRST = ("test_docker.py", "test_stack_postgres.py", "test_stack.py", "test_transient.py", "test_faults.py",
-               "test_faults_training.py", "test_lineage.py", "test_corpora.py", "test_object_storage.py",
-               "test_pipeline_tracking.py", "test_cli.py", "test_sweep.py")
+HEAVY_FIRST = ("test_docker.py", "test_stack_postgres.py", "test_stack.py", "test_faults_training.py", "test_search.py",
+               "test_stack_auth.py", "test_transient.py", "test_object_storage.py", "test_faults.py", "test_lineage.py",
+               "test_pipeline_tracking.py", "test_corpora.py", "test_cli.py", "test_stack_netns.py", "test_pipeline.py",
+               "test_sweep.py", "test_speed.py", "test_tracking.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
