@@ -106,7 +106,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         env = {**env, **stack_auth.public_env(home)}
     py = sys.executable
     services = [
-        Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+        Service("prefect-server", [py, "-m", "flows.stack.prefect_server", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
                 env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
