@@ -23,13 +23,14 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
 import tasks
 from flows import dispatch
-from flows.stack import database
+from flows.stack import database, orphans
 from flows.launch import check_model_name, preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
@@ -248,6 +249,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         parallel: At most this many points at once on the pool [as many as the pool's slots take].
         model: The registered model the points' models join [the recipe's name].
     """
+    orphans.running_here(flow_run.get_id())  # for `stack up`, should the stack's database go down under it
     if model:
         check_model_name(model)
     fields = parse_grid(grid)
