@@ -23,6 +23,8 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
+from flows.stack import state
+
 CRASHED_BY_STACK = ("its process is gone (the stack's database or worker stopped under it); marked by "
                     "`mllm-pipeline stack up`: run the same command again to resume from its last checkpoint")
 
@@ -95,8 +97,6 @@ def running_here(run_id: object) -> None:
 def leave_in_flight(home: Path) -> None:
     """At the end of a command whose stack's database is down: the flow runs it ran, left in `home`
     for `stack up` (only when $PREFECT_API_URL is that stack's)."""
-    from flows.stack import state
-
     api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
     if not _here or not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api:
         return
