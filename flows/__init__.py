@@ -18,8 +18,11 @@ QUIET_ENV = {
     # minute, less than a server on SQLite under a sweep (`database is locked`) or one restarting
     # behind a proxy may answer 503. 7 waits about 4 minutes, as long as MLflow's own client does
     # with its defaults (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, BACKOFF_FACTOR 2: it also retries 500
-    # and 504), which are left as they are. A server whose database is down answers 500, which
-    # Prefect does not retry: that still ends a command in seconds (flows/stack/database.py).
+    # and 504), which are left as they are. The stack's Prefect server answers 503 while its
+    # database cannot be reached (flows/stack/prefect_server.py), so an outage of the database
+    # shorter than these retries fails nothing; any other 500 is not retried (it would not mend).
+    # PREFECT_CLIENT_RETRY_EXTRA_CODES is left unset: with 500 in it, a server's bug would keep
+    # every client waiting out its 4 minutes before the same error.
     "PREFECT_CLIENT_MAX_RETRIES": "7",
 }
 

@@ -13,10 +13,12 @@ from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows import dispatch
+from flows.stack import orphans
 from flows.launch import check_model_name, data_runner, preflight, storage_root, training_pool, with_results
 from flows.training import run_training, train
 from mllm import UserError, layout, storage
@@ -153,6 +155,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
             evaluates, registers nothing and moves no alias; the run is tagged `reproduces`.
         model: The registered model the run's model joins and is judged in [the recipe's name].
     """
+    orphans.running_here(flow_run.get_id())  # for `stack up`, should the stack's database go down under it
     cfg = resolve(recipe, overrides=overrides, source=source)
     if model:
         check_model_name(model)

@@ -23,13 +23,14 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
+from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import allow_failure
 from pydantic import BaseModel
 
 import tasks
 from flows import dispatch
-from flows.stack import database
+from flows.stack import database, orphans
 from flows.launch import check_model_name, preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
@@ -160,7 +161,14 @@ def passing_failure(task: object, task_run: object, state: object) -> bool:
     clients' own retries, a refused connection, a tracking server still away when its training
     ended), not the point's own error."""
     exc = getattr(state, "data", None)
-    return failures.transient(exc) or any(isinstance(e, outage.TrackingAway) for e in failures.exception_chain(exc))
+    return failures.transient(exc) or any(isinstance(e, (outage.TrackingAway, DatabaseDown))
+                                          for e in failures.exception_chain(exc))
+
+
+class DatabaseDown(UserError):
+    """A point failed as the servers' database was down: its one line (flows/stack/database.py),
+    found when it failed, while the database is still down (the sweep reads its points' outcomes
+    only once all ended, by when `stack up` may have started it again)."""
 
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
@@ -175,8 +183,13 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
     again = task_run.run_count > 1
     if again:
         outage.wait_for_servers()  # bounded: a server still away fails the point, as it would
-    r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
-                 train_on=pool, force=True, model=model)
+    try:
+        r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
+                     train_on=pool, force=True, model=model)
+    except Exception as e:
+        if line := database.down_line(e):
+            raise DatabaseDown(line) from None  # (not Prefect's traceback of the 503 its client retried)
+        raise
     if again:
         supersede(root, tags, r.mlflow_run_id)
     e = r.evaluation
@@ -236,6 +249,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         parallel: At most this many points at once on the pool [as many as the pool's slots take].
         model: The registered model the points' models join [the recipe's name].
     """
+    orphans.running_here(flow_run.get_id())  # for `stack up`, should the stack's database go down under it
     if model:
         check_model_name(model)
     fields = parse_grid(grid)

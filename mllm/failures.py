@@ -95,8 +95,9 @@ def server_error(exc: BaseException | None) -> bool:
 
 
 # What a retry may mend: a server that is busy, restarting or overloaded (its proxy's 502/503/504,
-# 429, 408), a connection refused, dropped or timed out. Not a 500 (a bug, or a database that is
-# down: flows/stack/database.py says so in one line) and not a 4xx (the request itself is wrong).
+# 429, 408; the stack's Prefect server whose database is down answers 503 too), a connection
+# refused, dropped or timed out. Not a 500 (a bug; a database that is down, on a server not
+# the stack's: flows/stack/database.py says so in one line) and not a 4xx (the request is wrong).
 _TRANSIENT_STATUS = {408, 429, 502, 503, 504}
 _TRANSIENT_TEXT = ("502 Bad Gateway", "503 Service Unavailable", "504 Gateway Timeout", "429 Too Many Requests",
                    "502 error responses", "503 error responses", "504 error responses", "429 error responses")

@@ -395,6 +395,13 @@ def test_one_line_for_each_refused_credential_role_certificate_and_version(secur
     cases = {"viewer": ({}, "does not let user 'vic' do this (403"),
              "wrong Prefect password": (wrong, "Prefect server https://127.0.0.1"),
              "wrong MLflow password": ({**wrong, "MLFLOW_TRACKING_PASSWORD": "wrong"}, "MLflow server https://"),
+             # No credential at all: the pre-flight's 401 (Prefect's /api/admin/version, MLflow's first call).
+             "no Prefect credential": ({"PREFECT_API_AUTH_STRING": ""},
+                                       ("did not take the credential of no user (PREFECT_API_AUTH_STRING is not set) "
+                                        "(401): set PREFECT_API_AUTH_STRING to NAME:SECRET")),
+             "no MLflow credential": ({"MLFLOW_TRACKING_USERNAME": "", "MLFLOW_TRACKING_PASSWORD": ""},
+                                      ("did not take the credential of no user (MLFLOW_TRACKING_USERNAME is not set) "
+                                       "(401): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")),
              "no CA": ({"PREFECT_API_SSL_CERT_FILE": "", "MLFLOW_TRACKING_SERVER_CERT_PATH": ""},
                        "has a certificate this client does not trust"),
              "expired": ({"MLFLOW_TRACKING_URI": at["expired"]},

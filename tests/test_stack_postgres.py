@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -406,24 +407,61 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     # takes the same path, flows/sweep.py; tried by hand, not here: its points in flight would hold
     # both slots and a re-run would wait for ever.)
     home, env = pg_stack["home"], {**pg_stack["state"]["env"], "MLLM_STACK_HOME": str(pg_stack["home"])}
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(3000, seed=7))
     steps = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50", "train.log_interval=10",
              "sample.max_new_tokens=10"]
-    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--storage",
-            pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]]
     runs = Path(pg_stack["root"]) / "runs"
-    before = set(runs.glob("*/checkpoints/last.pt"))
-    proc = prewarmed.start("flows.cli", args, {**os.environ, "OMP_NUM_THREADS": "1", **env}, tmp_path)
-    try:
+    api = env["PREFECT_API_URL"]
+
+    def training(seed: int, client_env: dict[str, str]) -> tuple[list[str], subprocess.Popen]:
+        corpus = tmp_path / f"corpus-{seed}.txt"
+        corpus.write_text(make_text(3000, seed=seed))
+        args = ["run", "--recipe", "smoke", "--source", str(corpus), "--storage",
+                pg_stack["root"], "--train-on", "local", *[a for s in steps for a in ("--set", s)]]
+        before = set(runs.glob("*/checkpoints/last.pt"))
+        proc = prewarmed.start("flows.cli", args, {**os.environ, "OMP_NUM_THREADS": "1", **env, **client_env}, tmp_path)
         deadline = time.monotonic() + 240
         while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
+        return args, proc
+
+    def stop_database() -> float:
         # The database goes away as an administrator stops it (`pg_ctl stop`), under the training.
         subprocess.run(database.as_owner([str(BIN / "pg_ctl"), "stop", "-D", str(home / "postgres" / "data"),
                                           "-m", "fast"]), check=True, capture_output=True)
-        stopped = time.monotonic()
+        return time.monotonic()
+
+    def stack_up() -> subprocess.CompletedProcess:
+        return _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+
+    # Down for less than the clients' retries (PREFECT_CLIENT_MAX_RETRIES, minutes): the stack's
+    # Prefect server answers 503 while it cannot reach its database, which every client retries,
+    # and the run goes on once `stack up` starts the database again.
+    started = datetime.now().astimezone()
+    _, proc = training(17, {})
+    try:
+        stopped = stop_database()
+        time.sleep(8)
+        back = stack_up()
+        print(f"the database was down {time.monotonic() - stopped:.1f} s")
+        assert back.returncode == 0 and "started again: postgres" in back.stderr, back.stderr[-3000:]
+        out, err = proc.communicate(timeout=300)
+        print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped, exit {proc.returncode}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "500 Internal Server Error" not in err
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        mine = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
+    assert mine and all(r.state.is_completed() for r in mine), [(r.name, r.state_name) for r in mine]
+    short_run = next(line.split()[-1] for line in out.splitlines() if line.startswith("mlflow run:"))
+    assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{short_run}'") == [("FINISHED",)]
+
+    # Down for longer than the command's retries (told here to give up after two, seconds): one line.
+    args, proc = training(7, {"PREFECT_CLIENT_MAX_RETRIES": "2"})
+    try:
+        stopped = stop_database()
         out, err = proc.communicate(timeout=300)
         print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped")
     finally:
@@ -441,10 +479,13 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     assert any(line.startswith("postgres        NOT RUNNING") for line in status.stdout.splitlines()), status.stdout
     assert "down: postgres (the servers' database)" in status.stdout
     servers = {s.name: s.pid for s in stack.load(home)["services"] if s.name in ("prefect-server", "mlflow-server")}
+    left = re.findall(r"Flow run '([^']+)' - training handed to pool", err)  # the run's pipeline flow run
 
-    up = _cli("stack", "up", "--home", str(home), cwd=tmp_path, env={"HOME": str(pg_stack["dir"] / "home")})
+    up = stack_up()
     assert up.returncode == 0, up.stderr[-3000:]
     assert "started again: postgres" in up.stderr and "prefect-server, mlflow-server" in up.stderr.split("reused:")[1]
+    assert ("marked Crashed: 1 flow run(s) left in flight by commands that ended as the database was down "
+            f"({left[0]})") in up.stderr, up.stderr
     assert {s.name: s.pid for s in stack.load(home)["services"] if s.name in servers} == servers  # reused as they ran
     assert _cli("stack", "status", "--home", str(home), cwd=tmp_path).returncode == 0
 
@@ -457,3 +498,9 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
     # The run the database's outage cut short was closed by this one, not left RUNNING.
     assert _cluster_query(home, "mllm_mlflow", "SELECT count(*) FROM runs WHERE status = 'RUNNING'") == [(0,)]
+    # Nothing of this test's is left in flight: the run the outage ended was marked Crashed by
+    # `stack up`, its training on the pool finished (its process's client waited for the database).
+    # (The run the test above killed with SIGKILL, on no pool, stays Running: nothing can tell.)
+    assert _cluster_query(home, "mllm_prefect", "SELECT name, state_type::text FROM flow_run WHERE state_type::text IN "
+                                                "('RUNNING', 'PENDING', 'SCHEDULED', 'CANCELLING') AND "
+                                                f"created >= '{started.isoformat()}'") == []

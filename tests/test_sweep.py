@@ -199,7 +199,7 @@ def test_a_point_is_run_once_more_after_a_passing_failure_and_never_after_its_ow
     # (its training found in storage). A point's own error is not run again.
     from prefect import flow, task
 
-    from flows.sweep import passing_failure
+    from flows.sweep import DatabaseDown, passing_failure
     from tasks.tracking.outage import TrackingAway
 
     attempts: list[str] = []
@@ -215,10 +215,33 @@ def test_a_point_is_run_once_more_after_a_passing_failure_and_never_after_its_ow
     def points() -> list[str]:
         away = point.submit("away", TrackingAway("the MLflow tracking server http://127.0.0.1:1 stopped answering"))
         own = point.submit("own", UserError("train.lr: must be positive"))
-        return [away.result(), own.result(raise_on_failure=False).__class__.__name__]
+        # The servers' database down past the clients' retries: run again once it is back.
+        db = point.submit("db", DatabaseDown("the database of the Prefect and MLflow servers is down (...)"))
+        return [away.result(), own.result(raise_on_failure=False).__class__.__name__, db.result()]
 
-    assert points() == ["away", "UserError"]
-    assert sorted(attempts) == ["away", "away", "own"]
+    assert points() == ["away", "UserError", "db"]
+    assert sorted(attempts) == ["away", "away", "db", "db", "own"]
+
+
+def test_the_stacks_prefect_server_answers_503_only_for_a_database_it_cannot_reach() -> None:
+    # What asyncpg raises under SQLAlchemy when nothing listens on the database's port (seen in the
+    # server's log with PostgreSQL stopped); Prefect's own answer to it is a 500 no client retries.
+    import sqlalchemy.exc
+
+    from flows.stack.prefect_server import retryable
+
+    refused = ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+    assert retryable(refused)
+    try:
+        try:
+            raise refused
+        except OSError as e:
+            raise RuntimeError("while checking out a connection") from e
+    except RuntimeError as wrapped:
+        assert retryable(wrapped)
+    assert retryable(sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception("server closed the connection")))
+    assert not retryable(ValueError("a bug in a route")) and not retryable(KeyError("flow_run_id"))
+    assert not retryable(FileNotFoundError("ui/index.html"))
 
 
 def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attempt_logged(tmp_path: Path,

@@ -123,6 +123,11 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             console.print(f"marked Crashed, freeing their slots of pool {state['pool']!r}: {len(state['crashed'])} flow "
                           f"run(s) whose process is gone ({names}); run their commands again to resume them",
                           highlight=False, soft_wrap=True)
+        if state.get("closed"):
+            names = ", ".join(state["closed"][:5]) + (f" and {len(state['closed']) - 5} more" if len(state["closed"]) > 5 else "")
+            console.print(f"marked Crashed: {len(state['closed'])} flow run(s) left in flight by commands that ended as "
+                          f"the database was down ({names}); run their commands again to resume them",
+                          highlight=False, soft_wrap=True)
         note = database.recorded(folder).get("note")
         if note:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)

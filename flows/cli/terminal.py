@@ -21,7 +21,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import tasks
 from flows.launch import remove_empty_roots
 from flows.stack.auth_errors import auth_line
-from flows.stack.database import down_line
+from flows.stack.database import DOWN, down_line
+from flows.stack.orphans import leave_in_flight
+from flows.stack.state import stack_home
 from mllm import UserError
 from mllm.failures import disk_full, unreachable
 from mllm.redact import scrub
@@ -49,12 +51,16 @@ def user_errors() -> Iterator[None]:
         yield
     except UserError as e:
         remove_empty_roots()
+        if str(e).startswith(DOWN):
+            leave_in_flight(stack_home())
         fail(str(e))
     except Exception as e:
         message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
         if message is None:
             raise
         remove_empty_roots()
+        if message.startswith(DOWN):  # the flow runs it ran could not be closed: `stack up` closes them
+            leave_in_flight(stack_home())
         fail(message)
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "

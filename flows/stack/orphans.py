@@ -7,11 +7,23 @@ held, nothing on the pool would start again. The stack's worker runs its flow ru
 on this machine, and Prefect records each one's process id (`infrastructure_pid`), so
 `stack up` can tell: such a run whose process is gone, or whose id now belongs to another
 process, is marked Crashed through Prefect's client, which frees its slot.
+
+A command's own flow runs (a `run`'s pipeline, a sweep and its points' pipelines) run in its
+process, on no pool and with no process id recorded. A command that ends because the stack's
+database is down cannot write their final states either: it leaves their ids in the stack's home
+(`flow-runs-in-flight.json`), and `stack up`, once the database is back, marks those still in
+flight Crashed.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 from datetime import timedelta
+from pathlib import Path
+
+from flows.stack import state
 
 CRASHED_BY_STACK = ("its process is gone (the stack's database or worker stopped under it); marked by "
                     "`mllm-pipeline stack up`: run the same command again to resume from its last checkpoint")
@@ -65,4 +77,59 @@ def crash_orphans(api: str, pool: str) -> list[str]:
             if _process_gone(run.infrastructure_pid, str(run.id), run.start_time):
                 client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_STACK), force=True)
                 marked.append(run.name)
+    return marked
+
+
+IN_FLIGHT = "flow-runs-in-flight.json"
+CRASHED_BY_OUTAGE = ("its command ended as the stack's database was down; marked by `mllm-pipeline stack up`: run "
+                     "the same command again (finished stages and trainings are reused)")
+_here: set[str] = set()
+_lock = threading.Lock()
+
+
+def running_here(run_id: object) -> None:
+    """Note a flow run that this process runs (the points of a sweep run in threads)."""
+    if run_id:  # (none: the flow's function called as a function)
+        with _lock:
+            _here.add(str(run_id))
+
+
+def leave_in_flight(home: Path) -> None:
+    """At the end of a command whose stack's database is down: the flow runs it ran, left in `home`
+    for `stack up` (only when $PREFECT_API_URL is that stack's)."""
+    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    if not _here or not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api:
+        return
+    path = home / IN_FLIGHT
+    try:
+        kept = set(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        kept = set()
+    with _lock:
+        path.write_text(json.dumps(sorted(kept | _here)) + "\n")
+
+
+def crash_left_in_flight(api: str, home: Path) -> list[str]:
+    """The flow runs that commands left in `home` when the database was down, marked Crashed where
+    still in flight; their names. The note is gone once read."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    path = home / IN_FLIGHT
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    marked: list[str] = []
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        for run_id in ids:
+            try:
+                run = client.read_flow_run(run_id)
+            except Exception:  # noqa: BLE001, S112 (deleted since: nothing to mark)
+                continue
+            if run.state is not None and not run.state.is_final():
+                client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_OUTAGE), force=True)
+                marked.append(run.name)
+    path.unlink(missing_ok=True)
     return marked

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from flows import QUIET_ENV
 from flows.stack import auth as stack_auth, database, state
-from flows.stack.orphans import crash_orphans
+from flows.stack.orphans import crash_left_in_flight, crash_orphans
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
 from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
@@ -84,7 +84,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
         now = load(home)
         return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted],
-                "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"])}
+                "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
+                "closed": _crash_left(state["env"]["PREFECT_API_URL"], home)}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
@@ -106,7 +107,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         env = {**env, **stack_auth.public_env(home)}
     py = sys.executable
     services = [
-        Service("prefect-server", [py, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+        Service("prefect-server", [py, "-m", "flows.stack.prefect_server", "server", "start", "--host", "127.0.0.1",
                                    "--port", str(prefect_port)],
                 str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
                 env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
@@ -135,7 +136,8 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             s.stop()
         state_file(home).unlink(missing_ok=True)
         raise
-    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool)}
+    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool),
+            "closed": _crash_left(api, home)}
 
 
 def _crash_orphans(api: str, pool: str) -> list[str]:
@@ -144,6 +146,14 @@ def _crash_orphans(api: str, pool: str) -> list[str]:
     try:
         return crash_orphans(api, pool)
     except Exception:  # noqa: BLE001 (the stack runs; a run left Running is no reason to fail `up`)
+        return []
+
+
+def _crash_left(api: str, home: Path) -> list[str]:
+    """The flow runs that commands ended by the database's outage left in flight, marked Crashed."""
+    try:
+        return crash_left_in_flight(api, home)
+    except Exception:  # noqa: BLE001 (as above)
         return []
 
 

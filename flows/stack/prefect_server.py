@@ -1,0 +1,48 @@
+"""The stack's Prefect server: Prefect's own `prefect server start`, except that a request which
+could not reach the server's database answers 503 (Service Unavailable) rather than 500.
+
+Prefect's server already answers 503 for a database that is shutting down or starting up, or a
+connection it lost (`is_client_retryable_exception`), and every Prefect client (this project's
+commands, the worker, the flow runs it starts) retries a 503 with back-off, PREFECT_CLIENT_MAX_RETRIES
+times (flows/__init__.py: about 4 minutes). A database that is down altogether refuses the
+connection (an OSError from asyncpg), which Prefect answers with 500, which no client retries: the
+first state a run could not write failed it. Here only that case changes; a 500 of any other
+cause (a bug) still fails at once, where PREFECT_CLIENT_RETRY_EXTRA_CODES=500 would have every
+client wait out its retries on it.
+
+Run as `python -m flows.stack.prefect_server server start ...` (Prefect's CLI arguments).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from prefect.server.api import server as _api
+
+from mllm.failures import exception_chain
+
+# What connecting to the database raises when nothing listens there, or it cannot be reached.
+_UNREACHABLE = (ConnectionError, TimeoutError, socket.gaierror)
+
+_prefects_own = _api.is_client_retryable_exception
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a connection to the server's database that failed."""
+    return any(isinstance(e, _UNREACHABLE) for e in exception_chain(exc))
+
+
+def retryable(exc: Exception) -> bool:
+    return _prefects_own(exc) or database_unreachable(exc)
+
+
+def main() -> None:
+    # Prefect's exception handler looks the test up in its module each time it answers a failure.
+    _api.is_client_retryable_exception = retryable
+    from prefect.cli import app
+
+    app()
+
+
+if __name__ == "__main__":
+    main()
