@@ -451,7 +451,9 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert "Traceback" not in err and "500 Internal Server Error" not in err
+    # No Prefect request failed of the outage (MLflow, on the same database, may answer 500 or 503
+    # meanwhile: its metrics are held, and sent once it answers, as the tracking tests show).
+    assert "Traceback" not in err and "Server error '500" not in err and "PrefectHTTPStatusError" not in err, err[-3000:]
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
         mine = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
     assert mine and all(r.state.is_completed() for r in mine), [(r.name, r.state_name) for r in mine]

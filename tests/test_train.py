@@ -265,20 +265,24 @@ def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
 
     from mllm.runtime.checkpoint import Signals
 
-    noted = Signals()
+    # SIGHUP's disposition as a terminal leaves it, whatever this test process inherited (under
+    # `nohup` it is ignored already).
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     try:
-        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
-        assert noted.received == signal.SIGHUP
-    finally:
-        noted.restore()
-    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
-    try:
+        noted = Signals()
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+            assert noted.received == signal.SIGHUP
+        finally:
+            noted.restore()
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup does
         ignored = Signals()
         os.kill(os.getpid(), signal.SIGHUP)
         assert ignored.received is None
         ignored.restore()
     finally:
         signal.signal(signal.SIGHUP, previous)
+
 
 def _compiler_processes(parent: int) -> list[int]:
     """The C++ compiler's processes under `parent` (g++ and what it runs: cc1plus, as, ld)."""
