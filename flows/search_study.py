@@ -32,7 +32,15 @@ SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "hyperband", "none")
 
 
-HEARTBEAT_S, GRACE_S = 10, 90  # a stale trial is one whose search went silent this long (a busy CPU stalls threads)
+def grace_s() -> float:
+    """How long a trial's search may go silent before its trial counts as dead: 90 s (a busy CPU
+    stalls threads), or MLLM_SEARCH_GRACE_S."""
+    return float(os.environ.get("MLLM_SEARCH_GRACE_S", "90"))
+
+
+def heartbeat_s() -> float:
+    """How often a search beats for its trials: every 10 s, more often under a grace below 30 s."""
+    return min(10.0, grace_s() / 3)
 
 
 def study_file(root: str) -> str:
@@ -86,7 +94,8 @@ def open_storage(store: StudyStore, on_stale: Callable[[Any, Any], None] | None 
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # heartbeats are "experimental" in Optuna 5
                     return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True},
-                                                      heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                                                      heartbeat_interval=max(1, round(heartbeat_s())),
+                                                      grace_period=max(1, round(grace_s())),
                                                       heartbeat_stale_trial_callback=on_stale)
             finally:
                 conn.execute(text("SELECT pg_advisory_unlock(hashtext('mllm-search:schema'))"))
@@ -180,7 +189,7 @@ class Heartbeats:
             self.ids.discard(trial_id)
 
     def _beat(self) -> None:
-        while not self.stop.wait(HEARTBEAT_S):
+        while not self.stop.wait(heartbeat_s()):
             with self.lock:
                 ids = list(self.ids)
             for trial_id in ids:

@@ -254,6 +254,66 @@ def test_two_searches_on_the_stacks_postgres_share_one_study_and_together_run_it
         assert _cluster_query(home, db, sql.replace("%s", f"'%{password}%'")) == [(0,)], (db, sql)
 
 
+def test_a_search_killed_mid_trial_on_the_stacks_postgres_resumes_that_trial_from_its_checkpoint(
+        pg_stack: dict, tmp_path: Path) -> None:
+    # tests/test_search.py's kill-and-resume on the stack's study database rather than a local file:
+    # the search's whole process group killed (SIGKILL) mid-training; the same command again resumes
+    # that trial, with the same parameters, from the step its checkpoint holds.
+    import optuna
+
+    from mllm.runtime.checkpoint import read_checkpoint
+
+    home = pg_stack["home"]
+    # A trial counts as dead once its search has been silent 3 s, not 90 (MLLM_SEARCH_GRACE_S).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **pg_stack["state"]["env"], "MLLM_STACK_HOME": str(home),
+           "MLLM_SEARCH_GRACE_S": "3"}
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(make_text(3000, seed=23))
+    steps = 300
+    sets = [f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
+            "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+    args = ["search", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"],
+            "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
+            "--study", "resumed", *[a for s in sets for a in ("--set", s)]]
+    runs = Path(pg_stack["root"]) / "runs"
+    before = set(runs.glob("*/checkpoints/last.pt"))
+    proc = prewarmed.start("flows.cli", args, env, tmp_path, new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not set(runs.glob("*/checkpoints/last.pt")) - before:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (ckpt,) = set(runs.glob("*/checkpoints/last.pt")) - before
+    at_kill = int(read_checkpoint(str(ckpt), "cpu")["step"])
+    assert 0 < at_kill < steps
+
+    def states() -> list[str]:
+        return [s for (s,) in _cluster_query(home, "mllm_optuna", "SELECT t.state::text FROM trials t JOIN studies s ON "
+                                                                 "t.study_id = s.study_id WHERE s.study_name = 'resumed' "
+                                                                 "ORDER BY t.number")]
+
+    assert states() == ["RUNNING"]  # nobody told the study
+    time.sleep(4)  # its heartbeat silent past the grace
+
+    out = _cli(*args, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed (resumed by trial 1)" in out.stdout, out.stdout[-2000:]
+    assert states() == ["FAIL", "COMPLETE", "COMPLETE"]  # the dead one, its resumption, the second
+    port = database.recorded(home)["database"].rsplit(":", 1)[1]
+    password = (home / "postgres" / "password").read_text().strip()
+    study = optuna.load_study(study_name="resumed", storage=f"postgresql+psycopg://mllm:{password}@127.0.0.1:{port}/mllm_optuna")
+    dead, resumed, second = study.trials
+    assert resumed.params == dead.params
+    assert resumed.user_attrs["resumed_from_step"] == at_kill and resumed.user_attrs["step"] == steps
+    assert second.user_attrs["resumed_from_step"] == 0
+    assert len(set(runs.glob("*/checkpoints/last.pt")) - before) == 2  # no third training folder
+
+
 def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_nowhere(
         team_server: int, open_dir: Path, tmp_path: Path) -> None:
     home = open_dir / "team-stack"
