@@ -14,9 +14,7 @@ interrupt, `docker stop` or a spot reclaim loses no finished step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -28,15 +26,18 @@ import torch
 import torch.distributed as tdist
 
 from mllm import UserError, storage
-from mllm.config import RunConfig, TrainConfig
+from mllm.config import RunConfig
 from mllm.family import build_model, family_of, load_inputs
 from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
-from mllm.runtime.checkpoint import BrokenOff, Signals, check_vocab, read_checkpoint, save_checkpoint
+from mllm.runtime.checkpoint import (BrokenOff, Signals, check_model, check_vocab, read_checkpoint, rewind,
+                                     save_checkpoint, signalled_alone, step_position)
+from mllm.runtime.choices import choose_attention, choose_precision
 from mllm.runtime.compiling import Compiler, compile_key
 from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
-from mllm.runtime.optim import build_optimizer
+from mllm.runtime.events import event_log, print_records
+from mllm.runtime.optim import build_optimizer, lr_factor
 
 Records = list[dict]
 
@@ -65,49 +66,6 @@ class TrainResult:
     attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.speed)
 
 
-def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
-    """The multiplier of train.lr at each step: linear warmup, then constant or cosine to min_lr."""
-    if t.lr_schedule != "constant" and total_steps is None:
-        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps or epochs to know where to end: set one, "
-                        "or use constant")
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / (t.warmup_steps + 1)
-        if t.lr_schedule == "constant":
-            return 1.0
-        ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
-        coeff = 1.0 - ratio if t.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
-        return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
-
-    return factor
-
-
-def _attention(device: torch.device, model: torch.nn.Module, batch: tuple, d: Dist) -> str:
-    """A GPT's attention kernel per precision (mllm.speed.choose_attention), measured by rank 0
-    for every rank: before the precision probe, so that it times each precision at its best."""
-    said = speed.choose_attention(model, device, batch) if d.master else ""
-    kernels = getattr(model, "attention_kernels", None)
-    if d.world_size > 1 and kernels is not None:
-        said, chosen = gather((said, dict(kernels)), d)[0]
-        kernels.update(chosen)
-    return said
-
-
-def _precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
-               metrics: dict[str, float], d: Dist) -> speed.Precision:
-    """train.dtype resolved (mllm.speed). Rank 0 decides for every rank, and a resumed training
-    keeps the precision it started in (the checkpoint's metrics hold it)."""
-    p = speed.choose_precision(t.dtype, device, model, batch) if d.master else None
-    if d.world_size > 1:
-        p = gather(p, d)[0]
-    if "bf16" in metrics and t.dtype == "auto" and (metrics["bf16"] == 1.0) != (p.dtype == "bfloat16"):
-        p = speed.Precision("bfloat16" if metrics["bf16"] else "float32",
-                            f"kept from the start of this training (the probe now says {p.dtype})", p.probe_ms)
-    metrics["bf16"] = float(p.dtype == "bfloat16")
-    return p
-
-
 def _samples(batch: tuple) -> int:
     """What a batch teaches: its targets (tokens of a window, centre words, target tokens of
     pairs, whose padding is -1)."""
@@ -128,14 +86,6 @@ def _val_loss(model, batches: list[tuple], device, autocast, d: Dist) -> float:
         tdist.all_reduce(total)
     model.train()
     return (total[0] / total[1]).item()
-
-
-def _check_model(saved: dict, cfg: RunConfig, url: str) -> None:
-    now = cfg.model.model_dump(mode="json")
-    for key, value in saved.get("model", {}).items():
-        if key != "dropout" and now.get(key) != value:
-            raise UserError(f"checkpoint {url} has model.{key}={value!r}, this config {now.get(key)!r}: "
-                            "use the same model, another checkpoint_dir, or --no-resume")
 
 
 def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
@@ -159,26 +109,6 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
         signals.restore()
         if d.owns_group:
             tdist.destroy_process_group()
-
-
-def _where(batches, device: torch.device) -> tuple:
-    """Where the data order and the RNGs stand before a step, to draw its batches again."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return batches.state_dict(), batches.rng_state(), torch.get_rng_state(), cuda
-
-
-def _rewind(batches, where: tuple, device: torch.device) -> None:
-    data, data_rng, cpu, cuda = where
-    batches.load_state_dict(data, data_rng)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
-def _signalled_alone(signals: Signals, d: Dist) -> bool:
-    """Whether an error in the loop follows a signal this process noted, so it is the signal's
-    doing. One process only: under DDP the other ranks would wait in a collective for this one."""
-    return signals.received is not None and d.world_size == 1
 
 
 def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
@@ -205,7 +135,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     if resume and storage.exists(last_url):
         state = read_checkpoint(last_url, "cpu")
         check_vocab(state, vocab, last_url)
-        _check_model(state["config"], cfg, last_url)
+        check_model(state["config"], cfg, last_url)
         saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
         if (saved_optimizer == "muon") != (t.optimizer == "muon"):
             raise UserError(f"checkpoint {last_url} was trained with train.optimizer {saved_optimizer}, this config "
@@ -227,8 +157,8 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     best = metrics.get("best_val_loss", math.inf)
     evals_since_best = int(metrics.get("evals_since_best", 0))
 
-    attention = _attention(device, raw, val_batches[0], d)
-    precision = _precision(t, device, raw, val_batches[0], metrics, d)
+    attention = choose_attention(device, raw, val_batches[0], d)
+    precision = choose_precision(t, device, raw, val_batches[0], metrics, d)
     peak, peak_source = speed.peak_flops(device, precision.dtype)
     peak *= d.world_size
     flops_per_target = speed.flops_per_target(raw, val_batches[0])
@@ -275,7 +205,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         training: last.pt holds the last finished step (a broken step's batches are drawn again on
         resume), then the signal takes its course."""
         if where is not None:
-            _rewind(batches, where, device)
+            rewind(batches, where, device)
         optimizer.zero_grad(set_to_none=True)
         save(last_url)
         signals.deliver(step)
@@ -283,7 +213,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     while stop is None:
         step_start = time.perf_counter()
         lr = scheduler.get_last_lr()[0]
-        where = _where(batches, device) if d.world_size == 1 else None
+        where = step_position(batches, device) if d.world_size == 1 else None
         try:
             with signals.breaking(d.world_size == 1):
                 for micro in range(t.grad_accum):
@@ -303,7 +233,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         except BrokenOff:
             pass
         except Exception:
-            if not _signalled_alone(signals, d):
+            if not signalled_alone(signals, d):
                 raise
         else:
             where = None
@@ -351,7 +281,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             except BrokenOff:
                 val = None
             except Exception:
-                if not _signalled_alone(signals, d):
+                if not signalled_alone(signals, d):
                     raise
                 val = None
             if val is None:
@@ -399,30 +329,6 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     )
 
 
-def _print_records(records: Records) -> None:
-    for r in records:
-        if "train_loss" in r:
-            print(f"step {r['step']}: loss {r['train_loss']:.4f}, lr {r['lr']:.2e}, "
-                  f"grad norm {r['grad_norm']:.3f}, {r['tokens_per_s']:,.0f} tok/s, mfu {r['mfu']:.1%}", flush=True)
-        if "val_loss" in r:
-            print(f"step {r['step']}: val loss {r['val_loss']:.4f}, perplexity {r['val_perplexity']:.2f}, "
-                  f"{r['val_bits_per_token']:.3f} bits/token", flush=True)
-
-
-@contextlib.contextmanager
-def _event_log(path: str | None):
-    """A function writing one JSON line per call to `path` (rank 0 only), or doing nothing."""
-    if not path or int(os.environ.get("RANK", "0")) != 0:
-        yield lambda event: None
-        return
-    with open(path, "a", encoding="utf-8") as f:
-        def emit(event: dict) -> None:
-            f.write(json.dumps(event) + "\n")
-            f.flush()
-
-        yield emit
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mllm.train",
@@ -446,9 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.paths is None:
             raise UserError(f"{args.config} has no paths section: add paths with train_ids, val_ids, "
                             "vocab and checkpoint_dir")
-        with _event_log(args.events) as emit:
+        with event_log(args.events) as emit:
             def on_metrics(records: Records) -> None:
-                _print_records(records)
+                print_records(records)
                 emit({"metrics": records})
 
             result = train(cfg, on_metrics=on_metrics, on_progress=lambda p: emit({"progress": p}),

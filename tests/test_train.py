@@ -20,7 +20,8 @@ from mllm.runtime.checkpoint import Loaded, load_checkpoint
 from mllm.config import RunConfig
 from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import EpochWindows, RandomWindows, windows
-from mllm.train import lr_factor, main, train
+from mllm.runtime.optim import lr_factor
+from mllm.train import main, train
 from mllm.data.vocab import Vocab
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.runtime.devices import resolve_device
+from mllm.runtime.distributed import Dist
 from mllm.family import build_model
 from mllm.data.text import Tokenizer, tokenizer_from_json
 from mllm.data.vocab import Vocab
@@ -123,6 +124,15 @@ def check_vocab(state: dict[str, Any], vocab: Vocab, url: str) -> None:
             f"checkpoint {url} was trained with another vocabulary (digest {state['vocab_digest'][:12]}, "
             f"this one {vocab.digest[:12]}): use the vocabulary it was trained with, or another checkpoint_dir"
         )
+
+
+def check_model(saved: dict, cfg: RunConfig, url: str) -> None:
+    """The model a checkpoint holds is the one the config builds (dropout may differ)."""
+    now = cfg.model.model_dump(mode="json")
+    for key, value in saved.get("model", {}).items():
+        if key != "dropout" and now.get(key) != value:
+            raise UserError(f"checkpoint {url} has model.{key}={value!r}, this config {now.get(key)!r}: "
+                            "use the same model, another checkpoint_dir, or --no-resume")
 
 
 def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab | None = None) -> Loaded:
@@ -226,3 +236,24 @@ class Signals:
             handler(signum, frame)
         elif handler == signal.SIG_DFL:
             signal.raise_signal(signum)
+
+
+def step_position(batches, device: torch.device) -> tuple:
+    """Where the data order and the RNGs stand before a step, to draw its batches again."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return batches.state_dict(), batches.rng_state(), torch.get_rng_state(), cuda
+
+
+def rewind(batches, where: tuple, device: torch.device) -> None:
+    """Back to `step_position`'s place: the broken-off step's batches are drawn again on resume."""
+    data, data_rng, cpu, cuda = where
+    batches.load_state_dict(data, data_rng)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def signalled_alone(signals: Signals, d: Dist) -> bool:
+    """Whether an error in the loop follows a signal this process noted, so it is the signal's
+    doing. One process only: under DDP the other ranks would wait in a collective for this one."""
+    return signals.received is not None and d.world_size == 1

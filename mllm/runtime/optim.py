@@ -1,10 +1,17 @@
 """The optimizers a training builds (`train.optimizer`): Adam or AdamW over the parameter groups
-of `optim_groups`, or Muon for a GPT's hidden matrices with AdamW for the rest."""
+of `optim_groups`, or Muon for a GPT's hidden matrices with AdamW for the rest; and the learning
+rate's schedule (`lr_factor`)."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
 import torch.nn as nn
+
+from mllm import UserError
+from mllm.config import TrainConfig
 
 
 def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -79,3 +86,21 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
     groups = own(t.weight_decay) if own else optim_groups(model, t.weight_decay)
     kind = torch.optim.AdamW if t.optimizer == "adamw" else torch.optim.Adam
     return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+
+
+def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
+    """The multiplier of train.lr at each step: linear warmup, then constant or cosine to min_lr."""
+    if t.lr_schedule != "constant" and total_steps is None:
+        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps or epochs to know where to end: set one, "
+                        "or use constant")
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        if t.lr_schedule == "constant":
+            return 1.0
+        ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        coeff = 1.0 - ratio if t.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
+        return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
+
+    return factor
