@@ -497,19 +497,26 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     # Down for less than the clients' retries (PREFECT_CLIENT_MAX_RETRIES, minutes): the stack's
     # Prefect server answers 503 while it cannot reach its database, which every client retries,
     # and the run goes on once `stack up` starts the database again.
-    started = datetime.now().astimezone()
-    _, proc = training(17, {})
-    try:
-        stopped = stop_database()
+    def through_outage(proc: subprocess.Popen, while_down=lambda: None) -> tuple[str, str]:
+        """Stop the database under the running command, do `while_down`, and wait for its end."""
+        try:
+            stopped = stop_database()
+            while_down()
+            out, err = proc.communicate(timeout=300)
+            print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped, exit {proc.returncode}")
+            return out, err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    def back_in_eight_seconds() -> None:
         time.sleep(8)
         back = stack_up()
-        print(f"the database was down {time.monotonic() - stopped:.1f} s")
         assert back.returncode == 0 and "started again: postgres" in back.stderr, back.stderr[-3000:]
-        out, err = proc.communicate(timeout=300)
-        print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped, exit {proc.returncode}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+
+    started = datetime.now().astimezone()
+    _, proc = training(17, {})
+    out, err = through_outage(proc, back_in_eight_seconds)
     assert proc.returncode == 0, err[-3000:]
     # No Prefect request failed of the outage (MLflow, on the same database, may answer 500 or 503
     # meanwhile: its metrics are held, and sent once it answers, as the tracking tests show).
@@ -522,13 +529,7 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
 
     # Down for longer than the command's retries (told here to give up after two, seconds): one line.
     args, proc = training(7, {"PREFECT_CLIENT_MAX_RETRIES": "2"})
-    try:
-        stopped = stop_database()
-        out, err = proc.communicate(timeout=300)
-        print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = through_outage(proc)
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: the database of the Prefect and MLflow servers is down (the stack's PostgreSQL "), last
