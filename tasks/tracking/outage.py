@@ -279,13 +279,10 @@ class HeldMetrics:
                 where = self.keep(self.held)
             except Exception as e:  # noqa: BLE001 (storage away too: the warning says they are lost)
                 log.debug("could not keep the unsent metrics: %s", e)
-        if where is not None:
-            _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
-                              "records since step %d are kept in %s and sent by the next run that reaches it "
-                              "(the same command, run again)", server(), len(self.held), self.away_since_step, where)
-        else:
-            _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
-                              "records since step %d were not sent", server(), len(self.held), self.away_since_step)
+        fate = ("were not sent" if where is None else
+                f"are kept in {where} and sent by the next run that reaches it (the same command, run again)")
+        _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
+                          "records since step %d %s", server(), len(self.held), self.away_since_step, fate)
         self.held = []
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -199,8 +200,7 @@ class RunTracker:
         tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
             k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
-        outage.settle_unfinished(self.client, self.storage_root, lambda run_id, records: log_records(
-            self.client, run_id, records))
+        outage.settle_unfinished(self.client, self.storage_root, functools.partial(log_records, self.client))
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
@@ -247,8 +247,7 @@ class RunTracker:
                 return
         else:
             with contextlib.suppress(Exception):  # still kept: the next run sends them
-                outage.send_unsent(self.storage_root, lambda run_id, records: log_records(
-                    self.client, run_id, records))
+                outage.send_unsent(self.storage_root, functools.partial(log_records, self.client))
             self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
