@@ -79,8 +79,9 @@ class TcpProxy:
     (`stop()`, `start()`) while the server itself, and what it holds, stays up."""
 
     def __init__(self, upstream_port: int):
-        self.upstream = ("127.0.0.1", upstream_port)
+        self.upstream = ("127.0.0.1", upstream_port)  # may be changed: to a server started in its place
         self.port = free_port()
+        self.unreached = 0  # connections accepted whose upstream refused them (a dead server)
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -125,6 +126,7 @@ class TcpProxy:
         try:
             server = socket.create_connection(self.upstream)
         except OSError:
+            self.unreached += 1
             client.close()
             return True
         with self._lock:
@@ -374,15 +376,21 @@ class FaultProxy(TcpProxy):
         self.answered_503 = 0
         self.forwarded = 0
         self._unavailable_until = 0.0
+        self._window_met, self._open_until_met = 0, 0.0  # see unavailable(until_met=)
         self._only: bytes | None = None
 
-    def unavailable(self, seconds: float, only: str | None = None) -> None:
+    def unavailable(self, seconds: float, only: str | None = None, until_met: float = 0.0) -> None:
         """Answer 503 for `seconds` from now: to every request, or to those whose request line
-        starts with `only` (`"POST /api/flow_runs/ "`: Prefect creating a flow run)."""
+        starts with `only` (`"POST /api/flow_runs/ "`: Prefect creating a flow run). With
+        `until_met`, a window that ends before any request met it stays open until one does, for
+        at most `until_met` seconds from now (a client that was busy elsewhere all the window)."""
         import time
 
         self._only = only.encode() if only else None
-        self._unavailable_until = time.monotonic() + seconds
+        now = time.monotonic()
+        self._unavailable_until = now + seconds
+        self._window_met = self.answered_503
+        self._open_until_met = now + until_met
 
     def refuse(self, seconds: float) -> None:
         """Refuse connections (nothing listens) for `seconds`, then listen again."""
@@ -409,7 +417,9 @@ class FaultProxy(TcpProxy):
             head, rest = head.split(b"\r\n\r\n", 1)
             lines = head.split(b"\r\n")
             upgrade = any(line.lower().startswith(b"upgrade:") for line in lines[1:])
-            if time.monotonic() < self._unavailable_until and (self._only is None or lines[0].startswith(self._only)):
+            now = time.monotonic()
+            window = now < self._unavailable_until or (self.answered_503 == self._window_met and now < self._open_until_met)
+            if window and (self._only is None or lines[0].startswith(self._only)):
                 with self._lock:
                     self.answered_503 += 1
                 body = b'{"detail": "Service Unavailable (test proxy)"}'
