@@ -114,53 +114,12 @@ def _scratch_repo(tmp_path: Path) -> Path:
     return repo
 
 
-def test_reproduce_reruns_an_earlier_commit_and_matches(tmp_path: Path) -> None:
-    repo = _scratch_repo(tmp_path)
-    first = git(repo, "rev-parse", "HEAD")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(), encoding="utf-8")
-    storage = tmp_path / "storage"
-    env = dict(os.environ, PYTHONPATH=str(repo), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
-               PREFECT_HOME=str(tmp_path / "prefect"))
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return prewarmed.run("flows.cli", list(args), env, repo, 600)
-
-    sets = [a for s in FAST for a in ("--set", s)]
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(storage), *sets)
-    assert out.returncode == 0, out.stderr[-3000:]
-    [original] = json.loads(cli("runs", "--json", "--storage", str(storage)).stdout)
-
-    # A later commit: the reproduction still runs the first one's code.
-    (repo / "NOTES.md").write_text("a later change\n")
-    git(repo, "add", "-A")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "second")
-
-    out = cli("reproduce", original["run_id"], "--storage", str(storage))
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "final_val_loss" in out.stdout
-    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-    [new] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                               filter_string=f"tags.reproduces = '{original['run_id']}'")
-    old = client.get_run(original["run_id"])
-    assert new.data.tags["git.commit"] == first
-    # It trains in the precision the original ran in, whatever `auto` would pick today.
-    assert new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
-    # And eager as it ran (a short run: `auto` did not compile), whatever `auto` would decide today.
-    assert old.data.params["train.compile_used"] == "False" and new.data.params["train.compile"].lower() == "false"
-    assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)
-    assert new.data.tags["storage.root"].startswith(str(storage / "reproductions"))
-    assert not (tmp_path / "worktrees").exists() and git(repo, "worktree", "list").count("\n") == 0
-
-    out = cli("reproduce", "0" * 32, "--storage", str(storage))
-    assert out.returncode == 2 and "no MLflow run" in out.stderr
-
-
-def test_reproducing_a_skipped_run_on_s3_compares_with_the_training_it_reused_and_registers_nothing(
+def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_training_it_reused_registers_nothing(
         tmp_path: Path) -> None:
     from servers import run_s3_server
 
     repo = _scratch_repo(tmp_path)
+    first = git(repo, "rev-parse", "HEAD")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(), encoding="utf-8")
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -179,6 +138,11 @@ def test_reproducing_a_skipped_run_on_s3_compares_with_the_training_it_reused_an
         assert out.stdout.startswith("skipped:")
         trained, skipped = sorted(json.loads(cli("runs", "--json").stdout), key=lambda r: r["started"] + r["decision"])
         assert (trained["decision"], skipped["decision"]) == ("promoted", "skipped")
+
+        # A later commit: the reproduction still runs the first one's code.
+        (repo / "NOTES.md").write_text("a later change\n")
+        git(repo, "add", "-A")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "second")
 
         client = MlflowClient(tracking)
 
@@ -204,3 +168,14 @@ def test_reproducing_a_skipped_run_on_s3_compares_with_the_training_it_reused_an
                                    filter_string=f"tags.reproduces = '{skipped['run_id']}'")
         assert new.data.tags["decision"] == "reproduction" and "model_version" not in new.data.tags
         assert new.data.tags["storage.root"].startswith("s3://runs/r/reproductions/")
+        assert new.data.tags["git.commit"] == first
+        old = client.get_run(trained["run_id"])
+        # It trains in the precision the original ran in, whatever `auto` would pick today.
+        assert new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
+        # And eager as it ran (a short run: `auto` did not compile), whatever `auto` would decide today.
+        assert old.data.params["train.compile_used"] == "False" and new.data.params["train.compile"].lower() == "false"
+        assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)
+        assert not (tmp_path / "worktrees").exists() and git(repo, "worktree", "list").count("\n") == 0
+
+        out = cli("reproduce", "0" * 32)
+        assert out.returncode == 2 and "no MLflow run" in out.stderr

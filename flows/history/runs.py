@@ -145,11 +145,14 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     sha = tags.get("data.raw_sha256")
     if sha:
         cfg.setdefault("data", {})["sha256"] = sha  # a changed source is an error, not a new result
-    if used := run.data.params.get("train.dtype_used"):
+    # A run that skipped its training records no precision or compile choice: the training it
+    # reused does.
+    baseline = _trained_by(root, run)
+    if used := baseline.data.params.get("train.dtype_used"):
         # The precision the run trained in, not what a probe picks today: `auto` may decide
         # otherwise on another machine or load, and bf16 rounds differently from float32.
         cfg.setdefault("train", {})["dtype"] = used
-    if run.data.params.get("train.compile_used") == "False":
+    if baseline.data.params.get("train.compile_used") == "False":
         # Eager as it ran: `auto` might compile today, and compiled steps round differently. (A
         # run that `auto` compiled is left to decide again: it compiled after timing its first steps.)
         cfg.setdefault("train", {})["compile"] = False
@@ -195,7 +198,6 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
                 c.delete_tag(new.info.run_id, tag)
         c.set_tag(new.info.run_id, "decision", "reproduction")
         c.set_tag(new.info.run_id, "decision.reason", f"reproduces run {run_id}: registered nothing, no alias moved")
-    baseline = _trained_by(root, run)
     return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
             "versions": changed, "compared_with": baseline.info.run_id,
             "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
