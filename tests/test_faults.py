@@ -150,8 +150,10 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stor
     # such a corpus still trains, samples and registers, without a run of its own.
     corpus = tmp_path / "lower.txt"
     corpus.write_text(make_text().lower())
+    # The first checkpoint says training runs; 350 steps after it leave seconds to interrupt it. A
+    # checkpoint every 50 steps, not 5: the run that resumes writes 7 rather than 79 (4 s here).
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
-            "--set", "train.checkpoint_interval=5", "--set", "train.eval_interval=400"]
+            "--set", "train.checkpoint_interval=50", "--set", "train.eval_interval=400"]
     proc = _interruptible(args, env)
     _first_checkpoint(storage, proc)
     sent = time.monotonic()
