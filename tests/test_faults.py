@@ -119,24 +119,6 @@ def test_runs_from_an_image_record_its_commit_and_reproduce_names_changed_versio
     assert provenance.version_changes(tags) == {"torch": ("0.0.1", provenance.version("torch"))}
 
 
-def test_a_corpus_without_a_character_of_the_recipes_prompt_still_trains_samples_and_registers(own_stores, tmp_path):
-    env, _, _, storage = own_stores
-    corpus = tmp_path / "lower.txt"
-    corpus.write_text(make_text(3000).lower())  # no "T": the smoke recipe prompts "The "
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=10", env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "model: smoke v1 (promoted to champion" in out.stdout
-    assert "the vocabulary lacks 'T'" in out.stderr
-    [samples] = storage.glob("runs/*/samples/greedy.txt")
-    assert samples.read_text().startswith("--- prompt 'he '\nhe ")
-    # A prompt the user gives keeps its clear error.
-    [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
-    line = one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=env),
-                           "the prompt has characters that are not in the model's vocabulary: 'T' (its "
-                           "training corpus, normalised as the prompt was, had none of them)")
-    assert "leave them out of the prompt" in line
-
-
 # --- the third round: Ctrl-C, a tracking server that is down, content checked before Prefect ----
 
 
@@ -155,7 +137,7 @@ def _interruptible(args: list[str], env: dict[str, str]) -> subprocess.Popen:
     return prewarmed.start("flows.cli", args, {**os.environ, "COLUMNS": "200", **env}, new_session=True)
 
 
-def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, own_stores):
+def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stores, tmp_path):
     import signal
     import sqlite3
     import time
@@ -164,8 +146,14 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, 
 
     env, prefect, _, storage = own_stores
     env["PREFECT_API_URL"] = ""  # a temporary server in `prefect`, whose database is read below
+    # A corpus with no "T" (the smoke recipe prompts "The "): the run that resumes also shows that
+    # such a corpus still trains, samples and registers, without a run of its own.
+    corpus = tmp_path / "lower.txt"
+    corpus.write_text(make_text().lower())
+    # The first checkpoint says training runs; 350 steps after it leave seconds to interrupt it. A
+    # checkpoint every 50 steps, not 5: the run that resumes writes 7 rather than 79 (4 s here).
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
-            "--set", "train.checkpoint_interval=5", "--set", "train.eval_interval=400"]
+            "--set", "train.checkpoint_interval=50", "--set", "train.eval_interval=400"]
     proc = _interruptible(args, env)
     _first_checkpoint(storage, proc)
     sent = time.monotonic()
@@ -186,10 +174,24 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(corpus, 
     [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
     assert run.info.status == "KILLED"
 
-    again = cli(*args, env={k: v for k, v in env.items() if k != "PREFECT_API_URL"})  # the session's server
+    session = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}  # the session's server
+    again = cli(*args, env=session)
     assert again.returncode == 0, again.stderr[-3000:]
     trained = json.loads(next(storage.glob("runs/*/trained.json")).read_text())
     assert trained["steps"] == 400 and trained["resumed_from_step"] >= 5
+
+    # The corpus lacks a character of the recipe's prompt: the run left it out of its samples, and
+    # registered its model all the same.
+    assert "model: smoke v1 (promoted to champion" in again.stdout
+    assert "the vocabulary lacks 'T'" in again.stderr
+    [samples] = storage.glob("runs/*/samples/greedy.txt")
+    assert samples.read_text().startswith("--- prompt 'he '\nhe ")
+    # A prompt the user gives keeps its clear error.
+    [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
+    line = one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=session),
+                          "the prompt has characters that are not in the model's vocabulary: 'T' (its "
+                          "training corpus, normalised as the prompt was, had none of them)")
+    assert "leave them out of the prompt" in line
 
 
 def test_a_second_ctrl_c_exits_at_once_without_a_traceback(corpus, own_stores):
