@@ -117,12 +117,18 @@ class Service:
             return False
         # A worker starts each flow run in a session of its own: signal those too.
         others = [p for p in descendants(self.pid) if _pgid(p) != self.pid]
+        # `runuser` answers SIGTERM by SIGKILLing its command 2 s later, whatever it is doing: a
+        # PostgreSQL server amid a shutdown checkpoint slowed by load is cut off, and its
+        # postmaster.pid names a pid that a new start can take for a running server until someone
+        # reaps it. So its command is asked to stop, and runuser ends when that command does.
+        through = self.cmd[:1] == ["runuser"]
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-            for pid in others:
+            for pid in others + (children(self.pid) if through and sig == signal.SIGTERM else []):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, sig)
+            if not through or sig == signal.SIGKILL:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, sig)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 popen = getattr(self, "_popen", None)
@@ -185,6 +191,11 @@ def _runs(pid: int) -> bool:
 def group(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
     return [pid for pid, f in _stats() if len(f) > 2 and f[2] == str(pgid) and f[0] != "Z"]
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started itself (Linux /proc)."""
+    return [child for child, f in _stats() if len(f) > 1 and f[1] == str(pid)]
 
 
 def descendants(pid: int) -> list[int]:
