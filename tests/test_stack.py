@@ -39,9 +39,8 @@ pytestmark = pytest.mark.integration
 BUCKET = "mllm-test"
 FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
         "sample.max_new_tokens=20"]
-# Long enough (about 10 s on one thread) to kill in the middle, checkpoints every 50 steps: the kill
-# comes as soon as the first checkpoint is in the bucket, 150 steps before the end.
-LONG = ["train.max_steps=200", "train.eval_interval=100", "train.checkpoint_interval=50",
+# Long enough (about 20 s on one thread) to kill in the middle, checkpoints every 50 steps.
+LONG = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50",
         "train.log_interval=10", "sample.max_new_tokens=20"]
 
 
@@ -147,7 +146,7 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
         assert f"{run}/{name}" in keys, name
     assert any(k.startswith("pool/raw/") for k in keys) and any(k.endswith(".parquet") for k in keys)
     trained = storage.read_json(f"s3://{BUCKET}/{run}/trained.json")
-    assert trained["steps"] == 200 and trained["resumed_from_step"] >= 50
+    assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
     # It ends exactly where an uninterrupted training of the same job ends.
     reference = _uninterrupted(trained, tmp_path / "uninterrupted")
     assert reference.resumed_from_step == 0
@@ -164,7 +163,7 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
     assert f"  in the UI: {ui}?workflowType=machine_learning" in out.splitlines()
     assert "View run" not in out and "Successfully registered" not in out + err and "Created version" not in out + err
     steps = [m.step for m in client.get_metric_history(run_id, "train_loss")]
-    assert max(steps) == 200
+    assert max(steps) == 400
     # The steps between the last checkpoint and the kill were trained twice, logged once.
     assert len(steps) == len(set(steps))
     assert logged.data.tags["train.pool"] == "local" and "final_val_loss" in logged.data.metrics
@@ -209,7 +208,7 @@ def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finis
         assert any(stage in line and "Cached" in line for line in err.splitlines()), stage
     key = _checkpoint(stack_env, "outage/runs/").split("/checkpoints/")[0]
     trained = storage.read_json(f"s3://{BUCKET}/{key}/trained.json")
-    assert trained["steps"] == 200 and trained["resumed_from_step"] >= 50
+    assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
 
 
 def test_stack_status_reports_each_service(stack_env: Stack, tmp_path: Path) -> None:
