@@ -75,6 +75,9 @@ def stack_env(s3, tmp_path_factory):
     mp.setenv("HOME", str(home / "home"))  # the servers write nothing under the real ~
     for k, v in s3.env.items():
         mp.setenv(k, v)
+    # A deployment's run that finds its one slot taken tries again after this (Prefect's default: 30 s,
+    # paid by each queued run of the schedule and of the UI's form below).
+    mp.setenv("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "1")
     try:
         state = stack.up(home, f"s3://{BUCKET}/mlflow", pool="local", prefect_port=0, mlflow_port=0,
                          worker_env={"OMP_NUM_THREADS": "1", "MLLM_LOG_EVERY_S": "1",
@@ -327,18 +330,23 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
 
     # A model of its own (--model): the stack's "smoke" champion is of other tests' corpora, which
     # share no file with these books, so they would not be judged against it at all.
-    out = cli("schedule", "--recipe", "smoke", "--interval", "20", "--source", source, "--storage", root,
+    out = cli("schedule", "--recipe", "smoke", "--interval", "10", "--source", source, "--storage", root,
               "--model", "weekly-smoke", *[a for s in fast for a in ("--set", s)])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("pipeline/smoke: every 20 s on pool 'local'")
+    assert out.stdout.startswith("pipeline/smoke: every 10 s on pool 'local'")
     with get_client(sync_client=True) as prefect:
         deployment = prefect.read_deployment_by_name("pipeline/smoke")
-    # Two runs from the schedule, executed by the worker one after the other.
-    _wait_for("two scheduled runs", lambda: sum(r.state.is_completed() for r in _deployment_runs(deployment.id)) >= 2, 300)
+    # Two runs from the schedule, executed by the worker one after the other. The worker takes a run
+    # 10 s ahead of its time (PREFECT_WORKER_PREFETCH_SECONDS): the first at once, the second 10 s
+    # later (it waits for the first's slot); paused then, the schedule drops the runs no worker took,
+    # and the third, 10 s later still, costs no run of its own.
+    _wait_for("two scheduled runs taken by the worker",
+              lambda: sum(r.state.name not in ("Scheduled", "Late") for r in _deployment_runs(deployment.id)) >= 2, 300)
     assert cli("schedule", "--recipe", "smoke", "--pause").returncode == 0
     assert "PAUSED" in cli("schedule", "list").stdout
-    _wait_for("the runs to end", lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)), 180)
-    assert all(r.state.is_completed() for r in _deployment_runs(deployment.id))
+    _wait_for("the runs to end", lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)), 300)
+    runs = _deployment_runs(deployment.id)
+    assert len(runs) >= 2 and all(r.state.is_completed() for r in runs)
     # The first scheduled run trains and is its model's first champion; the next ones find a model
     # trained on the same data, config and code, and skip.
     decisions = _decisions(client)[-len(_deployment_runs(deployment.id)):]
@@ -398,7 +406,7 @@ def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_pat
 
 def test_a_sweep_on_the_pool_trains_its_points_side_by_side_on_the_worker(stack_env: Stack, tmp_path: Path) -> None:
     # Last in this module: its points register smoke models, which the tests above must not meet.
-    steps = ["train.max_steps=300", "train.eval_interval=150", "train.checkpoint_interval=150", "sample.max_new_tokens=20"]
+    steps = ["train.max_steps=100", "train.eval_interval=50", "train.checkpoint_interval=50", "sample.max_new_tokens=20"]
     proc = stack_env.cli("sweep", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt",
                          "--storage", f"s3://{BUCKET}/sweep", "--train-on", "local", "--grid", "train.lr=1e-3,3e-3",
                          *[a for s in steps for a in ("--set", s)], cwd=tmp_path)
