@@ -22,7 +22,7 @@ def choose_attention(device: torch.device, model: torch.nn.Module, batch: tuple,
 
 
 def choose_precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
-               metrics: dict[str, float], d: Dist) -> speed.Precision:
+                     metrics: dict[str, float], d: Dist) -> speed.Precision:
     """train.dtype resolved (mllm.speed). Rank 0 decides for every rank, and a resumed training
     keeps the precision it started in (the checkpoint's metrics hold it)."""
     p = speed.choose_precision(t.dtype, device, model, batch) if d.master else None
