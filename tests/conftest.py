@@ -45,12 +45,15 @@ for _name in ("MLLM_STORAGE", "PREFECT_API_URL"):
 pytest_plugins = ("servers",)
 
 
-# The modules that take longest, longest first (`make test`'s --durations): sent to the two workers
-# first, so that neither is left with one of them at the end while the other idles.
-HEAVY_FIRST = ("test_docker.py", "test_stack_postgres.py", "test_stack.py", "test_faults_training.py", "test_search.py",
-               "test_stack_auth.py", "test_transient.py", "test_object_storage.py", "test_faults.py", "test_lineage.py",
-               "test_pipeline_tracking.py", "test_corpora.py", "test_cli.py", "test_stack_netns.py", "test_pipeline.py",
-               "test_sweep.py", "test_speed.py", "test_tracking.py")
+# The modules that take longest, longest first (their times summed from `make test`'s junit report):
+# sent to the workers first, so that none is left with one of them at the end while the others
+# idle. `make test` passes --no-loadscope-reorder: without it xdist sends the modules with the most
+# tests first, and these, which have few, went last.
+HEAVY_FIRST = ("test_stack.py", "test_stack_postgres.py", "test_faults_training.py", "test_docker.py", "test_search.py",
+               "test_faults.py", "test_stack_auth.py", "test_transient.py", "test_stack_netns.py",
+               "test_object_storage.py", "test_cli.py", "test_corpora.py", "test_pipeline.py",
+               "test_pipeline_tracking.py", "test_lineage.py", "test_sweep.py", "test_tracking.py", "test_train.py",
+               "test_families.py", "test_speed.py", "test_seq2seq_pipeline.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
