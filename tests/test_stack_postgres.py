@@ -204,7 +204,9 @@ def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and
     # Trainings that overlapped took different GPUs of the worker's two.
     assert set(gpu.values()) <= {"0", "1"}
     overlapping = [(a, b) for a in trains for b in trains if a.id < b.id and a.start_time < b.end_time and b.start_time < a.end_time]
-    assert overlapping and all(gpu[a.id] != gpu[b.id] for a, b in overlapping), (gpu, overlapping)
+    windows = sorted((t.start_time.isoformat(timespec="milliseconds"), t.end_time.isoformat(timespec="milliseconds"),
+                      t.name, gpu[t.id]) for t in trains)
+    assert overlapping and all(gpu[a.id] != gpu[b.id] for a, b in overlapping), windows
     # The --parallel 1 sweep took one slot at a time: each of its trainings submitted after the last ended.
     bounded = sorted((t for t in trains if "one-at-a-time" in str(t.parameters["cfg"]["data"]["source"])), key=lambda t: t.created)
     assert len(bounded) == 2 and _most_at_once(bounded) == 1
