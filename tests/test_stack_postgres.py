@@ -277,11 +277,13 @@ def test_two_searches_on_the_stacks_postgres_share_one_study_and_together_run_it
         assert _cluster_query(home, db, sql.replace("%s", f"'%{password}%'")) == [(0,)], (db, sql)
 
 
-def test_a_search_killed_mid_trial_on_the_stacks_postgres_resumes_that_trial_from_its_checkpoint(
+def test_a_search_killed_by_ctrl_c_then_sigkill_on_the_stacks_postgres_resumes_its_trial_from_each_checkpoint(
         pg_stack: dict, tmp_path: Path) -> None:
-    # tests/test_search.py's kill-and-resume on the stack's study database rather than a local file:
-    # the search's whole process group killed (SIGKILL) mid-training; the same command again resumes
-    # that trial, with the same parameters, from the step its checkpoint holds.
+    # tests/test_search.py's kill-and-resume on the stack's study database rather than a local file,
+    # interrupted both ways in turn: the first search Ctrl-C'd (SIGINT to the command, as a terminal
+    # sends it) mid-training, the second, which resumed that trial, killed with its process group
+    # (SIGKILL) mid the resumed training; the third resumes it again, from the newer checkpoint,
+    # with the same parameters, and finishes the study.
     import optuna
 
     from mllm.runtime.checkpoint import read_checkpoint
@@ -292,49 +294,104 @@ def test_a_search_killed_mid_trial_on_the_stacks_postgres_resumes_that_trial_fro
            "MLLM_SEARCH_GRACE_S": "3"}
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=23))
-    steps = 300
-    sets = [f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
-            "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+    # A checkpoint every 10 steps: the Ctrl-C comes at the first, the kill at the next after the
+    # resume, and the steps after it (a few ms each) leave the kill seconds to land under load.
+    steps = 200
+    sets = [f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=10",
+            "train.log_interval=10", "sample.max_new_tokens=10", "sample.methods=[greedy]"]
     args = ["search", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"],
             "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
             "--study", "resumed", *[a for s in sets for a in ("--set", s)]]
     runs = Path(pg_stack["root"]) / "runs"
     before = set(runs.glob("*/checkpoints/last.pt"))
-    proc = prewarmed.start("flows.cli", args, env, tmp_path, new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not set(runs.glob("*/checkpoints/last.pt")) - before:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    (ckpt,) = set(runs.glob("*/checkpoints/last.pt")) - before
-    at_kill = int(read_checkpoint(str(ckpt), "cpu")["step"])
-    assert 0 < at_kill < steps
 
     def states() -> list[str]:
         return [s for (s,) in _cluster_query(home, "mllm_optuna", "SELECT t.state::text FROM trials t JOIN studies s ON "
                                                                  "t.study_id = s.study_id WHERE s.study_name = 'resumed' "
                                                                  "ORDER BY t.number")]
 
-    assert states() == ["RUNNING"]  # nobody told the study
+    def interrupted(until, stop) -> tuple[int, str]:
+        """A search started and, once `until()` holds mid-training, stopped by `stop(pid)`."""
+        proc = prewarmed.start("flows.cli", args, env, tmp_path, new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while not until():
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+                time.sleep(0.05)
+            stopped = time.monotonic()
+            stop(proc.pid)
+            _, err = proc.communicate(timeout=30)  # promptly: a hang fails here
+            print(f"the search ended {time.monotonic() - stopped:.1f} s after its signal, exit {proc.returncode}")
+            return proc.returncode, err
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    # Ctrl-C once the first checkpoint is written: the training writes last.pt at the step it came,
+    # and the search, which knows its trial is dead, fails it and queues it again at once.
+    code, err = interrupted(lambda: set(runs.glob("*/checkpoints/last.pt")) - before,
+                            lambda pid: os.kill(pid, signal.SIGINT))
+    assert code == 128 + signal.SIGINT and "Traceback" not in err, err[-3000:]
+    line = ("error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
+            "from them")
+    assert [e for e in err.splitlines() if e.startswith("error:")] == [line] and err.strip().endswith(line), err[-3000:]
+    (ckpt,) = set(runs.glob("*/checkpoints/last.pt")) - before
+    at_ctrl_c = int(read_checkpoint(str(ckpt), "cpu")["step"])
+    assert 0 < at_ctrl_c < steps
+    assert states() == ["FAIL", "WAITING"]
+    assert _cluster_query(home, "mllm_prefect", "SELECT state_type::text FROM flow_run WHERE name = "
+                                                "'resumed-trial-0'") == [("CANCELLED",)]
+
+    # Again at once (no grace to wait: the trial is queued), killed once the resumed training has
+    # written a newer checkpoint: nothing tells the study, whose trial stays RUNNING.
+    seen = [ckpt.stat().st_mtime_ns]
+
+    def newer() -> bool:
+        if ckpt.stat().st_mtime_ns == seen[0]:
+            return False
+        seen[0] = ckpt.stat().st_mtime_ns
+        return int(read_checkpoint(str(ckpt), "cpu")["step"]) > at_ctrl_c
+
+    code, _ = interrupted(newer, lambda pid: os.killpg(pid, signal.SIGKILL))
+    at_kill = int(read_checkpoint(str(ckpt), "cpu")["step"])
+    assert code == -signal.SIGKILL and at_ctrl_c < at_kill < steps
+    assert states() == ["FAIL", "RUNNING"]  # nobody told the study
     time.sleep(4)  # its heartbeat silent past the grace
 
     out = _cli(*args, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "failed (resumed by trial 1)" in out.stdout, out.stdout[-2000:]
-    assert states() == ["FAIL", "COMPLETE", "COMPLETE"]  # the dead one, its resumption, the second
+    assert "failed (resumed by trial 1)" in out.stdout and "failed (resumed by trial 2)" in out.stdout, out.stdout[-2000:]
+    # Each dead one, resumed by the next; the second trial: every trial once, none lost or repeated.
+    assert states() == ["FAIL", "FAIL", "COMPLETE", "COMPLETE"]
     port = database.recorded(home)["database"].rsplit(":", 1)[1]
     password = (home / "postgres" / "password").read_text().strip()
     study = optuna.load_study(study_name="resumed", storage=f"postgresql+psycopg://mllm:{password}@127.0.0.1:{port}/mllm_optuna")
-    dead, resumed, second = study.trials
-    assert resumed.params == dead.params
-    assert resumed.user_attrs["resumed_from_step"] == at_kill and resumed.user_attrs["step"] == steps
+    first, once, twice, second = study.trials
+    assert first.params == once.params == twice.params and second.params != first.params
+    # The same params, the same training folder: on from the step its checkpoint held, to the end.
+    assert twice.user_attrs["resumed_from_step"] == at_kill and twice.user_attrs["step"] == steps
     assert second.user_attrs["resumed_from_step"] == 0
     assert len(set(runs.glob("*/checkpoints/last.pt")) - before) == 2  # no third training folder
+
+    # The MLflow runs of the dead trials ended KILLED, each saying which trial resumed it; each run
+    # logs from its checkpoint on (Ctrl-C's at the step it came, SIGKILL's at an interval), no step
+    # lost between them.
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    by_trial = {t.number: client.get_run(_trial_run(client, t.number)) for t in (first, once, twice)}
+    for number in (0, 1):
+        run = by_trial[number]
+        assert (run.info.status, run.data.tags["trial_state"]) == ("KILLED", "failed")
+        assert run.data.tags["search.resumed_by"] == str(number + 1)
+    assert by_trial[2].info.status == "FINISHED" and by_trial[2].data.tags["search.resumes"] == "1"
+    logged = {n: [m.step for m in client.get_metric_history(r.info.run_id, "train_loss")] for n, r in by_trial.items()}
+    assert min(logged[1]) == (at_ctrl_c // 10 + 1) * 10 and min(logged[2]) == at_kill + 10 and max(logged[2]) == steps
+    assert sorted(set().union(*logged.values())) == list(range(10, steps + 1, 10))
+
+
+def _trial_run(client: MlflowClient, number: int) -> str:
+    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
+                                f"tags.`search.study` = 'resumed' and tags.`search.trial` = '{number}'")
+    return run.info.run_id
 
 
 def test_a_team_server_by_url_takes_the_stacks_records_and_its_password_goes_nowhere(
