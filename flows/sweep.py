@@ -11,6 +11,7 @@ no two points ever write the same stage at once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import io
 import itertools
@@ -44,7 +45,14 @@ from tasks import model as model_tasks
 from tasks.tracking import outage
 from tasks.caching import forget_exception
 from tasks.tracking.provenance import code_git_info, run_tags
-from tasks.tracking.tracker import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
+from tasks.tracking.tracker import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VALUE,
+    MAX_TAG_VALUE,
+    RunTracker,
+    deleted_run,
+    log_records,
+)
 from tasks.tracking.tracker import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
@@ -205,6 +213,10 @@ def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
     they logged that `run_id` does not hold are copied into it first: a retry resumes or reuses
     their training, so the run that stands for the point has the whole curve."""
     client = tracking_client(root)
+    # Metrics an attempt kept in storage while the server was away (the retry's start sends them;
+    # a failed send leaves them there) go into it before its curve is copied and it is deleted.
+    with contextlib.suppress(Exception):
+        outage.send_unsent(root, functools.partial(log_records, client), functools.partial(deleted_run, client))
     experiment = client.get_run(run_id).info.experiment_id
     for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
         if run.info.run_id == run_id or run.data.tags.get(POINT_TAG) != tags[POINT_TAG]:
@@ -213,6 +225,7 @@ def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
         client.set_tag(run.info.run_id, "sweep.superseded_by", run_id)
         if run.info.status != "FINISHED":
             client.delete_run(run.info.run_id)
+            outage.forget_run(root, run.info.run_id)  # its kept metrics could never be sent now
 
 
 def copy_history(client: Any, source: str, target: str) -> None:

@@ -241,21 +241,34 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
             "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
             *_sets([f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
                     "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"])]
+    env = dict(os.environ)
+    if how == signal.SIGKILL:  # Prefect's temporary server, which must not outlive the search
+        env.update(PREFECT_API_URL="", PREFECT_HOME=str(tmp_path / "prefect"))
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    server = None
     try:
         deadline = time.monotonic() + 300
         while not list(root.glob("runs/*/checkpoints/last.pt")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
             time.sleep(0.05)
         if how == signal.SIGKILL:
-            os.killpg(proc.pid, signal.SIGKILL)  # the search, its Prefect server: all at once
+            server = _temporary_server(proc.pid)  # in a process group of its own
+            os.killpg(proc.pid, signal.SIGKILL)  # the search and all it started in its group, at once
         else:
             os.kill(proc.pid, signal.SIGINT)  # Ctrl-C: the command's own way out
         proc.wait(timeout=120)
+        if server is not None:  # it ends itself, with nobody left to stop it
+            gone = time.monotonic() + 15
+            while Path(f"/proc/{server}").exists() and time.monotonic() < gone:
+                time.sleep(0.1)
+            assert not Path(f"/proc/{server}").exists(), "the temporary Prefect server outlived the killed search"
+            server = None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        if server is not None:
+            os.killpg(server, signal.SIGKILL)
     (ckpt,) = root.glob("runs/*/checkpoints/last.pt")
     at_kill = int(read_checkpoint(str(ckpt), "cpu")["step"])
     assert 0 < at_kill < steps
@@ -289,6 +302,19 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
     # (Ctrl-C writes last.pt at the step it came, SIGKILL leaves the last one of the interval.)
     assert min(new_steps) == (at_kill // 20 + 1) * 20 and max(new_steps) == steps
     assert sorted(set(old_steps) | set(new_steps)) == list(range(20, steps + 1, 20))  # no step lost
+
+
+def _temporary_server(command: int) -> int:
+    """The PID of the temporary Prefect server that the command started (its child)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            argv = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+        if ppid == command and b"prefect.server.api.server:create_app" in argv:
+            return int(stat.parent.name)
+    raise AssertionError("the search started no temporary Prefect server")
 
 
 def _dead_run(client, study: str) -> str:
