@@ -23,7 +23,9 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow, task
@@ -49,7 +51,7 @@ from flows.search_study import (Heartbeats, check_options, check_study, make_pru
                                 one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
                                 study_store)
 from flows.search_space import Dim, check_space, parse_space, space_text, study_name
-from flows.sweep import PARENT_TAG, ParentRun
+from flows.sweep import PARENT_TAG, ParentRun, passing, supersede
 from flows.training import run_training, train
 from mllm import UserError, storage
 from mllm.config import RunConfig
@@ -132,9 +134,10 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
         asking = (trials.asking(model_tasks.train_key(cfg, data), ask_pruner) if pool is None
                   else trials.answering(model_tasks.train_job(cfg, data, root)[1], ask_pruner))
         with asking:
-            found = trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
+            found = once_more_if_passing(lambda: trial_run.with_options(
+                flow_run_name=f"{study.study_name}-trial-{trial.number}")(
                 cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool,
-                model=model)
+                model=model), root, tags)
     except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
@@ -154,6 +157,30 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
         study.tell(trial, found["value"])
         outcome.value = found["value"]
     return outcome
+
+
+def once_more_if_passing(attempt: Callable[[], dict[str, Any]], root: str, tags: dict[str, str]) -> dict[str, Any]:
+    """A trial's run, run once more when it failed of a server's passing failure (a tracking
+    server still away when its training ended, a refused connection, a 503 that outlasted the
+    clients' retries), as a sweep runs its point again (docs/sweeps.md): after
+    MLLM_SWEEP_RETRY_DELAY_S seconds, once both servers answer (at most 4 minutes). Its training is
+    found in storage; the failed attempt's MLflow run is tagged `search.superseded_by`, its curve
+    copied into the new run, and it goes to MLflow's trash."""
+    try:
+        return attempt()
+    except Exception as e:
+        if not passing(e):
+            raise
+        with contextlib.suppress(Exception):  # outside a flow run (a test): nothing to log to
+            from prefect import get_run_logger
+
+            get_run_logger().warning("%s: the trial runs once more once the servers answer",
+                                     scrub(str(e).splitlines()[0]))
+    time.sleep(float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10")))
+    outage.wait_for_servers()  # bounded: a server still away fails the trial, as it would
+    found = attempt()
+    supersede(root, tags, found["mlflow_run_id"], same=TRIAL_TAG, mark="search.superseded_by")
+    return found
 
 
 def _mark_failed(root: str, parent_id: str, study: str, number: int, resumed_by: int | None = None) -> None:

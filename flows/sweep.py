@@ -11,6 +11,7 @@ no two points ever write the same stage at once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import io
 import itertools
@@ -44,7 +45,14 @@ from tasks import model as model_tasks
 from tasks.tracking import outage
 from tasks.caching import forget_exception
 from tasks.tracking.provenance import code_git_info, run_tags
-from tasks.tracking.tracker import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_TAG_VALUE, RunTracker
+from tasks.tracking.tracker import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VALUE,
+    MAX_TAG_VALUE,
+    RunTracker,
+    deleted_run,
+    log_records,
+)
 from tasks.tracking.tracker import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
@@ -156,13 +164,17 @@ class PointsFailed(UserError):
         super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
 
 
-def passing_failure(task: object, task_run: object, state: object) -> bool:
-    """Prefect's retry condition of a point: a server's passing failure (a 503 that outlasted the
-    clients' own retries, a refused connection, a tracking server still away when its training
-    ended), not the point's own error."""
-    exc = getattr(state, "data", None)
+def passing(exc: BaseException | None) -> bool:
+    """A server's passing failure (a 503 that outlasted the clients' own retries, a refused
+    connection, a tracking server still away when its training ended, a database down), not the
+    point's (or a search trial's) own error: what runs once more."""
     return failures.transient(exc) or any(isinstance(e, (outage.TrackingAway, DatabaseDown))
                                           for e in failures.exception_chain(exc))
+
+
+def passing_failure(task: object, task_run: object, state: object) -> bool:
+    """Prefect's retry condition of a point (`passing`)."""
+    return passing(getattr(state, "data", None))
 
 
 class DatabaseDown(UserError):
@@ -198,21 +210,27 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
                         mlflow_run_id=r.mlflow_run_id)
 
 
-def supersede(root: str, tags: dict[str, str], run_id: str) -> None:
-    """The MLflow runs of a point's failed attempt, once its retry finished as `run_id`: tagged
-    `sweep.superseded_by`, and moved to MLflow's trash unless they finished (the parent then
+def supersede(root: str, tags: dict[str, str], run_id: str, same: str = POINT_TAG,
+              mark: str = "sweep.superseded_by") -> None:
+    """The MLflow runs of a point's failed attempt (those with its `same` tag: a search trial's
+    too), once its retry finished as `run_id`: tagged `mark` (`sweep.superseded_by`), and moved to MLflow's trash unless they finished (the parent then
     nests one run for the point, and no FAILED run stands for a point that finished). The steps
     they logged that `run_id` does not hold are copied into it first: a retry resumes or reuses
     their training, so the run that stands for the point has the whole curve."""
     client = tracking_client(root)
+    # Metrics an attempt kept in storage while the server was away (the retry's start sends them;
+    # a failed send leaves them there) go into it before its curve is copied and it is deleted.
+    with contextlib.suppress(Exception):
+        outage.send_unsent(root, functools.partial(log_records, client), functools.partial(deleted_run, client))
     experiment = client.get_run(run_id).info.experiment_id
     for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
-        if run.info.run_id == run_id or run.data.tags.get(POINT_TAG) != tags[POINT_TAG]:
+        if run.info.run_id == run_id or run.data.tags.get(same) != tags[same]:
             continue
         copy_history(client, run.info.run_id, run_id)
-        client.set_tag(run.info.run_id, "sweep.superseded_by", run_id)
+        client.set_tag(run.info.run_id, mark, run_id)
         if run.info.status != "FINISHED":
             client.delete_run(run.info.run_id)
+            outage.forget_run(root, run.info.run_id)  # its kept metrics could never be sent now
 
 
 def copy_history(client: Any, source: str, target: str) -> None:

@@ -211,6 +211,61 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(corpus, own_stores):
     assert time.monotonic() - sent < 10
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_kill_9_to_the_command_ends_its_temporary_prefect_server_too(tmp_path):
+    # The temporary server leads a process group of its own (a group SIGTERM must not reach it), so
+    # after a SIGKILL of the command nothing stops it: it must notice its parent's end itself. Here
+    # it is started as flows/cli/terminal.py starts Prefect's (`python -m uvicorn ...`), serving a
+    # tiny app: seconds, where a real command's temporary server costs 30 s more of the suite.
+    import signal
+    import sys
+    import time
+    import urllib.request
+
+    from flows.stack.processes import free_port
+
+    (tmp_path / "tiny.py").write_text(
+        "async def app(scope, receive, send):\n"
+        "    if scope['type'] == 'http':\n"
+        "        await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
+        "        await send({'type': 'http.response.body', 'body': b'ok'})\n")
+    port = free_port()
+    command = ("import sys, time\nfrom flows.cli.terminal import _InItsOwnGroup\n"
+               "server = _InItsOwnGroup.Popen(args=[sys.executable, '-m', 'uvicorn', '--app-dir', sys.argv[1], "
+               "'tiny:app', '--port', sys.argv[2], '--log-level', 'error'])\n"
+               "print(server.pid, flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", command, str(tmp_path), str(port)], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    server = int(proc.stdout.readline())
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                opener.open(f"http://127.0.0.1:{port}/", timeout=1).close()
+                break
+            except OSError:
+                assert _alive(server) and time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # the command's whole group: the server is not in it
+        proc.wait(timeout=10)
+        assert _alive(server)
+        killed = time.monotonic()
+        while _alive(server) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        assert not _alive(server), "the server outlived the command that started it"
+    finally:
+        for pid in (proc.pid, server):
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
 def test_every_command_that_reads_runs_says_when_nothing_is_tracked_there_and_creates_no_store(tmp_path):
     # No MLFLOW_TRACKING_URI: the store would be mlflow.db beside the storage root, which no run made.
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

@@ -223,6 +223,52 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
     assert mine.data.params["train.max_steps"] == "40"
 
 
+def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    # As a sweep's point (docs/sweeps.md): the retry finds the training in storage and records it;
+    # the failed attempt's run goes to the trash, its curve kept in the run that stands for the trial.
+    from mlflow.entities import Metric
+    from mlflow.entities.lifecycle_stage import LifecycleStage
+    from mlflow.tracking import MlflowClient
+
+    from flows.search import TRIAL_TAG, once_more_if_passing
+    from flows.sweep import PARENT_TAG
+    from tasks.tracking.outage import TrackingAway
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "0")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # a local store: no server to wait for
+    client = MlflowClient()
+    experiment = client.create_experiment("searched")
+    tags = {PARENT_TAG: client.create_run(experiment).info.run_id, TRIAL_TAG: "3"}
+    runs: list[str] = []
+
+    def attempt() -> dict[str, str]:
+        runs.append(client.create_run(experiment, tags=tags).info.run_id)
+        client.log_batch(runs[-1], metrics=[Metric("train_loss", 2.0, 0, 10 * len(runs))])
+        if len(runs) == 1:
+            client.set_terminated(runs[0], "FAILED")
+            raise TrackingAway("the MLflow tracking server http://127.0.0.1:1 stopped answering during the run")
+        return {"mlflow_run_id": runs[-1], "state": "complete"}
+
+    root = str(tmp_path / "storage")
+    assert once_more_if_passing(attempt, root, tags) == {"mlflow_run_id": runs[1], "state": "complete"}
+    assert len(runs) == 2
+    assert sorted(m.step for m in client.get_metric_history(runs[1], "train_loss")) == [10, 20]
+    first = client.get_run(runs[0])
+    assert first.info.lifecycle_stage == LifecycleStage.DELETED
+    assert first.data.tags["search.superseded_by"] == runs[1]
+
+    # The trial's own error is not a server's: it fails at once.
+    def mistaken() -> dict[str, str]:
+        runs.append("")
+        raise UserError("model.n_layer must be at least 1")
+
+    with pytest.raises(UserError, match="n_layer"):
+        once_more_if_passing(mistaken, root, tags)
+    assert len(runs) == 3
+
+
 def _trial_states(db: Path) -> list[str]:
     with sqlite3.connect(db) as c:
         return [s for (s,) in c.execute("select state from trials order by number")]
@@ -249,7 +295,7 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
             time.sleep(0.05)
         if how == signal.SIGKILL:
-            os.killpg(proc.pid, signal.SIGKILL)  # the search, its Prefect server: all at once
+            os.killpg(proc.pid, signal.SIGKILL)  # the search and all it started in its group, at once
         else:
             os.kill(proc.pid, signal.SIGINT)  # Ctrl-C: the command's own way out
         proc.wait(timeout=120)

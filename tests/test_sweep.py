@@ -4,6 +4,7 @@ parent and nested MLflow runs, table, plot and shared data stages."""
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -253,6 +254,8 @@ def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attem
     from mlflow.tracking import MlflowClient
 
     from flows.sweep import PARENT_TAG, POINT_TAG, supersede
+    from tasks.tracking import outage
+    from tasks.tracking.tracker import deleted_run, log_records
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     client = MlflowClient()
@@ -264,8 +267,23 @@ def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attem
                      + [Metric("system/cpu_utilization_percentage", 50.0, 0, 0)])
     client.log_batch(retry, metrics=[Metric("train_loss", 2.5, 0, 50), Metric("val_loss", 2.6, 0, 50)])
     client.set_terminated(failed, "FAILED")
-    supersede(str(tmp_path / "storage"), tags, retry)
-    assert sorted(m.step for m in client.get_metric_history(retry, "train_loss")) == [10, 20, 30, 40, 50]
+    root = str(tmp_path / "storage")
+    # Steps 60 and 70 the attempt could not send (kept in storage) and the retry's start did not
+    # either: sent into the attempt, so into the standing run's curve, before the attempt goes.
+    outage.keep_unsent(root, failed, [{"step": 60, "train_loss": 2.4}, {"step": 70, "train_loss": 2.3}])
+    supersede(root, tags, retry)
+    assert sorted(m.step for m in client.get_metric_history(retry, "train_loss")) == [10, 20, 30, 40, 50, 60, 70]
     assert "system/cpu_utilization_percentage" not in client.get_run(retry).data.metrics
     gone = client.get_run(failed)
     assert gone.info.lifecycle_stage == LifecycleStage.DELETED and gone.data.tags["sweep.superseded_by"] == retry
+    assert not list((tmp_path / "storage" / "tracking" / "unsent").glob("*.json"))
+
+    # What is kept for a run deleted since (here the attempt; as well by the MLflow UI or `mlflow
+    # gc`) is dropped by the next run's send, and no longer holds back the files after it.
+    outage.keep_unsent(root, failed, [{"step": 80, "train_loss": 2.2}])
+    outage.note_unfinished(root, failed, "FAILED", "away")
+    outage.keep_unsent(root, retry, [{"step": 90, "train_loss": 2.1}])
+    outage.settle_unfinished(client, root, functools.partial(log_records, client),
+                             functools.partial(deleted_run, client))
+    assert max(m.step for m in client.get_metric_history(retry, "train_loss")) == 90
+    assert not list((tmp_path / "storage" / "tracking").glob("*/*.json"))

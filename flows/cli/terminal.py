@@ -287,16 +287,21 @@ class _InItsOwnGroup:
     server) leads a process group of its own. A signal to this command's group (the terminal's
     Ctrl-C, `timeout`, a scheduler's SIGTERM, `kill -TERM -PGID`) would otherwise end the server
     too, and this command would wait minutes on a dead server to record how its runs ended. It is
-    stopped with SIGTERM when this process ends (atexit), or killed after a second signal."""
+    stopped with SIGTERM when this process ends (atexit), or killed after a second signal; it ends
+    itself once this process is gone however it went, `kill -9` too (flows/cli/temporary_server.py)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
     @staticmethod
     def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        command = list(kwargs.pop("args") if "args" in kwargs else args[0])
+        args = args[1:]
+        if command[1:3] == ["-m", "uvicorn"]:
+            command[1:3] = ["-m", "flows.cli.temporary_server", str(os.getpid())]
         kwargs.setdefault("process_group", 0)
         kwargs.setdefault("stdin", subprocess.DEVNULL)  # a background group reading the terminal would stop
-        return subprocess.Popen(*args, **kwargs)
+        return subprocess.Popen(command, *args, **kwargs)
 
 
 def _own_group_and_log(server: Any) -> None:

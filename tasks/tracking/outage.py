@@ -317,8 +317,16 @@ def keep_unsent(root: str, run_id: str, records: list[dict]) -> str:
     return url
 
 
-def send_unsent(root: str, send: Callable[[str, list[dict]], None]) -> None:
-    """Send the metric records kept for this server's runs (`keep_unsent`), each file once."""
+def _nobody_deleted(run_id: str) -> bool:
+    return False
+
+
+def send_unsent(root: str, send: Callable[[str, list[dict]], None],
+                deleted: Callable[[str], bool] = _nobody_deleted) -> None:
+    """Send the metric records kept for this server's runs (`keep_unsent`), each file once. Those
+    of a run that was `deleted` since (the MLflow UI, `mlflow runs delete`, `mlflow gc`) are
+    dropped: the server refuses metrics for a deleted run, and the file would fail every later
+    run's attempt, and hold back the files after it."""
     folder = _unsent(root)
     if not storage.exists(folder):
         return
@@ -329,6 +337,11 @@ def send_unsent(root: str, send: Callable[[str, list[dict]], None]) -> None:
             kept = storage.read_json(url)
             if kept.get("server") != server():
                 continue  # another server's run
+            if deleted(kept["run_id"]):
+                storage.remove(url)
+                _logger().info("dropped %d metric records kept for MLflow run %s: the run is deleted",
+                               len(kept["records"]), kept["run_id"])
+                continue
             send(kept["run_id"], kept["records"])
             storage.remove(url)
             _logger().info("sent %d metric records of MLflow run %s kept while the tracking server was away",
@@ -342,12 +355,25 @@ def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
                            {"run_id": run_id, "status": status, "error": error, "server": server()})
 
 
-def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None] | None = None) -> None:
+def forget_run(root: str, run_id: str) -> None:
+    """What storage keeps for `run_id` (its unsent metrics, the note to close it), for a run
+    deleted on purpose: nothing could ever be sent into it."""
+    for folder, pattern in ((_unsent(root), f"{run_id}-*.json"), (_unfinished(root), f"{run_id}.json")):
+        if not storage.exists(folder):
+            continue
+        fs, path = storage.filesystem(folder)
+        for name in fs.glob(f"{path.rstrip('/')}/{pattern}"):
+            storage.remove(storage.join(folder, os.path.basename(name)))
+
+
+def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None] | None = None,
+                      deleted: Callable[[str], bool] = _nobody_deleted) -> None:
     """Send the metrics an away server could not take (`send(run_id, records)`), then close the
-    runs it left open, with the status and error they ended with."""
+    runs it left open, with the status and error they ended with; what is kept for a run that was
+    `deleted` since is dropped (`send_unsent`)."""
     if send is not None:
         with contextlib.suppress(Exception):  # kept for the next run: this one goes on
-            send_unsent(root, send)
+            send_unsent(root, send, deleted)
     folder = _unfinished(root)
     with contextlib.suppress(Exception):
         if not storage.exists(folder):
@@ -358,6 +384,9 @@ def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], 
             note = storage.read_json(url)
             if note.get("server") != server():
                 continue  # another server's run
+            if deleted(note["run_id"]):  # the server refuses to close a deleted run
+                storage.remove(url)
+                continue
             client.set_tag(note["run_id"], "error", note["error"])
             client.set_terminated(note["run_id"], note["status"])
             _logger().info("closed MLflow run %s, left %s when the tracking server stopped answering",

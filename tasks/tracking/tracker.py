@@ -28,6 +28,7 @@ import fsspec
 import mlflow
 from fsspec.implementations.local import LocalFileSystem
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.entities.lifecycle_stage import LifecycleStage
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from prefect import task
@@ -155,6 +156,16 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 # --- the run -------------------------------------------------------------------------------
 
+def deleted_run(client: MlflowClient, run_id: str) -> bool:
+    """Whether the run is in MLflow's trash, or gone from it (`mlflow gc`)."""
+    try:
+        return client.get_run(run_id).info.lifecycle_stage == LifecycleStage.DELETED
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return True
+        raise
+
+
 def log_records(client: MlflowClient, run_id: str, records: list[dict]) -> None:
     """Metric records ({"step": int, name: float, ...}) into a run, one log_batch request per
     1000 metrics."""
@@ -200,7 +211,8 @@ class RunTracker:
         tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
             k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
-        outage.settle_unfinished(self.client, self.storage_root, functools.partial(log_records, self.client))
+        outage.settle_unfinished(self.client, self.storage_root, functools.partial(log_records, self.client),
+                                 functools.partial(deleted_run, self.client))
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
         log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
@@ -247,7 +259,8 @@ class RunTracker:
                 return
         else:
             with contextlib.suppress(Exception):  # still kept: the next run sends them
-                outage.send_unsent(self.storage_root, functools.partial(log_records, self.client))
+                outage.send_unsent(self.storage_root, functools.partial(log_records, self.client),
+                                   functools.partial(deleted_run, self.client))
             self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
