@@ -76,9 +76,10 @@ def drop_unsent_to_prefect() -> None:
     log lines and events of this command's runs that did not reach it are dropped, and later ones
     are not sent: else the process, its `error:` line printed, would wait at exit for Prefect's
     client to send them, retrying each batch for as long as before that line (about 4 minutes with
-    PREFECT_CLIENT_MAX_RETRIES 7), the prompt held all that time. They stay on the terminal (or
-    wherever stderr goes); the run's state in Prefect stays as it was (`stack up` marks the flow
-    runs left in flight Crashed), and MLflow's records are kept in storage as before.
+    PREFECT_CLIENT_MAX_RETRIES 7), the prompt held all that time. Those the terminal showed stay
+    there (or wherever stderr goes); Prefect's own lines about the failure, kept off the terminal
+    (`_QuietAfterUserError`), are lost. The runs' states in Prefect stay as they were (`stack up`
+    marks the flow runs left in flight Crashed); MLflow's records are not affected.
 
     Prefect 3.8 has no public way to abandon its queue services (`APILogWorker`, `EventsWorker`,
     `prefect._internal.concurrency.services`): each one is drained at interpreter exit
@@ -91,7 +92,7 @@ def drop_unsent_to_prefect() -> None:
 
     _quiet.failed = True  # the cancelled services say so on Prefect's debug handler: not the user's concern
     for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", ()):
+        for handler in list(getattr(logger, "handlers", ())):
             if isinstance(handler, APILogHandler):
                 logger.removeHandler(handler)
     for service in list(services._active_services):
@@ -104,7 +105,8 @@ def drop_unsent_to_prefect() -> None:
 class _QuietAfterUserError(logging.Filter):
     """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
     failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
-    from the console from the first of them on. Prefect's run record keeps them all.
+    from the console from the first of them on. Prefect's run record keeps them all, unless its
+    server is down (`drop_unsent_to_prefect`).
 
     Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
     are what the terminal shows:
