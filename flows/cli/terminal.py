@@ -53,6 +53,7 @@ def user_errors() -> Iterator[None]:
         remove_empty_roots()
         if str(e).startswith(DOWN):
             leave_in_flight(stack_home())
+            drop_unsent_to_prefect()
         fail(str(e))
     except Exception as e:
         message = auth_line(e) or down_line(e) or tracking_down(e) or prefect_down(e) or unreachable(e)
@@ -61,6 +62,8 @@ def user_errors() -> Iterator[None]:
         remove_empty_roots()
         if message.startswith(DOWN):  # the flow runs it ran could not be closed: `stack up` closes them
             leave_in_flight(stack_home())
+        if message.startswith(DOWN) or message == prefect_down(e):
+            drop_unsent_to_prefect()
         fail(message)
     except KeyboardInterrupt:
         console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
@@ -68,10 +71,42 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(128 + (interrupted_by[0] if interrupted_by else signal.SIGINT)) from None
 
 
+def drop_unsent_to_prefect() -> None:
+    """Once the Prefect server (or its database) is down for longer than its client's retries, the
+    log lines and events of this command's runs that did not reach it are dropped, and later ones
+    are not sent: else the process, its `error:` line printed, would wait at exit for Prefect's
+    client to send them, retrying each batch for as long as before that line (about 4 minutes with
+    PREFECT_CLIENT_MAX_RETRIES 7), the prompt held all that time. Those the terminal showed stay
+    there (or wherever stderr goes); Prefect's own lines about the failure, kept off the terminal
+    (`_QuietAfterUserError`), are lost. The runs' states in Prefect stay as they were (`stack up`
+    marks the flow runs left in flight Crashed); MLflow's records are not affected.
+
+    Prefect 3.8 has no public way to abandon its queue services (`APILogWorker`, `EventsWorker`,
+    `prefect._internal.concurrency.services`): each one is drained at interpreter exit
+    (`threading._register_atexit` -> `drain(at_exit=True)`) with no timeout. So their tasks are
+    cancelled on Prefect's loop thread here (private attributes `_task`, `_loop` of Prefect
+    3.8.8's `_QueueServiceBase`), and that drain finds them done; the API log handlers are taken
+    off first, lest a later line start a new log worker that exit would drain again."""
+    from prefect._internal.concurrency import services
+    from prefect.logging.handlers import APILogHandler
+
+    _quiet.failed = True  # the cancelled services say so on Prefect's debug handler: not the user's concern
+    for logger in [logging.root, *logging.root.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", ())):
+            if isinstance(handler, APILogHandler):
+                logger.removeHandler(handler)
+    for service in list(services._active_services):
+        task, loop = getattr(service, "_task", None), getattr(service, "_loop", None)
+        if task is not None and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nothing left to wait for
+                loop.call_soon_threadsafe(task.cancel)
+
+
 class _QuietAfterUserError(logging.Filter):
     """On the terminal, a user's mistake is the one `error:` line: Prefect's own lines about the
     failure (the failed task and flow, their hooks, the temporary server stopping) are dropped
-    from the console from the first of them on. Prefect's run record keeps them all.
+    from the console from the first of them on. Prefect's run record keeps them all, unless its
+    server is down (`drop_unsent_to_prefect`).
 
     Where progress bars are shown (`terse`: a terminal, or MLLM_PROGRESS), the bars and the outcome
     are what the terminal shows:
