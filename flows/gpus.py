@@ -84,6 +84,7 @@ def own_devices(n: int, device: str, logger: logging.Logger | None = None) -> It
     try:
         yield [d for d, _ in held]
     finally:
+        logger.info("GPU %s of this worker free again", os.environ["CUDA_VISIBLE_DEVICES"])
         if before is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
