@@ -199,15 +199,20 @@ def _socket(url: str, ca: str, user: tuple[str, str] | None) -> str:
     from websockets.sync.client import connect
 
     headers = {"Authorization": stack_auth.basic(*user)} if user else {}
-    try:
-        with connect(url, ssl=ssl.create_default_context(cafile=ca), additional_headers=headers,
-                     subprotocols=["prefect"], open_timeout=30) as ws:
-            ws.send(json.dumps({"type": "auth", "token": f"{user[0]}:{user[1]}" if user else None}))
-            return "101 open" if json.loads(ws.recv(timeout=30))["type"] == "auth_success" else "101 refused"
-    except InvalidStatus as e:
-        return str(e.response.status_code)
-    except TimeoutError:  # the table below then names the route and the caller that got no answer
-        return "no answer in 30 s"
+    # Once in about five runs of this module (2026-11-27, 2-core AMD EPYC), one handshake through
+    # Caddy got no answer in 30 s; the cause is not found yet. A second try is made and the miss
+    # printed; two misses in a row read "no answer in 30 s" in the table, naming route and caller.
+    for _ in range(2):
+        try:
+            with connect(url, ssl=ssl.create_default_context(cafile=ca), additional_headers=headers,
+                         subprotocols=["prefect"], open_timeout=30) as ws:
+                ws.send(json.dumps({"type": "auth", "token": f"{user[0]}:{user[1]}" if user else None}))
+                return "101 open" if json.loads(ws.recv(timeout=30))["type"] == "auth_success" else "101 refused"
+        except InvalidStatus as e:
+            return str(e.response.status_code)
+        except TimeoutError:
+            print(f"no answer in 30 s: {url} as {user[0] if user else 'nobody'}")
+    return "no answer in 30 s"
 
 
 def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewer(secured: Secured) -> None:
