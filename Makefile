@@ -42,10 +42,10 @@ run: $(VENV)/.installed
 # fixtures and run in order on one worker (--dist loadfile). The whole suite is the gate (CI runs
 # it); test-fast leaves out the modules marked integration (real flows, CLI commands, servers).
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadfile
 
 test-fast: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q --durations=10 -n 2 --dist loadfile --no-loadscope-reorder -m "not integration"
+	$(BIN)/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not integration"
 
 # A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
 # and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.

@@ -51,7 +51,7 @@ from flows.search_study import (Heartbeats, check_options, check_study, make_pru
                                 one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
                                 study_store)
 from flows.search_space import Dim, check_space, parse_space, space_text, study_name
-from flows.sweep import PARENT_TAG, ParentRun, passing, supersede
+from flows.sweep import PARENT_TAG, ParentRun, passing, retry_delay_s, supersede
 from flows.training import run_training, train
 from mllm import UserError, storage
 from mllm.config import RunConfig
@@ -176,7 +176,7 @@ def once_more_if_passing(attempt: Callable[[], dict[str, Any]], root: str, tags:
 
             get_run_logger().warning("%s: the trial runs once more once the servers answer",
                                      scrub(str(e).splitlines()[0]))
-    time.sleep(float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10")))
+    time.sleep(retry_delay_s())
     outage.wait_for_servers()  # bounded: a server still away fails the trial, as it would
     found = attempt()
     supersede(root, tags, found["mlflow_run_id"], same=TRIAL_TAG, mark="search.superseded_by")

@@ -172,6 +172,12 @@ def passing(exc: BaseException | None) -> bool:
                                           for e in failures.exception_chain(exc))
 
 
+def retry_delay_s() -> float:
+    """Seconds before a point (or a search trial) that failed of a passing failure runs once more:
+    MLLM_SWEEP_RETRY_DELAY_S, 10 by default."""
+    return float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10"))
+
+
 def passing_failure(task: object, task_run: object, state: object) -> bool:
     """Prefect's retry condition of a point (`passing`)."""
     return passing(getattr(state, "data", None))
@@ -213,8 +219,9 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
 def supersede(root: str, tags: dict[str, str], run_id: str, same: str = POINT_TAG,
               mark: str = "sweep.superseded_by") -> None:
     """The MLflow runs of a point's failed attempt (those with its `same` tag: a search trial's
-    too), once its retry finished as `run_id`: tagged `mark` (`sweep.superseded_by`), and moved to MLflow's trash unless they finished (the parent then
-    nests one run for the point, and no FAILED run stands for a point that finished). The steps
+    too), once its retry finished as `run_id`: tagged `mark` (`sweep.superseded_by`), and moved to
+    MLflow's trash unless they finished (the parent then nests one run for the point, and no
+    FAILED run stands for a point that finished). The steps
     they logged that `run_id` does not hold are copied into it first: a retry resumes or reuses
     their training, so the run that stands for the point has the whole curve."""
     client = tracking_client(root)
@@ -306,7 +313,7 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
     futures: list[PrefectFuture] = []
     last_of_key: dict[str, PrefectFuture] = {}
     ended = PointsEnded(len(points))
-    retry_delay = float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10"))  # before a point runs once more
+    retry_delay = retry_delay_s()
     for point, key in zip(points, keys):
         running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
         if parallel and len(running) >= parallel:  # the next point starts when one ends

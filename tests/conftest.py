@@ -47,8 +47,8 @@ pytest_plugins = ("servers",)
 
 # The modules that take longest, longest first (their times summed from `make test`'s junit report):
 # sent to the workers first, so that none is left with one of them at the end while the others
-# idle. `make test` passes --no-loadscope-reorder: without it xdist sends the modules with the most
-# tests first, and these, which have few, went last.
+# idle. xdist's own reordering is turned off below (--no-loadscope-reorder, for any invocation):
+# with it, xdist sends the modules with the most tests first, and these, which have few, went last.
 HEAVY_FIRST = ("test_stack.py", "test_stack_postgres.py", "test_faults_training.py", "test_docker.py", "test_search.py",
                "test_faults.py", "test_stack_auth.py", "test_transient.py", "test_stack_netns.py",
                "test_object_storage.py", "test_cli.py", "test_corpora.py", "test_pipeline.py",
@@ -62,6 +62,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # xdist's scheduler keeps HEAVY_FIRST's order
+        config.option.loadscopereorder = False
     # An xdist worker leads a process group of its own, ended when the worker ends however it
     # ends (tests/reaper.py): no command, temporary Prefect server or training a test started
     # outlives a run that was stopped. Servers that lead groups of their own are reaped alike

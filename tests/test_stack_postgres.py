@@ -134,8 +134,7 @@ def _until_exit(proc, timeout: float) -> tuple[str, str, float | None]:
                     sel.unregister(key.fd)
                     continue
                 chunks[key.fd].append(data)
-                if said is None and key.fd == proc.stderr.fileno() and (
-                        b"\nerror: " in b"".join(chunks[key.fd]) or b"".join(chunks[key.fd]).startswith(b"error: ")):
+                if said is None and key.fd == proc.stderr.fileno() and b"\nerror: " in b"\n" + b"".join(chunks[key.fd]):
                     said = time.monotonic()
     proc.wait(max(deadline - time.monotonic(), 1.0))
     ended = time.monotonic()

@@ -317,12 +317,7 @@ def keep_unsent(root: str, run_id: str, records: list[dict]) -> str:
     return url
 
 
-def _nobody_deleted(run_id: str) -> bool:
-    return False
-
-
-def send_unsent(root: str, send: Callable[[str, list[dict]], None],
-                deleted: Callable[[str], bool] = _nobody_deleted) -> None:
+def send_unsent(root: str, send: Callable[[str, list[dict]], None], deleted: Callable[[str], bool]) -> None:
     """Send the metric records kept for this server's runs (`keep_unsent`), each file once. Those
     of a run that was `deleted` since (the MLflow UI, `mlflow runs delete`, `mlflow gc`) are
     dropped: the server refuses metrics for a deleted run, and the file would fail every later
@@ -366,14 +361,13 @@ def forget_run(root: str, run_id: str) -> None:
             storage.remove(storage.join(folder, os.path.basename(name)))
 
 
-def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None] | None = None,
-                      deleted: Callable[[str], bool] = _nobody_deleted) -> None:
+def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None],
+                      deleted: Callable[[str], bool]) -> None:
     """Send the metrics an away server could not take (`send(run_id, records)`), then close the
     runs it left open, with the status and error they ended with; what is kept for a run that was
     `deleted` since is dropped (`send_unsent`)."""
-    if send is not None:
-        with contextlib.suppress(Exception):  # kept for the next run: this one goes on
-            send_unsent(root, send, deleted)
+    with contextlib.suppress(Exception):  # kept for the next run: this one goes on
+        send_unsent(root, send, deleted)
     folder = _unfinished(root)
     with contextlib.suppress(Exception):
         if not storage.exists(folder):
