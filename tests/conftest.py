@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import prewarmed
@@ -171,6 +172,16 @@ def empty_mlflow_store(tmp_path_factory) -> bytes:
     path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
     MlflowClient(f"sqlite:///{path}").search_experiments()
     return path.read_bytes()
+
+
+@pytest.fixture(autouse=True)
+def _terminal_filter_reset() -> Iterator[None]:
+    """A command run in this process (not forked) may leave the terminal's filter of Prefect's
+    lines set ("a user error was said: quiet from now on"); a process per command never reuses it."""
+    yield
+    if "flows.cli.terminal" in sys.modules:
+        quiet = sys.modules["flows.cli.terminal"]._quiet
+        quiet.failed = quiet.terse = quiet.silent = False
 
 
 @pytest.fixture(autouse=True)

@@ -133,7 +133,8 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
 
     with get_client(sync_client=True) as prefect:
         artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["sweep-smoke"])))
-    assert artifacts and artifacts[0].data == md
+    # The key is the recipe's, so the session's server may hold another test's sweep of smoke beside it.
+    assert md in [a.data for a in artifacts]
 
 
 def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus: Path, tmp_path: Path) -> None:

@@ -145,11 +145,15 @@ class _QuietAfterUserError(logging.Filter):
 
 
 def _console_handlers() -> set[logging.Handler]:
-    """The handlers through which Prefect's lines reach the terminal (not its run record)."""
+    """The handlers through which Prefect's lines reach the terminal: those of Prefect's logging
+    configuration (its console and its debug stream), not its run record (`APILogHandler`), nor a
+    handler someone else put on the root logger (a test runner's capture would keep the filter, and
+    its state, for a whole session)."""
     from prefect.logging.handlers import APILogHandler
 
     names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
-    return {h for n in names for h in logging.getLogger(n).handlers if not isinstance(h, APILogHandler)}
+    return {h for n in names for h in logging.getLogger(n).handlers
+            if type(h).__module__.startswith("prefect.") and not isinstance(h, APILogHandler)}
 
 
 class _AboveTheBars:
