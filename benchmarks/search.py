@@ -1,6 +1,7 @@
-"""A search (TPE sampler, median pruner) against a grid of 16 points, on War and Peace.
+"""Searches (TPE sampler; the median and the halving pruner) against a grid of 16 points, on War and Peace.
 
     python -m benchmarks.search [--quick] [--threads 2] [--steps 1000] [--trials 12] [--startup-trials 3]
+                                [--pruners median,halving]
 
 Both run through the command line a user types, each in a storage root of its own (so neither
 reuses the other's trainings; each prepares the data once, which its wall time includes), on the
@@ -8,12 +9,12 @@ reuses the other's trainings; each prepares the data once, which its wall time i
 busy machine cannot make the two differ:
 
 - the grid: `mllm-pipeline sweep --grid train.lr=... --grid train.beta2=...`, 4 learning rates
-  spaced evenly in the logarithm from 5e-4 to 8e-3 times 4 values of AdamW's beta2 from 0.9 to
+  spaced evenly in the logarithm from 2e-3 to 3.2e-2 times 4 values of AdamW's beta2 from 0.9 to
   0.999: 16 points, every one trained to --steps;
-- the search: `mllm-pipeline search --space train.lr=log:5e-4..8e-3 --space
-  train.beta2=0.9..0.999 --trials N --sampler tpe --pruner median`, the same box as ranges,
-  evaluations every tenth of --steps, the median pruner active once --startup-trials trials
-  finished.
+- a search per pruner: `mllm-pipeline search --space train.lr=log:2e-3..3.2e-2 --space
+  train.beta2=0.9..0.999 --trials N --sampler tpe --pruner P --startup-trials S`, the same box as
+  ranges, evaluations every tenth of --steps; TPE draws its first S trials at random, and the
+  median pruner waits for S finished trials (the halving pruner needs none).
 
 Reported for each: the best final validation loss (nats per character: the recipe's char
 tokenizer), the training steps spent (the grid's points x --steps; the search's summed from its
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.common import REPO, corpus, header, load, parse_args, save, table
 
-LR, BETA2 = (5e-4, 8e-3), (0.9, 0.999)
+LR, BETA2 = (2e-3, 3.2e-2), (0.9, 0.999)
 
 
 def _cli(args: list[str], cwd: Path, threads: int) -> tuple[str, float]:
@@ -55,7 +56,9 @@ def main() -> int:
     args = parse_args(__doc__.splitlines()[0], lambda p: (
         p.add_argument("--steps", type=int, default=None, help="training steps of each point and trial [1000; quick 150]"),
         p.add_argument("--trials", type=int, default=None, help="the search's trials [12; quick 4]"),
-        p.add_argument("--startup-trials", type=int, default=3, help="trials the median pruner waits for [3]")))
+        p.add_argument("--startup-trials", type=int, default=3, help="TPE's random trials; the median pruner waits for "
+                                                                       "as many [3]"),
+        p.add_argument("--pruners", default="median,halving", help="a search per pruner [median,halving]")))
     wp = corpus("warandpeace")
     m = header("search", args.quick)
     recipe, per_axis = ("smoke", 2) if args.quick else ("default", 4)
@@ -73,7 +76,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-search-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "grid").mkdir()
-        (tmp / "search").mkdir()
         load_before = load()
         _, grid_s = _cli(["sweep", "--recipe", recipe, "--source", str(wp), "--storage", str(tmp / "grid" / "storage"),
                           "--grid", "train.lr=" + ",".join(lrs), "--grid", "train.beta2=" + ",".join(betas), *sets],
@@ -84,31 +86,34 @@ def main() -> int:
         rows.append({"how": f"grid, {len(grid_rows)} points", "best": best["val_loss"], "best_lr": best["train.lr"],
                      "best_beta2": best["train.beta2"], "steps": len(done) * steps, "wall_s": grid_s,
                      "load": f"{load_before:.1f}-{load():.1f}"})
-        load_before = load()
-        _, search_s = _cli(["search", "--recipe", recipe, "--source", str(wp), "--storage",
-                              str(tmp / "search" / "storage"), *[a for sp in space for a in ("--space", sp)],
-                              "--trials", str(trials_n), "--sampler", "tpe", "--pruner", "median",
-                              "--startup-trials", str(args.startup_trials), "--study", "bench", *sets],
-                             tmp / "search", threads)
-        trials = json.loads((tmp / "search" / "storage" / "searches" / "bench" / "search.json").read_text())
-        finished = [t for t in trials if t["state"] == "complete"]
-        best = min(finished, key=lambda t: t["val_loss"])
-        rows.append({"how": f"TPE + median pruner, {trials_n} trials", "best": best["val_loss"],
-                     "best_lr": best["train.lr"], "best_beta2": best["train.beta2"],
-                     "steps": sum(t["step"] or 0 for t in trials), "wall_s": search_s,
-                     "load": f"{load_before:.1f}-{load():.1f}",
-                     "pruned": sum(t["state"] == "pruned" for t in trials)})
+        for pruner in args.pruners.split(","):
+            folder = tmp / f"search-{pruner}"
+            folder.mkdir()
+            load_before = load()
+            _, search_s = _cli(["search", "--recipe", recipe, "--source", str(wp), "--storage", str(folder / "storage"),
+                                *[a for sp in space for a in ("--space", sp)], "--trials", str(trials_n),
+                                "--sampler", "tpe", "--pruner", pruner, "--startup-trials", str(args.startup_trials),
+                                "--study", "bench", *sets], folder, threads)
+            trials = json.loads((folder / "storage" / "searches" / "bench" / "search.json").read_text())
+            finished = [t for t in trials if t["state"] == "complete"]
+            best = min(finished, key=lambda t: t["val_loss"])
+            rows.append({"how": f"TPE + {pruner} pruner, {trials_n} trials", "best": best["val_loss"],
+                         "best_lr": best["train.lr"], "best_beta2": best["train.beta2"],
+                         "steps": sum(t["step"] or 0 for t in trials), "wall_s": search_s,
+                         "load": f"{load_before:.1f}-{load():.1f}",
+                         "pruned": sum(t["state"] == "pruned" for t in trials)})
     for r in rows:
         r["best_lr"], r["best_beta2"] = f"{float(r['best_lr']):.3g}", f"{float(r['best_beta2']):.4g}"
         r["bpc"] = r["best"] / math.log(2)
     print(table(rows, [("how", "run"), ("best", "best val loss"), ("bpc", "bits/char"), ("best_lr", "its lr"), ("best_beta2", "its beta2"),
                        ("steps", "training steps"), ("pruned", "pruned"), ("wall_s", "wall s"), ("load", "load avg")]))
-    grid, search = rows
-    print(f"\nthe search's best is {search['best'] - grid['best']:+.4f} from the grid's, in "
-          f"{search['steps'] / grid['steps']:.0%} of its training steps")
+    grid = rows[0]
+    for search in rows[1:]:
+        print(f"\n{search['how']}: its best is {search['best'] - grid['best']:+.4f} from the grid's, in "
+              f"{search['steps'] / grid['steps']:.0%} of its training steps")
     save("search" + ("-quick" if args.quick else ""), {"machine": m, "recipe": recipe, "steps": steps, "threads": threads,
                     "space": space, "grid_lrs": lrs, "grid_beta2s": betas, "trials": trials_n,
-                    "startup_trials": args.startup_trials, "rows": rows})
+                    "startup_trials": args.startup_trials, "pruners": args.pruners, "rows": rows})
     return 0
 
 

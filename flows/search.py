@@ -361,7 +361,8 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
         overrides: Config fields fixed for every trial, as section.field=value.
         train_on: A work pool whose workers train the trials [this process, one at a time].
         parallel: At most this many trials at once on the pool [as many as its slots take].
-        startup_trials: The median pruner prunes nothing before this many trials finished.
+        startup_trials: TPE's random trials before it models the results; the median pruner prunes
+            nothing before this many trials finished.
         model: The registered model the trials' models join [the recipe's name].
     """
     if model:
@@ -393,7 +394,8 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
             # search beside it, must not draw the same values again.
             st.sampler = make_sampler(sampler, int(storage.digest([name, len(st.trials),
                                                                    *([os.getpid(), socket.gethostname()]
-                                                                     if store.shared else [])])[:8], 16))
+                                                                     if store.shared else [])])[:8], 16),
+                                      startup_trials)
             st.pruner = make_pruner(pruner, base, startup_trials)
             options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name,
                        "study_file": store.shown}

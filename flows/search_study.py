@@ -204,9 +204,13 @@ def resumed_number(t: Any) -> int | None:
     return history[-1] if history else t.user_attrs.get("resumes")
 
 
-def make_sampler(name: str, seed: int) -> Any:
+def make_sampler(name: str, seed: int, startup: int) -> Any:
+    """TPE draws its first `startup` trials at random, then models them (Optuna's default of 10
+    would leave a 12-trial study almost all random)."""
     samplers = optuna_module().samplers
-    return samplers.RandomSampler(seed=seed) if name == "random" else samplers.TPESampler(seed=seed)
+    if name == "random":
+        return samplers.RandomSampler(seed=seed)
+    return samplers.TPESampler(seed=seed, n_startup_trials=startup)
 
 
 def make_pruner(name: str, cfg: RunConfig, startup: int) -> Any:

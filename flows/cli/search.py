@@ -32,7 +32,8 @@ def search(recipe: Recipe = "default",
                     "earlier trials at the same step, once --startup-trials finished), halving (successive "
                     "halving), hyperband, or none.")] = "median",
            startup_trials: Annotated[int, typer.Option(
-               metavar="N", help="The median pruner prunes nothing until this many trials finished.")] = 5,
+               metavar="N", help="Trials TPE draws at random before it models the results, and that the median "
+                             "pruner waits for before it prunes.")] = 5,
            study: Annotated[Optional[str], typer.Option(
                metavar="NAME", help="The study's name (default: from the recipe, the space, --set and the data, "
                                     "so the same command continues the same study).")] = None,
