@@ -37,6 +37,10 @@ LSTM_BASE = {"model.arch": "lstm", "model.n_embd": 32, "model.dropout": 0.0, "tr
 CANDIDATES = {
     # What `make run` trains now (mllm/recipes/default.yaml), with its own length set to the budget.
     "the default recipe": {"recipe": "default"},
+    # The default with the pieces that won at 600 matched steps (docs/benchmarks.md, "Modern
+    # pieces"): Muon for the hidden matrices, rotary positions, ReLU² (issue 47).
+    "the default + muon, rotary, relu2": {"recipe": "default", "train.optimizer": "muon",
+                                          "model.positions": "rotary", "model.mlp": "relu2"},
     # The recipe `make run` trained before this benchmark existed.
     "lstm 2x256, batch 64x64, lr 3e-3": {**LSTM_BASE, "model.n_layer": 2, "model.hidden_size": 256,
                                          "train.batch_size": 64, "train.window": 64, "train.lr": 3e-3,
