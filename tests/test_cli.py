@@ -119,6 +119,28 @@ def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_so
         assert len(fences) % 2 == 0, page
 
 
+def test_the_terminals_quiet_after_a_mistake_leaves_other_logging_handlers_alone(caplog) -> None:
+    """After a user's mistake the terminal drops Prefect's lines from its console, and only there:
+    a handler someone else put on the root logger (here pytest's, which lives for the session)
+    still gets every line. It used to get the filter too, and a test after any in-process mistake
+    saw no log line at all."""
+    import logging
+
+    from flows.cli import terminal
+    from mllm import UserError
+
+    terminal.flows_module()  # imports Prefect, whose logging set-up replaces the root's handlers
+    if caplog.handler not in logging.root.handlers:  # where pytest puts it in every later test
+        logging.root.addHandler(caplog.handler)
+    terminal.flows_module()  # what a command run in this process does: the filter goes on
+    log = logging.getLogger("prefect.mllm-test")  # to the terminal through the root's handlers, as Prefect's lines go
+    with caplog.at_level(logging.INFO, logger=log.name):
+        log.error("Finished in state Failed('UserError: bad input')", exc_info=(UserError, UserError("bad"), None))
+        log.info("a line after the mistake")
+    assert terminal._quiet.failed  # the console is quiet from now on
+    assert "a line after the mistake" in caplog.text
+
+
 def test_recipes_lists_the_shipped_recipes() -> None:
     out = cli("recipes")
     assert out.returncode == 0
