@@ -5,8 +5,10 @@
 Every candidate (GPT and LSTM variants, trained by `python -m mllm.train --config` with a paths
 section) and nanoGPT's CPU configuration (anchors README, trained by nanoGPT's own train.py) get
 the same training time, one after the other, on the same ids: War and Peace with the reference
-char normalisation, 90/10. A cosine schedule must know its length, so each contender is first
-timed for a few steps and its step count set to fill the budget; the budget is also a hard stop.
+char normalisation, 90/10. A cosine schedule must know its end: each mllm contender is given the
+budget as `train.max_minutes` alone, so its schedule follows the clock and ends with the budget
+(docs/speed.md); nanoGPT is first timed for a few iterations and its count set to fill the
+budget, which is also its hard stop.
 Then every model is scored on the whole validation split by `mllm.lm.evaluate.evaluate` (nanoGPT's
 checkpoint through a thin adapter), so the figures compare like with like: validation loss and
 bits per character (the normalised text is ASCII, so a character is a byte of it), and a sample.
@@ -41,6 +43,22 @@ CANDIDATES = {
     # pieces"): Muon for the hidden matrices, rotary positions, ReLU² (issue 47).
     "the default + muon, rotary, relu2": {"recipe": "default", "train.optimizer": "muon",
                                           "model.positions": "rotary", "model.mlp": "relu2"},
+    # The same with its two rates doubled, tuned at 600 steps (a short budget may want them higher).
+    "the default + muon, rotary, relu2, rates x2": {"recipe": "default", "train.optimizer": "muon",
+                                                    "model.positions": "rotary", "model.mlp": "relu2",
+                                                    "train.muon_lr": 0.04, "train.lr": 4e-3, "train.min_lr": 4e-4},
+    # The same with Muon's rate halved instead.
+    "the default + muon, rotary, relu2, muon lr 0.01": {"recipe": "default", "train.optimizer": "muon",
+                                                        "model.positions": "rotary", "model.mlp": "relu2",
+                                                        "train.muon_lr": 0.01},
+    # The same, 192 wide: a model that learns more per step may want to be larger.
+    "the default + muon, rotary, relu2, 192 wide": {"recipe": "default", "train.optimizer": "muon",
+                                                    "model.positions": "rotary", "model.mlp": "relu2",
+                                                    "model.n_embd": 192},
+    # The same with half the batch: twice the steps in a short budget.
+    "the default + muon, rotary, relu2, batch 16": {"recipe": "default", "train.optimizer": "muon",
+                                                    "model.positions": "rotary", "model.mlp": "relu2",
+                                                    "train.batch_size": 16},
     # The recipe `make run` trained before this benchmark existed.
     "lstm 2x256, batch 64x64, lr 3e-3": {**LSTM_BASE, "model.n_layer": 2, "model.hidden_size": 256,
                                          "train.batch_size": 64, "train.window": 64, "train.lr": 3e-3,
@@ -82,42 +100,29 @@ def _mllm_run(paths: dict, folder: Path, name: str, overrides: dict, threads: in
 
 
 def _tokens_per_step(overrides: dict) -> int:
+    train = {}
     if "recipe" in overrides:
         from mllm.resolve import resolve
 
-        train = resolve(overrides["recipe"]).train
-        return train.batch_size * train.window
-    return overrides["train.batch_size"] * overrides["train.window"]
-
-
-def _step_s(stdout: str, tokens_per_step: int) -> float:
-    rates = [float(r.replace(",", "")) for r in re.findall(r", ([\d,]+) tok/s", stdout)]
-    return tokens_per_step / median(rates[len(rates) // 3:])  # past the warm-up
+        train = resolve(overrides["recipe"]).train.model_dump()
+    return (overrides.get("train.batch_size", train.get("batch_size"))
+            * overrides.get("train.window", train.get("window")))
 
 
 def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: float, threads: int) -> dict:
-    # A training of the budget's length compiles (train.compile: auto, mllm.speed) unless told
-    # not to: the probe times compiled steps then, and the compilation comes off the budget.
-    compiles = overrides.get("train.compile", "auto") is not False
-    tokens = _tokens_per_step(overrides)
-    probe, _ = _mllm_run(paths, folder / "probe", name, {
-        **overrides, "train.max_steps": 40 if compiles else 30, "train.log_interval": 1,
-        "train.eval_interval": 10**6, "train.eval_batches": 1, "train.compile": compiles}, threads)
-    step_s = _step_s(probe, tokens)
-    first = re.search(r"^step 1: .*?, ([\d,]+) tok/s", probe, re.M)
-    compile_s = max(0.0, tokens / float(first.group(1).replace(",", "")) - step_s) if compiles and first else 0.0
-    steps = max(10, int(0.97 * (60 * minutes - compile_s) / step_s))
+    """A contender trained for `minutes` as a time budget: its schedule follows the clock and ends
+    with the budget (docs/speed.md), evaluations included."""
     t0 = time.perf_counter()
     stdout, ckpt = _mllm_run(paths, folder, name, {
-        **overrides, "train.max_steps": steps, "train.max_minutes": minutes, "train.log_interval": 50,
-        "train.eval_interval": max(1, steps // 4), "train.eval_batches": 20,
-        "train.checkpoint_interval": 10**6}, threads)
+        **overrides, "train.max_steps": None, "train.epochs": None, "train.max_minutes": minutes,
+        "train.log_interval": 50, "train.eval_interval": 1000, "train.eval_batches": 20,
+        "train.checkpoint_interval": 10**6, "train.checkpoint_minutes": None}, threads)
     done = re.search(r"^done: (\d+) steps \((\w+).*?, ([\d.]+)s; checkpoint", stdout, re.M)
     from mllm.runtime.checkpoint import load_checkpoint
 
     return {"model": load_checkpoint(str(ckpt / "last.pt")).model, "steps": int(done.group(1)),
-            "planned_steps": steps, "stop": done.group(2), "train_s": float(done.group(3)),
-            "wall_s": time.perf_counter() - t0, "tokens_per_step": tokens}
+            "stop": done.group(2), "train_s": float(done.group(3)), "wall_s": time.perf_counter() - t0,
+            "tokens_per_step": _tokens_per_step(overrides)}
 
 
 class _NanoAdapter(torch.nn.Module):

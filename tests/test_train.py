@@ -229,6 +229,20 @@ def test_time_budget_stops_training(data_dir, tmp_path):
     assert load_checkpoint(result.checkpoint).step == result.steps
 
 
+def test_minutes_alone_set_a_cosine_schedule_that_runs_out_with_them(data_dir, tmp_path):
+    records, progress = [], []
+    cfg = make_config(data_dir, tmp_path, max_steps=None, max_minutes=0.05, lr_schedule="cosine", min_lr=3e-5,
+                      log_interval=1, eval_interval=10**6, checkpoint_interval=10**6, compile=False)
+    result = train(cfg, on_metrics=records.extend, on_progress=progress.append)
+    assert result.stop_reason == "max_minutes" and 3.0 <= result.elapsed_s < 4.0
+    # The rate follows the clock down from its peak to min_lr at the budget's end (not held at the
+    # peak, as a schedule with no end would be).
+    lrs = [r["lr"] for r in records if "lr" in r]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] > 0.95 * 3e-3 and lrs[-1] < 3e-5 + 0.05 * (3e-3 - 3e-5)
+    # The progress bar's end is the steps the budget will take at the pace so far.
+    assert progress[-1]["total_steps"] == pytest.approx(result.steps, rel=0.1)
+
+
 def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path):
     def saved_steps(minutes):
         seen = []

@@ -88,18 +88,24 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
     return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
 
 
-def lr_factor(t: TrainConfig, total_steps: int | None) -> Callable[[int], float]:
-    """The multiplier of train.lr at each step: linear warmup, then constant or cosine to min_lr."""
-    if t.lr_schedule != "constant" and total_steps is None:
-        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps or epochs to know where to end: set one, "
-                        "or use constant")
+def lr_factor(t: TrainConfig, total_steps: int | None,
+              spent: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """The multiplier of train.lr at each step: linear warmup, then constant or cosine (or linear)
+    to min_lr over the steps to total_steps, or, given `spent` (a time budget: the share of
+    train.max_minutes gone, 0 to 1), over the budget's minutes."""
+    if t.lr_schedule != "constant" and total_steps is None and spent is None:
+        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps, epochs or max_minutes to know where to end: "
+                        "set one, or use constant")
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:
             return (step + 1) / (t.warmup_steps + 1)
         if t.lr_schedule == "constant":
             return 1.0
-        ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+        if spent is not None:
+            ratio = spent()
+        else:
+            ratio = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
         coeff = 1.0 - ratio if t.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * ratio))
         return (t.min_lr + coeff * (t.lr - t.min_lr)) / t.lr
 
