@@ -119,19 +119,27 @@ def stack_up(home: StackHome = None, storage: Storage = None,
             console.print(f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False,
                           soft_wrap=True)
         if state.get("crashed"):
-            names = ", ".join(state["crashed"][:5]) + (f" and {len(state['crashed']) - 5} more" if len(state["crashed"]) > 5 else "")
+            names = _some(state["crashed"])
             console.print(f"marked Crashed, freeing their slots of pool {state['pool']!r}: {len(state['crashed'])} flow "
                           f"run(s) whose process is gone ({names}); run their commands again to resume them",
                           highlight=False, soft_wrap=True)
         if state.get("closed"):
-            names = ", ".join(state["closed"][:5]) + (f" and {len(state['closed']) - 5} more" if len(state["closed"]) > 5 else "")
+            names = _some(state["closed"])
             console.print(f"marked Crashed: {len(state['closed'])} flow run(s) left in flight by commands that ended as "
                           f"the database was down ({names}); run their commands again to resume them",
                           highlight=False, soft_wrap=True)
+        if state.get("cancelled"):
+            names = _some(state["cancelled"])
+            console.print(f"cancelled: {len(state['cancelled'])} training(s) those commands had queued on pool "
+                          f"{state['pool']!r} ({names}); no worker had taken them", highlight=False, soft_wrap=True)
         note = database.recorded(folder).get("note")
         if note:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
         _print_stack(state, folder)
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 @stack_app.command("down")

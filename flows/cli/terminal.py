@@ -128,6 +128,7 @@ class _QuietAfterUserError(logging.Filter):
         names = {c.__name__ for c in _subclasses(UserError)}
         message = record.getMessage()
         if " - Retry " in message:
+            _plain_retry(record)
             return True  # a passing failure that a retry may mend: the user wants to see it
         if message.startswith(("Running hook '", "Hook '")) and exc is None:
             return False  # our own clean-up hooks (forget_exception): nothing for the user to do
@@ -142,6 +143,16 @@ class _QuietAfterUserError(logging.Filter):
         if self.terse and record.levelno < logging.WARNING:
             return bool(getattr(record, "notice", False))
         return True
+
+
+def _plain_retry(record: logging.LogRecord) -> None:
+    """Prefect's line of a task's retry names the failure by its repr: for the servers' database
+    down, a driver's error with its SQL and a link (`RestException('BAD_REQUEST: (psycopg...`),
+    which the line's own words then replace."""
+    args = record.args
+    if (isinstance(args, tuple) and len(args) == 5 and isinstance(args[1], BaseException)
+            and "%r" in str(record.msg) and down_line(args[1])):
+        record.msg, record.args = str(record.msg).replace("%r", "%s"), (args[0], DOWN, *args[2:])
 
 
 def _console_handlers() -> set[logging.Handler]:

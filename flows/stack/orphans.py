@@ -12,7 +12,7 @@ A command's own flow runs (a `run`'s pipeline, a sweep and its points' pipelines
 process, on no pool and with no process id recorded. A command that ends because the stack's
 database is down cannot write their final states either: it leaves their ids in the stack's home
 (`flow-runs-in-flight.json`), and `stack up`, once the database is back, marks those still in
-flight Crashed.
+flight Crashed, and cancels the trainings they handed to the pool that no worker has taken yet.
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def crash_orphans(api: str, pool: str) -> list[str]:
 IN_FLIGHT = "flow-runs-in-flight.json"
 CRASHED_BY_OUTAGE = ("its command ended as the stack's database was down; marked by `mllm-pipeline stack up`: run "
                      "the same command again (finished stages and trainings are reused)")
+CANCELLED_BY_OUTAGE = ("the command that handed this training to the pool ended as the stack's database was down; "
+                       "cancelled by `mllm-pipeline stack up` before a worker took it")
 _here: set[str] = set()
 _lock = threading.Lock()
 
@@ -109,19 +111,26 @@ def leave_in_flight(home: Path) -> None:
         path.write_text(json.dumps(sorted(kept | _here)) + "\n")
 
 
-def crash_left_in_flight(api: str, home: Path) -> list[str]:
+def crash_left_in_flight(api: str, home: Path) -> tuple[list[str], list[str]]:
     """The flow runs that commands left in `home` when the database was down, marked Crashed where
-    still in flight; their names. The note is gone once read."""
+    still in flight, and the trainings they had handed to a pool that still wait in its queue,
+    cancelled (no one follows them: run, they would take a slot from the commands run again);
+    the names of each. A training a worker already runs is left to finish: the command run again
+    finds it in storage. The note is gone once read."""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect.states import Crashed
+    from prefect.states import Cancelled, Crashed
 
     path = home / IN_FLIGHT
     try:
         ids = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
+        return [], []
     marked: list[str] = []
+    cancelled: list[str] = []
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         for run_id in ids:
             try:
@@ -131,5 +140,13 @@ def crash_left_in_flight(api: str, home: Path) -> list[str]:
             if run.state is not None and not run.state.is_final():
                 client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_OUTAGE), force=True)
                 marked.append(run.name)
+        if ids:
+            queued = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=ids),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+            for run in queued:
+                if run.work_pool_name:
+                    client.set_flow_run_state(run.id, Cancelled(message=CANCELLED_BY_OUTAGE), force=True)
+                    cancelled.append(run.name)
     path.unlink(missing_ok=True)
-    return marked
+    return marked, cancelled

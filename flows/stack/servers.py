@@ -85,7 +85,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         now = load(home)
         return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted],
                 "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
-                "closed": _crash_left(state["env"]["PREFECT_API_URL"], home)}
+                **_crash_left(state["env"]["PREFECT_API_URL"], home)}
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
@@ -137,7 +137,7 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         state_file(home).unlink(missing_ok=True)
         raise
     return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool),
-            "closed": _crash_left(api, home)}
+            **_crash_left(api, home)}
 
 
 def _crash_orphans(api: str, pool: str) -> list[str]:
@@ -149,12 +149,14 @@ def _crash_orphans(api: str, pool: str) -> list[str]:
         return []
 
 
-def _crash_left(api: str, home: Path) -> list[str]:
-    """The flow runs that commands ended by the database's outage left in flight, marked Crashed."""
+def _crash_left(api: str, home: Path) -> dict[str, list[str]]:
+    """The flow runs that commands ended by the database's outage left in flight, marked Crashed
+    ("closed"), and the trainings they left queued on the pool, cancelled ("cancelled")."""
     try:
-        return crash_left_in_flight(api, home)
+        closed, cancelled = crash_left_in_flight(api, home)
     except Exception:  # noqa: BLE001 (as above)
-        return []
+        closed, cancelled = [], []
+    return {"closed": closed, "cancelled": cancelled}
 
 
 def _restart_servers(home: Path, state: dict, database_url: str | None, timeout: float) -> list[str]:
