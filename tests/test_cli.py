@@ -149,6 +149,7 @@ def test_recipes_lists_the_shipped_recipes() -> None:
                  "seq2seq-numbers-rnn", "seq2seq-numbers-transformer", "seq2seq-smoke"):
         assert name in lines
     assert lines["shakespeare-gpt"][1:] == ["gpt", "char", "6x6x384", "5000", "steps"]
+    assert lines["default"][1:] == ["gpt", "char", "4x4x128", "10", "min"]  # a time budget (docs/speed.md)
     assert lines["seq2seq-numbers-transformer"][1:6] == ["seq2seq-transformer", "word", "->", "bpe", "2+2x4x128"]
     assert lines["seq2seq-numbers-rnn"][5] == "2x256"  # its encoder's hidden size, as README says
 

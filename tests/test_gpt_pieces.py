@@ -170,7 +170,8 @@ def test_the_defaults_are_nanogpts_gpt():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
-@pytest.mark.parametrize("pieces", [dict(positions="rotary"), ALL], ids=["rotary", "all"])
+@pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(positions="rotary", mlp="relu2"), ALL],
+                         ids=["rotary", "the-default-recipes", "all"])
 def test_the_cache_equals_the_full_forward(attention, pieces):
     model = shaken(gpt(attention=attention, **pieces)).eval()
     idx = torch.randint(0, 11, (2, 16))
