@@ -1,6 +1,6 @@
 """Which CPU recipe learns War and Peace best in a fixed wall time, with nanoGPT as the reference.
 
-    python -m benchmarks.quality [--minutes 10] [--threads 2] [--only NAME ...]
+    python -m benchmarks.quality [--minutes 10] [--threads 2] [--only NAME ...] [--seed N]
 
 Every candidate (GPT and LSTM variants, trained by `python -m mllm.train --config` with a paths
 section) and nanoGPT's CPU configuration (anchors README, trained by nanoGPT's own train.py) get
@@ -170,6 +170,7 @@ def main() -> None:
         p.add_argument("--minutes", type=float, default=10.0, help="training time per contender"),
         p.add_argument("--only", nargs="+", choices=[*CANDIDATES, "nanoGPT"], help="run only these"),
         p.add_argument("--val-tokens", type=int, help="score only the first N validation tokens"),
+        p.add_argument("--seed", type=int, help="train.seed of every mllm contender [each recipe's own]"),
     ))
     m = header("quality", args.quick)
     wp = corpus("warandpeace")
@@ -194,7 +195,8 @@ def main() -> None:
             if name == "nanoGPT":
                 got = train_nanogpt(paths, folder, args.minutes, threads)
             else:
-                got = train_mllm(paths, folder, name, CANDIDATES[name], args.minutes, threads)
+                seed = {} if args.seed is None else {"train.seed": args.seed}
+                got = train_mllm(paths, folder, name, {**CANDIDATES[name], **seed}, args.minutes, threads)
             model = got.pop("model")
             window = getattr(model.config, "block_size", 64) if model.config.arch == "gpt" else 64
             t0 = time.perf_counter()
@@ -218,7 +220,7 @@ def main() -> None:
     print("\nsamples (top-p 0.9, temperature 0.8, seed 1):")
     for r in rows:
         print(f"- {r['contender']}: {r['sample']!r}")
-    save("quality", {"machine": m, "minutes": args.minutes, "threads": threads,
+    save("quality", {"machine": m, "minutes": args.minutes, "threads": threads, "seed": args.seed,
                      "val_tokens": len(val), "rows": rows})
 
 
