@@ -43,7 +43,7 @@ CANDIDATES = {
     # The default before issue 47: learned positions, GELU, AdamW alone.
     "the default before issue 47 (adamw, learned positions, gelu)": {
         "recipe": "default", "train.optimizer": "adamw", "model.positions": "learned", "model.mlp": "gelu"},
-    # The default with Muon's rate at torch's and modded-nanogpt's 0.02.
+    # The default with Muon's rate at train.muon_lr's default, 0.02 (chosen at 600 steps, docs/benchmarks.md).
     "the default, muon lr 0.02": {"recipe": "default", "train.muon_lr": 0.02},
     # The default 192 wide: a model that learns more per step may want to be larger.
     "the default, 192 wide": {"recipe": "default", "model.n_embd": 192},
