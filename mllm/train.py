@@ -129,14 +129,15 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     # Minutes alone: the schedule follows the clock, the share of the budget spent (evaluations
     # in), so it runs out when the minutes do, however fast this machine's steps turn out.
     budget_s = 60 * t.max_minutes if total_steps is None and t.max_minutes is not None else None
-    spent = [0.0]
+    step, elapsed_before = 0, 0.0
+    metrics: dict[str, float] = {}  # the training's clock among them (elapsed_s), kept in checkpoints
+
+    def spent() -> float:
+        return min(1.0, metrics.get("elapsed_s", 0.0) / budget_s)
 
     raw = build_model(cfg.model).to(device)
     optimizer = build_optimizer(raw, t, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_factor(t, total_steps, (lambda: spent[0]) if budget_s else None))
-    step, elapsed_before = 0, 0.0
-    metrics: dict[str, float] = {}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(t, total_steps, spent if budget_s else None))
     if resume and storage.exists(last_url):
         state = read_checkpoint(last_url, "cpu")
         check_vocab(state, vocab, last_url)
@@ -152,7 +153,6 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         step = int(state["step"])
         metrics = {k: float(v) for k, v in state.get("metrics", {}).items()}
         elapsed_before = metrics.get("elapsed_s", 0.0)
-        spent[0] = min(1.0, elapsed_before / budget_s) if budget_s else 0.0
         # Last: building the model and optimizer above drew from the RNG.
         set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
         del state
@@ -266,8 +266,6 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             shared = torch.tensor([elapsed, float(signalled)], dtype=torch.float64, device=device)
             tdist.all_reduce(shared, op=tdist.ReduceOp.MAX)
             elapsed, signalled = shared[0].item(), bool(shared[1].item())
-        if budget_s:
-            spent[0] = min(1.0, elapsed / budget_s)  # the next step's rate
         stop = limit_reason(step, elapsed)
         records: Records = []
         if step % t.log_interval == 0 or stop:
@@ -316,7 +314,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             saved_at = elapsed
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
             # A budget's steps, estimated from the share spent so far (the bar's end).
-            estimate = round(step / spent[0]) if budget_s and spent[0] > 0 else None
+            estimate = round(step * budget_s / elapsed) if budget_s and elapsed > 0 else None
             on_progress({"step": step, "total_steps": total_steps or estimate, "epoch": batches.epoch,
                          "elapsed_s": elapsed, "train_s": train_s, "train_loss": metrics.get("train_loss"), "lr": lr,
                          "tokens_per_s": metrics.get("tokens_per_s")})

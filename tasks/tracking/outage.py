@@ -129,16 +129,14 @@ def tracking_down(exc: BaseException | None) -> str | None:
 _probed: dict[str, tuple[float, bool]] = {}
 
 
-def wait_for_servers(within: float | None = None) -> bool:
+def wait_for_servers() -> bool:
     """Wait until the Prefect server ($PREFECT_API_URL) and the MLflow server answer their health
-    checks with 200, for at most `within` seconds (MLLM_SERVERS_WAIT_S, 240 by default); whether
-    they did. Prefect's is its readiness
-    (`/ready`, which asks its database, as the MLflow server of the stack shares that database):
-    its `/health` says 200 while that database is down."""
+    checks with 200, for at most MLLM_SERVERS_WAIT_S seconds (240 by default); whether they did.
+    Prefect's is its readiness (`/ready`, which asks its database, as the MLflow server of the
+    stack shares that database): its `/health` says 200 while that database is down."""
     urls = [u for u in (os.environ.get("PREFECT_API_URL", "").rstrip("/") + "/ready", (server() or "") + "/health")
             if u.startswith(("http://", "https://"))]
-    within = float(os.environ.get("MLLM_SERVERS_WAIT_S", "240")) if within is None else within
-    deadline, pause = time.monotonic() + within, 1.0
+    deadline, pause = time.monotonic() + float(os.environ.get("MLLM_SERVERS_WAIT_S", "240")), 1.0
     while True:
         pending = []
         for url in urls:
