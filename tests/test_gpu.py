@@ -1,0 +1,179 @@
+"""The CUDA paths of mllm, on a GPU: bf16 autocast and fused AdamW, torch.compile, the KV cache,
+exact resume, and a checkpoint written there for a CPU to read.
+
+Marked `gpu` and skipped where torch sees no CUDA device (CI, this project's CPU machines). Only
+mllm and torch are imported, so the module runs on a GPU machine without the pipeline installed:
+
+    python -m pytest -m gpu tests/test_gpu.py --noconftest
+
+(benchmarks/gpu.py does, as its first step). With MLLM_GPU_CHECKPOINT_OUT=FOLDER set, the last
+test leaves a small trained checkpoint there with what the GPU computed from it; kept in
+tests/data/gpu/, tests/test_gpu_checkpoint.py reads it on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+# cuBLAS picks a reduction order per workspace; a fixed workspace makes its float32 products
+# repeat bit for bit (read once, when the first handle is made: before any CUDA work).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+from mllm.config import RunConfig  # noqa: E402
+from mllm.data.vocab import Vocab  # noqa: E402
+from mllm.lm.generate import generate  # noqa: E402
+from mllm.runtime.checkpoint import load_checkpoint  # noqa: E402
+from mllm.runtime.optim import build_optimizer  # noqa: E402
+from mllm.train import train  # noqa: E402
+from textdata import write_char_ids  # noqa: E402
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: these tests need a GPU")]
+
+GPT = {"arch": "gpt", "n_embd": 64, "n_head": 4, "n_layer": 2, "block_size": 64, "dropout": 0.0, "bias": False}
+# The default recipe's pieces (rotary, ReLU², Muon beside AdamW), at a size whose checkpoint is small.
+DEFAULT_PIECES = {**GPT, "n_embd": 48, "positions": "rotary", "mlp": "relu2"}
+PROMPT = "The prince "
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("gpu-data")
+    write_char_ids(d, 30000)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """float32 as float32: no TF32 in matrix products or convolutions inside a test."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def config(data_dir: Path, ckpt: Path, model=GPT, **train_fields) -> RunConfig:
+    t = {"batch_size": 32, "window": 64, "max_steps": 200, "log_interval": 1, "eval_interval": 100,
+         "eval_batches": 8, "checkpoint_interval": 100, "optimizer": "adamw", "lr": 3e-3, "min_lr": 3e-4,
+         "lr_schedule": "cosine", "warmup_steps": 20, "grad_clip": 1.0, "device": "cuda", "compile": False,
+         "dtype": "float32", "checkpoint_minutes": None}
+    t.update(train_fields)
+    return RunConfig.model_validate({
+        "model": model, "train": t,
+        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
+                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
+    })
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["train_loss"] for r in records if "train_loss" in r]
+
+
+def test_bf16_autocast_and_fused_adamw_follow_float32(data_dir, tmp_path):
+    runs = {}
+    for dtype in ("float32", "bfloat16", "auto"):
+        records: list[dict] = []
+        runs[dtype] = (train(config(data_dir, tmp_path / dtype, dtype=dtype), on_metrics=records.extend), records)
+    f32, bf16 = runs["float32"][0], runs["bfloat16"][0]
+    assert (f32.dtype_used, bf16.dtype_used) == ("float32", "bfloat16")
+    assert runs["auto"][0].dtype_used == "bfloat16" and runs["auto"][0].dtype_reason == "CUDA"
+    for result, records in runs.values():
+        assert all(math.isfinite(x) for x in losses(records)) and len(losses(records)) == 200
+    # Learned well past a uniform guess, and bf16 within 3% of float32's validation loss.
+    assert f32.val_loss < 0.5 * math.log(len(Vocab.load(str(data_dir / "vocab.json"))))
+    assert abs(bf16.val_loss - f32.val_loss) < 0.03 * f32.val_loss, (bf16.val_loss, f32.val_loss)
+    assert f32.peak_source and f32.mfu is not None and 0 < bf16.mfu < 1
+    model = torch.nn.Linear(4, 4).cuda()
+    opt = build_optimizer(model, config(data_dir, tmp_path).train, torch.device("cuda"))
+    assert opt.defaults["fused"] is True
+
+
+def test_compiled_steps_equal_eager_steps(data_dir, tmp_path):
+    got = {}
+    for compiled in (False, True):
+        records: list[dict] = []
+        result = train(config(data_dir, tmp_path / str(compiled), max_steps=40, compile=compiled),
+                       on_metrics=records.extend)
+        assert result.compile_used is compiled
+        got[compiled] = losses(records)
+    # Inductor fuses and reorders float32 arithmetic: the same steps, within rounding.
+    diffs = [abs(a - b) for a, b in zip(got[False], got[True])]
+    assert len(diffs) == 40 and max(diffs) < 5e-3, diffs
+
+
+@pytest.mark.parametrize("pieces", [GPT, DEFAULT_PIECES], ids=["nanogpt", "default-recipe"])
+def test_cached_greedy_decoding_equals_recomputation(pieces):
+    from mllm.config import model_config
+    from mllm.family import build_model
+
+    torch.manual_seed(0)
+    model = build_model(model_config(**{**pieces, "vocab_size": 40})).cuda().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # off the small init, where any computation would agree
+            p.add_(0.3 * torch.randn_like(p))
+    prompt = [1, 2, 3, 4, 5]
+    cached = generate(model, prompt, 50, use_cache=True)
+    assert len(cached) == 50 and len(set(cached)) > 3
+    assert cached == generate(model, prompt, 50, use_cache=False)
+    assert generate(model, prompt, 50, method="top-p", top_p=0.9, seed=3) == \
+        generate(model, prompt, 50, method="top-p", top_p=0.9, seed=3, use_cache=False)
+
+
+def test_resume_after_a_crash_on_the_gpu_reaches_the_same_weights(data_dir, tmp_path):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        # bf16 autocast (the CUDA default), dropout, accumulation, clipping: the state a GPU run holds.
+        kw = dict(max_steps=30, dtype="auto", grad_accum=2, eval_interval=10, checkpoint_interval=10)
+        model = {**GPT, "dropout": 0.1}
+        straight = train(config(data_dir, tmp_path / "a", model, **kw))
+
+        class Crash(Exception):
+            pass
+
+        def crash_at_20(progress):
+            if progress["step"] == 20:
+                raise Crash
+
+        cfg = config(data_dir, tmp_path / "b", model, **kw)
+        with pytest.raises(Crash):
+            train(cfg, on_progress=crash_at_20)
+        resumed = train(cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert resumed.resumed_from_step == 20 and resumed.steps == straight.steps == 30
+    a = torch.load(straight.checkpoint, weights_only=True, map_location="cpu")["model"]
+    b = torch.load(resumed.checkpoint, weights_only=True, map_location="cpu")["model"]
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst == 0.0, f"resumed weights differ by up to {worst:.3g}"
+    assert resumed.val_loss == straight.val_loss
+
+
+def test_a_checkpoint_written_on_the_gpu_loads_and_samples(data_dir, tmp_path):
+    result = train(config(data_dir, tmp_path / "ck", DEFAULT_PIECES, max_steps=300, optimizer="muon",
+                          muon_lr=0.01, lr=2e-3, dtype="auto", checkpoint_interval=300))
+    raw = torch.load(result.checkpoint, weights_only=True)  # where its tensors were: the GPU
+    assert next(iter(raw["model"].values())).device.type == "cuda"
+    loaded = load_checkpoint(result.checkpoint, device="cuda")
+    ids = loaded.vocab.encode(loaded.tokenizer.split(PROMPT))
+    with torch.no_grad():
+        logits, _, _ = loaded.model(torch.tensor([ids], device="cuda"))
+    greedy = generate(loaded.model, ids, 60, dtype="float32")
+    text = loaded.tokenizer.detokenize(loaded.tokenizer.split(PROMPT) + loaded.vocab.decode(greedy))
+    assert result.val_loss < 2.0 and text.startswith(PROMPT) and len(text) > len(PROMPT) + 40
+    if out := os.environ.get("MLLM_GPU_CHECKPOINT_OUT"):
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(result.checkpoint, folder / "last.pt")
+        (folder / "computed.json").write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": result.steps,
+            "val_loss": result.val_loss, "dtype_used": result.dtype_used, "prompt": PROMPT,
+            "prompt_ids": ids, "last_logits": logits[0, -1].float().tolist(), "greedy_ids": greedy,
+            "greedy_text": text,
+        }, indent=1))
