@@ -527,6 +527,54 @@ def test_a_pipeline_flow_run_on_a_pool_of_one_slot_refuses_to_hand_its_training_
     assert one_slot("local").removesuffix(" (--train-on)") + " (train_on)" in run.state.message
 
 
+def test_a_dataset_two_runs_log_in_the_same_instant_is_linked_to_both(pg_stack: dict, monkeypatch) -> None:
+    # MLflow's server looks a dataset up, then inserts it: another insert of the same dataset between
+    # the two (a sweep's points log one corpus at once) made it refuse the run's input with
+    # PostgreSQL's duplicate key, a raw line and a retried task in the sweep. Made certain here: the
+    # database holds that other insert uncommitted, so the server's lookup misses it and its own
+    # insert waits on the key until the other commits.
+    import threading
+    import uuid
+
+    from mllm.config import RunConfig
+    from tasks.tracking.tracker import RunTracker
+
+    home = pg_stack["home"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", pg_stack["state"]["env"]["MLFLOW_TRACKING_URI"])  # the stack's server
+    client = MlflowClient(pg_stack["state"]["env"]["MLFLOW_TRACKING_URI"])
+    experiment = client.create_experiment(f"dataset-race-{uuid.uuid4().hex[:8]}")
+    run_id = client.create_run(experiment).info.run_id
+    digest = uuid.uuid4().hex
+    port = int(database.recorded(home)["database"].rsplit(":", 1)[1])
+    login = dict(host="127.0.0.1", port=port, user="mllm", password=(home / "postgres" / "password").read_text().strip(),
+                 dbname="mllm_mlflow")
+    failed: list[BaseException] = []
+
+    def log() -> None:
+        try:
+            RunTracker.attach(run_id, RunConfig(), pg_stack["root"]).log_dataset("corpus", "/data/corpus.txt", digest, "raw")
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            failed.append(e)
+
+    racing, row = threading.Thread(target=log), None
+    with psycopg.connect(**login) as other, psycopg.connect(**login, autocommit=True) as watcher:
+        other.execute("INSERT INTO datasets (dataset_uuid, experiment_id, name, digest, dataset_source_type, "
+                      "dataset_source) VALUES (%s, %s, 'corpus', %s, 'local', '/data/corpus.txt')",
+                      (uuid.uuid4().hex, int(experiment), digest))
+        racing.start()
+        deadline = time.monotonic() + 60
+        while row is None and racing.is_alive() and time.monotonic() < deadline:
+            row = watcher.execute("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                  "AND query ILIKE 'INSERT INTO datasets%'").fetchone()
+            time.sleep(0.1)
+        other.commit()  # the other insert lands; the server's, waiting on the key, is refused
+    racing.join(60)
+    assert row is not None, "the server's insert never waited on the other: the race was not made"
+    assert not failed, failed
+    inputs = client.get_run(run_id).inputs.dataset_inputs
+    assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("corpus", digest)]
+
+
 def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_stack: dict, tmp_path: Path) -> None:
     # A training on the pool whose worker is killed with it (SIGKILL: nothing can write its state),
     # and the pipeline following it too: Prefect's records keep it Running, holding a slot.

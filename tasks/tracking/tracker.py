@@ -370,9 +370,26 @@ class RunTracker:
             tags["n_tokens"] = str(n_tokens)
         inputs = DatasetInput(dataset=dataset._to_mlflow_entity(),
                               tags=[InputTag(key=k, value=v) for k, v in tags.items()])
-        self.client.log_inputs(self.run_id, datasets=[inputs])
+        try:
+            self.client.log_inputs(self.run_id, datasets=[inputs])
+        except MlflowException as e:
+            if not lost_dataset_race(e):
+                raise
+            # Another run logged the same dataset in the same instant: MLflow's server looks the
+            # dataset up, then inserts it, and the other insert came between (a sweep's points log
+            # one corpus at once). Its transaction was rolled back; the dataset exists now, so the
+            # same call links this run to it.
+            self.client.log_inputs(self.run_id, datasets=[inputs])
 
     # the model
+
+
+def lost_dataset_race(e: MlflowException) -> bool:
+    """Whether MLflow refused a dataset input because another request inserted the same dataset
+    (name and digest) between its lookup and its insert: PostgreSQL's duplicate key on the
+    datasets table (SQLite serialises its writers, so it never sees this)."""
+    text = str(e)
+    return "dataset" in text and ("duplicate key value" in text or "UniqueViolation" in text)
 
 
 # --- system metrics --------------------------------------------------------------------------
