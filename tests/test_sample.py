@@ -217,7 +217,7 @@ def test_cached_generation_runs_on_one_thread_and_restores_the_count():
         torch.set_num_threads(before)
 
 
-needs_onednn = pytest.mark.skipif(not decode.available(), reason="this torch build has no oneDNN")
+needs_onednn = pytest.mark.skipif(not decode.available(), reason=f"no bf16 decoding here: {decode.unavailable()}")
 
 
 @needs_onednn
@@ -259,6 +259,8 @@ def test_auto_decodes_small_models_in_float32_and_probes_large_ones_once(tmp_pat
     chosen = decode.decode_precision(small)
     assert chosen.dtype == "float32" and chosen.probe_ms is None
     assert decode.decode_precision(small, "bfloat16").dtype == ("bfloat16" if decode.available() else "float32")
+    if not decode.available():  # a CPU with AVX2 alone: bf16 asked for decodes in float32, saying why
+        assert decode.decode_precision(small, "bfloat16").reason == decode.unavailable()
     assert decode.decode_precision(tiny("lstm"), "bfloat16").dtype == "float32"  # a GPT's path only
     torch.manual_seed(0)
     large = build_model(model_config(arch="gpt", vocab_size=V, n_embd=384, n_layer=2, n_head=6, block_size=64))

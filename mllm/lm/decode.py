@@ -17,6 +17,7 @@ token (a sixth of the step at 6/6/384).
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import weakref
 
@@ -29,8 +30,23 @@ from mllm.lm.gpt import GPT, KVCache
 
 
 def available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (every x86 CPU build does)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN's packed bf16 linear runs here (`unavailable` says why not)."""
+    return unavailable() is None
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why bf16 weights cannot decode on this CPU, or None. Every x86 CPU build of torch has
+    oneDNN's packed linear, but its bf16 path needs AVX512 (BW, VL and DQ) or AVX-NE-CONVERT: on
+    a CPU with AVX2 alone it raises. Tried once, on an 8x8 layer."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return "this torch build has no oneDNN"
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:
+        return "oneDNN's bf16 linear does not run on this CPU (it needs AVX512 or AVX-NE-CONVERT)"
+    return None
 
 
 class PackedLinear(nn.Module):
@@ -125,8 +141,8 @@ def decode_precision(model: nn.Module, dtype: str = "auto", device=None) -> spee
     device = device or next(model.parameters()).device
     if not isinstance(model, GPT) or device.type != "cpu":
         return speed.Precision("float32", "bf16 weights decode a GPT on a CPU only")
-    if not available():
-        return speed.Precision("float32", "this torch build has no oneDNN")
+    if why := unavailable():
+        return speed.Precision("float32", why)
     return speed.choose_decode_precision(dtype, device, model, lambda: _probe(model))
 
 
