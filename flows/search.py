@@ -35,7 +35,7 @@ from prefect.utilities.annotations import quote
 
 import tasks
 from flows import dispatch
-from flows.stack import database
+from flows.stack import database, orphans
 from flows.launch import (
     check_model_name,
     data_runner,
@@ -432,6 +432,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
                 f.wait()
             outcomes = outcomes_of(st)
             if down := next((o.error for o in outcomes if o.error and o.error.startswith(database.DOWN)), None):
+                orphans.stop_reporting()  # its state cannot be written: no minutes of retries
                 raise UserError(down)
             result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, store.shown, revived)
     rdb.engine.dispose()

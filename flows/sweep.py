@@ -293,6 +293,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel, model)
         outcomes = [outcome(point, future) for point, future in zip(points, futures)]
         if down := next((o.error for o in outcomes if not o.ok and o.error.startswith(database.DOWN)), None):
+            orphans.stop_reporting()  # its state cannot be written: no minutes of retries
             raise UserError(down)  # nothing can be recorded either: the points in flight end with this line
         outcomes = parent.with_run_ids(outcomes)
         parent.failed = [o.label for o in outcomes if not o.ok]

@@ -55,3 +55,19 @@ def test_a_queued_or_live_run_is_never_crashed_and_a_gone_or_reused_one_is(prefe
             for proc in alive:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_flow_run_that_stops_reporting_tries_each_request_once_and_only_in_its_own_context() -> None:
+    # A sweep that found the database down calls this before it raises: Prefect's engine then reports
+    # its Failed state from the same thread and context, once, not for minutes of back-off.
+    import contextvars
+
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from flows.stack.orphans import stop_reporting
+
+    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 7}):
+        flow_thread = contextvars.copy_context()
+        flow_thread.run(stop_reporting)
+        assert flow_thread.run(PREFECT_CLIENT_MAX_RETRIES.value) == 0
+        assert PREFECT_CLIENT_MAX_RETRIES.value() == 7  # the other threads (the points, the worker's) keep theirs

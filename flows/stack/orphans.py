@@ -96,6 +96,23 @@ def running_here(run_id: object) -> None:
             _here.add(str(run_id))
 
 
+def stop_reporting() -> None:
+    """A flow run that ends because the stack's database is down: the states Prefect's engine then
+    reports for it cannot be written, and its client would retry each report with back-off
+    (PREFECT_CLIENT_MAX_RETRIES, doubling from 2 s: about 4 minutes with this project's 7) before
+    the command could print why it ended. From here on, in this thread, each request is tried once;
+    the run is left in flight, for `stack up` to mark Crashed once the database is back
+    (`crash_left_in_flight`). Called in the flow's own thread just before it raises: Prefect's
+    engine reports from that thread and context, and reads the setting at each request."""
+    from prefect.context import SettingsContext, get_settings_context
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES
+
+    now = get_settings_context()
+    # Entered and never left: the flow's engine resets its own contexts as it ends.
+    SettingsContext(profile=now.profile,
+                    settings=now.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})).__enter__()
+
+
 def leave_in_flight(home: Path) -> None:
     """At the end of a command whose stack's database is down: the flow runs it ran, left in `home`
     for `stack up` (only when $PREFECT_API_URL is that stack's)."""
