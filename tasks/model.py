@@ -34,7 +34,8 @@ from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
 from tasks.tracking.registry import ChampionScore
-from tasks.tracking.tracker import RunTracker, system_metrics
+from tasks.tracking.system import system_metrics
+from tasks.tracking.tracker import RunTracker
 
 class Prepared(BaseModel):
     """What the data stages hand on to training."""

@@ -558,7 +558,7 @@ def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_tra
 
 
 def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, tmp_path, monkeypatch):
-    from tasks.tracking.tracker import system_metrics
+    from tasks.tracking.system import system_metrics
 
     cfg, root = config(), str(tmp_path / "storage")
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
