@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import subprocess
@@ -41,10 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import CORPORA, REPO, median, token_ids
+from benchmarks.common import CORPORA, REPO, median, run_config, token_ids
+from benchmarks.vs_nanogpt import ANCHOR, nanogpt_data
 
 WORK = REPO / ".gpu-check"
-ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
 # Spec-sheet dense bf16 peak of an H100 SXM (and of the H200, the same GH100 compute): 989 TFLOP/s
 # (NVIDIA's 1,979 is with 2:4 sparsity). mllm.runtime.speed.GPU_PEAKS holds it and the others.
 SIDE_BY_SIDE = dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=64, dropout=0.2)
@@ -62,15 +61,7 @@ def prepare() -> None:
         sys.exit(f"error: nanoGPT not found at {ANCHOR}")
     shutil.rmtree(WORK / "nanoGPT", ignore_errors=True)
     shutil.copytree(ANCHOR, WORK / "nanoGPT", ignore=shutil.ignore_patterns("data", "assets", "*.ipynb"))
-    from mllm.data.vocab import Vocab
-
-    data = WORK / "nanoGPT" / "data" / "shakespeare_char"
-    data.mkdir(parents=True)
-    for split in ("train", "val"):
-        np.load(WORK / "shakespeare" / f"{split}.npy").astype(np.uint16).tofile(data / f"{split}.bin")
-    itos = Vocab.load(str(WORK / "shakespeare" / "vocab.json")).itos
-    with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": len(itos), "itos": dict(enumerate(itos)), "stoi": {s: i for i, s in enumerate(itos)}}, f)
+    nanogpt_data(paths_of(WORK / "shakespeare"), WORK / "nanoGPT", dataset="shakespeare_char")
     print(f"written: {WORK.relative_to(REPO)}/ ({sum(p.stat().st_size for p in WORK.rglob('*') if p.is_file()) / 1e6:.1f} MB)")
 
 
@@ -109,11 +100,13 @@ def _events(path: Path) -> tuple[list[dict], dict | None]:
     return records, result
 
 
-def _config(recipe: str, ids: Path, ckpt: Path, overrides: dict[str, Any]) -> Path:
-    from benchmarks.common import run_config
+def paths_of(ids: Path) -> dict[str, str]:
+    """The ids `token_ids` wrote in `ids`, as mllm.train's paths."""
+    return {k: str(ids / f) for k, f in (("train_ids", "train.npy"), ("val_ids", "val.npy"), ("vocab", "vocab.json"))}
 
-    paths = {k: str(ids / f) for k, f in (("train_ids", "train.npy"), ("val_ids", "val.npy"), ("vocab", "vocab.json"))}
-    cfg = run_config(recipe, paths, ckpt, overrides)
+
+def _config(recipe: str, ids: Path, ckpt: Path, overrides: dict[str, Any]) -> Path:
+    cfg = run_config(recipe, paths_of(ids), ckpt, overrides)
     path = ckpt.parent / f"{ckpt.name}.yaml"
     path.write_text(cfg.to_yaml(paths=True))
     return path

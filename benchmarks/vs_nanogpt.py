@@ -62,11 +62,11 @@ def anchor_or_exit() -> Path:
     return ANCHOR
 
 
-def nanogpt_data(paths: dict, folder: Path) -> Path:
-    """A working folder for nanoGPT's train.py: data/wp/{train,val}.bin, meta.pkl, configurator.py."""
+def nanogpt_data(paths: dict, folder: Path, dataset: str = "wp") -> Path:
+    """A working folder for nanoGPT's train.py: data/<dataset>/{train,val}.bin, meta.pkl, configurator.py."""
     from mllm.data.vocab import Vocab
 
-    data = folder / "data" / "wp"
+    data = folder / "data" / dataset
     data.mkdir(parents=True)
     for split in ("train", "val"):
         np.load(paths[f"{split}_ids"]).astype(np.uint16).tofile(data / f"{split}.bin")
