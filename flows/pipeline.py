@@ -291,6 +291,7 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"| precision | {t.precision()} |",
         f"| compiled | {'yes' if t.compile_used else 'no'} ({t.compile_reason}) |",
         *([f"| attention | {t.attention} |"] if t.attention else []),
+        *([f"| Muon's Newton-Schulz | {t.muon_precision} |"] if t.muon_precision else []),
         f"| MFU | {_mfu(t)} |",
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",

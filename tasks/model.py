@@ -80,6 +80,7 @@ class Trained(BaseModel):
     compile_reason: str = ""
     compile_s: float | None = None
     attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
+    muon_precision: str = ""  # train.optimizer muon: its Newton-Schulz precision and why (mllm.runtime.optim)
 
     def precision(self) -> str:
         return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()

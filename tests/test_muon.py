@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 from conftest import write_char_ids
 from mllm import UserError
 from mllm.config import RunConfig, TrainConfig, model_config
 from mllm.family import build_model
-from mllm.runtime.optim import Combined, build_optimizer, muon_split
+from mllm.runtime import optim
+from mllm.runtime.optim import Combined, Muon, build_optimizer, muon_split, newton_schulz_dtype
 from mllm.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +59,40 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(tie):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
     assert sched.get_last_lr()[:2] == [0.025, 5e-4]
     assert opt.parts["muon"].param_groups[0]["lr"] == 0.025
+
+
+def test_muon_orthogonalises_in_float32_where_bf16_is_emulated_and_is_torchs_muon_in_bf16(monkeypatch):
+    # A tall, a wide and a square matrix: Muon transposes the tall one and scales its rate.
+    start = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(16, 16)]
+
+    def steps(make):
+        params = [nn.Parameter(w.clone()) for w in start]
+        opt = make(params)
+        grads = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=grads)
+            opt.step()
+        return params, opt
+
+    kw = {"lr": 0.02, "weight_decay": 0.01, "momentum": 0.95}
+    theirs, _ = steps(lambda ps: torch.optim.Muon(ps, **kw))
+    ours, opt = steps(lambda ps: Muon(ps, ns_dtype=torch.bfloat16, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    wide, _ = steps(lambda ps: Muon(ps, ns_dtype=torch.float32, **kw))
+    assert all(not torch.equal(a, b) and torch.allclose(a, b, atol=2e-3) for a, b in zip(theirs, wide))
+    # The same state as torch's: a checkpoint of either loads into the other.
+    assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
+
+    monkeypatch.setattr(optim, "fast_bf16", lambda: False)
+    assert newton_schulz_dtype(torch.device("cpu"))[0] == torch.float32
+    assert "neither AMX nor AVX512-BF16" in newton_schulz_dtype(torch.device("cpu"))[1]
+    model = build_model(model_config(**GPT, vocab_size=11))
+    built = build_optimizer(model, TrainConfig(max_steps=1, optimizer="muon"), torch.device("cpu"))
+    assert built.parts["muon"].ns_dtype == torch.float32
+    monkeypatch.setattr(optim, "fast_bf16", lambda: True)
+    assert newton_schulz_dtype(torch.device("cpu"))[0] == torch.bfloat16
+    assert newton_schulz_dtype(torch.device("cuda"))[0] == torch.bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +150,7 @@ def test_muon_learns(data_dir, tmp_path):
     result = train(make_config(data_dir, tmp_path, max_steps=30, eval_interval=30, muon_lr=0.05))
     first = train(make_config(data_dir, tmp_path / "one", max_steps=1, eval_interval=1))
     assert result.val_loss < first.val_loss - 0.3, (first.val_loss, result.val_loss)
+    assert result.muon_precision == newton_schulz_dtype(torch.device("cpu"))[1]
 
 
 def test_ddp_on_two_cpu_ranks_resumes_exactly_with_muon(data_dir, tmp_path):
