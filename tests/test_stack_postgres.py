@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import selectors
 import shutil
 import signal
@@ -621,22 +620,20 @@ def test_stack_up_marks_the_pools_flow_runs_whose_process_is_gone_as_crashed(pg_
         client.set_terminated(r.info.run_id, "KILLED")
 
 
-def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_starts_it_again(
+def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_trains_each_point_once(
         pg_stack: dict, tmp_path: Path) -> None:
-    # Last in this module: it stops the stack's database under the servers. (A sweep takes the same
-    # path, flows/sweep.py; tried by hand, not here: its points in flight would hold both slots and
-    # a re-run would wait for ever.)
-    home, env = pg_stack["home"], {**pg_stack["state"]["env"], "MLLM_STACK_HOME": str(pg_stack["home"])}
-    # Long enough that the command is still following its training on the pool when the database
+    # Last in this module: it stops the stack's database under the servers. A sweep of three points
+    # on the pool's two slots: two train, the third waits in the pool's queue, when the database
     # stops at the first checkpoint.
+    home, env = pg_stack["home"], {**pg_stack["state"]["env"], "MLLM_STACK_HOME": str(pg_stack["home"])}
     steps = ["train.max_steps=300", "train.eval_interval=100", "train.checkpoint_interval=50", "train.log_interval=10",
              "sample.max_new_tokens=10"]
     runs = Path(pg_stack["root"]) / "runs"
     api = env["PREFECT_API_URL"]
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=7))
-    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
-            *[a for s in steps for a in ("--set", s)]]
+    args = ["sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on", "local",
+            "--grid", "train.lr=1e-3,2e-3,3e-3", *[a for s in steps for a in ("--set", s)]]
 
     def command(client_env: dict[str, str]) -> subprocess.Popen:
         return prewarmed.start("flows.cli", args, {**os.environ, "OMP_NUM_THREADS": "1", **env, **client_env}, tmp_path)
@@ -658,31 +655,47 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
             assert proc.poll() is None, "the command ended before the database stopped"
             while_down()
             out, err, after_line = _until_exit(proc, timeout=300)
-            print(f"the run ended {time.monotonic() - stopped:.1f} s after the database stopped, exit {proc.returncode}"
-                  + ("" if after_line is None else f", {after_line:.1f} s after its error line"))
+            print(f"the sweep ended {time.monotonic() - stopped:.1f} s after the database stopped, exit "
+                  f"{proc.returncode}" + ("" if after_line is None else f", {after_line:.1f} s after its error line"))
             return out, err, after_line
         finally:
             if proc.poll() is None:
                 proc.kill()
 
-    # Down for longer than the command's retries (told here to give up after two, seconds): one
-    # line. The training it handed to the pool goes on in the worker, whose client retries for
-    # minutes (PREFECT_CLIENT_MAX_RETRIES 7, flows/__init__.py), and finishes once `stack up`
-    # below starts the database again.
+    def flow_runs(after: datetime, flow: str | None = None) -> list:
+        with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+            return prefect.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=[flow])) if flow else None,
+                flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=after)))
+
+    # Down for longer than the command's retries (told here to give up after two, a point's retry
+    # to come after a second and to wait three for the servers): one line. The trainings it handed
+    # to the pool go on in the worker, whose client retries for minutes (PREFECT_CLIENT_MAX_RETRIES
+    # 7, flows/__init__.py), and finish once `stack up` below starts the database again.
     started = datetime.now().astimezone()
     before = set(runs.glob("*/checkpoints/last.pt"))
-    proc = command({"PREFECT_CLIENT_MAX_RETRIES": "2"})
+    proc = command({"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_SWEEP_RETRY_DELAY_S": "1", "MLLM_SERVERS_WAIT_S": "3"})
     deadline = time.monotonic() + 240
     while not set(runs.glob("*/checkpoints/last.pt")) - before and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert proc.poll() is None and set(runs.glob("*/checkpoints/last.pt")) - before, proc.stderr.read()[-3000:]
+
+    def waiting() -> list[str]:
+        trainings = flow_runs(started, "train")
+        return [r.name for r in trainings if r.state_type.value == "SCHEDULED"] if len(trainings) == 3 else []
+
+    # The third point's training, waiting for a slot: the sweep hands it to the pool a moment after
+    # the first two, which may have written a checkpoint by then.
+    while not (queued := waiting()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(queued) == 1, [(r.name, r.state_name) for r in flow_runs(started, "train")]
     out, err, after_line = through_outage(proc)
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: the database of the Prefect and MLflow servers is down (the stack's PostgreSQL "), last
     assert f"in {home / 'postgres'} on 127.0.0.1:" in last and "`mllm-pipeline stack up`" in last
-    for noise in ("Traceback", "asyncpg", "psycopg", "Error logging to API"):
-        assert noise not in err, noise
+    for noise in ("Traceback", "asyncpg", "psycopg", "Error logging to API", "PrefectHTTPStatusError"):
+        assert noise not in err, [line for line in err.splitlines() if noise in line]
     # And it ends then, not after Prefect's client has retried its unsent log lines against the
     # server that answers 503 (16 s with these two retries, minutes with the default 7).
     assert after_line is not None and after_line < 10, after_line
@@ -692,37 +705,32 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     assert any(line.startswith("postgres        NOT RUNNING") for line in status.stdout.splitlines()), status.stdout
     assert "down: postgres (the servers' database)" in status.stdout
     servers = {s.name: s.pid for s in stack.load(home)["services"] if s.name in ("prefect-server", "mlflow-server")}
-    left = re.findall(r"Flow run '([^']+)' - training handed to pool", err)  # the run's pipeline flow run
 
     up = stack_up()
     assert up.returncode == 0, up.stderr[-3000:]
     assert "started again: postgres" in up.stderr and "prefect-server, mlflow-server" in up.stderr.split("reused:")[1]
-    assert ("marked Crashed: 1 flow run(s) left in flight by commands that ended as the database was down "
-            f"({left[0]})") in up.stderr, up.stderr
+    # The sweep's flow run and its three points' pipelines, which the command could not end.
+    assert "marked Crashed: 4 flow run(s) left in flight by commands that ended as the database was down" in up.stderr, \
+        up.stderr
+    # The training still queued would run for no one and take a slot from the sweep run again.
+    assert f"cancelled: 1 training(s) those commands had queued on pool 'local' ({queued[0]})" in up.stderr, up.stderr
     assert {s.name: s.pid for s in stack.load(home)["services"] if s.name in servers} == servers  # reused as they ran
     assert _cli("stack", "status", "--home", str(home), cwd=tmp_path).returncode == 0
 
-    def flow_runs(after: datetime, flow: str | None = None) -> list:
-        with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
-            return prefect.read_flow_runs(
-                flow_filter=FlowFilter(name=FlowFilterName(any_=[flow])) if flow else None,
-                flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=after)))
-
-    # The first command's training on the pool ends once its client's back-off (doubling from 2 s)
-    # meets the database again: waited for here, lest the outage below catch it too and double its
-    # next wait.
+    # The two trainings on the pool end once their client's back-off (doubling from 2 s) meets the
+    # database again: waited for here, lest the outage below catch them too and double their next wait.
     deadline = time.monotonic() + 240
     while [r for r in flow_runs(started) if not r.state.is_final()] and time.monotonic() < deadline:
         time.sleep(0.5)
+    first = sorted((r.name, r.state_name) for r in flow_runs(started))
+    assert sorted(state for _, state in first if state != "Completed") == ["Cancelled", *["Crashed"] * 4], first
+    assert sorted(r.state_name for r in flow_runs(started, "train")) == ["Cancelled", "Completed", "Completed"], first
 
     # The same command again, with the clients' retries (minutes), and the database down under it
-    # for less than those: stopped once a worker has taken the training the command handed to the
-    # pool (its flow run then starts, finds the first command's training finished in storage, and
-    # the command evaluates and samples), started again 8 s later by `stack up`. Prefect's server
-    # answers 503 meanwhile, which every client retries, and the command goes on. MLflow, on the
-    # same database, may answer 500 or 503: its records are held and sent once it answers, as the
-    # tracking tests show. (Stopped before a worker took it, the training would wait out the
-    # worker's own back-off instead.)
+    # for less than those: stopped once a worker has taken a training the command handed to the
+    # pool, started again 8 s later by `stack up`. Prefect's server answers 503 meanwhile, which
+    # every client retries, and the command goes on. MLflow, on the same database, may answer 500
+    # or 503: its records are held and sent once it answers, as the tracking tests show.
     again_started = datetime.now().astimezone()
     proc = command({})
     deadline = time.monotonic() + 240
@@ -739,18 +747,17 @@ def test_the_database_stopped_under_a_run_ends_it_in_one_line_and_stack_up_start
     out, err, _ = through_outage(proc, back_in_eight_seconds)
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "Server error '500" not in err and "PrefectHTTPStatusError" not in err, err[-3000:]
-    for stage in ("tokenize", "build-vocabulary", "split"):
-        assert any(stage in line and "Cached" in line for line in err.splitlines()), stage
-    run_id = next(line.split()[-1] for line in out.splitlines() if line.startswith("mlflow run:"))
-    assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
-    # The run the database's outage cut short was closed by this one, not left RUNNING.
+    # Each point trained once: the two the worker finished are found in storage, the cancelled one
+    # trains now (its training's MLflow tags say where each began).
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent = next(line.split()[-1] for line in out.splitlines() if line.startswith("sweep mlflow run:"))
+    points = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
+    assert sorted(r.data.tags["train.resumed_from_step"] for r in points) == ["0", "300", "300"], \
+        [r.data.tags for r in points]
+    # Nothing is left in flight: no MLflow run RUNNING, and every flow run of this command Completed.
     assert _cluster_query(home, "mllm_mlflow", "SELECT count(*) FROM runs WHERE status = 'RUNNING'") == [(0,)]
-    # Every flow run of this test's Completed, the first command's training on the pool among them,
-    # but the pipeline flow run `stack up` marked Crashed: nothing is left in flight. (The run the
-    # test above killed with SIGKILL, on no pool, stays Running: nothing can tell.)
-    states = sorted((r.name, r.state_name, r.expected_start_time >= again_started) for r in flow_runs(started))
-    assert [(name, state) for name, state, _ in states if state != "Completed"] == [(left[0], "Crashed")], states
-    assert sum(again for _, _, again in states) >= 4, states  # the command's pipeline, prepare, train, evaluate
+    states = [(r.name, r.state_name) for r in flow_runs(again_started)]
+    assert [s for s in states if s[1] != "Completed"] == [] and len(states) >= 7, states
     assert _cluster_query(home, "mllm_prefect", "SELECT name, state_type::text FROM flow_run WHERE state_type::text IN "
                                                 "('RUNNING', 'PENDING', 'SCHEDULED', 'CANCELLING') AND "
                                                 f"created >= '{started.isoformat()}'") == []
