@@ -170,7 +170,7 @@ def test_a_checkpoint_written_on_the_gpu_loads_and_samples(data_dir, tmp_path):
     if out := os.environ.get("MLLM_GPU_CHECKPOINT_OUT"):
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(result.checkpoint, folder / "last.pt")
+        shutil.copy(result.checkpoint, folder / "written-on-a-gpu.pt")
         (folder / "computed.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": result.steps,
             "val_loss": result.val_loss, "dtype_used": result.dtype_used, "prompt": PROMPT,

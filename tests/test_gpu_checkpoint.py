@@ -20,7 +20,7 @@ GPU = Path(__file__).parent / "data" / "gpu"
 def test_a_checkpoint_a_gpu_wrote_loads_on_a_cpu_and_decodes_as_the_gpu_did():
     there = json.loads((GPU / "computed.json").read_text())
     assert there["device"].startswith("NVIDIA") and there["dtype_used"] == "bfloat16"
-    loaded = load_checkpoint(str(GPU / "last.pt"), device="cpu")
+    loaded = load_checkpoint(str(GPU / "written-on-a-gpu.pt"), device="cpu")
     assert loaded.step == there["steps"] and next(loaded.model.parameters()).device.type == "cpu"
     assert loaded.config.train.device == "cuda" and loaded.config.train.optimizer == "muon"
     ids = loaded.vocab.encode(loaded.tokenizer.split(there["prompt"]))
