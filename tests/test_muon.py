@@ -62,8 +62,9 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(tie):
 
 
 def test_muon_orthogonalises_in_float32_where_bf16_is_emulated_and_is_torchs_muon_in_bf16(monkeypatch):
-    # A tall, a wide and a square matrix: Muon transposes the tall one and scales its rate.
-    start = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(16, 16)]
+    # Tall, wide and square matrices: Muon transposes the tall ones and scales their rate, and
+    # orthogonalises the matrices of one shape as one stack.
+    start = [torch.randn(48, 16), torch.randn(16, 48), torch.randn(16, 16), torch.randn(48, 16), torch.randn(16, 16)]
 
     def steps(make):
         params = [nn.Parameter(w.clone()) for w in start]

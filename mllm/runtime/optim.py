@@ -85,24 +85,28 @@ def newton_schulz_dtype(device: torch.device) -> tuple[torch.dtype, str]:
 def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration (Keller Jordan's, as torch.optim.Muon has it) in
-    `dtype`: an approximation of U V^T for g = U S V^T, computed on the wide orientation."""
+    `dtype`: an approximation of U V^T for each matrix g = U S V^T of a stack (count, rows, cols),
+    computed on the wide orientation."""
     a, b, c = coefficients
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
+        x = x.mT
+    x = x / torch.linalg.matrix_norm(x, keepdim=True).clamp(min=eps)
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon with its Newton-Schulz iteration in `ns_dtype` (newton_schulz_dtype).
+    """torch.optim.Muon with its Newton-Schulz iteration in `ns_dtype` (newton_schulz_dtype), and
+    the matrices of one shape orthogonalised together, as one batched iteration.
 
     The same update rule, hyperparameters and state (one `momentum_buffer` per matrix), so a
-    checkpoint moves between machines whichever precision each one orthogonalises in."""
+    checkpoint moves between machines whichever precision each one orthogonalises in. torch's
+    iteration takes one matrix at a time: on a GPU a step of shakespeare-gpt (24 matrices of
+    four shapes) was launch-bound, 52 ms against AdamW's 19.5; here it is four batched ones."""
 
     def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
         super().__init__(params, **kwargs)
@@ -115,24 +119,32 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            if group["adjust_lr_fn"] not in (None, "original"):
+            if group.get("adjust_lr_fn") not in (None, "original"):
                 raise ValueError(f"adjust_lr_fn {group['adjust_lr_fn']} is not supported here")
             lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads, bufs = [p.grad for p in params], []
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                       self.ns_dtype)
+                bufs.append(state["momentum_buffer"])
+            torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+            shapes: dict[tuple[int, ...], list[int]] = {}
+            for i, p in enumerate(params):
+                shapes.setdefault(tuple(p.shape), []).append(i)
+            for (rows, cols), idx in shapes.items():
+                ortho = orthogonalise(torch.stack([updates[i] for i in idx]), group["ns_coefficients"],
+                                      group["ns_steps"], group["eps"], self.ns_dtype)
                 # torch's "original" rate: larger for tall matrices, sqrt(max(1, rows / cols)).
-                scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update.to(p.dtype), alpha=-lr * scale)
+                scale = max(1.0, rows / cols) ** 0.5
+                ps = [params[i] for i in idx]
+                torch._foreach_add_(ps, [o.to(ps[0].dtype) for o in ortho.unbind(0)], alpha=-lr * scale)
         return loss
 
 
