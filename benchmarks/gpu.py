@@ -14,8 +14,8 @@ each step bounded so that a slow one cannot eat the rest of `--budget` seconds:
 2. shakespeare-gpt, the whole recipe (nanoGPT's shakespeare_char: val loss 1.4697 published after
    5,000 iterations), stopped by `train.max_minutes` if it runs longer: val loss, time to 1.47,
    tokens/s, MFU against the spec sheet's dense bf16 peak, `train.dtype: auto`'s choice.
-3. nanoGPT against mllm, the same model and batch (shakespeare-gpt's: 6/6/384, block 256, batch
-   64, dropout 0.2), 300 iterations each, both compiled and in bf16: tokens/s and MFU from the
+3. nanoGPT against mllm, the same model, batch and optimizer (shakespeare-gpt's: 6/6/384, block
+   256, batch 64, dropout 0.2; AdamW), 300 iterations each, both compiled and in bf16: tokens/s and MFU from the
    median step after the first 50, with the same FLOPs per token (nanoGPT's estimate) for both.
 4. warandpeace-lstm for what is left (90 s at most): steps/s, the loss curve, and the time its
    full seven epochs would take at that rate.
@@ -199,7 +199,8 @@ def side_by_side(out: Path, scratch: Path, timeout: float, device: str, toy: boo
     overrides.update({"train.batch_size": shape["batch_size"], "train.window": shape["block_size"],
                       "train.max_steps": steps, "train.log_interval": 1, "train.eval_interval": 100000,
                       "train.eval_batches": 2, "train.checkpoint_interval": 100000, "train.device": device,
-                      "train.compile": device != "cpu", "train.checkpoint_minutes": None})
+                      "train.compile": device != "cpu", "train.checkpoint_minutes": None,
+                      "train.optimizer": "adamw"})  # nanoGPT's optimizer: the same work a step
     # mllm first: its compilation finds step 2's in inductor's cache, nanoGPT's has none to find.
     ours = _train("shakespeare-gpt", WORK / "shakespeare", scratch, "mllm-300", overrides, log, timeout / 2)
     nano = _run([sys.executable, "train.py", "config/train_shakespeare_char.py", *flags], log,
