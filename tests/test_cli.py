@@ -366,10 +366,12 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     assert f"checkpoint: {root}/runs/" in out.stdout
 
     # Run again: the stages reused say nothing (no Prefect "Finished in state Cached" line), the
-    # model named as before is found, and the outcome says why nothing trained.
+    # model named as before is found, and the outcome says why nothing trained. (On the session's
+    # Prefect server: the stages' cache is in PREFECT_HOME, and a second temporary server would
+    # show nothing the first did not.)
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--model", "terminal-smoke",
               "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
-              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
+              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert {line.split()[0] for line in lines} <= {"download", "tokenize", "train"}, out.stderr

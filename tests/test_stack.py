@@ -404,34 +404,6 @@ def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_pat
             assert set(d.parameter_openapi_schema["properties"]) >= {"recipe", "source", "overrides", "train_on", "force"}
 
 
-def test_a_sweep_on_the_pool_trains_its_points_side_by_side_on_the_worker(stack_env: Stack, tmp_path: Path) -> None:
-    # Last in this module: its points register smoke models, which the tests above must not meet.
-    steps = ["train.max_steps=100", "train.eval_interval=50", "train.checkpoint_interval=50", "sample.max_new_tokens=20"]
-    proc = stack_env.cli("sweep", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt",
-                         "--storage", f"s3://{BUCKET}/sweep", "--train-on", "local", "--grid", "train.lr=1e-3,3e-3",
-                         *[a for s in steps for a in ("--set", s)], cwd=tmp_path)
-    out, err = proc.communicate(timeout=400)
-    assert proc.returncode == 0, err[-3000:]
-    parent_id = next(line.split()[-1] for line in out.splitlines() if line.startswith("sweep mlflow run:"))
-
-    client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
-    points = client.search_runs([client.get_run(parent_id).info.experiment_id],
-                                f"tags.`mlflow.parentRunId` = '{parent_id}'")
-    assert len(points) == 2 and all(r.data.tags["train.pool"] == "local" for r in points)
-    assert len({k.split("/")[2] for k in stack_env.keys("sweep/tokens/")}) == 1  # prepared once, shared
-
-    # Each point's training was a flow run of the pool's deployment, and the sweep submitted the
-    # second before the first had finished (when the worker starts each is its polling's business:
-    # on a loaded machine a 4 s training can end before the worker's next poll).
-    ids = {r.info.run_id for r in points}
-    with get_client(sync_client=True) as prefect:
-        trains = [t for t in prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
-                  if t.parameters.get("run_id") in ids]
-    assert len(trains) == 2 and all(t.work_pool_name == "local" and t.state.is_completed() for t in trains)
-    assert max(t.created for t in trains) < min(t.end_time for t in trains), [
-        (t.created, t.start_time, t.end_time) for t in trains]
-
-
 def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: Stack, tmp_path: Path) -> None:
     out = prewarmed.run("flows.cli", ["schedule", "--recipe", "default", "--cron", "0 3 1 1 *", "--storage", f"s3://{BUCKET}/form"],
                         env={**os.environ, **stack_env.env}, cwd=tmp_path, timeout=120)

@@ -204,7 +204,8 @@ def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_
 def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and_parallel_bounds_one(
         pg_stack: dict, tmp_path: Path) -> None:
     # One sweep of three points and one of two that takes one at a time (--parallel 1), together on
-    # the pool's two slots: five trainings, never more than two at once, each on a GPU of its own.
+    # the pool's two slots: five trainings, never more than two at once, each on a GPU of its own;
+    # a sweep's points are flow runs of the pool's deployment, nested under the sweep's MLflow run.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **pg_stack["state"]["env"]}
     started = datetime.now().astimezone()
     steps = ["train.max_steps=30", "train.eval_interval=15", "train.checkpoint_interval=15", "sample.max_new_tokens=10"]
@@ -217,9 +218,15 @@ def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and
         procs[name] = prewarmed.start("flows.cli", [
             "sweep", "--recipe", "smoke", "--source", str(folder / "corpus.txt"), "--storage", pg_stack["root"],
             "--train-on", "local", *options, *[a for s in steps for a in ("--set", s)]], env, folder)
+    outs = {}
     for name, proc in procs.items():
-        _, err = proc.communicate(timeout=500)
+        outs[name], err = proc.communicate(timeout=500)
         assert proc.returncode == 0, (name, err[-3000:])
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    parent_id = next(line.split()[-1] for line in outs["three"].splitlines() if line.startswith("sweep mlflow run:"))
+    points = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                                f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    assert len(points) == 3 and all(r.data.tags["train.pool"] == "local" for r in points)
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as prefect:
         trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
                                         flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=started)))
@@ -230,11 +237,14 @@ def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and
             freed = next(m for m in logs if "free again" in m.message)
             held[t.id] = (took.message.rsplit("CUDA_VISIBLE_DEVICES=", 1)[1].rstrip(")"), took.timestamp, freed.timestamp)
     assert len(trains) == 5 and all(t.state.is_completed() and t.work_pool_name == "local" for t in trains)
+    assert {t.parameters.get("run_id") for t in trains} >= {r.info.run_id for r in points}
     # Never more than the pool's two slots at once. (Whether two ran side by side at some moment is
     # the worker's polling's business: under three test workers on 2 cores, these 8 s trainings
-    # started 20 s apart. A sweep handing its points to the pool without waiting for each is
-    # tests/test_stack.py's.)
+    # started 20 s apart.) The sweep of three handed its second point to the pool before its first
+    # had ended, as its points wait for slots, not for each other.
     assert _most_at_once(trains) <= 2, [(t.start_time, t.end_time) for t in trains]
+    three = sorted((t for t in trains if "three" in str(t.parameters["cfg"]["data"]["source"])), key=lambda t: t.created)
+    assert len(three) == 3 and three[1].created < three[0].end_time, [(t.created, t.end_time) for t in three]
     # Trainings that held a GPU at the same time held different ones of the worker's two: a GPU
     # goes to the next training only once the last freed it. (A flow run's own window is wider:
     # it starts before its training takes a GPU and ends after it frees it.)
