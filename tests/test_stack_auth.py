@@ -178,15 +178,29 @@ def secured(tmp_path_factory) -> Secured:
         mp.undo()
 
 
+def _open(req: urllib.request.Request, ca: str):
+    """The response to `req`, its 503s tried again as Prefect's and MLflow's own clients do: a
+    server that answers "busy" (CI, 2026-11-28: the secured stack's Prefect, a deployment created
+    seconds after the stack came up) has not decided anything about the caller."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)))
+    for attempt in range(4):
+        try:
+            return opener.open(req, timeout=60)
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == 3:
+                raise
+            print(f"503 from {req.get_method()} {req.full_url}, tried again: {e.read()[:300]!r}")
+            time.sleep(1 + attempt)
+
+
 def _call(url: str, ca: str, user: tuple[str, str] | None, method: str = "GET", body: dict | None = None) -> int:
     req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     if user:
         req.add_header("Authorization", stack_auth.basic(*user))
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                         urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)))
     try:
-        with opener.open(req, timeout=60) as r:
+        with _open(req, ca) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -285,13 +299,13 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
 def _json(url: str, ca: str, user: tuple[str, str], body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "Authorization": stack_auth.basic(*user)})
-    with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=ca), timeout=60) as r:
+    with _open(req, ca) as r:
         return json.loads(r.read())
 
 
 def _put(url: str, ca: str, user: tuple[str, str], data: bytes) -> int:
     req = urllib.request.Request(url, data=data, method="PUT", headers={"Authorization": stack_auth.basic(*user)})
-    with urllib.request.urlopen(req, context=ssl.create_default_context(cafile=ca), timeout=60) as r:
+    with _open(req, ca) as r:
         return r.status
 
 
