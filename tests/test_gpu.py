@@ -6,9 +6,8 @@ mllm and torch are imported, so the module runs on a GPU machine without the pip
 
     python -m pytest -m gpu tests/test_gpu.py --noconftest
 
-(benchmarks/gpu.py does, as its first step). With MLLM_GPU_CHECKPOINT_OUT=FOLDER set, the last
-test leaves a small trained checkpoint there with what the GPU computed from it; kept in
-tests/data/gpu/, tests/test_gpu_checkpoint.py reads it on a CPU.
+(benchmarks/gpu.py does, as its first step). The last test reads the checkpoint it wrote there in
+a process that sees no GPU, as a CPU machine would.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,13 +191,28 @@ def test_a_checkpoint_written_on_the_gpu_loads_and_samples(data_dir, tmp_path):
     greedy = generate(loaded.model, ids, 60, dtype="float32")
     text = loaded.tokenizer.detokenize(loaded.tokenizer.split(PROMPT) + loaded.vocab.decode(greedy))
     assert result.val_loss < 2.0 and text.startswith(PROMPT) and len(text) > len(PROMPT) + 40
-    if out := os.environ.get("MLLM_GPU_CHECKPOINT_OUT"):
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(result.checkpoint, folder / "written-on-a-gpu.pt")
-        (folder / "computed.json").write_text(json.dumps({
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": result.steps,
-            "val_loss": result.val_loss, "dtype_used": result.dtype_used, "prompt": PROMPT,
-            "prompt_ids": ids, "last_logits": logits[0, -1].float().tolist(), "greedy_ids": greedy,
-            "greedy_text": text,
-        }, indent=1))
+    # Read where no GPU is visible (a CPU machine's view): the same weights, the same float32
+    # arithmetic in another order, the same greedy continuation.
+    there = subprocess.run([sys.executable, "-c", ON_A_CPU, str(result.checkpoint), json.dumps(ids)],
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                           timeout=300)
+    assert there.returncode == 0, there.stderr[-3000:]
+    cpu = json.loads(there.stdout.splitlines()[-1])
+    assert cpu["cuda"] is False and cpu["step"] == result.steps and cpu["device"] == "cpu"
+    torch.testing.assert_close(torch.tensor(cpu["last_logits"]), logits[0, -1].float().cpu(), atol=1e-3, rtol=1e-4)
+    assert cpu["greedy_ids"] == greedy
+
+
+ON_A_CPU = """
+import json, sys
+import torch
+from mllm.lm.generate import generate
+from mllm.runtime.checkpoint import load_checkpoint
+loaded = load_checkpoint(sys.argv[1], device="cpu")
+ids = json.loads(sys.argv[2])
+with torch.no_grad():
+    logits, _, _ = loaded.model(torch.tensor([ids]))
+print(json.dumps({"cuda": torch.cuda.is_available(), "step": loaded.step,
+                  "device": next(loaded.model.parameters()).device.type, "last_logits": logits[0, -1].tolist(),
+                  "greedy_ids": generate(loaded.model, ids, 60, dtype="float32")}))
+"""
