@@ -47,6 +47,18 @@ CANDIDATES = {
     "the default, muon lr 0.02": {"recipe": "default", "train.muon_lr": 0.02},
     # The default 192 wide: a model that learns more per step may want to be larger.
     "the default, 192 wide": {"recipe": "default", "model.n_embd": 192},
+    # The default reading twice the context, the same tokens per step: every validation token is
+    # scored with up to 127 characters before it instead of 63.
+    "the default, block 128, batch 16x128": {"recipe": "default", "model.block_size": 128,
+                                             "train.window": 128, "train.batch_size": 16},
+    # The default with twice the windows a step: larger products, fewer steps.
+    "the default, batch 64": {"recipe": "default", "train.batch_size": 64},
+    # The default with value embeddings (model.value_embeds), per-layer residual scalars
+    # (model.residual_scalars), and both: nanochat's pieces that issue 47 left to measure.
+    "the default + value embeddings": {"recipe": "default", "model.value_embeds": True},
+    "the default + residual scalars": {"recipe": "default", "model.residual_scalars": True},
+    "the default + value embeddings, residual scalars": {"recipe": "default", "model.value_embeds": True,
+                                                         "model.residual_scalars": True},
     # The recipe `make run` trained before this benchmark existed.
     "lstm 2x256, batch 64x64, lr 3e-3": {**LSTM_BASE, "model.n_layer": 2, "model.hidden_size": 256,
                                          "train.batch_size": 64, "train.window": 64, "train.lr": 3e-3,

@@ -193,6 +193,12 @@ class GPTConfig(_Section):
     mlp: Literal["gelu", "relu2"] = "gelu"  # relu2: relu(x)^2, as modded-nanogpt and nanochat
     zero_init_proj: bool = False  # attention and MLP output projections start at zero
     logit_softcap: float | None = Field(None, gt=0)  # logits -> c * tanh(logits / c)
+    # Every other layer's values, the last layer's included, mix in a second embedding of the
+    # token: v -> a * v + b * ve(token), a and b learned per layer (ResFormer; modded-nanogpt).
+    value_embeds: bool = False
+    # Before each layer x -> r_i * x + s_i * x0, x0 the embedded input, r_i and s_i learned
+    # per layer (nanochat); r = 1, s = 0 at first, so the model starts as the one without them.
+    residual_scalars: bool = False
 
     @model_validator(mode="after")
     def _heads(self) -> "GPTConfig":

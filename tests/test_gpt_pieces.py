@@ -13,10 +13,11 @@ from mllm.config import model_config
 from mllm.family import build_model
 from mllm.resolve import validate
 from mllm.lm.generate import generate
-from mllm.lm.gpt_pieces import Rotary, qk_norm, softcap
+from mllm.lm.gpt_pieces import Rotary, qk_norm, softcap, value_layers
+from mllm.runtime.optim import muon_split
 
 ALL = dict(positions="rotary", norm="rmsnorm", qk_norm=True, mlp="relu2", zero_init_proj=True,
-           logit_softcap=15.0, tie_weights=False)
+           logit_softcap=15.0, tie_weights=False, value_embeds=True, residual_scalars=True)
 
 
 def gpt(**kw):
@@ -153,6 +154,57 @@ def test_zero_init_projections_make_each_block_the_identity_at_first():
     assert gpt().transformer.h[0].attn.c_proj.weight.abs().sum() > 0  # the default is GPT-2's init
 
 
+def test_value_embeddings_mix_into_the_values_of_every_other_layer_from_the_last():
+    assert value_layers(4) == [1, 3] and value_layers(3) == [0, 2] and value_layers(1) == [0]
+    model = shaken(gpt(n_layer=3, value_embeds=True)).eval()
+    assert sorted(model.value_embeds) == ["0", "2"] and model.transformer.h[1].attn.ve_lambdas is None
+    # Layer 2's attention written out: v = a * v + b * ve(token), a and b the layer's own.
+    attn, h, idx = model.transformer.h[2].attn, torch.randn(2, 6, 16), torch.randint(0, 11, (2, 6))
+    q, k, v = attn.c_attn(h).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    a, b = attn.ve_lambdas
+    v = a * v + b * model.value_embeds["2"](idx).view(2, 6, 2, 8).transpose(1, 2)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(8) + torch.full((6, 6), float("-inf")).triu(1)
+    y = attn.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 6, 16))
+    ve = model.value_embeds["2"](idx)
+    torch.testing.assert_close(attn(h, ve=ve), y, atol=1e-5, rtol=0)
+    assert (attn(h) - y).abs().max() > 0.1  # without it, another output
+    # Backward: the table and both mixing weights learn; the tables are AdamW's, not Muon's.
+    gy = torch.randn_like(y)
+    grads = torch.autograd.grad(attn(h, ve=ve), [attn.ve_lambdas, model.value_embeds["2"].weight], gy)
+    ref = torch.autograd.grad(y, [attn.ve_lambdas, model.value_embeds["2"].weight], gy)
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+        assert g.abs().sum() > 0
+    muon, _ = muon_split(model)
+    assert not {id(p) for p in muon} & {id(p) for p in model.value_embeds.parameters()}
+
+
+def test_residual_scalars_start_as_the_plain_gpt_and_scale_each_layers_input():
+    torch.manual_seed(0)
+    plain = shaken(gpt()).eval()
+    scaled = gpt(residual_scalars=True).eval()
+    missing = scaled.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["resid_lambdas", "x0_lambdas"]
+    idx = torch.randint(0, 11, (2, 16))
+    torch.testing.assert_close(scaled(idx)[0], plain(idx)[0], atol=0, rtol=0)  # r = 1, s = 0
+    with torch.no_grad():
+        scaled.resid_lambdas.copy_(torch.tensor([0.7, 1.3]))
+        scaled.x0_lambdas.copy_(torch.tensor([0.2, -0.4]))
+    x0 = scaled.transformer.wte(idx) + scaled.transformer.wpe(torch.arange(16))
+    x = x0
+    for i, block in enumerate(scaled.transformer.h):
+        x = block(scaled.resid_lambdas[i] * x + scaled.x0_lambdas[i] * x0)
+    ref = scaled.lm_head(scaled.transformer.ln_f(x))
+    logits, loss, _ = scaled(idx, idx)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    scalars = [scaled.resid_lambdas, scaled.x0_lambdas]
+    grads = torch.autograd.grad(loss, scalars)
+    for g, r in zip(grads, torch.autograd.grad(F.cross_entropy(ref.view(-1, 11), idx.view(-1)), scalars)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+        assert g.abs().min() > 0  # every layer's pair learns
+    assert [n for n, p in scaled.named_parameters() if p.dim() < 2 and "lambdas" in n] == ["resid_lambdas", "x0_lambdas"]
+
+
 def test_the_defaults_are_nanogpts_gpt():
     model = gpt()
     assert model.speed_variant == {} and isinstance(model.transformer.ln_f, torch.nn.LayerNorm)
@@ -170,8 +222,9 @@ def test_the_defaults_are_nanogpts_gpt():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
-@pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(positions="rotary", mlp="relu2"), ALL],
-                         ids=["rotary", "the-default-recipes", "all"])
+@pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(positions="rotary", mlp="relu2"),
+                                    dict(value_embeds=True, residual_scalars=True), ALL],
+                         ids=["rotary", "the-default-recipes", "value-embeds-residual-scalars", "all"])
 def test_the_cache_equals_the_full_forward(attention, pieces):
     model = shaken(gpt(attention=attention, **pieces)).eval()
     idx = torch.randint(0, 11, (2, 16))
@@ -200,8 +253,9 @@ def test_cached_decoding_equals_recomputation_with_every_piece(attention):
 
 
 @pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(norm="rmsnorm", qk_norm=True),
-                                    dict(mlp="relu2", zero_init_proj=True), dict(logit_softcap=10.0), ALL],
-                         ids=["rotary", "norms", "relu2-zero", "softcap", "all"])
+                                    dict(mlp="relu2", zero_init_proj=True), dict(logit_softcap=10.0),
+                                    dict(value_embeds=True, residual_scalars=True), ALL],
+                         ids=["rotary", "norms", "relu2-zero", "softcap", "value-embeds-scalars", "all"])
 def test_each_piece_learns(pieces):
     text = torch.tensor([i % 11 for i in range(400)]) * 7 % 11
     x = torch.stack([text[s:s + 16] for s in range(0, 300, 7)])

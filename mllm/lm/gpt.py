@@ -5,7 +5,8 @@ transformer's fixed table, `model.positions`), pre-LayerNorm blocks of causal se
 (torch's SDPA kernel, or the same attention written out in tensor code: `model.attention`) and a
 GELU MLP, output weights tied to the token embedding. The modern small-GPT pieces (rotary
 positions, RMSNorm, QK-norm, ReLU^2, zero-initialised projections, a logit softcap: see
-mllm.lm.gpt_pieces) are options of the config, off by default.
+mllm.lm.gpt_pieces; value embeddings and per-layer residual scalars, here) are options of the
+config, off by default.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import ModelConfig
-from mllm.lm.gpt_pieces import ReLU2, Rotary, norm, qk_norm, softcap
+from mllm.lm.gpt_pieces import ReLU2, Rotary, norm, qk_norm, softcap, value_layers
 from mllm.runtime.optim import optim_groups
 from mllm.transformer import SinusoidalPositions, causal_attention, causal_mask, explicit_attention
 
@@ -65,7 +66,8 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None,
+                 value_embed: bool = False):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
         self.explicit = config.attention == "explicit"
@@ -79,8 +81,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.qk_norm = config.qk_norm
         self.rotary: Rotary | None = None  # the GPT's one table, set by the GPT (positions: rotary)
+        # model.value_embeds: v -> a * v + b * ve; modded-nanogpt starts both at one half.
+        self.ve_lambdas = nn.Parameter(torch.tensor([0.5, 0.5])) if value_embed else None
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0, ve: torch.Tensor | None = None):
         B, T, C = x.shape
         # One view and one permute for q, k and v together (the same strides as split + 3 views
         # + 3 transposes): fewer ops matter when generating, where each one touches a single token.
@@ -94,6 +98,9 @@ class CausalSelfAttention(nn.Module):
             (q, k), v = qk.unbind(0), qkv[2]
         else:
             q, k, v = qkv.unbind(0)
+        if ve is not None:  # [B, T, C], the token's value embedding; cached keys hold it already
+            ve = ve.to(v.dtype).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            v = self.ve_lambdas[0] * v + self.ve_lambdas[1] * ve
         if cache is not None:
             k, v = cache.append(layer, k, v)
         dropout_p = self.dropout if self.training else 0.0
@@ -130,15 +137,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None,
+                 value_embed: bool = False):
         super().__init__()
         self.ln_1 = norm(config.norm, config.n_embd, config.bias)
-        self.attn = CausalSelfAttention(config, kernels)
+        self.attn = CausalSelfAttention(config, kernels, value_embed)
         self.ln_2 = norm(config.norm, config.n_embd, config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, layer=0):
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x, cache=None, layer=0, ve=None):
+        x = x + self.attn(self.ln_1(x), cache, layer, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -148,6 +156,7 @@ class GPT(nn.Module):
         assert config.arch == "gpt" and config.vocab_size > 0
         self.config = config
         self.attention_kernels: dict[torch.dtype, str] = {}  # see CausalSelfAttention.kernels
+        ve_layers = value_layers(config.n_layer) if config.value_embeds else []
         # A formula could go on past block_size; the tables stop there all the same, because
         # block_size is also the size of the KV cache and of the context sampling keeps.
         wpe = {"learned": lambda: nn.Embedding(config.block_size, config.n_embd),
@@ -157,7 +166,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             **({"wpe": wpe} if wpe is not None else {}),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, self.attention_kernels) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, self.attention_kernels, i in ve_layers) for i in range(config.n_layer)]),
             ln_f=norm(config.norm, config.n_embd, config.bias),
         ))
         # One table for every layer (non-persistent buffers: no weights, nothing in a checkpoint).
@@ -165,6 +174,13 @@ class GPT(nn.Module):
         self.rotary = Rotary(config.block_size, config.n_embd // config.n_head) if rotary else None
         for block in self.transformer.h:
             block.attn.rotary = self.rotary
+        # model.value_embeds: one table per layer that mixes one in; outside the blocks, so AdamW's
+        # (an embedding), not Muon's. model.residual_scalars: r_i and s_i of each layer.
+        self.value_embeds = nn.ModuleDict(
+            {str(i): nn.Embedding(config.vocab_size, config.n_embd) for i in ve_layers}) if ve_layers else None
+        if config.residual_scalars:
+            self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
+            self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
@@ -199,8 +215,12 @@ class GPT(nn.Module):
             x = x + self.transformer.wpe(pos)
         if self.training:
             x = self.transformer.drop(x)
+        x0, ves = x, self.value_embeds
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, state, layer)
+            if self.config.residual_scalars:
+                x = self.resid_lambdas[layer] * x + self.x0_lambdas[layer] * x0
+            ve = ves[str(layer)](idx) if ves is not None and str(layer) in ves else None
+            x = block(x, state, layer, ve)
         logits = self.lm_head(self.transformer.ln_f(x))
         if self.config.logit_softcap is not None:
             logits = softcap(logits, self.config.logit_softcap)

@@ -57,6 +57,12 @@ class ReLU2(nn.Module):
         return F.relu(x).square()
 
 
+def value_layers(n_layer: int) -> list[int]:
+    """The layers that mix in a value embedding (`model.value_embeds`): every other one, counted
+    back from the last, which always does (nanochat's choice)."""
+    return [i for i in range(n_layer) if i % 2 == (n_layer - 1) % 2]
+
+
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(logits / cap): the logits stay in (-cap, cap), near-identity well inside."""
     return cap * torch.tanh(logits / cap)
