@@ -95,7 +95,14 @@ class Precision:
 # --- the machine ----------------------------------------------------------------------------
 
 def cpu_model() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+    """The CPU's name with its family and model numbers: a virtual machine may name only the
+    vendor's line ("AMD EPYC"), which tells Zen 4 (family 25) from Zen 5 (26) no more, and the
+    two train this project's models at very different speeds (docs/benchmarks.md)."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if info.get("cpu family") and info.get("model"):
+        name += f", family {info['cpu family']} model {info['model']}"
+    return name
 
 
 def cpu_flags() -> set[str]:
