@@ -88,7 +88,8 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     """A markdown table of `rows`; columns are (key, title) pairs."""
     def cell(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
+            # Below 10, five significant digits: a loss of 1.1976 read as "1.2" hides what was measured.
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.5g}" if abs(v) < 10 else f"{v:.1f}"
         if isinstance(v, int):
             return f"{v:,}"
         return "" if v is None else str(v)

@@ -37,22 +37,26 @@ LSTM_BASE = {"model.arch": "lstm", "model.n_embd": 32, "model.dropout": 0.0, "tr
              "train.optimizer": "adam", "train.grad_clip": 1.0, "train.lr_schedule": "cosine"}
 
 CANDIDATES = {
-    # What `make run` trains now (mllm/recipes/default.yaml): GPT 4x4x128 with rotary positions and
-    # a ReLU² MLP, Muon (0.01) for the blocks' matrices and AdamW (2e-3) for the rest (issue 47).
+    # What `make run` trains now (mllm/recipes/default.yaml): GPT 4x4x128 reading 128 characters,
+    # rotary positions and a ReLU² MLP, Muon (0.01) for the blocks' matrices and AdamW (2e-3) for
+    # the rest (issue 47).
     "the default recipe": {"recipe": "default"},
-    # The default before issue 47: learned positions, GELU, AdamW alone.
+    # The default before its context went to 128: block 64, 32 windows a step (the same tokens).
+    "the default at block 64, batch 32x64": {"recipe": "default", "model.block_size": 64, "train.window": 64,
+                                             "train.batch_size": 32},
+    # The default before issue 47: learned positions, GELU, AdamW alone, block 64.
     "the default before issue 47 (adamw, learned positions, gelu)": {
-        "recipe": "default", "train.optimizer": "adamw", "model.positions": "learned", "model.mlp": "gelu"},
+        "recipe": "default", "train.optimizer": "adamw", "model.positions": "learned", "model.mlp": "gelu",
+        "model.block_size": 64, "train.window": 64, "train.batch_size": 32},
     # The default with Muon's rate at train.muon_lr's default, 0.02 (chosen at 600 steps, docs/benchmarks.md).
     "the default, muon lr 0.02": {"recipe": "default", "train.muon_lr": 0.02},
     # The default 192 wide: a model that learns more per step may want to be larger.
     "the default, 192 wide": {"recipe": "default", "model.n_embd": 192},
-    # The default reading twice the context, the same tokens per step: every validation token is
-    # scored with up to 127 characters before it instead of 63.
-    "the default, block 128, batch 16x128": {"recipe": "default", "model.block_size": 128,
-                                             "train.window": 128, "train.batch_size": 16},
+    # Twice the default's context, the same tokens per step (attention's share of the work grows).
+    "the default, block 256, batch 8x256": {"recipe": "default", "model.block_size": 256,
+                                            "train.window": 256, "train.batch_size": 8},
     # The default with twice the windows a step: larger products, fewer steps.
-    "the default, batch 64": {"recipe": "default", "train.batch_size": 64},
+    "the default, batch 32": {"recipe": "default", "train.batch_size": 32},
     # The default with value embeddings (model.value_embeds), per-layer residual scalars
     # (model.residual_scalars), and both: nanochat's pieces that issue 47 left to measure.
     "the default + value embeddings": {"recipe": "default", "model.value_embeds": True},
@@ -201,6 +205,9 @@ def main() -> None:
         paths = token_ids(wp, folder / "wp")
         vocab = Vocab.load(paths["vocab"])
         val = np.load(paths["val_ids"])[:args.val_tokens]
+        # As many training tokens, the split's last: the gap to the validation loss says whether a
+        # contender has begun to learn its training text rather than the language (overfitting).
+        train_tail = np.load(paths["train_ids"])[-len(val):]
         prompt = vocab.encode(list("The "))
         for name in names:
             print(f"{name}: training for {args.minutes} min on {threads} threads", flush=True)
@@ -213,14 +220,17 @@ def main() -> None:
             window = getattr(model.config, "block_size", 64) if model.config.arch == "gpt" else 64
             t0 = time.perf_counter()
             score = evaluate(model, val, window, 64)
+            train_score = evaluate(model, train_tail, window, 64)
             text = "".join(vocab.decode(generate(model, prompt, 200, method="top-p", top_p=0.9,
                                                  temperature=0.8, seed=1, use_cache=name != "nanoGPT")))
             row = {"contender": name, **got, "tokens_seen": got["steps"] * got["tokens_per_step"],
                    "val_loss": score["loss"], "bits_per_char": score["bits_per_token"],
+                   "train_loss": train_score["loss"],
                    "eval_s": time.perf_counter() - t0, "load": load(), "sample": "The " + text}
             rows.append(row)
             print(f"  {row['steps']} steps in {row['train_s']:.0f} s of training ({row['stop']}), "
-                  f"val loss {row['val_loss']:.4f}, {row['bits_per_char']:.3f} bits/char, load {row['load']}\n"
+                  f"val loss {row['val_loss']:.4f}, {row['bits_per_char']:.3f} bits/char, train loss {row['train_loss']:.4f}, "
+                  f"load {row['load']}\n"
                   f"  sample: {row['sample']!r}", flush=True)
     ref = next((r["val_loss"] for r in rows if r["contender"] == "nanoGPT"), None)
     for r in rows:
@@ -228,6 +238,7 @@ def main() -> None:
     print()
     print(table(rows, [("contender", "contender"), ("steps", "steps"), ("tokens_seen", "tokens seen"),
                        ("train_s", "training s"), ("val_loss", "val loss"), ("bits_per_char", "bits/char"),
+                       ("train_loss", "train loss (its last tokens, as many)"),
                        ("vs_nanogpt", "val loss - nanoGPT's"), ("load", "load avg")]))
     print("\nsamples (top-p 0.9, temperature 0.8, seed 1):")
     for r in rows:
