@@ -11,7 +11,7 @@ from pathlib import Path
 import prewarmed
 import pytest
 
-from conftest import cli, one_line_error
+from conftest import cli, one_line_error, temporary_server_home
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +34,7 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
     # Prefect's temporary server, which the command starts, in `prefect`: a signal to the whole
     # group (below) must not reach it, or the command waits minutes on it to record the end.
     env["PREFECT_API_URL"] = ""
+    temporary_server_home(prefect)  # a user's home after their first run: its database exists
     # No periodic checkpoint before the signal: by steps or by minutes, none would come.
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=3000",
             "--set", "train.checkpoint_interval=3000", "--set", "train.checkpoint_minutes=60",
