@@ -171,38 +171,18 @@ def test_a_service_run_through_runuser_is_stopped_without_runusers_kill_two_seco
     assert "killed" not in (folder / "slow.log").read_text()
 
 
-def test_the_stack_on_its_own_postgres_trains_on_its_pool_and_keeps_its_records_across_restarts(
-        pg_stack: dict, tmp_path: Path) -> None:
-    home, env = pg_stack["home"], pg_stack["state"]["env"]
+def test_the_stack_on_its_own_postgres_keeps_both_servers_records_in_its_cluster(pg_stack: dict) -> None:
+    # What trains on it, and that its records outlive a restart: the two sweeps' test below.
+    home = pg_stack["home"]
     assert [s.name for s in pg_stack["state"]["services"]] == ["postgres", "prefect-server", "mlflow-server", "worker"]
     assert database.recorded(home)["database"].startswith(f"PostgreSQL {(home / 'postgres/data/PG_VERSION').read_text().strip()} in ")
     assert not list(home.rglob("*.db"))  # no SQLite file: both servers are on PostgreSQL
     assert oct((home / "postgres" / "password").stat().st_mode & 0o777) == "0o600"
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(make_text(3000))
-    done = _cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", pg_stack["root"], "--train-on",
-                "local", *[a for s in FAST for a in ("--set", s)], cwd=tmp_path, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run_id = next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("mlflow run:"))
-    assert MlflowClient(env["MLFLOW_TRACKING_URI"]).get_run(run_id).data.tags["train.pool"] == "local"
-    # The rows are in the cluster's databases: MLflow's run, Prefect's training flow run on the pool.
-    assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
-    assert ("COMPLETED", "local") in _cluster_query(
-        home, "mllm_prefect", "SELECT f.state_type::text, w.name FROM flow_run f JOIN work_queue q ON f.work_queue_id = q.id "
-                              "JOIN work_pool w ON q.work_pool_id = w.id")
-
-    # Down stops the cluster with the rest; up starts the same cluster again, records and all.
-    stopped = dict(stack.down(home))
-    assert stopped["postgres"] is True and not any(s.alive() for s in pg_stack["state"]["services"])
-    again = stack.up(home, pg_stack["root"], prefect_port=0, mlflow_port=0, slots=2, worker_env=_worker_env(pg_stack["dir"]))
-    pg_stack["state"] = again
-    assert MlflowClient(again["env"]["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "FINISHED"
-    assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
-
 
 def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and_parallel_bounds_one(
         pg_stack: dict, tmp_path: Path) -> None:
+    # Then the cluster holds their records, and holds them across the stack's down and up.
     # One sweep of three points and one of two that takes one at a time (--parallel 1), together on
     # the pool's two slots: five trainings, never more than two at once, each on a GPU of its own;
     # a sweep's points are flow runs of the pool's deployment, nested under the sweep's MLflow run.
@@ -259,6 +239,20 @@ def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and
 
     bad = _cli("sweep", "--recipe", "smoke", "--parallel", "0", "--grid", "train.lr=1e-3,2e-3", cwd=tmp_path, env=env)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --parallel 0: give at least 1 (the points that run at once)"
+
+    # The rows are in the cluster's databases: MLflow's runs, Prefect's training flow runs on the pool.
+    home, run_id = pg_stack["home"], points[0].info.run_id
+    assert _cluster_query(home, "mllm_mlflow", f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
+    assert ("COMPLETED", "local") in _cluster_query(
+        home, "mllm_prefect", "SELECT f.state_type::text, w.name FROM flow_run f JOIN work_queue q ON f.work_queue_id = q.id "
+                              "JOIN work_pool w ON q.work_pool_id = w.id")
+    # Down stops the cluster with the rest; up starts the same cluster again, records and all.
+    stopped = dict(stack.down(home))
+    assert stopped["postgres"] is True and not any(s.alive() for s in pg_stack["state"]["services"])
+    again = stack.up(home, pg_stack["root"], prefect_port=0, mlflow_port=0, slots=2, worker_env=_worker_env(pg_stack["dir"]))
+    pg_stack["state"] = again
+    assert MlflowClient(again["env"]["MLFLOW_TRACKING_URI"]).get_run(run_id).info.status == "FINISHED"
+    assert stack.slots_of(again["env"]["PREFECT_API_URL"], "local") == 2
 
 
 def _most_at_once(runs) -> int:
