@@ -116,12 +116,18 @@ def test_a_tracking_server_killed_mid_training_and_back_gets_every_metric(corpus
         proxy = TcpProxy(int(server.url.rsplit(":", 1)[1])).start()
         env = {**env, "MLFLOW_TRACKING_URI": proxy.url}
         client = MlflowClient(server.url)
+        # The standby answers (its store opened) before the training starts, and the training looks
+        # at an away server every second, not 10: on a fast CPU (a Zen 5 EPYC) the 2,900 steps after
+        # the kill took less time than the standby's start plus one 10 s wait, and the training
+        # ended with its server still away.
+        standby.wait_ready()
+        MlflowClient(standby.url).search_experiments()
+        env = {**env, "MLLM_METRICS_RETRY_S": "1"}
         proc = _start_training(["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=3000",
                                 "--set", "train.log_interval=10"], env)
         _wait_for_logged_step(client, proc, 100)
         killed = _kill(server)
         # Back once the training has met the dead server (its next metric request, within 2 s).
-        standby.wait_ready()
         while not proxy.unreached:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.1)

@@ -324,6 +324,12 @@ def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_
     monkeypatch.setenv("MLLM_METRICS_EVERY_S", "soon")
     with pytest.raises(UserError, match="MLLM_METRICS_EVERY_S='soon': give seconds"):
         run.metrics_after_resume()
+    monkeypatch.setenv("MLLM_METRICS_EVERY_S", "2")
+    monkeypatch.setenv("MLLM_METRICS_RETRY_S", "0")
+    with pytest.raises(UserError, match="MLLM_METRICS_RETRY_S='0': give the seconds between two looks"):
+        run.metrics_after_resume()
+    monkeypatch.setenv("MLLM_METRICS_RETRY_S", "0.5")
+    assert run.metrics_after_resume().every_s == 0.5
 
 
 def test_datasets_carry_our_digest_source_and_size(uri, tmp_path):

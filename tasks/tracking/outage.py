@@ -55,6 +55,20 @@ def metrics_every_s() -> float:
     return value
 
 
+def retry_every_s() -> float:
+    """Seconds between two looks at a tracking server that stopped answering during a training
+    (MLLM_METRICS_RETRY_S, default 10; each look a 2 s health check)."""
+    raw = os.environ.get("MLLM_METRICS_RETRY_S", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"MLLM_METRICS_RETRY_S={raw!r}: give the seconds between two looks at a tracking server "
+                        "that stopped answering, more than 0")
+    return value
+
+
 def server() -> str | None:
     """The tracking server's URL (without credentials), or None for a local store."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()

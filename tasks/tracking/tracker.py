@@ -304,7 +304,8 @@ class RunTracker:
                 self.log_metrics(fresh)
 
         every = self.cfg.train.checkpoint_interval
-        return outage.HeldMetrics(log, pace_s=outage.metrics_every_s(), urgent=lambda step: step % every == 0,
+        return outage.HeldMetrics(log, every_s=outage.retry_every_s(), pace_s=outage.metrics_every_s(),
+                                  urgent=lambda step: step % every == 0,
                                   keep=lambda records: outage.keep_unsent(self.storage_root, self.run_id, records))
 
     def log_loss_curve(self) -> str | None:
