@@ -16,7 +16,6 @@ import functools
 import io
 import itertools
 import json
-import os
 import threading
 from typing import Any
 
@@ -175,7 +174,8 @@ def passing(exc: BaseException | None) -> bool:
 def retry_delay_s() -> float:
     """Seconds before a point (or a search trial) that failed of a passing failure runs once more:
     MLLM_SWEEP_RETRY_DELAY_S, 10 by default."""
-    return float(os.environ.get("MLLM_SWEEP_RETRY_DELAY_S", "10"))
+    return outage.seconds_setting("MLLM_SWEEP_RETRY_DELAY_S", "10", True,
+                                  "give the seconds before a failed point runs again, 0 or more")
 
 
 def passing_failure(task: object, task_run: object, state: object) -> bool:

@@ -41,7 +41,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
         model_tasks.check_training_code(code)
     # On a worker with several GPUs: GPUs of its own, one a rank, beside the worker's other trainings.
     with gpus.own_devices(cfg.train.nproc_per_node, cfg.train.device, get_run_logger()):
-        return model_tasks.train(cfg, data, root, run_id, search)
+        stage = model_tasks.train.with_options(retry_delay_seconds=model_tasks.retry_delay_s())
+        return stage(cfg, data, root, run_id, search)
 
 
 def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None,

@@ -175,6 +175,14 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     return job, run_dir
 
 
+def retry_delay_s() -> float:
+    """Seconds before the training stage runs again after a storage failure, resuming from its
+    last checkpoint: MLLM_TRAIN_RETRY_DELAY_S, 5 by default (docs/faults.md)."""
+    return outage.seconds_setting("MLLM_TRAIN_RETRY_DELAY_S", "5", True,
+                                  "give the seconds before a failed training runs again, 0 or more")
+
+
+# The delay is given where the task is called (flows/training.py): retry_delay_s().
 @task(name="train", on_failure=[forget_exception],
       retries=2, retry_delay_seconds=5, retry_condition_fn=retry_io_only)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, search: bool = False) -> Trained:

@@ -188,12 +188,13 @@ def test_a_storage_root_on_a_store_that_never_answers_fails_within_its_timeouts(
 def test_a_store_that_hangs_mid_training_ends_the_run_like_a_dead_one_and_keeps_the_checkpoint(stores, tmp_path):
     with run_s3_server(tmp_path / "s3") as server:
         server.client().create_bucket(Bucket=BUCKET)
-        # One attempt per request (AWS_MAX_ATTEMPTS=1) keeps the test short: the bound scales with it.
+        # One attempt per request (AWS_MAX_ATTEMPTS=1) keeps the test short: the bound scales with it;
+        # Prefect's two retries of the training come a second after each failure, not five.
         proc = prewarmed.start(
             "flows.cli", ["run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"),
                           "--storage", f"s3://{BUCKET}/hang", *[a for s in LONG for a in ("--set", s)]],
             _env({**server.env, **on_session_server(stores), "AWS_MAX_ATTEMPTS": "1",
-                  "MLLM_S3_READ_TIMEOUT": str(READ_S)}))
+                  "MLLM_S3_READ_TIMEOUT": str(READ_S), "MLLM_TRAIN_RETRY_DELAY_S": "1"}))
         stopped = None
         try:
             deadline = time.monotonic() + 240

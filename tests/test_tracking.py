@@ -332,6 +332,23 @@ def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_
     assert run.metrics_after_resume().every_s == 0.5
 
 
+def test_the_delays_before_a_training_and_a_point_run_again_are_settings(monkeypatch):
+    from flows.sweep import retry_delay_s as point_delay
+    from tasks.model import retry_delay_s as training_delay
+
+    assert (training_delay(), point_delay()) == (5, 10)
+    monkeypatch.setenv("MLLM_TRAIN_RETRY_DELAY_S", "0.5")
+    monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "0")
+    assert (training_delay(), point_delay()) == (0.5, 0)
+    monkeypatch.setenv("MLLM_TRAIN_RETRY_DELAY_S", "soon")
+    with pytest.raises(UserError, match=r"^MLLM_TRAIN_RETRY_DELAY_S='soon': give the seconds before a failed "
+                                        r"training runs again, 0 or more$"):
+        training_delay()
+    monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "-1")
+    with pytest.raises(UserError, match=r"^MLLM_SWEEP_RETRY_DELAY_S='-1': give the seconds before a failed point"):
+        point_delay()
+
+
 def test_datasets_carry_our_digest_source_and_size(uri, tmp_path):
     sha = "9f" * 32  # a whole sha256: longer than MLflow's 36-character digest column
     with RunTracker(config(), str(tmp_path / "storage")) as run:

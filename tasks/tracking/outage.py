@@ -41,7 +41,7 @@ def _logger() -> Any:
 HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
 
 
-def _seconds(name: str, default: str, zero_ok: bool, what: str) -> float:
+def seconds_setting(name: str, default: str, zero_ok: bool, what: str) -> float:
     """The seconds an environment variable gives: more than 0 (or 0 too, `zero_ok`); a one-line
     error naming the variable otherwise."""
     raw = os.environ.get(name, default)
@@ -58,13 +58,13 @@ def metrics_every_s() -> float:
     """Seconds between two metric requests of a training (MLLM_METRICS_EVERY_S, default 2): one
     log_batch costs 25-55 ms over HTTP on a 2-core machine, 3-5% of a small model's training
     when sent at every log step (docs/team-stack.md, tracking overhead). 0 sends every log step."""
-    return _seconds("MLLM_METRICS_EVERY_S", "2", True, "give seconds between metric requests, 0 or more")
+    return seconds_setting("MLLM_METRICS_EVERY_S", "2", True, "give seconds between metric requests, 0 or more")
 
 
 def retry_every_s() -> float:
     """Seconds between two looks at a tracking server that stopped answering during a training
     (MLLM_METRICS_RETRY_S, default 10; each look a 2 s health check)."""
-    return _seconds("MLLM_METRICS_RETRY_S", "10", False, "give the seconds between two looks at a tracking server "
+    return seconds_setting("MLLM_METRICS_RETRY_S", "10", False, "give the seconds between two looks at a tracking server "
                     "that stopped answering, more than 0")
 
 
