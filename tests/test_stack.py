@@ -184,8 +184,9 @@ def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finis
     args = ("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus2.txt", "--storage",
             f"s3://{BUCKET}/outage", *[a for s in LONG for a in ("--set", s)])
     # botocore tries each request twice instead of five times (each storage call then gives up
-    # in seconds, not tens of seconds); Prefect's retries of the stage come on top.
-    proc = stack_env.cli(*args, cwd=tmp_path, AWS_MAX_ATTEMPTS="2")
+    # in seconds, not tens of seconds); Prefect's retries of the stage come on top, a second after
+    # each failure (MLLM_TRAIN_RETRY_DELAY_S; 5 s by default).
+    proc = stack_env.cli(*args, cwd=tmp_path, AWS_MAX_ATTEMPTS="2", MLLM_TRAIN_RETRY_DELAY_S="1")
     try:
         _wait_for("checkpoint", lambda: _checkpoint(stack_env, "outage/runs/"), 240, proc)
         stack_env.s3.proxy.stop()  # the endpoint goes away in the middle of training
@@ -249,57 +250,6 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST")
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=30) as r:
         return json.loads(r.read())
-
-
-def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then_up_at_once_works(tmp_path: Path) -> None:
-    home, ports = tmp_path / "stack", [stack.free_port(), stack.free_port()]
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "MLLM_STACK_HOME": str(home)}
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        return prewarmed.run("flows.cli", ["stack", *args], env=env, cwd=tmp_path, timeout=300)
-
-    new = ("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), "--storage", str(tmp_path / "storage"))
-    try:
-        assert (up := cli(*new)).returncode == 0, up.stderr[-3000:]
-        before = {s.name: s.pid for s in stack.load(home)["services"]}
-        os.kill(before["mlflow-server"], signal.SIGKILL)  # its uvicorn, in the same group, lives on with the port
-
-        status = cli("status")
-        assert status.returncode == 1
-        lines = status.stdout.splitlines()
-        assert any(line.startswith("mlflow-server   NOT RUNNING") for line in lines), status.stdout
-        assert any(line.startswith("prefect-server  running") for line in lines), status.stdout
-
-        again = cli("up")
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert "started again: mlflow-server; running already, reused: " in again.stderr
-        after = {s.name: s.pid for s in stack.load(home)["services"]}
-        assert after["prefect-server"] == before["prefect-server"] and after["worker"] == before["worker"]
-        assert after["mlflow-server"] != before["mlflow-server"]
-        tracking = f"http://127.0.0.1:{ports[1]}"  # the same URL as before
-        assert MlflowClient(tracking).create_experiment("after-the-restart")
-        assert cli("status").returncode == 0
-
-        # A flow run in flight on the stack: `down` refuses, naming it; once it ended, `down` stops.
-        api = f"http://127.0.0.1:{ports[0]}/api"
-        flow = _post(f"{api}/flows/", {"name": "pipeline"})
-        run = _post(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": "busy-otter", "state": {"type": "RUNNING"}})
-        refused = cli("down")
-        assert refused.returncode == 2 and cli("status").returncode == 0
-        assert refused.stderr.strip() == ("error: flow runs use the stack: pipeline/busy-otter (RUNNING); let them "
-                                          "finish (or cancel them), or stop the stack under them with `mllm-pipeline "
-                                          "stack down --force`")
-        _post(f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "COMPLETED"}, "force": True})
-        assert (down := cli("down")).returncode == 0, down.stderr
-
-        # At once on the same ports: connections the servers closed are still in TIME_WAIT.
-        assert _time_wait(*ports)
-        assert (up := cli(*new)).returncode == 0, up.stderr[-3000:]
-        assert MlflowClient(tracking).get_experiment_by_name("after-the-restart")
-    finally:
-        services = stack.load(home)["services"]
-        cli("down", "--force")
-    assert services and not any(s.alive() for s in services)
 
 
 # -- scheduled retraining -------------------------------------------------------------------
@@ -454,3 +404,61 @@ def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, 
     verdicts = [k for k in stack_env.keys("search/runs/") if "/search/verdict-" in k]
     assert len(verdicts) == 3 and sum(k.endswith("verdict-30.json") for k in verdicts) == 3, verdicts
     assert len({k.split("/")[2] for k in stack_env.keys("search/tokens/")}) == 1  # prepared once, shared
+
+
+# -- last on the module's stack: it restarts a server, then stops and starts the whole stack ------
+
+
+def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then_up_at_once_works(
+        stack_env: Stack, tmp_path: Path) -> None:
+    home = stack_env.home
+    state = stack.load(home)
+    ports = [int(state["env"][k].rstrip("/").removesuffix("/api").rsplit(":", 1)[1])
+             for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")]
+    env = {**os.environ, **stack_env.env, "MLLM_STACK_HOME": str(home)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return prewarmed.run("flows.cli", ["stack", *args], env=env, cwd=tmp_path, timeout=300)
+
+    new = ("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), "--storage", state["storage"])
+    try:
+        before = {s.name: s.pid for s in state["services"]}
+        os.kill(before["mlflow-server"], signal.SIGKILL)  # its uvicorn, in the same group, lives on with the port
+
+        status = cli("status")
+        assert status.returncode == 1
+        lines = status.stdout.splitlines()
+        assert any(line.startswith("mlflow-server   NOT RUNNING") for line in lines), status.stdout
+        assert any(line.startswith("prefect-server  running") for line in lines), status.stdout
+
+        again = cli("up")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "started again: mlflow-server; running already, reused: " in again.stderr
+        after = {s.name: s.pid for s in stack.load(home)["services"]}
+        assert after["prefect-server"] == before["prefect-server"] and after["worker"] == before["worker"]
+        assert after["mlflow-server"] != before["mlflow-server"]
+        tracking = f"http://127.0.0.1:{ports[1]}"  # the same URL as before
+        assert tracking == state["env"]["MLFLOW_TRACKING_URI"].rstrip("/")
+        assert MlflowClient(tracking).create_experiment("after-the-restart")
+        assert cli("status").returncode == 0
+
+        # A flow run in flight on the stack: `down` refuses, naming it; once it ended, `down` stops.
+        api = f"http://127.0.0.1:{ports[0]}/api"
+        flow = _post(f"{api}/flows/", {"name": "pipeline"})
+        run = _post(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": "busy-otter", "state": {"type": "RUNNING"}})
+        refused = cli("down")
+        assert refused.returncode == 2 and cli("status").returncode == 0
+        assert refused.stderr.strip() == ("error: flow runs use the stack: pipeline/busy-otter (RUNNING); let them "
+                                          "finish (or cancel them), or stop the stack under them with `mllm-pipeline "
+                                          "stack down --force`")
+        _post(f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "COMPLETED"}, "force": True})
+        assert (down := cli("down")).returncode == 0, down.stderr
+
+        # At once on the same ports: connections the servers closed are still in TIME_WAIT.
+        assert _time_wait(*ports)
+        assert (up := cli(*new)).returncode == 0, up.stderr[-3000:]
+        assert MlflowClient(tracking).get_experiment_by_name("after-the-restart")
+    finally:
+        services = stack.load(home)["services"]
+        cli("down", "--force")
+    assert services and not any(s.alive() for s in services)
