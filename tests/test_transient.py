@@ -78,17 +78,17 @@ def _point_runs(servers: dict, out: subprocess.CompletedProcess, view: int = Vie
 
 
 def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, tmp_path: Path) -> None:
-    # 20 s: both clients back off and retry (Prefect doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES
+    # 10 s: both clients back off and retry (Prefect doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES
     # times; MLflow likewise), so a window shorter than their budgets costs time and fails nothing.
     # The budgets' lengths (the project's 7 retries, about 4 minutes, against Prefect's default 5,
     # about a minute) are in flows/__init__.py; waiting out a minute here would only re-measure them.
     prefect, mlflow = servers["prefect"], servers["mlflow"]
     before = prefect.answered_503, mlflow.answered_503
-    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(20, until_met=90),
-                                                         mlflow.unavailable(20, until_met=90)))
+    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(10, until_met=90),
+                                                         mlflow.unavailable(10, until_met=90)))
     # Requests to both during the window: the training's progress line goes to Prefect's API every
     # second, its metrics to MLflow every 2 s (MLLM_METRICS_EVERY_S). On a loaded machine a point
-    # can spend all 20 s retrying Prefect and send MLflow nothing (seen once): a window no request
+    # can spend all 10 s retrying Prefect and send MLflow nothing (seen once): a window no request
     # met stays open until one does.
     out = _sweep(servers, tmp_path, seed=11, env={"MLLM_LOG_EVERY_S": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
