@@ -177,7 +177,7 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
 
 def retry_delay_s() -> float:
     """Seconds before the training stage runs again after a storage failure, resuming from its
-    last checkpoint: MLLM_TRAIN_RETRY_DELAY_S, 5 by default (docs/faults.md)."""
+    last checkpoint: MLLM_TRAIN_RETRY_DELAY_S, 5 by default (docs/object-storage.md)."""
     return outage.seconds_setting("MLLM_TRAIN_RETRY_DELAY_S", "5", True,
                                   "give the seconds before a failed training runs again, 0 or more")
 

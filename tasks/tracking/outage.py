@@ -64,8 +64,8 @@ def metrics_every_s() -> float:
 def retry_every_s() -> float:
     """Seconds between two looks at a tracking server that stopped answering during a training
     (MLLM_METRICS_RETRY_S, default 10; each look a 2 s health check)."""
-    return seconds_setting("MLLM_METRICS_RETRY_S", "10", False, "give the seconds between two looks at a tracking server "
-                    "that stopped answering, more than 0")
+    return seconds_setting("MLLM_METRICS_RETRY_S", "10", False,
+                           "give the seconds between two looks at a tracking server that stopped answering, more than 0")
 
 
 def server() -> str | None:
