@@ -185,11 +185,10 @@ def test_the_stack_on_its_own_postgres_keeps_both_servers_records_in_its_cluster
 
 def test_two_sweeps_at_once_on_a_pool_of_two_slots_run_at_most_two_trainings_and_parallel_bounds_one(
         pg_stack: dict, tmp_path: Path) -> None:
-    # Then the cluster holds their records, and holds them across the stack's down and up.
     # One sweep of two points and one of two that takes one at a time (--parallel 1), together on
     # the pool's two slots: four trainings, never more than two at once (three without the bound),
-    # each on a GPU of its own;
-    # a sweep's points are flow runs of the pool's deployment, nested under the sweep's MLflow run.
+    # each on a GPU of its own; a sweep's points are flow runs of the pool's deployment, nested
+    # under the sweep's MLflow run. Then the cluster holds their records, across a down and up too.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **pg_stack["state"]["env"]}
     started = datetime.now().astimezone()
     steps = ["train.max_steps=30", "train.eval_interval=15", "train.checkpoint_interval=15", "sample.max_new_tokens=10"]
