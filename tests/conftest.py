@@ -5,10 +5,12 @@ These variables are set before any test module imports prefect or mlflow, which 
 
 from __future__ import annotations
 
+import atexit
 import base64
 import functools
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,17 @@ from textdata import WORDS, make_text, write_char_ids  # noqa: F401  (re-exporte
 
 from flows import QUIET_ENV
 
+# Temporary files: this process's own (pytest's, the fixtures') go where TMPDIR said when the run
+# began; those of the commands and servers it starts (Prefect's workspaces, torchrun's folders) go
+# under its home below, as does everything else the run writes, and the home is removed when the
+# process ends (by the reaper when it is killed, pytest_configure). An xdist worker inherits its
+# controller's TMPDIR: the run's own is kept in MLLM_TESTS_OUTER_TMPDIR.
+tempfile.tempdir = os.environ.setdefault("MLLM_TESTS_OUTER_TMPDIR", tempfile.gettempdir())
 _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
+(_HOME / "tmp").mkdir()
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ.update({
+    "TMPDIR": str(_HOME / "tmp"),
     **QUIET_ENV,
     "PREFECT_HOME": str(_HOME / "prefect"),
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
@@ -73,7 +84,7 @@ def pytest_configure(config) -> None:
         from servers import reap
 
         os.setpgid(0, 0)
-        reap(os.getpid())
+        reap(os.getpid(), remove=[_HOME])
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -28,6 +28,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -186,11 +187,12 @@ def _socket_path() -> str:
         return _server[0][1]
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="mllm-prewarmed-")
+    folder = tempfile.mkdtemp(prefix="mllm-prewarmed-", dir=os.environ.get("TMPDIR"))  # in the suite: its home
     path = os.path.join(folder, "socket")
     log = open(os.path.join(folder, "server.log"), "wb")
     proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             cwd=str(Path(__file__).resolve().parents[1]))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the kill below (atexit: last in, first run)
     atexit.register(proc.kill)
     deadline = time.monotonic() + 180
     while not os.path.exists(path):

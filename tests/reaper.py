@@ -1,6 +1,7 @@
-"""`python tests/reaper.py WATCHED_PID PGID`: end process group PGID once process WATCHED_PID is
-gone, so that a server a test started does not outlive a test run that was killed (SIGTERM,
-SIGKILL, a crashed xdist worker) before its fixtures could stop it.
+"""`python tests/reaper.py WATCHED_PID PGID [FOLDER ...]`: end process group PGID once process
+WATCHED_PID is gone, so that a server a test started does not outlive a test run that was killed
+(SIGTERM, SIGKILL, a crashed xdist worker) before its fixtures could stop it; then remove the
+FOLDERs (the test process's home), which nothing of the group writes to any more.
 
 It leads a session of its own, so the signal that ended the run does not end it too, and exits
 by itself once the group has ended."""
@@ -8,6 +9,7 @@ by itself once the group has ended."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -36,7 +38,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def main(watched: int, pgid: int, poll: float = 0.5) -> None:
+def main(watched: int, pgid: int, remove: list[str], poll: float = 0.5) -> None:
     while _group_alive(pgid):
         if not _alive(watched):
             os.killpg(pgid, signal.SIGTERM)
@@ -45,9 +47,11 @@ def main(watched: int, pgid: int, poll: float = 0.5) -> None:
                 time.sleep(0.2)
             if _group_alive(pgid):
                 os.killpg(pgid, signal.SIGKILL)
-            return
+            break
         time.sleep(poll)
+    for folder in remove:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])

@@ -23,7 +23,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import pytest
 
@@ -55,9 +55,11 @@ def background(cmd: list[str], health_url: str, log: Path, env: dict[str, str] |
     return service
 
 
-def reap(pgid: int) -> None:
-    """End process group `pgid` when this process ends, even by SIGKILL."""
-    subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid()), str(pgid)],
+def reap(pgid: int, remove: Iterable[Path] = ()) -> None:
+    """End process group `pgid` when this process ends, even by SIGKILL, then remove the folders
+    `remove`."""
+    subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid()), str(pgid),
+                      *map(str, remove)],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)
 

@@ -56,13 +56,20 @@ def test_a_server_a_test_started_ends_when_the_test_process_is_killed(tmp_path: 
     assert _gone(pid), "the server outlived the process that started it"
 
 
-def test_a_workers_leftover_processes_end_with_the_worker(tmp_path: Path) -> None:
-    # What conftest.pytest_configure does in an xdist worker: a group of its own, reaped.
-    pid = _killed_after(tmp_path, """
+def test_a_workers_leftover_processes_end_with_the_worker_and_its_home_goes(tmp_path: Path) -> None:
+    # What conftest.pytest_configure does in an xdist worker: a group of its own, reaped, and its
+    # home (the Prefect and MLflow folders, its commands' temporary files) removed after.
+    home = tmp_path / "home"
+    (home / "tmp").mkdir(parents=True)
+    pid = _killed_after(tmp_path, f"""
         from servers import reap
         os.setpgid(0, 0)
-        reap(os.getpid())
+        reap(os.getpid(), remove=[{str(home)!r}])
         left = subprocess.Popen(["sleep", "600"])  # in the worker's group, as a command a test ran
         print(left.pid, flush=True)
     """)
     assert _gone(pid), "a process the worker started outlived it"
+    deadline = time.monotonic() + 20
+    while home.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not home.exists(), "the killed worker's home was left behind"
