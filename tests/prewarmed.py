@@ -78,6 +78,9 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    import tempfile
+
+    tempfile.tempdir = None  # found again from the command's TMPDIR, as a new interpreter would
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     sys.argv = [request["module"], *request["args"]]

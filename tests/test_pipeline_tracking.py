@@ -85,13 +85,17 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     [text] = model.predict(["The "], params={"method": "greedy", "max_new_tokens": 15})
     assert text.startswith("The ") and len(text) == 4 + 15
 
-    # The same model from the CLI, by registered name and by run.
-    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url)
+    # The same model from the CLI, by registered name and by run; MLflow's copy of the model's
+    # files, made in the temporary folder, is gone once the command ends.
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, TMPDIR=str(temporary))
     for how in (["--model", "smoke@champion"], ["--run", r.mlflow_run_id]):
         out = prewarmed.run("flows.cli", ["sample", *how, "--prompt", "The ", "--method", "greedy", "--max-new-tokens", "15"],
                             env=env, timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.rstrip("\n") == text
+        assert not list(temporary.iterdir()), list(temporary.iterdir())
 
     out = prewarmed.run("flows.cli", ["runs", "--json"], env=env, timeout=300)
     rows = json.loads(out.stdout)

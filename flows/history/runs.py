@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -80,12 +81,15 @@ def model_uri(root: str, run_id: str | None = None, model: str | None = None) ->
 
 def served(root: str, uri: str, device: str | None = None) -> Any:
     """The registered model at `uri`, loaded as MLflow serves it (on a GPU when there is one),
-    moved to `device` when one is named."""
+    moved to `device` when one is named. MLflow's copy of the model's files, which it would leave
+    in the temporary folder, goes when this process ends (its code stays importable until then)."""
     import mlflow.pyfunc
 
     tracking_uri(root)
+    copy = tempfile.mkdtemp(prefix="mllm-served-")
+    atexit.register(shutil.rmtree, copy, ignore_errors=True)
     try:
-        model = mlflow.pyfunc.load_model(uri)
+        model = mlflow.pyfunc.load_model(uri, dst_path=copy)
     except MlflowException as e:
         raise UserError(f"cannot load model {uri}: {str(e).splitlines()[0]}") from None
     loaded = getattr(model.unwrap_python_model(), "loaded", None)
