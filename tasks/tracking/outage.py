@@ -17,6 +17,7 @@ import http
 import logging
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -208,19 +209,38 @@ def prefect_down(exc: BaseException | None) -> str | None:
     return None
 
 
+# fail_fast's blocks in flight in this process, and the settings it put in the environment for
+# them: MLflow's client reads its settings from the environment, which every thread shares.
+_fast_lock = threading.Lock()
+_fast_blocks = 0
+_fast_set: list[str] = []
+
+
 @contextlib.contextmanager
 def fail_fast(timeout: float = 10.0) -> Iterator[None]:
     """MLflow's requests without its retries (minutes of them) while the block runs: a request to
-    a server that is away fails in seconds and its caller decides what to do."""
+    a server that is away fails in seconds and its caller decides what to do.
+
+    The settings are the process's (MLflow reads them from the environment), so they hold until
+    the last block in flight ends: a sweep's points close their failed runs in threads side by
+    side, and a block that ended first must not hand the others back minutes of retries. The
+    first block's `timeout` holds for those that overlap it; the user's own settings win."""
+    global _fast_blocks
     wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout))}
-    before = {k: os.environ.get(k) for k in wanted}
-    os.environ.update({k: v for k, v in wanted.items() if before[k] is None})  # the user's own settings win
+    with _fast_lock:
+        if _fast_blocks == 0:
+            _fast_set[:] = [k for k in wanted if k not in os.environ]
+            os.environ.update({k: wanted[k] for k in _fast_set})
+        _fast_blocks += 1
     try:
         yield
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
+        with _fast_lock:
+            _fast_blocks -= 1
+            if _fast_blocks == 0:
+                for k in _fast_set:
+                    os.environ.pop(k, None)
+                _fast_set.clear()
 
 
 class HeldMetrics:
