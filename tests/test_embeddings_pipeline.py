@@ -67,7 +67,7 @@ def test_cbow_smoke_trains_evaluates_exports_and_registers_a_model_that_answers(
                                               dst_path=str(tmp_path / "a"))
     kv = KeyedVectors.load_word2vec_format(w2v)
     assert kv.vector_size == 16 and "war" in kv.key_to_index
-    model = mlflow.pyfunc.load_model("models:/cbow-smoke@champion")
+    model = mlflow.pyfunc.load_model("models:/cbow-smoke@champion", dst_path=str(tmp_path))
     [answer] = model.predict(["war"], params={"neighbours": 3})
     assert answer == table  # "war: at 0.83, andrew 0.80, ...": words and cosines, as the samples show
 

@@ -81,7 +81,7 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     assert secret not in json.dumps([run.data.params, tags])
 
     assert r.champion.name == "smoke" and r.champion.promoted
-    model = mlflow.pyfunc.load_model("models:/smoke@champion")
+    model = mlflow.pyfunc.load_model("models:/smoke@champion", dst_path=str(tmp_path))
     [text] = model.predict(["The "], params={"method": "greedy", "max_new_tokens": 15})
     assert text.startswith("The ") and len(text) == 4 + 15
 

@@ -56,7 +56,7 @@ def test_seq2seq_smoke_trains_scores_draws_attention_and_registers_a_translator(
 
     # The registered model translates as the checkpoint does, greedy and with a beam.
     loaded = load_checkpoint(r.trained.best_checkpoint)
-    model = mlflow.pyfunc.load_model("models:/seq2seq-smoke@champion")
+    model = mlflow.pyfunc.load_model("models:/seq2seq-smoke@champion", dst_path=str(tmp_path))
     texts = ["twenty-one", "three hundred and five"]
     assert model.predict(texts) == translate_texts(loaded, texts, "greedy")
     assert model.predict(texts, params={"method": "beam", "beam_width": 2}) == \

@@ -505,7 +505,7 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     assert report["promoted"] is False and report["version"] == "2" and report["val_loss"] == 2.5
     assert client.get_model_version(name, "2").tags["val_loss"] == "2.5"
 
-    model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
+    model = mlflow.pyfunc.load_model(f"models:/{name}@champion", dst_path=str(tmp_path))
     params = model.metadata.get_params_schema()
     assert {p.name for p in params.params} >= {"method", "max_new_tokens", "temperature", "top_k", "top_p", "seed"}
     # The served model generates exactly what the checkpoint does through mllm itself.
