@@ -249,6 +249,35 @@ def basic_auth_server(tmp_path: Path):
     server.server_close()
 
 
+class _Failing(http.server.BaseHTTPRequestHandler):
+    hits: list[str]
+
+    def do_GET(self):  # noqa: N802 (the stdlib's name)
+        self.hits.append(self.path)
+        self.send_response(500)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def failing_server():
+    """A real HTTP server on loopback that answers every request 500 (a server whose database is
+    down), and the paths it was asked for, in order."""
+    hits: list[str] = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_Failing,), {"hits": hits}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def files_holding(needle: str, *folders: Path) -> list[str]:
     """The files under `folders` whose bytes contain `needle` (a secret that must be nowhere)."""
     return [str(path) for folder in folders for path in folder.rglob("*")

@@ -322,34 +322,6 @@ def test_a_missing_extra_is_named_with_its_brackets_and_recipes_say_which_need_o
     one_line_error(out, "pip install 'mllm-pipeline[embeddings]'")
 
 
-@pytest.fixture
-def failing_server():
-    """A real HTTP server on loopback that answers every request 500, counting them."""
-    import http.server
-    import threading
-
-    hits = []
-
-    class Failing(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the stdlib's name)
-            hits.append(self.path)
-            self.send_response(500)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        do_HEAD = do_GET
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", hits
-    finally:
-        server.shutdown()
-
-
 def test_a_server_error_is_called_one_and_retried_like_a_cut_connection(failing_server, own_stores):
     url, hits = failing_server
     env, *_ = own_stores
