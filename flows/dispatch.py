@@ -40,7 +40,8 @@ import tasks
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks.tracking import tracker as tracking
-from tasks.model import Prepared, Trained, parse_progress, train_job, training_code
+from tasks.model import Prepared, Trained
+from tasks.model.train import parse_progress, train_job, training_code
 
 ENTRYPOINT = "flows.training:train"
 

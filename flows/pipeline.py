@@ -25,7 +25,6 @@ from mllm import UserError, layout, storage
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.resolve import recipe_names, resolve
-from tasks import model as model_tasks
 from tasks.caching import forget_exception, result_storage
 from tasks.data.download import corpus_changes, download, download_source, file_identities
 from tasks.data.generated import generate_data
@@ -34,7 +33,11 @@ from tasks.data.split import split_source
 from tasks.data.tokenize import dropped_line, tokenize_source
 from tasks.data.vocabulary import build_vocabulary
 from tasks.tracking import outage
-from tasks.model import Evaluation, Prepared, Trained, describe
+from tasks.model import Evaluation, Prepared, Trained
+from tasks.model import evaluate as evaluation_stage
+from tasks.model import generate as sample_stage
+from tasks.model.evaluate import describe
+from tasks.model.train import lineage_tags, train_key
 from tasks.tracking.registry import (Champion, Outcome, current_champion, log_outcome, log_skipped,
                                      shares_files, skip_reason, version_trained_on)
 from tasks.tracking.tracker import RunTracker, log_data, run_url
@@ -72,8 +75,8 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
 def evaluate(cfg: RunConfig, trained: Trained, data: Prepared) -> tuple[Evaluation, dict[str, list[str]]]:
     """Score the trained model on the validation split and generate its samples."""
-    evaluation = model_tasks.evaluate(cfg, trained, data, "val")
-    samples = model_tasks.generate(cfg, trained)
+    evaluation = evaluation_stage.evaluate(cfg, trained, data, "val")
+    samples = sample_stage.generate(cfg, trained)
     return evaluation, samples
 
 
@@ -169,7 +172,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
     # makes room, and the same command goes on from what was kept.
     with storage.room_on(root):
         data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
-        key = model_tasks.train_key(cfg, data)
+        key = train_key(cfg, data)
         registry = tracking_client(root)
         # A reproduction never reads or touches the registry: it verifies a run, it never competes.
         champion = None if reproduces else current_champion(registry, model_name)
@@ -191,7 +194,7 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
             # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
             # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
             log_data(run.run_id, quote(cfg), root, quote(data))
-            run.set_tags(model_tasks.lineage_tags(cfg, data))  # for `lineage`, skipped runs too
+            run.set_tags(lineage_tags(cfg, data))  # for `lineage`, skipped runs too
             # A corpus of many files: what changed since its sources were last read (a schedule's question).
             changes = corpus_changes(data, root)
             run.log_params({f"corpus.{k}": v for k, v in changes.items()})
@@ -223,7 +226,7 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     files = None if family_of(cfg).data == "generated" else file_identities(data)
     rival = champion is not None and shares_files(champion, files)
     if rival and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
-        scorer = model_tasks.score_champion.with_options(result_storage=result_storage(root))
+        scorer = evaluation_stage.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
     return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,
                        reproduces, model, quote(files))

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 from flows import dispatch, gpus
 from flows.launch import with_results
 from mllm.config import RunConfig
-from tasks import model as model_tasks
+from tasks.model import train as training_stage
 from tasks.model import Prepared, Trained
 
 
@@ -38,10 +38,10 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
         search: A search's trial: at each evaluation, ask the search's pruner through storage.
     """
     if code is not None:
-        model_tasks.check_training_code(code)
+        training_stage.check_training_code(code)
     # On a worker with several GPUs: GPUs of its own, one a rank, beside the worker's other trainings.
     with gpus.own_devices(cfg.train.nproc_per_node, cfg.train.device, get_run_logger()):
-        stage = model_tasks.train.with_options(retry_delay_seconds=model_tasks.retry_delay_s())
+        stage = training_stage.train.with_options(retry_delay_seconds=training_stage.retry_delay_s())
         return stage(cfg, data, root, run_id, search)
 
 

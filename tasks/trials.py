@@ -1,7 +1,7 @@
 """A search's say in its trials' trainings: the callable that the training loop asks at each
 evaluation whether to stop (`mllm.train.train(on_eval=...)`), found by the training's key.
 
-The search (flows/search.py) registers one for the key a trial trains under before it starts the
+The search (flows/search/flow.py) registers one for the key a trial trains under before it starts the
 trial's pipeline, and the training stage in this process picks it up. A key has one hook at a
 time: two trials of the same config train into the same folder, so they never run at once.
 

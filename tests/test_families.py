@@ -220,7 +220,7 @@ def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> Non
     probe = textwrap.dedent("""
         import json, types
         from mllm.resolve import resolve
-        from tasks.model import train_key
+        from tasks.model.train import train_key
         data = types.SimpleNamespace(splits=types.SimpleNamespace(key="s"), vocab=types.SimpleNamespace(digest="v"))
         print(json.dumps(train_key(resolve("smoke"), data)))
     """)

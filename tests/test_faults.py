@@ -99,7 +99,7 @@ def test_a_failure_past_prefects_start_is_one_line_and_leaves_no_pickled_excepti
 def test_a_worker_with_other_training_code_refuses_the_job_naming_both_commits():
     from flows.training import train
     from mllm import UserError
-    from tasks.model import training_code
+    from tasks.model.train import training_code
 
     caller = {"digest": "0123456789abcdef", "commit": "c0ffee0000000000000000000000000000000000"}
     ours = training_code()

@@ -16,7 +16,7 @@ import prewarmed
 import pytest
 import torch
 
-from flows.search_space import check_space, parse_space
+from flows.search.space import check_space, parse_space
 from mllm import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
                                                                                   tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from flows.search import search
+    from flows.search.flow import search
 
     root = tmp_path / "storage"
     # A fixed study name: the sampler's seed follows it, so the learning rates drawn are the same each time.
@@ -231,8 +231,8 @@ def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point
     from mlflow.entities.lifecycle_stage import LifecycleStage
     from mlflow.tracking import MlflowClient
 
-    from flows.search import TRIAL_TAG, once_more_if_passing
-    from flows.sweep import PARENT_TAG
+    from flows.search.flow import TRIAL_TAG, once_more_if_passing
+    from flows.sweep.parent import PARENT_TAG
     from tasks.tracking.outage import TrackingAway
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -346,7 +346,7 @@ def _dead_run(client, study: str) -> str:
 def test_pruners_step_in_evaluations_of_the_recipe() -> None:
     import optuna
 
-    from flows.search_study import make_pruner
+    from flows.search.study import make_pruner
     from mllm.resolve import resolve
 
     cfg = resolve("smoke", overrides=["train.eval_interval=10", "train.max_steps=40"])
@@ -414,15 +414,15 @@ def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no
 
 def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_study_stops_at_its_trials(
         tmp_path: Path) -> None:
-    # The PostgreSQL path's bookkeeping (flows/search.py claim and on_stale) on Optuna's heartbeats,
+    # The PostgreSQL path's bookkeeping (flows/search/flow.py claim and on_stale) on Optuna's heartbeats,
     # here over SQLite: the second trial's search "dies" (no more beats), the next ask fails it and
     # takes it again with its values, and the study then has its two trials.
     import warnings
 
     import optuna
 
-    from flows.search import claim, on_stale, outcomes_of
-    from flows.search_study import resumed_number
+    from flows.search.flow import claim, on_stale, outcomes_of
+    from flows.search.study import resumed_number
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -13,7 +13,7 @@ from pathlib import Path
 import prewarmed
 import pytest
 
-from flows.sweep import expand, parse_grid, resolve_points, split_values
+from flows.sweep.points import expand, parse_grid, resolve_points, split_values
 from mllm import UserError
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,7 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.sweep import sweep
+    from flows.sweep.flow import sweep
 
     root = tmp_path / "storage"
     result = sweep(recipe="smoke", grid=["train.lr=1e-3,1e-2", "data.split.val_fraction=0.1,0.2"],
@@ -170,7 +170,7 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
 
 
 def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point() -> None:
-    from flows.sweep import PointOutcome, figure, markdown_table, text_table
+    from flows.sweep.table import PointOutcome, figure, markdown_table, text_table
 
     grid = {"model.arch": ["rnn", "lstm"], "data.window": ["4", "8"]}
     ok = dict(ok=True, headline="accuracy", higher_is_better=True, val_loss=0.5)
@@ -201,7 +201,8 @@ def test_a_point_is_run_once_more_after_a_passing_failure_and_never_after_its_ow
     # (its training found in storage). A point's own error is not run again.
     from prefect import flow, task
 
-    from flows.sweep import DatabaseDown, passing_failure
+    from flows.sweep.flow import passing_failure
+    from flows.sweep.parent import DatabaseDown
     from tasks.tracking.outage import TrackingAway
 
     attempts: list[str] = []
@@ -254,7 +255,7 @@ def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attem
     from mlflow.entities.lifecycle_stage import LifecycleStage
     from mlflow.tracking import MlflowClient
 
-    from flows.sweep import PARENT_TAG, POINT_TAG, supersede
+    from flows.sweep.parent import PARENT_TAG, POINT_TAG, supersede
     from tasks.tracking import outage
     from tasks.tracking.tracker import deleted_run, log_records
 

@@ -333,8 +333,8 @@ def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_
 
 
 def test_the_delays_before_a_training_and_a_point_run_again_are_settings(monkeypatch):
-    from flows.sweep import retry_delay_s as point_delay
-    from tasks.model import retry_delay_s as training_delay
+    from flows.sweep.parent import retry_delay_s as point_delay
+    from tasks.model.train import retry_delay_s as training_delay
 
     assert (training_delay(), point_delay()) == (5, 10)
     monkeypatch.setenv("MLLM_TRAIN_RETRY_DELAY_S", "0.5")

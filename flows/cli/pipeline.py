@@ -274,7 +274,9 @@ def sweep(recipe: Recipe = "default",
         if model:
             check_model_name(model)
         from flows.launch import training_pool
-        from flows.sweep import PointsFailed, parse_grid, resolve_points, split_values, text_table
+        from flows.sweep.flow import PointsFailed
+        from flows.sweep.points import parse_grid, resolve_points, split_values
+        from flows.sweep.table import text_table
 
         source, set_ = without_credentials(source, set_)
         # A URL among the values (several sources, say) keeps its password in memory only, as --source's.
@@ -285,7 +287,7 @@ def sweep(recipe: Recipe = "default",
         # At a terminal: a bar of the points, then a line for each that failed, then the table;
         # Prefect's lines (hundreds for a sweep of many points) stay in the run record.
         with flow_session() as fl, progress(stages=("points",), silent=True):
-            from flows.sweep import sweep as sweep_flow
+            from flows.sweep.flow import sweep as sweep_flow
 
             failure = ""
             try:

@@ -1,4 +1,4 @@
-"""`mllm-pipeline search`: Optuna trials over a space of config fields (flows/search.py).
+"""`mllm-pipeline search`: Optuna trials over a space of config fields (flows/search/flow.py).
 Registered on the CLI's app."""
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def search(recipe: Recipe = "default",
     cluster, or $MLLM_STUDY_DATABASE) where searches on several machines share it: the same command again
     continues it, and resumes a trial whose process died from its checkpoint."""
     with user_errors():
-        from flows.search_study import check_options, check_study, study_store
-        from flows.search_report import text_table
-        from flows.search_space import check_space, parse_space, study_name
+        from flows.search.study import check_options, check_study, study_store
+        from flows.search.report import text_table
+        from flows.search.space import check_space, parse_space, study_name
 
         source, set_ = without_credentials(source, set_)
         space = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in space or [])]
@@ -62,7 +62,7 @@ def search(recipe: Recipe = "default",
         check_study(study_store(storage_root(storage)), name, dims, recipe)
         checked_config(recipe, set_, source, storage, train_here=not pool)
         with flow_session() as fl, progress(stages=("trials",), silent=True):
-            from flows.search import search as search_flow
+            from flows.search.flow import search as search_flow
 
             result = search_flow(recipe=recipe, space=space, trials_n=trials, sampler=sampler, pruner=pruner,
                                  study=study, source=source, storage_url=fl.storage_root(storage), overrides=set_,

@@ -12,11 +12,11 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from flows import search_report
-from flows.search_report import TrialOutcome
-from flows.search_space import Dim
-from flows.search_study import optuna_module
-from flows.sweep_table import csv_text
+from flows.search import report as search_report
+from flows.search.report import TrialOutcome
+from flows.search.space import Dim
+from flows.search.study import optuna_module
+from flows.sweep.table import csv_text
 from mllm import storage
 from mllm.resolve import resolve
 from tasks.tracking.tracker import MAX_TAG_VALUE
@@ -47,7 +47,7 @@ def record(parent: Any, st: Any, recipe: str, space: dict[str, Dim], overrides: 
            revived: list[int]) -> SearchResult:
     """The table (markdown, CSV, JSON), the history and parameter plots and the best trial's
     recipe, under `searches/<study>/` in storage and as the study run's artifacts (`parent`:
-    flows.search.StudyRun)."""
+    flows.search.flow.StudyRun)."""
     folder = storage.join(parent.root, "searches", parent.study)
     complete = [o for o in outcomes if o.state == "complete"]
     best = None

@@ -11,13 +11,10 @@ no two points ever write the same stage at once.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import io
-import itertools
 import json
 import threading
-from typing import Any
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
@@ -33,108 +30,16 @@ from flows import dispatch
 from flows.stack import database, orphans
 from flows.launch import check_model_name, preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
-from flows.sweep_table import (  # noqa: F401 (the table's functions are the sweep's API)
-    PointOutcome, csv_text, direction, figure, headline_of, label, markdown_table, table_rows, text_table)
+from flows.sweep.parent import PARENT_TAG, POINT_TAG, DatabaseDown, ParentRun, passing, retry_delay_s, supersede
+from flows.sweep.points import expand, parse_grid, point_overrides, resolve_points
+from flows.sweep.table import PointOutcome, csv_text, figure, label, markdown_table, table_rows
 from flows.training import train
-from mllm import UserError, failures, storage
-from mllm.config import RunConfig
+from mllm import UserError, storage
 from mllm.redact import scrub
-from mllm.resolve import resolve
-from tasks import model as model_tasks
+from tasks.model.train import train_key
 from tasks.tracking import outage
 from tasks.caching import forget_exception
-from tasks.tracking.provenance import code_git_info, run_tags
-from tasks.tracking.tracker import (
-    MAX_METRICS_PER_BATCH,
-    MAX_PARAM_VALUE,
-    MAX_TAG_VALUE,
-    RunTracker,
-    deleted_run,
-    log_records,
-)
-from tasks.tracking.tracker import client as tracking_client
 
-PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
-POINT_TAG = "sweep.point"
-
-
-# --- the grid ------------------------------------------------------------------------------
-
-def parse_grid(items: list[str]) -> dict[str, list[str]]:
-    """`--grid FIELD=v1,v2,...` options -> {field: [raw value, ...]}, in the order given. The
-    values stay as written: each becomes a `--set FIELD=value`, which parses it as YAML."""
-    if not items:
-        raise UserError("give at least one --grid FIELD=v1,v2,... (e.g. --grid train.lr=1e-3,3e-3)")
-    grid: dict[str, list[str]] = {}
-    for item in items:
-        field, sep, text = item.partition("=")
-        field = field.strip()
-        if not sep or not field or any(not part for part in field.split(".")):
-            raise UserError(f"malformed --grid {item!r}: write it as FIELD=v1,v2,... (e.g. train.lr=1e-3,3e-3)")
-        if field in grid:
-            raise UserError(f"--grid {field} is given twice: give each field once, with all its values")
-        values = split_values(text)
-        if not text.strip() or any(not v for v in values):
-            raise UserError(f"--grid {item!r} has an empty value: give values separated by commas, "
-                            f"e.g. {field}=1,2")
-        repeated = sorted({v for v in values if values.count(v) > 1})
-        if repeated:
-            raise UserError(f"--grid {field} lists {repeated[0]!r} twice: give each value once")
-        grid[field] = values
-    return grid
-
-
-def split_values(text: str) -> list[str]:
-    """Split on the commas outside brackets and quotes, so a value may be a YAML list
-    (`sample.methods=[greedy],[top-p, greedy]`)."""
-    values, depth, quote, current = [], 0, "", []
-    for c in text:
-        if quote:
-            quote = "" if c == quote else quote
-        elif c in "'\"":
-            quote = c
-        elif c in "[{":
-            depth += 1
-        elif c in "]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            values.append("".join(current).strip())
-            current = []
-            continue
-        current.append(c)
-    values.append("".join(current).strip())
-    return values
-
-
-def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
-    """Every point of the grid, the first field varying slowest."""
-    return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
-
-
-def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
-    return [*overrides, *(f"{field}={value}" for field, value in point.items())]
-
-
-def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str] = (),
-                   source: str | list[str] | None = None) -> list[RunConfig]:
-    """The config of every point, or a UserError naming the first point that does not validate,
-    a field that is in both --set and --grid, or two points that are the same config."""
-    fixed = {item.partition("=")[0].strip() for item in overrides}
-    for field in grid:
-        if field in fixed:
-            raise UserError(f"{field} is in both --set and --grid: give it in one of them")
-    cfgs, seen = [], {}
-    for point in expand(grid):
-        try:
-            cfg = resolve(recipe, overrides=point_overrides(list(overrides), point), source=source)
-        except UserError as e:
-            raise UserError(f"--grid point {label(point)}: {e}") from None
-        same = seen.setdefault(cfg.to_yaml(paths=False), label(point))
-        if same != label(point):
-            raise UserError(f"--grid points {same} and {label(point)} are the same config: "
-                            "give values that differ")
-        cfgs.append(cfg)
-    return cfgs
 
 
 # --- one point -----------------------------------------------------------------------------
@@ -163,19 +68,8 @@ class PointsFailed(UserError):
         super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
 
 
-def passing(exc: BaseException | None) -> bool:
-    """A server's passing failure (a 503 that outlasted the clients' own retries, a refused
-    connection, a tracking server still away when its training ended, a database down), not the
-    point's (or a search trial's) own error: what runs once more."""
-    return failures.transient(exc) or any(isinstance(e, (outage.TrackingAway, DatabaseDown))
-                                          for e in failures.exception_chain(exc))
 
 
-def retry_delay_s() -> float:
-    """Seconds before a point (or a search trial) that failed of a passing failure runs once more:
-    MLLM_SWEEP_RETRY_DELAY_S, 10 by default."""
-    return outage.seconds_setting("MLLM_SWEEP_RETRY_DELAY_S", "10", True,
-                                  "give the seconds before a failed point runs again, 0 or more")
 
 
 def passing_failure(task: object, task_run: object, state: object) -> bool:
@@ -183,10 +77,6 @@ def passing_failure(task: object, task_run: object, state: object) -> bool:
     return passing(getattr(state, "data", None))
 
 
-class DatabaseDown(UserError):
-    """A point failed as the servers' database was down: its one line (flows/stack/database.py),
-    found when it failed, while the database is still down (the sweep reads its points' outcomes
-    only once all ended, by when `stack up` may have started it again)."""
 
 
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
@@ -216,41 +106,8 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
                         mlflow_run_id=r.mlflow_run_id)
 
 
-def supersede(root: str, tags: dict[str, str], run_id: str, same: str = POINT_TAG,
-              mark: str = "sweep.superseded_by") -> None:
-    """The MLflow runs of a point's failed attempt (those with its `same` tag: a search trial's
-    too), once its retry finished as `run_id`: tagged `mark` (`sweep.superseded_by`), and moved to
-    MLflow's trash unless they finished (the parent then nests one run for the point, and no
-    FAILED run stands for a point that finished). The steps
-    they logged that `run_id` does not hold are copied into it first: a retry resumes or reuses
-    their training, so the run that stands for the point has the whole curve."""
-    client = tracking_client(root)
-    # Metrics an attempt kept in storage while the server was away (the retry's start sends them;
-    # a failed send leaves them there) go into it before its curve is copied and it is deleted.
-    with contextlib.suppress(Exception):
-        outage.send_unsent(root, functools.partial(log_records, client), functools.partial(deleted_run, client))
-    experiment = client.get_run(run_id).info.experiment_id
-    for run in client.search_runs([experiment], f"tags.`{PARENT_TAG}` = '{tags[PARENT_TAG]}'"):
-        if run.info.run_id == run_id or run.data.tags.get(same) != tags[same]:
-            continue
-        copy_history(client, run.info.run_id, run_id)
-        client.set_tag(run.info.run_id, mark, run_id)
-        if run.info.status != "FINISHED":
-            client.delete_run(run.info.run_id)
-            outage.forget_run(root, run.info.run_id)  # its kept metrics could never be sent now
 
 
-def copy_history(client: Any, source: str, target: str) -> None:
-    """The training metrics `source` logged at steps `target` has none of, logged into `target`
-    (the machine's system metrics stay with the attempt they measured)."""
-    held = client.get_run(target).data.metrics
-    for key in client.get_run(source).data.metrics:
-        if key.startswith("system/"):
-            continue
-        have = {m.step for m in client.get_metric_history(target, key)} if key in held else set()
-        missing = [m for m in client.get_metric_history(source, key) if m.step not in have]
-        for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
-            client.log_batch(target, metrics=missing[i:i + MAX_METRICS_PER_BATCH])
 
 
 # --- the flow ------------------------------------------------------------------------------
@@ -287,7 +144,7 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
     if pool:
         dispatch.ensure_deployment(train, pool)
         # Prepared one by one before any point starts: points then find their data stages done.
-        keys = [model_tasks.train_key(cfg, with_results(prepare, root)(cfg, root)) for cfg in cfgs]
+        keys = [train_key(cfg, with_results(prepare, root)(cfg, root)) for cfg in cfgs]
     parent = ParentRun(cfgs[0], root, fields, overrides)
     with parent:
         futures = submit_points(recipe, source, root, overrides, points, keys, parent.run_id, pool, parallel, model)
@@ -366,54 +223,6 @@ def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
 
 # --- tracking ------------------------------------------------------------------------------
 
-class ParentRun:
-    """The sweep's MLflow run, in the recipe's experiment; each point's run names it in its
-    `mlflow.parentRunId` tag. It ends FAILED when a point failed."""
-
-    def __init__(self, cfg: RunConfig, root: str, grid: dict[str, list[str]], overrides: list[str]):
-        self.cfg, self.root, self.grid, self.overrides = cfg, root, grid, overrides
-        self.client = tracking_client(root)
-        self.run_id = self.artifact_uri = self.experiment_id = ""
-        self.failed: list[str] = []
-
-    def __enter__(self) -> "ParentRun":
-        digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides)])[:8]
-        tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), "sweep.grid": json.dumps(self.grid),
-                      "sweep.points": str(len(expand(self.grid)))})
-        self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
-        run = self.client.create_run(self.experiment_id, run_name=f"sweep-{self.cfg.recipe}-{digest}",
-                                     tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
-        self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
-        params = {f"grid.{field}": ",".join(values) for field, values in self.grid.items()}
-        if self.overrides:
-            params["overrides"] = " ".join(self.overrides)
-        for name, value in scrub(params).items():
-            self.client.log_param(self.run_id, name, value[:MAX_PARAM_VALUE])
-        return self
-
-    def with_run_ids(self, outcomes: list[PointOutcome]) -> list[PointOutcome]:
-        """A failed point's run id, where it got as far as its run: found by its tags."""
-        if all(o.mlflow_run_id for o in outcomes):
-            return outcomes
-        runs = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}'")
-        ids = {r.data.tags.get(POINT_TAG): r.info.run_id for r in runs}
-        return [o if o.mlflow_run_id else o.model_copy(update={"mlflow_run_id": ids.get(o.label)})
-                for o in outcomes]
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        status = "KILLED" if exc_type is KeyboardInterrupt else "FAILED" if exc_type or self.failed else "FINISHED"
-        if exc_type is not None:
-            # Without MLflow's minutes of retries (a server whose database is down answers 500 to
-            # each): a run that cannot be closed now is closed by the next run on this root.
-            try:
-                with outage.fail_fast():
-                    self.client.set_terminated(self.run_id, status)
-            except Exception:  # noqa: BLE001 (the sweep's own error is the one to raise)
-                outage.note_unfinished(self.root, self.run_id, status, f"{exc_type.__name__}: {exc}"[:MAX_TAG_VALUE])
-            return
-        if self.failed:
-            self.client.set_tag(self.run_id, "sweep.failed", ", ".join(self.failed)[:MAX_TAG_VALUE])
-        self.client.set_terminated(self.run_id, status)
 
 
 def record(parent: ParentRun, recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> str:

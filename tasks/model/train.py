@@ -1,4 +1,4 @@
-"""The model stages as Prefect tasks: train, evaluate, generate samples.
+"""The training stage as a Prefect task.
 
 Training writes to `runs/<key>/` where the key digests the data it trains on, the model and
 training config and the code. Running the same training again resumes from its last checkpoint
@@ -19,93 +19,18 @@ import time
 from typing import Any
 
 from prefect import get_run_logger, task
-from pydantic import BaseModel
 
 import mllm.train
-from mllm import UserError, layout, storage
-from mllm.runtime import checkpoint, speed
-from mllm.config import RunConfig, TrainPaths
-from mllm.family import Evaluation as Scores
-from mllm.family import family_of, samples_text
 import tasks
+from mllm import UserError, layout, storage
+from mllm.config import RunConfig, TrainPaths
 from tasks import assets, trials
-from tasks.caching import forget_exception, retry_io_only, retry_unless_mistake, stage_cache
-from tasks.data import SourceSide, Splits, Tokens, Vocabulary
+from tasks.caching import forget_exception, retry_io_only
+from tasks.model import Prepared, Trained
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
-from tasks.tracking.registry import ChampionScore
 from tasks.tracking.system import system_metrics
 from tasks.tracking.tracker import RunTracker
-
-class Prepared(BaseModel):
-    """What the data stages hand on to training."""
-
-    raw_sha256: str
-    raw_url: str
-    raw_bytes: int
-    source: str
-    tokens: Tokens
-    vocab: Vocabulary
-    splits: Splits
-    source_side: SourceSide | None = None  # parallel text: the source side; vocab is the target's
-    # A source of many files: how many, the corpus manifest (tasks/data/download.py), the files left out.
-    raw_files: int = 1
-    raw_manifest: str | None = None
-    raw_skipped: list[str] = []
-    raw_duplicates: int = 0  # files of the same bytes as another, read once
-    raw_previous: str | None = None  # the corpus digest the same sources gave the run before
-
-
-class Trained(BaseModel):
-    key: str
-    run_dir: str
-    config: str  # the job's config YAML: `python -m mllm.train --config` runs it again
-    checkpoint: str
-    best_checkpoint: str | None  # none until a validation has run
-    steps: int
-    train_loss: float | None
-    val_loss: float | None
-    best_val_loss: float | None
-    tokens_per_s: float
-    elapsed_s: float
-    stop_reason: str
-    resumed_from_step: int
-    dtype_used: str = "float32"  # what train.dtype resolved to, and why (mllm.runtime.speed)
-    dtype_reason: str = ""
-    dtype_probe_ms: dict[str, float] | None = None
-    mfu: float | None = None  # model FLOPs utilisation over the training
-    peak_flops: float | None = None
-    peak_source: str = ""
-    compile_used: bool = False  # what train.compile resolved to, and why (mllm.runtime.speed)
-    compile_reason: str = ""
-    compile_s: float | None = None
-    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
-    muon_precision: str = ""  # train.optimizer muon: its Newton-Schulz precision and why (mllm.runtime.optim)
-
-    def precision(self) -> str:
-        return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()
-
-    def samples_url(self, method: str) -> str:
-        return storage.join(self.run_dir, "samples", f"{method}.txt")
-
-
-class Evaluation(BaseModel):
-    """A family's evaluation of the trained model on one split (mllm.family.Evaluation), with
-    where its report lives."""
-
-    split: str
-    checkpoint: str
-    loss: float  # held-out loss (nats per target)
-    tokens: int  # targets scored
-    report: str  # URL of the markdown report
-    headline: str  # the family's headline metric, which decides the champion
-    higher_is_better: bool
-    metrics: dict[str, float]  # every measure, the headline among them
-    files: list[str] = []  # pictures and exports under the run folder, kept as artifacts
-
-    @property
-    def score(self) -> float:
-        return self.metrics[self.headline]
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
@@ -301,100 +226,3 @@ def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.T
                 raise UserError(errors[-1])
             raise RuntimeError(f"torchrun exited with status {proc.returncode}:\n" + "\n".join(tail[-20:]))
     return mllm.train.TrainResult(**result)
-
-
-def _best(trained: Trained) -> str:
-    best = trained.best_checkpoint
-    return best if best and storage.exists(best) else trained.checkpoint
-
-
-def _evaluate_key(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> str:
-    # The checkpoint is named by the training key and its step count (a longer resumed
-    # training makes a new one); the split by its digest.
-    return storage.digest(["evaluate", trained.key, trained.steps, data.splits.key, split,
-                           cfg.model_dump(include={"train", "sample", "data"}), layout.package_digest()])
-
-
-def _generate_key(cfg: RunConfig, trained: Trained) -> str:
-    return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(), layout.package_digest()])
-
-
-@task(name="evaluate", on_failure=[forget_exception], cache_key_fn=stage_cache(_evaluate_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
-def evaluate(cfg: RunConfig, trained: Trained, data: Prepared, split: str = "val") -> Evaluation:
-    """Score the best checkpoint on a whole split, as its family scores it; the report and the
-    pictures and exports go beside the checkpoints."""
-    part = getattr(data.splits, split)
-    if part is None:
-        raise UserError(f"there is no {split} split: set data.split.test_fraction above 0 to make one")
-    ckpt_url = _best(trained)
-    loaded = checkpoint.load_checkpoint(ckpt_url)
-    family = family_of(cfg)
-    e = family.evaluate(loaded, cfg, part, data.splits.train, trained.run_dir)
-    report_url = storage.join(trained.run_dir, f"eval-{split}.md")
-    assets.materializes(report_url, reads=[ckpt_url, data.splits.url], name=f"evaluation ({split})")
-    storage.write_text(report_url, e.report)
-    result = Evaluation(split=split, checkpoint=ckpt_url, loss=e.loss, tokens=e.count, report=report_url,
-                        headline=e.headline, higher_is_better=e.higher_is_better, metrics=e.metrics, files=e.files)
-    storage.write_json(storage.join(trained.run_dir, f"eval-{split}.json"), result.model_dump(mode="json"))
-    assets.describe(report_url, split=split, headline=e.headline, value=e.metrics.get(e.headline), loss=e.loss,
-                    targets=e.count, checkpoint_steps=trained.steps)
-    logger = get_run_logger()
-    logger.info("%s: %s", split, family.describe(e))
-    for note in e.notes:
-        logger.warning("%s", note)
-    return result
-
-
-def describe(e: Evaluation, cfg: RunConfig) -> str:
-    """An evaluation in one line, as its family puts it."""
-    return family_of(cfg).describe(Scores(e.headline, e.higher_is_better, e.loss, e.tokens, e.metrics, ""))
-
-
-def _score_key(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> str:
-    return storage.digest(["score", checkpoint_url, data.splits.key, split,
-                           cfg.model_dump(include={"train", "data"}), layout.package_digest()])
-
-
-@task(name="score-champion", on_failure=[forget_exception], cache_key_fn=stage_cache(_score_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
-def score_champion(checkpoint_url: str, cfg: RunConfig, data: Prepared, split: str = "val") -> ChampionScore | None:
-    """Score another run's checkpoint (the champion's) on this run's split, as its family does
-    (None: the family's headline does not depend on the split).
-
-    No asset: it writes nothing to storage, and Prefect records what a task reads only beside
-    what it writes (a materialization's upstream assets)."""
-    part = getattr(data.splits, split)
-    loaded = checkpoint.load_checkpoint(checkpoint_url)
-    e = family_of(loaded).rescore(loaded, cfg, part, data.vocab.url)
-    if e is None:
-        return None
-    get_run_logger().info("champion %s on this %s split: %s %.4f, loss %.4f", checkpoint_url, split, e.headline,
-                          e.value, e.loss)
-    return ChampionScore(checkpoint=checkpoint_url, split=split, splits_key=data.splits.key, loss=e.loss,
-                         tokens=e.count, headline=e.headline, value=e.value)
-
-
-@task(name="generate", on_failure=[forget_exception], cache_key_fn=stage_cache(_generate_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
-def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
-    """The recipe's own samples, one file per method (`samples/<method>.txt`), as the family
-    samples: continuations, neighbours, translations or next elements.
-
-    A recipe's prompt that this run's vocabulary cannot spell loses what it lacks (with a
-    warning) rather than the run losing its model.
-    """
-    logger = get_run_logger()
-    ckpt_url = _best(trained)
-    loaded = checkpoint.load_checkpoint(ckpt_url)
-    samples = family_of(cfg).run_samples(loaded, cfg)
-    for note in samples.notes:
-        logger.warning("%s", note)
-    for method, texts in samples.by_method.items():
-        assets.materializes(trained.samples_url(method), reads=[ckpt_url], name=f"samples ({method})")
-        storage.write_text(trained.samples_url(method), samples_text(samples.prompts, texts))
-        assets.describe(trained.samples_url(method), method=method, samples=len(texts), prompts=len(samples.prompts))
-    first = next(iter(samples.by_method.items()), None)
-    if first and first[1]:
-        logger.info("samples (%s): %r", first[0], first[1][0][:120])
-    return samples.by_method

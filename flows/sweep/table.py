@@ -1,4 +1,4 @@
-"""A sweep's table and plot: pure functions of its points' outcomes (`flows/sweep.py` records
+"""A sweep's table and plot: pure functions of its points' outcomes (`flows/sweep/flow.py` records
 them in storage, MLflow and Prefect; the CLI prints `text_table`)."""
 
 from __future__ import annotations

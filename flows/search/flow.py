@@ -2,7 +2,7 @@
 cached pipeline run whose training a pruner may stop at an evaluation.
 
 The study lives in an SQLite file beside the storage root (`optuna.db`, as `mlflow.db` is), or on
-PostgreSQL where several searches share it (flows/search_study.py), named by the recipe, the space
+PostgreSQL where several searches share it (flows/search/study.py), named by the recipe, the space
 and the data, so the same command again continues it: finished trials stay finished, and a trial
 that was running when its process died (SIGKILL, Ctrl-C, a crash) is asked again with the same
 parameters, which give the same config, the same training key and so the same checkpoint folder:
@@ -45,20 +45,20 @@ from flows.launch import (
     with_results,
 )
 from flows.pipeline import evaluate, judge, prepare
-from flows.search_record import SearchResult, record
-from flows.search_report import TrialOutcome
-from flows.search_study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
+from flows.search.record import SearchResult, record
+from flows.search.report import TrialOutcome
+from flows.search.study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
                                 one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
                                 study_store)
-from flows.search_space import Dim, check_space, parse_space, space_text, study_name
-from flows.sweep import PARENT_TAG, ParentRun, passing, retry_delay_s, supersede
+from flows.search.space import Dim, check_space, parse_space, space_text, study_name
+from flows.sweep.parent import PARENT_TAG, ParentRun, passing, retry_delay_s, supersede
 from flows.training import run_training, train
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.family import family_of
 from mllm.redact import scrub
 from mllm.resolve import resolve
-from tasks import model as model_tasks
+from tasks.model import train as training_stage
 from tasks import trials
 from tasks.tracking import outage
 from tasks.caching import forget_exception
@@ -84,10 +84,10 @@ def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int
               pool: str | None = None, model: str | None = None) -> dict[str, Any]:
     """One trial: the pipeline's training, evaluation and judgement in a run nested under the
     study's; a pruned training ends the trial without an evaluation."""
-    key = model_tasks.train_key(cfg, data)
+    key = training_stage.train_key(cfg, data)
     with RunTracker(cfg, root, tags=tags, run_name=f"{study}-trial-{number}") as run:
         log_data(run.run_id, quote(cfg), root, quote(data))
-        run.set_tags(model_tasks.lineage_tags(cfg, data))
+        run.set_tags(training_stage.lineage_tags(cfg, data))
         trained = run_training(cfg, data, root, run.run_id, pool, search=pool is not None)
         found = {"mlflow_run_id": run.run_id, "step": trained.steps, "val_loss": trained.val_loss,
                  "resumed_from_step": trained.resumed_from_step, "key": key}
@@ -131,8 +131,8 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
             return trial.should_prune()
 
         # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
-        asking = (trials.asking(model_tasks.train_key(cfg, data), ask_pruner) if pool is None
-                  else trials.answering(model_tasks.train_job(cfg, data, root)[1], ask_pruner))
+        asking = (trials.asking(training_stage.train_key(cfg, data), ask_pruner) if pool is None
+                  else trials.answering(training_stage.train_job(cfg, data, root)[1], ask_pruner))
         with asking:
             found = once_more_if_passing(lambda: trial_run.with_options(
                 flow_run_name=f"{study.study_name}-trial-{trial.number}")(

@@ -1,4 +1,4 @@
-"""A search's table, plots and best recipe: pure functions of its trials (`flows/search.py`
+"""A search's table, plots and best recipe: pure functions of its trials (`flows/search/flow.py`
 records them in storage, MLflow and Prefect; the CLI prints `text_table`)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from flows.search_space import Dim
-from flows.sweep_table import direction
+from flows.search.space import Dim
+from flows.sweep.table import direction
 from mllm.config import RunConfig
 
 

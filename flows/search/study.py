@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from flows.search_space import Dim, space_text
+from flows.search.space import Dim, space_text
 from flows.stack import database
 from mllm import UserError, storage
 from mllm.config import RunConfig

@@ -1,0 +1,1 @@
+"""`mllm-pipeline sweep`: the pipeline at every point of a grid of config fields."""
