@@ -51,7 +51,7 @@ test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not integration"
 
 # A Docker engine and a registry on 127.0.0.1:5001 (as root: installs docker.io, docker-registry
-# and debootstrap from Debian's packages when missing). `make test` then runs tests/test_docker.py.
+# and debootstrap from Debian's packages when missing). `make test` then runs tests/infra/test_docker.py.
 docker-setup:
 	infra/docker/setup.sh
 

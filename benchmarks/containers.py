@@ -8,7 +8,7 @@ debootstrap (`make docker-setup`). What it starts, on 127.0.0.1 with free ports,
 a registry, moto's S3 server, the stack (`mllm-pipeline stack up`: Prefect server, MLflow
 server, a process worker of pool "local") and a prefect-docker worker of a docker pool made from
 infra/pools/docker.json, which runs containers on the host's network with a credentials file
-mounted read-only, as tests/test_docker.py does.
+mounted read-only, as tests/infra/test_docker.py does.
 
 - build, cold: infra/docker/base-image.sh after removing its image (debootstrap), then
   build-image.sh --no-cache: every layer, torch and the dependencies installed from the index;

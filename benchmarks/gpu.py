@@ -8,7 +8,7 @@ network): tiny shakespeare's and War and Peace's character ids as the recipes to
 a copy of the nanoGPT anchor with tiny shakespeare in its own format. `run` then takes, in order,
 each step bounded so that a slow one cannot eat the rest of `--budget` seconds:
 
-1. tests: `pytest -m gpu tests/test_gpu.py` (bf16 autocast and fused AdamW against float32,
+1. tests: `pytest -m gpu tests/mllm/test_gpu.py` (bf16 autocast and fused AdamW against float32,
    compiled against eager, cached decoding against recomputation, exact resume, a checkpoint
    written on the GPU and read by a process that sees no GPU).
 2. shakespeare-gpt, the whole recipe (nanoGPT's shakespeare_char: val loss 1.4697 published after
@@ -132,7 +132,7 @@ def _flops_per_token(shape: dict, vocab_size: int) -> float:
 
 def tests(out: Path, timeout: float) -> dict:
     log = out / "tests.log"
-    run = _run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "--noconftest",
+    run = _run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/mllm/test_gpu.py", "--noconftest",
                 "-p", "no:cacheprovider", "-rA", "-q", "--durations=0"], log, timeout)
     summary = re.findall(r"^[= ]*(\d+ (?:passed|failed|skipped|error).*?)[= ]*$", log.read_text(), re.M)
     return {**run, "summary": summary[-1] if summary else None}

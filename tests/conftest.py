@@ -11,16 +11,15 @@ import functools
 import http.server
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import prewarmed
 import pytest
-from textdata import WORDS, make_text, write_char_ids  # noqa: F401  (re-exported for the test modules)
+from commands import PASSWORD, SESSION_PREFECT_SERVER
+from textdata import make_text
 
 from flows import QUIET_ENV
 
@@ -86,7 +85,8 @@ def pytest_configure(config) -> None:
         os.setpgid(0, 0)
         reap(os.getpid(), remove=[_HOME])
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TESTS = Path(__file__).resolve().parent
+
 
 
 @pytest.fixture
@@ -96,10 +96,10 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
-SESSION_PREFECT_SERVER: list[Path] = []  # the session server's folder: its database, home and log
 
 
-@pytest.fixture(scope="session", autouse=True)
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One real Prefect server per test process (an xdist worker), for the flows it runs and for
     every CLI command it starts: a command with no PREFECT_API_URL starts a temporary server of its
@@ -145,18 +145,6 @@ def _keep_a_new_database(database: Path, copy: Path) -> None:
     dst.close()
 
 
-def temporary_server_home(prefect: Path) -> None:
-    """Make `prefect` a Prefect home whose database exists, as a user's is after their first run:
-    the temporary server a command starts there then skips the migrations and the registration of
-    Prefect's block types (12.9 s of its CPU here against 25.3 s on a new database,
-    docs/benchmarks.md). A test about a first run (tests/test_cli.py) starts from an empty home."""
-    import shutil
-
-    (server_folder,) = SESSION_PREFECT_SERVER
-    prefect.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(server_folder / "new-prefect.db", prefect / "prefect.db")
-
-
 @pytest.fixture(scope="session")
 def empty_mlflow_store(tmp_path_factory) -> bytes:
     """The bytes of a new, empty MLflow SQLite store. MLflow makes one by running every migration
@@ -178,8 +166,8 @@ def _terminal_filter_reset() -> Iterator[None]:
         quiet.failed = quiet.terse = quiet.silent = False
 
 
-@pytest.fixture(autouse=True)
-def _own_mlflow_store(tmp_path: Path, monkeypatch, empty_mlflow_store: bytes) -> None:
+@pytest.fixture
+def own_mlflow_store(tmp_path: Path, monkeypatch, empty_mlflow_store: bytes) -> None:
     """Each test its own MLflow store, empty: a champion registered by one test must not make
     another skip its training. (`own_stores` gives a store that does not exist yet.)"""
     (tmp_path / "mlflow-store").mkdir()
@@ -187,23 +175,6 @@ def _own_mlflow_store(tmp_path: Path, monkeypatch, empty_mlflow_store: bytes) ->
     if "mlflow" in sys.modules:  # an earlier test's set_tracking_uri outlives it and wins over the variable
         sys.modules["mlflow"].set_tracking_uri(None)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow-store' / 'mlflow.db'}")
-
-
-# --- the CLI as a user runs it, and the stores a test keeps to itself -----------------------------
-
-PASSWORD = "s3cr3t-Passw0rd-xyzzy"
-TOKEN = "tok-9f8e7d6c5b4a-secret"
-
-
-def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 600,
-        fresh: bool = False, **env_vars: str) -> subprocess.CompletedProcess:
-    """`mllm-pipeline ARGS` in a process of its own, as a user runs it: its exit status, stdout
-    and stderr. The process is forked from one that has imported the large libraries already
-    (tests/prewarmed.py); `fresh=True` starts a new interpreter, for a test about start-up, as
-    MLLM_TESTS_FRESH=1 does for every command (to tell whether a failure is the fork's).
-    `prewarmed.start` starts one in the background."""
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {}), **env_vars}
-    return prewarmed.run("flows.cli", list(args), full_env, cwd, timeout, fresh=fresh)
 
 
 @pytest.fixture
@@ -278,19 +249,3 @@ def failing_server():
         server.server_close()
 
 
-def files_holding(needle: str, *folders: Path) -> list[str]:
-    """The files under `folders` whose bytes contain `needle` (a secret that must be nowhere)."""
-    return [str(path) for folder in folders for path in folder.rglob("*")
-            if path.is_file() and needle.encode() in path.read_bytes()]
-
-
-def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:
-    """The one `error:` line a command that refused its input printed, with exit status 2 and no
-    traceback."""
-    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
-    assert "Traceback" not in out.stdout + out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, out.stderr
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]

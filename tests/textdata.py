@@ -1,13 +1,16 @@
 """Made-up text for tests: an English-like corpus and its character ids.
 
-Plain functions, no pytest: conftest.py re-exports them for the suite, and tests/test_gpu.py
-imports them directly (it runs with --noconftest on a GPU machine that has no Prefect or MLflow).
+Plain functions, no pytest: the tests import them from here (tests/mllm/test_gpu.py too, which runs
+with --noconftest on a GPU machine that has no Prefect or MLflow); and where ../shared/data is.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+
+# War and Peace and tiny shakespeare, beside the checkout (tests that read them skip without them).
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 WORDS = ("the a of and to in was he she it his her that with had for not on at as but they said "
          "prince princess count natasha pierre andrew moscow war peace army emperor house night "

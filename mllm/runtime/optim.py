@@ -152,7 +152,7 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
     """The optimizer `t` (a TrainConfig) asks for, over `model`'s parameters."""
     # Fused on CPU too: torch's default there is a Python loop over the parameters, a tenth of a
     # small GPT's step. The fused kernel computes the same update in another order, so weights
-    # differ from the loop's in the last bits (tests/test_train.py bounds how far the losses move).
+    # differ from the loop's in the last bits (tests/mllm/test_train.py bounds how far the losses move).
     fused = device.type in ("cuda", "cpu") or None
     if t.optimizer == "muon":
         hidden, rest = muon_split(model)

@@ -96,7 +96,7 @@ class _UnknownParams(logging.Filter):
     the request, saying so only in the server's log (`_enforce_params_schema` in
     mlflow/models/utils.py, MLflow 3.17): that warning becomes the request's answer, a 400.
     (A server whose MLflow logging is set above WARNING never makes the record: there MLflow's
-    silence stands. tests/test_tracking.py fails if MLflow changes the warning's words.)"""
+    silence stands. tests/tasks/test_tracking.py fails if MLflow changes the warning's words.)"""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
