@@ -1,9 +1,10 @@
 """Where each stage keeps its output under the storage root, and what its key is made of.
 
 A stage's folder is `<root>/<stage>/<key>`: `tasks` write there and `flows.history` reads there,
-both through this module. A key hashes the stage's inputs, its config and the source of the code
-that does the work; that source is read as it was before the modules moved into `mllm/data` and
-`mllm/runtime`, so that a move alone keeps every key and every stage already in storage.
+both through this module. A key hashes the stage's inputs, its config and the code that does the
+work, read as tokens that leave out what cannot change what it does (comments, docstrings, import
+lines, layout), so that moving a module or formatting it keeps every key and every stage already
+in storage (docs/layout.md, "Cache keys").
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import io
 import re
-from pathlib import Path, PurePosixPath
+import tokenize
+from pathlib import Path
 from typing import Any
 
 import mllm
@@ -43,13 +46,59 @@ def folder(root: str, stage: str, *parts: str) -> str:
 
 # --- keys ----------------------------------------------------------------------------------------
 
+# What a key takes of a stage's code is its tokens, read with `tokenize` (pure Python: `ast`
+# raced Prefect's own parsing in another thread of a flow run on CPython 3.11, "AST constructor
+# recursion depth mismatch"), less what cannot change what the code does: comments, blank lines and
+# line breaks, docstrings, import statements (the names they bind are still read where they are
+# used, so a module that moves, or an import that is reordered, changes no key), a quote style and
+# a trailing comma (so a formatter's pass changes none either).
+_SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
+_PLAIN_STRING = re.compile(r"^'([^'\"\\]*)'$")
+_CLOSING = {")", "]", "}"}
+
+
+def _logical_lines(text: str) -> list[list[tokenize.TokenInfo]]:
+    lines: list[list[tokenize.TokenInfo]] = [[]]
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in _SKIP:
+            continue
+        lines[-1].append(tok)
+        if tok.type == tokenize.NEWLINE:
+            lines.append([])
+    return [line for line in lines if line]
+
+
+def code_tokens(text: str) -> str:
+    """The source as the tokens that say what it does, one logical line a line (see above)."""
+    out, marks = [], ""
+    for line in _logical_lines(text):
+        # The indentation a left-out line opened or closed is carried to the next line kept.
+        marks += "".join({tokenize.INDENT: ">", tokenize.DEDENT: "<"}.get(t.type, "") for t in line)
+        words = [t for t in line if t.type not in (tokenize.INDENT, tokenize.DEDENT)]
+        if not words or words[0].type == tokenize.NEWLINE:
+            continue
+        first = words[0].string
+        if first == "import" or (first == "from" and any(t.string == "import" for t in words)):
+            continue  # an import statement
+        if words[0].type == tokenize.STRING and len(words) == 2:
+            continue  # a docstring, or a string standing alone
+        kept = []
+        for i, t in enumerate(words[:-1]):
+            if t.string == "," and words[i + 1].string in _CLOSING:
+                continue  # a trailing comma
+            kept.append(_PLAIN_STRING.sub(r'"\1"', t.string) if t.type == tokenize.STRING else t.string)
+        out.append(marks + " ".join(kept))
+        marks = ""
+    return "\n".join(out)
+
 
 @functools.cache
 def code_digest(*objects: Any) -> str:
-    """Digest of the source of the modules or classes a stage runs, and the package version."""
+    """Digest of the code of the modules or classes a stage runs (`code_tokens`), and the package
+    version."""
     h = hashlib.sha256(mllm.__version__.encode())
     for obj in objects:
-        h.update(source_before_moves(inspect.getsource(obj)).encode())
+        h.update(code_tokens(inspect.getsource(obj)).encode() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -57,33 +106,24 @@ def code_digest(*objects: Any) -> str:
 _NOT_MODEL_CODE = {"layout.py", "failures.py"}
 
 
-# A module that is its docstring alone (a package's __init__.py, say). Matched as text: parsing it
-# with `ast` here raced Prefect's own parsing in another thread of a flow run ("AST constructor
-# recursion depth mismatch", a CPython 3.11 bug fixed in 3.12).
-_DOCSTRING_ONLY = re.compile(r'\s*(?:"""|\'\'\')(?:(?!"""|\'\'\').)*(?:"""|\'\'\')\s*', re.S)
-
-
-def _is_docstring_only(text: str) -> bool:
-    return _DOCSTRING_ONLY.fullmatch(text) is not None
-
-
 @functools.cache
 def package_digest() -> str:
-    """Digest of every source file of the `mllm` package and its version: what the training,
-    evaluation and sample keys take, so that no change to the code a model runs (a batcher, a
-    loader, a decoder) leaves a model made by other code looking current."""
+    """Digest of the code of every module of the `mllm` package (`code_tokens`) and its version:
+    what the training, evaluation and sample keys take, so that no change to the code a model runs
+    (a batcher, a loader, a decoder) leaves a model made by other code looking current. The
+    modules are taken in the order of their own digests, not by their paths: moving one is no
+    change."""
     root = Path(mllm.__file__).parent
-    files = []
+    digests = []
     for path in root.rglob("*.py"):
-        relative, text = path.relative_to(root).as_posix(), path.read_bytes().decode()
-        if relative in _NOT_MODEL_CODE or _is_docstring_only(text):  # a package's __init__, say
+        if path.name in _NOT_MODEL_CODE and path.parent == root:
             continue
-        # Each file as it was named and written before the modules moved: a move is no change.
-        previous = previous_path(relative)
-        files.append((PurePosixPath(previous).parts, previous, source_before_moves(text)))
+        tokens = code_tokens(path.read_bytes().decode())
+        if tokens:  # a module that is its docstring alone (a package's __init__.py) adds nothing
+            digests.append(hashlib.sha256(tokens.encode()).hexdigest())
     h = hashlib.sha256(mllm.__version__.encode())
-    for _, relative, text in sorted(files):
-        h.update(relative.encode() + b"\0" + text.encode() + b"\0")
+    for digest in sorted(digests):
+        h.update(digest.encode())
     return h.hexdigest()[:16]
 
 
@@ -97,58 +137,3 @@ def train_key(splits_key: str, vocab_digest: str, cfg: Any, code_digest: str) ->
     The model section holds the chosen family's fields only: another family's cannot change it."""
     return storage.digest(["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(),
                            code_digest])
-
-
-# Each moved module's name before the layout of November 2026. Only imports of these names were
-# rewritten by that move, so writing them back gives the source each key was made from.
-PREVIOUS_NAMES = {
-    "mllm.runtime.epochs": "mllm.data",
-    "mllm.data.corpus": "mllm.corpus",
-    "mllm.data.files": "mllm.files",
-    "mllm.data.text": "mllm.text",
-    "mllm.data.fastbpe": "mllm.fastbpe",
-    "mllm.data.gutenberg": "mllm.gutenberg",
-    "mllm.data.tokens": "mllm.tokens",
-    "mllm.data.packs": "mllm.packs",
-    "mllm.data.vocab": "mllm.vocab",
-    "mllm.data.splits": "mllm.splits",
-    "mllm.runtime.inputs": "mllm.inputs",
-    "mllm.runtime.checkpoint": "mllm.checkpoint",
-    "mllm.runtime.speed": "mllm.speed",
-    "mllm.runtime.compiling": "mllm.compiling",
-    "mllm.runtime.devices": "mllm.models",
-    "mllm.runtime.distributed": "mllm.distributed",
-}
-_FROM = re.compile(r"^(?P<ind>[ \t]*)from (?P<mod>[\w.]+) import (?P<names>[^\n#(]*?)(?P<comment>[ \t]*#[^\n]*)?$")
-
-
-def previous_path(relative: str) -> str:
-    """A file's path inside `mllm/` before the move (`data/text.py` -> `text.py`)."""
-    module = "mllm." + relative.removesuffix(".py").replace("/", ".")
-    return PREVIOUS_NAMES.get(module, module).removeprefix("mllm.").replace(".", "/") + ".py"
-
-
-def source_before_moves(text: str) -> str:
-    """The source with its imports of moved modules written as they were before the move.
-
-    The move split `from mllm import UserError, speed, storage` into a line for `mllm` and one
-    for `mllm.runtime`; the two are merged back, names sorted as they were."""
-    out: list[str] = []
-    for line in text.split("\n"):
-        m = _FROM.match(line)
-        if m and m["mod"] in PREVIOUS_NAMES:
-            line = f"{m['ind']}from {PREVIOUS_NAMES[m['mod']]} import {m['names']}{m['comment'] or ''}"
-        elif m and m["mod"] in ("mllm.data", "mllm.runtime"):
-            back = []
-            for name in (n.strip() for n in m["names"].split(",")):
-                base, _, alias = name.partition(" as ")
-                old = PREVIOUS_NAMES[f"{m['mod']}.{base}"].rpartition(".")[2]
-                back.append(old if not alias or alias == old else f"{old} as {alias}")
-            prev = _FROM.match(out[-1]) if out else None
-            if prev and prev["mod"] == "mllm" and prev["ind"] == m["ind"]:
-                merged = sorted([n.strip() for n in prev["names"].split(",")] + back)
-                out[-1] = f"{prev['ind']}from mllm import {', '.join(merged)}{prev['comment'] or m['comment'] or ''}"
-                continue
-            line = f"{m['ind']}from mllm import {', '.join(back)}{m['comment'] or ''}"
-        out.append(line)
-    return "\n".join(out)

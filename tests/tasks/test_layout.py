@@ -1,38 +1,44 @@
 """Every data stage's key, recorded: a change of any of them is a change every user's storage
-pays for (its stages run again), so it must be on purpose. First recorded at commit 20f4bb3,
-before the modules moved into mllm/data and mllm/runtime (storage made then was found, and
-reused, after the move); recorded again when the char tokenizer began to count the characters
-its normalisation drops (mllm/data/text.py, mllm/data/packs.py): tokenize and pairs run again
-once, the vocabulary, split and route keys stayed.
+pays for (its stages run again), so it must be on purpose. Recorded again when the keys began to
+read a stage's code as tokens without comments, docstrings, imports and layout (mllm/layout.py
+`code_tokens`): every stage ran again once, and moving or formatting a module changes no key since.
 
-A key hashes the source of the code that does the stage's work, so an edit of that code changes
-the key on purpose and every user's stage runs again. Such a change fails here: record the new
-keys in the same commit, and say in its message that the stage runs again.
+A key hashes the code that does the stage's work, so an edit of what that code does changes the
+key on purpose and every user's stage runs again. Such a change fails here: record the new keys
+in the same commit, and say in its message that the stage runs again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 from mllm.config import DataConfig, SplitConfig, TokenizerConfig, VocabConfig
-from mllm.layout import previous_path, source_before_moves
 from tasks.data import RawText, Tokens, Vocabulary
 from tasks.data.pairs import _pairs_key
 from tasks.data.split import PackRows, _route_key, _split_key
 from tasks.data.tokenize import _corpus_tokens_key, _tokens_key
 from tasks.data.vocabulary import _vocab_key
 
+ROOT = Path(__file__).resolve().parents[2]
+
 RECORDED = {
-    "corpus tokens basic_english": "8d8134bcd72156cc",
-    "corpus tokens bpe": "c75deeef8884d13c",
-    "corpus tokens char": "836b6f34a0496aff",
-    "corpus tokens word": "c9ca887ce0d0c44c",
-    "pairs": "e849726f16e96bea",
-    "route": "18038ec01c93fd81",
-    "split": "a797d45b88e44105",
-    "tokens basic_english": "c72c0016741df7b0",
-    "tokens bpe": "cf91f47eb2c8d12e",
-    "tokens char": "e3218a39f20939cf",
-    "tokens word": "f0c65fc26f0b75bf",
-    "vocab": "589829a747382ffd",
+    "corpus tokens basic_english": "55b84b0c46cfa9db",
+    "corpus tokens bpe": "a860d98fa7a3263e",
+    "corpus tokens char": "b13be39a303bd66c",
+    "corpus tokens word": "e0323167c8e62108",
+    "pairs": "5fc2956088980531",
+    "route": "968ad92f53d1c6ac",
+    "split": "9dd68ab4fa45dfc8",
+    "tokens basic_english": "55f4a424e1fa7518",
+    "tokens bpe": "66db1c902b0dc950",
+    "tokens char": "7d9d9ab1dbb97f97",
+    "tokens word": "d20b862447e581c4",
+    "vocab": "b39b39f87e97d5bb",
 }
 
 
@@ -52,13 +58,49 @@ def test_every_data_stage_key_is_the_one_recorded() -> None:
     assert now == RECORDED
 
 
-def test_a_moved_modules_source_is_read_with_its_old_import_names() -> None:
-    moved = ("from mllm import UserError, storage\n"
-             "from mllm.runtime import speed\n"
-             "from mllm.data.text import Tokenizer  # why\n"
-             "from mllm.runtime.epochs import EpochOrder as Order\n")
-    assert source_before_moves(moved) == ("from mllm import UserError, speed, storage\n"
-                                          "from mllm.text import Tokenizer  # why\n"
-                                          "from mllm.data import EpochOrder as Order\n")
-    assert previous_path("data/text.py") == "text.py" and previous_path("runtime/epochs.py") == "data.py"
-    assert previous_path("lm/gpt.py") == "lm/gpt.py"
+KEYS = """
+import json, types
+from mllm import layout
+from mllm.config import TokenizerConfig, VocabConfig
+from mllm.resolve import resolve
+from tasks.data import RawText, Tokens
+from tasks.data.tokenize import _tokens_key
+from tasks.data.vocabulary import _vocab_key
+from tasks.model.train import train_key
+raw = RawText(source="file:///c.txt", url="/s/raw/ab.txt", sha256="ab" * 32, bytes=10)
+tokens = Tokens(key="t" * 16, url="/s/t", tokenizer="/s/t/tokenizer.json", n_tokens=9, n_chunks=1, raw_sha256="ab" * 32)
+data = types.SimpleNamespace(splits=types.SimpleNamespace(key="s"), vocab=types.SimpleNamespace(digest="v"))
+print(json.dumps({"tokens": _tokens_key(raw, TokenizerConfig(), "/s"), "vocab": _vocab_key(tokens, VocabConfig(), "/s"),
+                  "train": train_key(resolve("smoke"), data), "package": layout.package_digest()}))
+"""
+
+
+def _keys(src: Path) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-c", KEYS], capture_output=True, text=True, timeout=120, cwd=src,
+                         env={**os.environ, "PYTHONPATH": str(src)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_moving_a_module_and_formatting_the_code_change_no_key_and_an_edit_does(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for room in ("mllm", "tasks"):
+        shutil.copytree(ROOT / room, src / room, ignore=shutil.ignore_patterns("__pycache__"))
+    before = _keys(src)
+    # The vocabulary module moves and is renamed, every import of it follows; a comment, a
+    # docstring, line breaks, another quote style and a trailing comma are added to it.
+    (src / "mllm" / "data" / "vocab.py").rename(src / "mllm" / "vocabulary_table.py")
+    for path in src.rglob("*.py"):
+        text = path.read_text()
+        if "mllm.data.vocab" in text:
+            path.write_text(text.replace("mllm.data.vocab", "mllm.vocabulary_table"))
+    moved = src / "mllm" / "vocabulary_table.py"
+    text = moved.read_text().replace('UNK = "<unk>"', "# the unknown token\nUNK = '<unk>'")
+    text = text.replace("        tokens = list(tokens)\n", '        """Say why."""\n        tokens = list(\n            tokens,\n        )\n', 1)
+    moved.write_text(text)
+    assert _keys(src) == before
+    # An edit of what the code does changes the keys of the stages that run it.
+    moved.write_text(text.replace("self.unk_id = 0", "self.unk_id = 0 * 1"))
+    after = _keys(src)
+    assert after["vocab"] != before["vocab"] and after["train"] != before["train"]
+    assert after["tokens"] == before["tokens"]  # the tokenize stage does not run the vocabulary's code
