@@ -125,7 +125,7 @@ def hms(seconds: float) -> str:
 
 def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bool = True,
               strip_gutenberg: bool = True, val_fraction: float = 0.1) -> dict[str, Any]:
-    """Tokenize a corpus with mllm.text and mllm.vocab into train/val .npy and vocab.json in
+    """Tokenize a corpus with mllm.data.text and mllm.data.vocab into train/val .npy and vocab.json in
     `folder`: the inputs `mllm.train` reads, without the pipeline around them."""
     import numpy as np
     import pyarrow as pa

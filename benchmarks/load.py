@@ -3,7 +3,7 @@ SQLite and on PostgreSQL.
 
     python -m benchmarks.load [--points 32] [--pipelines 8] [--slots S] [--databases sqlite,postgresql]
 
-For each database a new stack (`flows.stack.up`: Prefect server, a process worker of pool
+For each database a new stack (`flows.stack.servers.up`: Prefect server, a process worker of pool
 `local`, MLflow server; SQLite files, or a PostgreSQL cluster of its own from the machine's
 binaries) in a temporary folder; then, all at once, `mllm-pipeline sweep --train-on local` over N
 learning rates and M `mllm-pipeline run --train-on local`, each with a seed of its own, of the

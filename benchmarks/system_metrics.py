@@ -7,7 +7,7 @@ would be to a remote one. The smoke recipe's model (1-layer LSTM, hidden 64) on 
 600 steps (300 with --quick), tracked as the pipeline's train task tracks it (RunTracker,
 log_metrics as on_metrics), runs
 - without the monitor,
-- with `tasks.tracking.system_metrics` at its default interval (MLflow's, 10 s),
+- with `tasks.tracking.system.system_metrics` at its default interval (MLflow's, 10 s),
 - with a 1 s interval (ten times the samples: the what-if of a user who wants finer curves),
 alternating, a few times each after one warm-up of each; each figure is a median. Two overheads:
 from the wall times (monitored against not, noisy by several percent on a shared machine), and

@@ -17,7 +17,7 @@ few windows so the evaluation `train` always runs at its end costs nothing here;
 recipes' evaluations would cost is measured on its own (eval-mode forward passes of one batch)
 and added to the full-run estimates. Each model trains in its default precision (`train.dtype:
 auto`, the precision column), and MFU is the median of the measured steps' `mfu` (against this
-CPU's measured matrix-multiply peak in that precision, mllm.speed).
+CPU's measured matrix-multiply peak in that precision, mllm.runtime.speed).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ uint16 and meta.pkl), in float32 (its CPU path has no autocast); mllm as a subpr
 mllm.train` with its default precision (`train.dtype: auto`, which the precision column shows) and
 any --variants. Both print one line per step; the figure is the median step time after a warm-up
 (first steps, and for train.compile the compilation). MFU is tokens/s times nanoGPT's FLOPs per
-token over this CPU's measured matrix-multiply peak in the precision used (mllm.speed), at the
+token over this CPU's measured matrix-multiply peak in the precision used (mllm.runtime.speed), at the
 same thread count. The last column compares the mean training loss of the last steps (50 at
 most), which should agree within seed noise (the two do not draw the same batches).
 

@@ -2,7 +2,7 @@
 
 nanoGPT's train.py, as a function: AdamW (fused), or Muon with AdamW (mllm.runtime.optim), linear warmup
 then cosine decay, gradient clipping and accumulation, bf16 autocast where it is faster
-(mllm.speed), optional torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
+(mllm.runtime.speed), optional torch.compile, DDP under torchrun. Checkpoints hold the full state (model, optimizer, scheduler,
 step, RNG states, data position), so a run stopped at any checkpoint resumes to the same weights
 it would have reached. last.pt is written every `checkpoint_interval` steps, every
 `checkpoint_minutes` of training, at the end, and when SIGINT or SIGTERM arrives (of the last
@@ -54,16 +54,16 @@ class TrainResult:
     elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
     stop_reason: str  # max_steps | epochs | max_minutes | early_stopping | pruned
     resumed_from_step: int
-    dtype_used: str = "float32"  # what train.dtype resolved to (mllm.speed)
+    dtype_used: str = "float32"  # what train.dtype resolved to (mllm.runtime.speed)
     dtype_reason: str = ""
     dtype_probe_ms: dict[str, float] | None = None  # a probe step per precision, when probed
     mfu: float | None = None  # model FLOPs utilisation over this run's training time
     peak_flops: float | None = None  # the device's peak in dtype_used, FLOP/s, all ranks together
     peak_source: str = ""
-    compile_used: bool = False  # what train.compile resolved to (mllm.speed), and why
+    compile_used: bool = False  # what train.compile resolved to (mllm.runtime.speed), and why
     compile_reason: str = ""
     compile_s: float | None = None
-    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.speed)
+    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
     muon_precision: str = ""  # train.optimizer muon: its Newton-Schulz precision and why (mllm.runtime.optim)
 
 

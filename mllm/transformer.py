@@ -60,7 +60,7 @@ def explicit_attention(q, k, v, mask=None, key_pad=None, dropout_p: float = 0.0)
     scale applied to q (T x d_head numbers) rather than to the scores (T x T), and the mask in the
     scores' own dtype: a float32 mask added to bf16 scores would promote the whole T x T softmax
     to float32. On the project's AMD CPUs this is 1.5-4x faster than torch's CPU flash attention
-    for a training step's forward and backward (mllm.speed.choose_attention measures it per machine;
+    for a training step's forward and backward (mllm.runtime.speed.choose_attention measures it per machine;
     causal_attention is the GPT's own, for a whole sequence).
     """
     B, h, Tq, d = q.shape

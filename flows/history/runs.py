@@ -177,7 +177,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage]
         for o in overrides:
             cmd += ["--set", o]
-        # The CLI's options: in flows/cli.py before the layout of November 2026, flows/cli/app.py since.
+        # The CLI's options: in flows/cli/ before the layout of November 2026, flows/cli/app.py since.
         cli = "".join(p.read_text() for p in (worktree / "flows" / "cli.py", worktree / "flows" / "cli" / "app.py")
                       if p.exists())
         old_code = '"--reproduces"' not in cli

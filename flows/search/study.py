@@ -3,7 +3,7 @@ pruner, and the checks of a search's options made before anything starts.
 
 Two places. `optuna.db` (SQLite) beside a local storage root: one search at a time holds the
 study's lock, so a trial the next one finds RUNNING is known dead. Or PostgreSQL: the stack's own
-cluster, or the server in $MLLM_STUDY_DATABASE (flows/stack/database.study_database), where
+cluster, or the server in $MLLM_STUDY_DATABASE (flows/stack/database.py (`study_database`)), where
 searches on several machines share one study. There no lock can tell a dead trial from another
 machine's live one, so each search beats a heartbeat for the trials it runs (Optuna beats only
 inside `study.optimize`, which a search does not use) and fails the trials whose heartbeat stopped

@@ -1,5 +1,5 @@
 """A corpus source: opening it, checking that it is text, copying it into storage as UTF-8, and
-reading it back as a stream of text (mllm.gutenberg takes the Project Gutenberg headers and
+reading it back as a stream of text (mllm.data.gutenberg takes the Project Gutenberg headers and
 licences off it).
 
 One decoder (`TextDecoder`) serves both the download and every later read of the text, so a
@@ -336,7 +336,7 @@ def short(e: BaseException) -> str:
 def read_chunks(url: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
     """Stream the text at `url` as str chunks of about `chunk_chars`, with universal newlines.
 
-    The bytes are checked as the download checked them (mllm.corpus.TextDecoder): a byte order
+    The bytes are checked as the download checked them (mllm.data.corpus.TextDecoder): a byte order
     mark chooses the encoding and is dropped, and anything that is not text is a UserError.
     """
     fs, path = filesystem(url)

@@ -44,7 +44,7 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 def _byte_level(hf_json: dict[str, Any]) -> bool:
-    """Whether the tokenizer is the plain byte-level BPE of mllm.text.BpeTokenizer.train."""
+    """Whether the tokenizer is the plain byte-level BPE of mllm.data.text.BpeTokenizer.train."""
     pre, model = hf_json.get("pre_tokenizer") or {}, hf_json.get("model") or {}
     return (model.get("type") == "BPE" and hf_json.get("normalizer") is None and pre.get("type") == "ByteLevel"
             and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)

@@ -16,7 +16,7 @@ keep their split however the corpus grows, and the same text in two files lands 
     groups = group(new_files, target_bytes=32 << 20)
     info = tokenize_pack([(sha, raw_url), ...], tokenizer, out, strip=True, span_chars=16384)
     corpus = CorpusPacks([(pack_url, None), ...])
-    pieces = [route_pack(url, files, vocab, token_bytes, cfg, out) for url, files in corpus.packs]  # mllm.splits
+    pieces = [route_pack(url, files, vocab, token_bytes, cfg, out) for url, files in corpus.packs]  # mllm.data.splits
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class _RowWriter:
                           "n": pa.array(lengths, pa.int64()),
                           "tokens": pa.ListArray.from_arrays(pa.array(offsets), values)})
         if self.writer is None:
-            # As mllm.tokens writes its chunks: no stored Arrow schema (readers see list<string>),
+            # As mllm.data.tokens writes its chunks: no stored Arrow schema (readers see list<string>),
             # no statistics.
             self.writer = pq.ParquetWriter(self.f, table.schema, compression="zstd", store_schema=False,
                                            write_statistics=False)

@@ -10,7 +10,7 @@ group, so memory stays bounded whatever the corpus's size.
 
 A corpus of many files is split span by span instead: `route_pack` routes each token pack's
 rows by their content digest into a piece (the same two files, of that pack's rows), and
-`assemble` writes each split as a manifest of the pieces, which mllm.data.ChainedIds reads as one
+`assemble` writes each split as a manifest of the pieces, which mllm.runtime.epochs.ChainedIds reads as one
 array: a grown corpus routes its new pack and writes manifests, never the old packs' ids again.
 """
 
@@ -115,7 +115,7 @@ def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
     """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`,
     with the split's piece boundaries in `out/<split>.offsets.npy` (see `split_offsets`).
 
-    `tokens` is a token chunks folder (mllm.tokens) or a corpus's packs (mllm.packs.CorpusPacks)."""
+    `tokens` is a token chunks folder (mllm.data.tokens) or a corpus's packs (mllm.data.packs.CorpusPacks)."""
     if isinstance(tokens, str):
         batches, starts = token_batches(tokens), piece_starts(tokens)
     else:
@@ -256,7 +256,7 @@ PIECES = "pieces.json"
 def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np.ndarray, cfg: SplitConfig,
                out: str) -> dict[str, dict[str, Any]]:
     """The rows of one pack (those of `files`, or all) encoded and routed by their span digest
-    (mllm.packs.span_owner) to `out/<split>.npy` (ids in `ids_dtype`, what training memory-maps)
+    (mllm.data.packs.span_owner) to `out/<split>.npy` (ids in `ids_dtype`, what training memory-maps)
     and `out/<split>.parquet` (`token_id: int32`), with each split's row lengths in
     `out/<split>.lengths.npy`. A pack's piece depends on the pack, the vocabulary and the split's
     seed and fractions alone, so a corpus that grows by one file routes one pack, and its splits
@@ -324,7 +324,7 @@ def check_span_sizes(sizes: dict[str, int], n_rows: int, cfg: SplitConfig) -> No
 def assemble(pieces: list[str], n_vocab: int, out: str) -> list[WrittenSplit]:
     """The splits of a corpus from its packs' routed pieces (`route_pack`), in pack order, stored
     as pieces: each split's `<split>.ids.json` names its pieces' ids (.npy) and Parquet files with
-    their tokens and sha256s (mllm.data.ChainedIds reads them as one array), and `.offsets.npy`
+    their tokens and sha256s (mllm.runtime.epochs.ChainedIds reads them as one array), and `.offsets.npy`
     holds its row boundaries (every row a piece of text). Nothing of the ids is copied: a grown
     corpus writes these small files again, and its old pieces stay as they were."""
     from mllm.runtime.epochs import CHAIN, chain_digest

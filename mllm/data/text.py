@@ -1,5 +1,5 @@
 """Text in, tokens out: the char, word and BPE tokenizers (reading and Gutenberg stripping are
-in mllm.corpus, and importable from here too).
+in mllm.data.corpus, and importable from here too).
 
 Everything streams in chunks (a corpus need not fit in memory twice), and every tokenizer gives
 the same tokens however the text is chunked: a word, a run of spaces or a multi-byte character
@@ -45,7 +45,7 @@ def _last_match(pattern: re.Pattern, text: str, end: int | None = None) -> int:
 
 
 class Tokenizer(ABC):
-    """Text <-> token strings. The vocabulary (mllm.vocab) maps the strings to ids."""
+    """Text <-> token strings. The vocabulary (mllm.data.vocab) maps the strings to ids."""
 
     kind: str = ""
 
@@ -273,7 +273,7 @@ class BpeTokenizer(_CutTokenizer):
         for piece, i in hf.get_vocab().items():
             self._itos[i] = piece
         self._pieces_arrow = pa.array(self._itos, pa.string())
-        self._encoder = None  # mllm.fastbpe.FastEncoder, made on first use
+        self._encoder = None  # mllm.data.fastbpe.FastEncoder, made on first use
 
     @classmethod
     def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":

@@ -70,7 +70,7 @@ def _relative(context: int) -> np.ndarray:
 
 
 def _take(ids, index: np.ndarray) -> np.ndarray:
-    # A split of a many-file corpus is a chain of pieces (mllm.data.ChainedIds), which gathers
+    # A split of a many-file corpus is a chain of pieces (mllm.runtime.epochs.ChainedIds), which gathers
     # from them; np.asarray would copy it whole for every batch.
     return ids[index] if isinstance(ids, ChainedIds) else np.asarray(ids)[index]
 
@@ -139,7 +139,7 @@ def make_batch(ids, offsets, centres, context: int, skip_unk: bool, noise_cdf: n
 
 
 class CbowBatches(EpochOrder):
-    """Shuffled passes over every sample (centre position), like mllm.data.EpochWindows.
+    """Shuffled passes over every sample (centre position), like mllm.lm.windows.EpochWindows.
 
     A batch's noise words depend only on (seed, epoch, batch, rank), so the position (epoch,
     batch) stays the whole state.
@@ -207,7 +207,7 @@ class CBOW(nn.Module):
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def flops_per_target(self) -> int:
-        """Training FLOPs per centre word (mllm.speed): the output layer's product with the mean
+        """Training FLOPs per centre word (mllm.runtime.speed): the output layer's product with the mean
         context, over every word of the vocabulary (softmax) or the centre and noise words only
         (negative sampling). Averaging the context is additions, and is left out."""
         c = self.config

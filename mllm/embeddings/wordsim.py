@@ -155,7 +155,7 @@ def evaluate_embeddings(vectors: WordVectors) -> dict[str, float]:
 
 @torch.no_grad()
 def evaluate_loss(model, batches: Iterable[tuple], device: str | torch.device = "cpu") -> float:
-    """Mean loss per sample over fixed batches (mllm.cbow.CbowBatches.eval_batches of the
+    """Mean loss per sample over fixed batches (mllm.embeddings.cbow.CbowBatches.eval_batches of the
     validation paragraphs): the held-out CBOW loss."""
     was_training = model.training
     model.eval()
@@ -172,7 +172,7 @@ def evaluate_loss(model, batches: Iterable[tuple], device: str | torch.device = 
 
 def evaluate_cbow(model, tokens: list[str], val_batches: Iterable[tuple] | None = None,
                   probes: Iterable[str] = (), k: int = 10, device: str | torch.device = "cpu") -> dict:
-    """One eval of a CBOW model (mllm.cbow.CBOW): {"metrics", "neighbours", "notes"}.
+    """One eval of a CBOW model (mllm.embeddings.cbow.CBOW): {"metrics", "neighbours", "notes"}.
 
     metrics: the word-similarity and analogy scores of the input ("context") embedding, the usual
     word vectors, under their plain names (HEADLINE among them), the output ("centre") rows' under

@@ -249,7 +249,7 @@ class GPT(nn.Module):
     @property
     def speed_variant(self) -> dict:
         """The options away from their defaults that change a step's work but no parameter's
-        shape: part of mllm.speed's probe keys, so a probe of one variant is not reused for another."""
+        shape: part of mllm.runtime.speed's probe keys, so a probe of one variant is not reused for another."""
         c, fields = self.config, ("norm", "qk_norm", "mlp", "logit_softcap")
         defaults = type(c).model_fields
         # Sinusoidal positions predate this key (its missing wpe tells it apart); rotary's does not.

@@ -11,7 +11,7 @@ from mllm.runtime.distributed import Dist, gather
 
 
 def choose_attention(device: torch.device, model: torch.nn.Module, batch: tuple, d: Dist) -> str:
-    """A GPT's attention kernel per precision (mllm.speed.choose_attention), measured by rank 0
+    """A GPT's attention kernel per precision (mllm.runtime.speed.choose_attention), measured by rank 0
     for every rank: before the precision probe, so that it times each precision at its best."""
     said = speed.choose_attention(model, device, batch) if d.master else ""
     kernels = getattr(model, "attention_kernels", None)
@@ -23,7 +23,7 @@ def choose_attention(device: torch.device, model: torch.nn.Module, batch: tuple,
 
 def choose_precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
                      metrics: dict[str, float], d: Dist) -> speed.Precision:
-    """train.dtype resolved (mllm.speed). Rank 0 decides for every rank, and a resumed training
+    """train.dtype resolved (mllm.runtime.speed). Rank 0 decides for every rank, and a resumed training
     keeps the precision it started in (the checkpoint's metrics hold it)."""
     p = speed.choose_precision(t.dtype, device, model, batch) if d.master else None
     if d.world_size > 1:

@@ -1,5 +1,5 @@
 """The sequence-to-sequence family's evaluation and samples, called by the evaluate and generate
-stages in `tasks/model.py` for an encoder-decoder checkpoint: validation loss, exact match, BLEU
+stages in `tasks/model/` for an encoder-decoder checkpoint: validation loss, exact match, BLEU
 and chrF on the held-out pairs, a table of a few translations, attention heatmaps, and the
 translations of the recipe's prompts."""
 

@@ -11,7 +11,7 @@ Two architectures, chosen by `arch`:
 
 Both are trained with teacher forcing: forward(src, tgt_in, tgt_out) -> (logits, loss, None), where
 tgt_in is <bos> y padded with <pad> and tgt_out is y <eos> padded with -1 (ignored by the loss).
-Decoding (mllm.translate) calls encode() once per source, start() for a decoder state (the RNN's
+Decoding (mllm.seq2seq.translate) calls encode() once per source, start() for a decoder state (the RNN's
 hidden state; the transformer's key/value cache) and step() once per new target token;
 reorder(state, index) keeps the rows a beam search picks.
 """
@@ -28,7 +28,7 @@ from mllm import UserError
 from mllm.config import Seq2SeqConfig
 from mllm.transformer import causal_mask, explicit_attention, sinusoidal_positions
 
-# Every vocabulary of this family starts <unk>, <pad>, <bos>, <eos> (mllm.pairs builds it so).
+# Every vocabulary of this family starts <unk>, <pad>, <bos>, <eos> (mllm.seq2seq.pairs builds it so).
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
 
@@ -36,7 +36,7 @@ PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
 def build_seq2seq(cfg: Seq2SeqConfig) -> nn.Module:
     if cfg.src_vocab_size <= len(SPECIALS) or cfg.tgt_vocab_size <= len(SPECIALS):
         raise UserError("model.src_vocab_size/tgt_vocab_size are unset: set them to the vocabularies' "
-                        "sizes (mllm.pairs.vocab_sizes) before building the model")
+                        "sizes (mllm.seq2seq.pairs.vocab_sizes) before building the model")
     return Seq2SeqRNN(cfg) if cfg.arch == "seq2seq-rnn" else Seq2SeqTransformer(cfg)
 
 

@@ -126,7 +126,7 @@ def _vocab(counts: Counter, data: DataConfig) -> Vocab:
 def check_vocab(vocab: Vocab, what: str) -> Vocab:
     if vocab.itos[:4] != [UNK, *SPECIALS]:
         raise UserError(f"the {what} vocabulary does not start {UNK} {' '.join(SPECIALS)}: "
-                        "build it with mllm.pairs.prepare_pairs")
+                        "build it with mllm.seq2seq.pairs.prepare_pairs")
     return vocab
 
 
@@ -254,7 +254,7 @@ def batch_of(split: PairSplit, index) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 class PairBatches(EpochOrder):
-    """Shuffled passes over the pairs, resumable exactly (see mllm.data.EpochOrder)."""
+    """Shuffled passes over the pairs, resumable exactly (see mllm.runtime.epochs.EpochOrder)."""
 
     def __init__(self, split: PairSplit, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
         if len(split) == 0:

@@ -61,12 +61,12 @@ class Vocabulary(BaseModel):
 class SplitPart(BaseModel):
     parquet: str  # a split of pieces (many files): its manifest, which names each piece's Parquet
     # flat .npy (uint8, uint16 or int32: mllm.data.splits.ids_dtype), memory-mapped by training; a corpus
-    # of many files: `<split>.ids.json`, a manifest of its pieces (mllm.data.ChainedIds); pairs: their Parquet
+    # of many files: `<split>.ids.json`, a manifest of its pieces (mllm.runtime.epochs.ChainedIds); pairs: their Parquet
     ids: str
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
     offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it
-    sha256: str | None = None  # of the ids file (pieces: mllm.data.chain_digest), when the split stage wrote it (lineage checks it)
+    sha256: str | None = None  # of the ids file (pieces: mllm.runtime.epochs.chain_digest), when the split stage wrote it (lineage checks it)
 
 
 class Splits(BaseModel):
