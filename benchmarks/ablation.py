@@ -87,7 +87,7 @@ def step_costs(names: list[str], vocab_size: int, rounds: int, threads: int) -> 
     import json as _json
 
     from mllm.runtime import speed
-    from mllm.family import build_model
+    from mllm.families.base import build_model
     from mllm.runtime.optim import build_optimizer
     from mllm.resolve import apply_overrides, recipe_dict
     from mllm.resolve import validate

@@ -32,7 +32,7 @@ from benchmarks.common import corpus, header, load, median, parse_args, save, ta
 from mllm.config import model_config
 from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import windows
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.lm.generate import generate
 
 MODELS = {

@@ -124,7 +124,7 @@ def _train(recipe: str, ids: Path, scratch: Path, name: str, overrides: dict, lo
 
 def _flops_per_token(shape: dict, vocab_size: int) -> float:
     from mllm.config import GPTConfig
-    from mllm.family import build_model
+    from mllm.families.base import build_model
 
     model = build_model(GPTConfig(vocab_size=vocab_size, bias=False, **{k: v for k, v in shape.items() if k != "batch_size"}))
     return float(model.flops_per_token(shape["block_size"]))

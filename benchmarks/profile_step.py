@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import header, parse_args, save, table
 from mllm.config import GPTConfig
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.runtime.speed import Precision, choose_attention
 
 

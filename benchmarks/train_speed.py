@@ -35,7 +35,7 @@ from benchmarks.common import (corpus, header, hms, load, median, parse_args, ru
                                token_ids)
 from mllm.runtime.epochs import load_ids
 from mllm.lm.windows import EpochWindows, windows
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.train import train
 
 # Long enough that neither a scheduled eval nor a checkpoint lands inside the measured steps.

@@ -191,7 +191,7 @@ def _mfu(shape: dict, tokens_per_s: float, precision: str, n_threads: int) -> fl
     """nanoGPT's FLOPs per token at `shape` times tokens/s, over this CPU's measured peak."""
     from mllm.runtime import speed
     from mllm.config import GPTConfig
-    from mllm.family import build_model
+    from mllm.families.base import build_model
 
     if "/" in precision:
         return None  # the rounds trained in different precisions
@@ -214,7 +214,7 @@ def _nanogpt_model_module():
 def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int,
                    repeats: int) -> list[dict]:
     from mllm.config import GPTConfig
-    from mllm.family import build_model
+    from mllm.families.base import build_model
     from mllm.lm.decode import decode_precision
     from mllm.lm.generate import generate
 

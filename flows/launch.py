@@ -214,7 +214,7 @@ def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] 
     server, a source that is missing, unreachable, or (a local file) not usable text, a local
     corpus's file whose head is not, and a device this machine lacks, all fail at once in one line."""
     from mllm.data import corpus, files, heads
-    from mllm.family import family_of
+    from mllm.families.base import family_of
     from mllm.runtime.devices import resolve_device
 
     cfg = resolve(recipe, overrides=sets or [], source=source)

@@ -23,7 +23,7 @@ from flows.launch import check_model_name, data_runner, preflight, storage_root,
 from flows.training import run_training, train
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig
-from mllm.family import family_of
+from mllm.families.base import family_of
 from mllm.resolve import recipe_names, resolve
 from tasks.caching import forget_exception, result_storage
 from tasks.data.download import corpus_changes, download, download_source, file_identities

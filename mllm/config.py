@@ -273,7 +273,7 @@ class SequenceModelConfig(_Section):
 
 # The model sections, told apart by `arch` (and `family` where two share an arch name): a
 # section holds its own fields only, so a field of another section is refused and the training
-# key digests only what the model uses. mllm.family maps each section to its family.
+# key digests only what the model uses. mllm.families.base maps each section to its family.
 SECTIONS: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig,
                                        "sequence-to-sequence": Seq2SeqConfig, "sequences": SequenceModelConfig}
 

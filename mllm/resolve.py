@@ -150,9 +150,9 @@ def validate(data: dict[str, Any], where: str) -> RunConfig:
             field, msg = "model.arch", f"choose one of {', '.join(archs())}"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise UserError(f"{where}: {field}: {msg}{more}") from None
-    # Imported here: mllm.family brings torch (2.4 s measured), which `mllm-pipeline --help` and
+    # Imported here: mllm.families.base brings torch (2.4 s measured), which `mllm-pipeline --help` and
     # a recipe's listing have no use for.
-    from mllm.family import check_run
+    from mllm.families.base import check_run
 
     try:
         check_run(cfg)

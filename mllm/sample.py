@@ -3,7 +3,7 @@ point that the CLI, `mllm-pipeline runs` and the served model call too.
 
     python -m mllm.sample --checkpoint runs/<key>/checkpoints/best.pt --prompt "The " --method top-p
 
-What a sample is belongs to the family (mllm.family): a language model continues the prompt, word
+What a sample is belongs to the family (mllm.families.base): a language model continues the prompt, word
 embeddings list each word's nearest neighbours, a seq2seq model translates it, a sequence model
 predicts its next element. Options left out take the run's own `sample` section, so a command
 repeats the run's own samples unless told otherwise.
@@ -17,7 +17,7 @@ from typing import Any
 
 from mllm import UserError
 from mllm.config import METHODS
-from mllm.family import family_of
+from mllm.families.base import family_of
 from mllm.runtime.checkpoint import load_checkpoint
 
 OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed", "neighbours",

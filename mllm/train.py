@@ -27,7 +27,7 @@ import torch.distributed as tdist
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.family import build_model, family_of, load_inputs
+from mllm.families.base import build_model, family_of, load_inputs
 from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
 from mllm.runtime.checkpoint import (BrokenOff, Signals, check_model, check_vocab, read_checkpoint, rewind,

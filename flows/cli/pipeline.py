@@ -99,7 +99,7 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
             set_: Sets = None, task_runner: TaskRunner = None) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with user_errors():
-        from mllm.family import family_of
+        from mllm.families.base import family_of
 
         source, set_ = without_credentials(source, set_, task_runner)
         cfg = checked_config(recipe, set_, source, storage, trains=False)
@@ -243,7 +243,7 @@ def _print_answers(answer: Callable[[list[str] | None], list[str]], prompts: lis
 @app.command()
 def recipes() -> None:
     """List the shipped recipes: model, tokens, size, training length and the extra a recipe needs."""
-    from mllm.family import family_of
+    from mllm.families.base import family_of
 
     rows = [("recipe", "arch", "tokens", "size", "length", "needs")]
     for name in recipe_names():

@@ -55,7 +55,7 @@ from flows.sweep.parent import PARENT_TAG, ParentRun, passing, retry_delay_s, su
 from flows.training import run_training, train
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.family import family_of
+from mllm.families.base import family_of
 from mllm.redact import scrub
 from mllm.resolve import resolve
 from tasks.model import train as training_stage

@@ -26,7 +26,7 @@ from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.data.text import Tokenizer, tokenizer_from_json
 from mllm.data.vocab import Vocab
 

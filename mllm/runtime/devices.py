@@ -2,7 +2,7 @@
 
 Every family's model shares one forward contract: forward(*batch) -> (output, loss | None,
 state), the batch's last tensor being the target (padding -1). What the batch holds and what the
-state is belong to the family (mllm.family).
+state is belong to the family (mllm.families.base).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from prefect import get_run_logger, task
 from mllm import layout, storage
 from mllm.config import DataConfig
 from mllm.data.vocab import Vocab
-from mllm.family import families
+from mllm.families.base import families
 from tasks import assets
 from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
 from tasks.data import (Generated, SplitPart, Splits, Tokens, Vocabulary, finished,

@@ -67,7 +67,7 @@ class Trained(BaseModel):
 
 
 class Evaluation(BaseModel):
-    """A family's evaluation of the trained model on one split (mllm.family.Evaluation), with
+    """A family's evaluation of the trained model on one split (mllm.families.base.Evaluation), with
     where its report lives."""
 
     split: str

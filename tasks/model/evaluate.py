@@ -7,8 +7,8 @@ from prefect import get_run_logger, task
 
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig
-from mllm.family import Evaluation as Scores
-from mllm.family import family_of
+from mllm.families.base import Evaluation as Scores
+from mllm.families.base import family_of
 from mllm.runtime import checkpoint
 from tasks import assets
 from tasks.caching import forget_exception, retry_unless_mistake, stage_cache

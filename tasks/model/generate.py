@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 
 from mllm import layout, storage
 from mllm.config import RunConfig
-from mllm.family import family_of, samples_text
+from mllm.families.base import family_of, samples_text
 from mllm.runtime import checkpoint
 from tasks import assets
 from tasks.caching import forget_exception, retry_unless_mistake, stage_cache

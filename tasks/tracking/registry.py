@@ -35,7 +35,7 @@ import mllm
 from mllm import storage
 from mllm.runtime.checkpoint import read_checkpoint
 from mllm.config import RunConfig
-from mllm.family import family_of
+from mllm.families.base import family_of
 from mllm.redact import scrub
 from tasks.tracking import served_model
 from tasks.caching import forget_exception

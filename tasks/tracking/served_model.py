@@ -72,7 +72,7 @@ def check_params(loaded: Any, params: dict[str, Any], max_new_tokens: int) -> No
     """Refuse a request's parameter outside what it may be, by its name in the request. (MLflow
     has checked their types and filled in the defaults from the signature.)"""
     from mllm import UserError
-    from mllm.family import family_of
+    from mllm.families.base import family_of
 
     family = family_of(loaded)
     method = params.get("method")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mllm.config import model_config
 from mllm.lm.evaluate import evaluate, ngram_baseline
-from mllm.family import build_model
+from mllm.families.base import build_model
 
 
 class BigramTable(nn.Module):

@@ -16,17 +16,19 @@ from mllm import UserError
 from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, SECTIONS, archs
 from mllm.resolve import validate
-from mllm.family import FAMILY_MODULES, families, family_of
-from mllm.family import build_model
+from mllm.families.base import FAMILY_MODULES, families, family_of
+from mllm.families.base import build_model
 from mllm.resolve import resolve
 from mllm.sample import answer
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import UNK, Vocab
 
 ROOT = Path(__file__).resolve().parents[2]
-# Where a family may be named: its own package, the config union and the registry of families.
-FAMILY_PACKAGES = {Path(*m.split(".")) for m in FAMILY_MODULES}
-ALLOWED = {Path("mllm/config.py"), Path("mllm/family.py")}
+# Where a family may be named: its own package of models and its module in mllm/families, the
+# config union and the registry of families.
+FAMILY_PACKAGES = {Path("mllm", m.rpartition(".")[2]) for m in FAMILY_MODULES}
+ALLOWED = {Path("mllm/config.py"), Path("mllm/families/base.py"),
+           *(Path(*m.split(".")).with_suffix(".py") for m in FAMILY_MODULES)}
 
 
 def _shared_modules() -> list[Path]:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.lm.generate import generate
 from mllm.data.text import CharTokenizer
 from mllm.transformer import causal_attention, causal_mask, explicit_attention, sinusoidal_positions

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mllm import UserError
 from mllm.runtime import speed
 from mllm.config import model_config
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.resolve import validate
 from mllm.lm.generate import generate
 from mllm.lm.gpt_pieces import Rotary, qk_norm, softcap, value_layers

@@ -111,7 +111,7 @@ def test_compiled_steps_equal_eager_steps(data_dir, tmp_path):
 @pytest.mark.parametrize("pieces", [GPT, DEFAULT_PIECES], ids=["nanogpt", "default-recipe"])
 def test_cached_greedy_decoding_equals_recomputation(pieces):
     from mllm.config import model_config
-    from mllm.family import build_model
+    from mllm.families.base import build_model
 
     torch.manual_seed(0)
     model = build_model(model_config(**{**pieces, "vocab_size": 40})).cuda().eval()

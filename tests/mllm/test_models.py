@@ -7,7 +7,7 @@ import torch.nn as nn
 from mllm import UserError
 from mllm.config import model_config
 from mllm.lm.gpt import GPT
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.lm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
 
 

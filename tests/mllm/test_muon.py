@@ -15,7 +15,7 @@ import torch.nn as nn
 from textdata import write_char_ids
 from mllm import UserError
 from mllm.config import RunConfig, TrainConfig, model_config
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.runtime import optim
 from mllm.runtime.optim import Combined, Muon, build_optimizer, muon_split, newton_schulz_dtype
 from mllm.train import train

@@ -12,7 +12,7 @@ from mllm import UserError
 from mllm.runtime import speed
 from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.lm import decode
 from mllm.lm.generate import filter_top_k, filter_top_p, generate, next_token, sample_text
 from mllm.sample import main

@@ -14,7 +14,7 @@ from textdata import write_char_ids
 from mllm.runtime import compiling, speed
 from mllm.runtime.checkpoint import read_checkpoint
 from mllm.config import CbowConfig, RunConfig
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.train import train
 
 GPT = {"arch": "gpt", "n_embd": 32, "n_head": 2, "n_layer": 2, "block_size": 32, "dropout": 0.0}
@@ -197,8 +197,8 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
     # A gain this machine measured before (seeded in the cache) makes even a short training
     # compile after its first eager steps; the compiled steps are then timed for real, the verdict
     # says which was faster, and the cache now holds what was measured here.
-    from mllm.family import family_of
-    from mllm.family import load_inputs
+    from mllm.families.base import family_of
+    from mllm.families.base import load_inputs
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds

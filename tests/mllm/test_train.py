@@ -159,7 +159,7 @@ def test_losses_equal_the_plain_loop(data_dir, tmp_path, model):
     # per-step losses equal those of the textbook loop (torch's per-parameter AdamW, clipping, the
     # same schedule, batches and dropout draws). The fused update only reorders float operations,
     # so after 30 steps the losses agree to float32 rounding, far inside any seed-to-seed change.
-    from mllm.family import build_model
+    from mllm.families.base import build_model
 
     kw = dict(sampling="random", max_steps=30, log_interval=1, lr_schedule="cosine", warmup_steps=3,
               grad_clip=0.5, weight_decay=0.1, eval_interval=10)

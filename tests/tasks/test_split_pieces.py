@@ -15,7 +15,7 @@ from mllm.runtime.epochs import CHAIN, ChainedIds, chain_digest, ids_digest, loa
 from mllm.embeddings.cbow import CbowBatches
 from mllm.lm.evaluate import evaluate, ngram_baseline
 from mllm.lm.windows import EpochWindows, RandomWindows, eval_starts, windows
-from mllm.family import build_model
+from mllm.families.base import build_model
 
 # Pieces of uneven sizes, one of a single token, so windows and contexts cross their ends.
 CUTS = [0, 1700, 1701, 4000, 4090, 6000]

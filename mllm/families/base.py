@@ -8,8 +8,9 @@ champion), what "sample" means for it, how a champion trained on other data is s
 new split, and what the served model takes. The training loop, checkpoints, the pipeline's tasks
 and flows and the CLI ask the family and never name one.
 
-A new family is a package under `mllm/` with a `Family` subclass decorated with `@register`, its
-config section added to the union in `mllm/config.py`, and its name in `FAMILY_MODULES` below.
+A new family is a package of its models under `mllm/`, and a module `mllm/families/<name>.py` with
+a `Family` subclass decorated with `@register`; its config section is added to the union in
+`mllm/config.py`, and its module to `FAMILY_MODULES` below.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mllm import UserError
 from mllm.runtime.inputs import load_token_inputs
 
 # The packages that hold a family each; importing one registers it.
-FAMILY_MODULES = ("mllm.lm", "mllm.embeddings", "mllm.seq2seq", "mllm.sequences")
+FAMILY_MODULES = ("mllm.families.lm", "mllm.families.embeddings", "mllm.families.seq2seq", "mllm.families.sequences")
 
 DataKind = Literal["corpus", "pairs", "generated"]
 
