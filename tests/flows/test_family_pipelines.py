@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> None:
-    # A copy of the package, digested in a fresh process before and after editing one file that
-    # the old hand-kept list of modules left out (the windows sampler).
+    # A copy of the package, digested in a fresh process before and after editing what one file
+    # that the old hand-kept list of modules left out does (the windows sampler): a comment would
+    # change no key (tests/tasks/test_layout.py).
     copy = tmp_path / "src"
     shutil.copytree(ROOT / "mllm", copy / "mllm", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "tasks", copy / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
@@ -42,7 +43,7 @@ def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> Non
     assert key() == before  # the same code, the same key
     windows = copy / "mllm" / "lm" / "windows.py"
     windows.write_text(windows.read_text().replace("return windows(self.ids, self.take() * self.stride, self.window)",
-                                                   "return windows(self.ids, self.take() * self.stride, self.window)  # x"))
+                                                   "return windows(self.ids, self.stride * self.take(), self.window)"))
     assert key() != before
 
 
