@@ -227,6 +227,7 @@ def test_softmax_forward_is_cross_entropy_and_heldout_loss_averages_it():
 
 
 def test_evaluate_cbow_reports_both_embeddings_and_the_heldout_loss():
+    pytest.importorskip("gensim", reason="the embeddings extra (WordSim-353 and SimLex-999 ship in gensim)")
     tokens = ["<unk>", "tiger", "cat", "book", "paper", "love", "sex", "money", "cash"]
     model = CBOW(CbowConfig(vocab_size=len(tokens), n_embd=8, max_norm=None))
     ids, offsets = np.array([1, 2, 3, 4, 5, 6, 7, 8] * 4, dtype=np.int32), np.array([0, 8, 16, 24, 32])
@@ -335,6 +336,7 @@ def test_analogies_answer_3cosadd_without_the_question_words():
 
 
 def test_the_shipped_sets_load_from_gensim():
+    pytest.importorskip("gensim", reason="the embeddings extra (WordSim-353 and SimLex-999 ship in gensim)")
     ws, sl, an = load_pairs("wordsim353"), load_pairs("simlex999"), load_analogies()
     assert (len(ws), len(sl), len(an)) == (353, 999, 19544)
     assert ws[0] == ("love", "sex", 6.77) and an[0] == ("capital-common-countries", "athens", "greece",
@@ -359,6 +361,7 @@ def test_a_probe_word_not_in_the_vocabulary_gets_one_line_and_a_spelling():
 
 
 def test_gensim_loads_the_exported_vectors(tmp_path):
+    pytest.importorskip("gensim", reason="the embeddings extra (WordSim-353 and SimLex-999 ship in gensim)")
     from gensim.models import KeyedVectors
 
     rng = np.random.default_rng(0)

@@ -275,6 +275,7 @@ def pairs_data(numbers=None, target="char", shared_vocab=False, val_fraction=0.1
 
 
 def test_numbers_corpus_and_held_out_numbers(tmp_path):
+    pytest.importorskip("num2words", reason="the seq2seq extra makes the numbers corpus")
     pairs = numbers_pairs(300, seed=2, max_number=999)
     assert ("twenty-one", "einundzwanzig") in numbers_pairs(1000, max_number=999)
     assert len({s for s, _ in pairs}) == 300 and pairs == numbers_pairs(300, seed=2, max_number=999)
@@ -322,6 +323,8 @@ def test_batches_resume_exactly_and_cover_an_epoch():
 
 
 def test_translate_names_unknown_tokens_and_evaluate_scores(tmp_path):
+    pytest.importorskip("num2words", reason="the seq2seq extra makes the numbers corpus")
+    pytest.importorskip("sacrebleu", reason="the seq2seq extra scores BLEU and chrF")
     cfg = pairs_data(numbers={"count": 200, "max_number": 999})
     prepare_pairs(read_pairs(cfg)[0], cfg, str(tmp_path), max_src_len=20, max_tgt_len=40)
     src_tok, src_vocab = load_side(str(tmp_path), "src")
