@@ -118,8 +118,18 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     # A password in the source URL stays in this process's memory, out of the config that is
     # logged, stored with every checkpoint and sent to MLflow.
     src = cfg.data.source
-    cfg.data.source = storage.hide_credentials(src) if isinstance(src, str) else [storage.hide_credentials(x) for x in src]
+    cfg.data.source = (absolute_source(storage.hide_credentials(src)) if isinstance(src, str)
+                       else [absolute_source(storage.hide_credentials(x)) for x in src])
     return cfg
+
+
+def absolute_source(source: str) -> str:
+    """A local path as an absolute one (a URL as it is): the config is the run's record (its
+    config.yaml, MLflow's params), and `reproduce` runs it from another folder. No stage's key
+    holds the path: the data is keyed by the digests of its bytes."""
+    if not source or "://" in source:
+        return source
+    return os.path.abspath(source)
 
 
 def validate(data: dict[str, Any], where: str) -> RunConfig:

@@ -146,6 +146,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         raise UserError(f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
                         "or run reproduce from a clone that has it")
     cfg = _recorded_config(root, run_id)
+    recorded_source(cfg, tags, run_id)
     sha = tags.get("data.raw_sha256")
     if sha:
         cfg.setdefault("data", {})["sha256"] = sha  # a changed source is an error, not a new result
@@ -205,6 +206,24 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
             "versions": changed, "compared_with": baseline.info.run_id,
             "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
+
+
+def recorded_source(cfg: dict[str, Any], tags: dict[str, str], run_id: str) -> None:
+    """Make the recorded config's source findable from the reproduction's own folder. Runs made
+    before sources were recorded absolute kept a relative path as typed: a single file's
+    absolute path is in the run's `data.source` tag (its sha256 in `data.raw_sha256` pins it)."""
+    data = cfg.get("data") or {}
+    source = data.get("source")
+    named = [source] if isinstance(source, str) else list(source or [])
+    if not any(s and "://" not in s and not os.path.isabs(s) for s in named):
+        return
+    where = tags.get("data.source", "")
+    if isinstance(source, str) and os.path.isabs(where):
+        data["source"] = where
+        return
+    raise UserError(f"run {run_id} recorded its source only as a path relative to the folder it ran in "
+                    f"({', '.join(named)}), which a reproduction cannot find: run its recipe again with --source "
+                    f"ABSOLUTE-PATH --set data.sha256={tags.get('data.raw_sha256', 'SHA256')} (the digest pins the data)")
 
 
 def _trained_by(root: str, run: Any) -> Any:

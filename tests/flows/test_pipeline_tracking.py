@@ -136,12 +136,16 @@ def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_tra
             return prewarmed.run("flows.cli", [*args, "--storage", "s3://runs/r"], env, repo, 600)
 
         sets = [a for s in FAST for a in ("--set", s)]
+        # A relative source, as README's `make run SOURCE=../...` gives: the reproduction runs in a
+        # folder of its own, and must find it all the same.
         for _ in range(2):  # the second finds the champion trained on the same data, config and code
-            out = cli("run", "--recipe", "smoke", "--source", str(corpus), *sets)
+            out = cli("run", "--recipe", "smoke", "--source", "../corpus.txt", *sets)
             assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.startswith("skipped:")
         trained, skipped = sorted(json.loads(cli("runs", "--json").stdout), key=lambda r: r["started"] + r["decision"])
         assert (trained["decision"], skipped["decision"]) == ("promoted", "skipped")
+        # The record names the source absolutely (MLflow's params are the config.yaml artifact's fields).
+        assert MlflowClient(tracking).get_run(trained["run_id"]).data.params["data.source"] == str(corpus)
 
         # A later commit: the reproduction still runs the first one's code.
         (repo / "NOTES.md").write_text("a later change\n")
