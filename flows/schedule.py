@@ -98,7 +98,8 @@ def upsert(recipe: str, *, cron: str | None = None, interval: float | None = Non
             schedules=[DeploymentScheduleCreate(schedule=schedule, active=True)],
             concurrency_limit=1, paused=paused, tags=["mllm-pipeline", "retrain"],
             description=f"Retrain the {recipe} recipe: the source is read again; training is skipped when the "
-                        "champion was trained on the same data, config and code (force: true retrains).")
+                        "champion was trained on the same data, config and code (force: true evaluates, registers and "
+                        "judges it again, reusing that training).")
         return _describe(client, client.read_deployment(deployment_id))
 
 

@@ -104,7 +104,9 @@ def skip_reason(champion: Champion | None, trained_version: str | None, raw_sha2
     else:
         why = (f"data, config and code unchanged since v{trained_version} was trained, which did not "
                f"beat champion v{champion.version}")
-    return f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); force retrains"
+    # What --force does: the training of this key is found in storage and reused, not repeated.
+    return (f"{why} (corpus sha256 {raw_sha256[:12]}, training key {train_key}); --force evaluates, registers and "
+            "judges it again, reusing that training (another --storage trains anew)")
 
 
 # The version tag that lists a corpus's files, each by the first FILE_DIGEST hex digits of its

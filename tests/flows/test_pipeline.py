@@ -91,8 +91,10 @@ def test_second_run_reuses_every_data_stage_and_skips_training(corpus: Path, tmp
     # The champion was trained on the same data, config and code: nothing to train.
     assert second.decision == "skipped" and second.trained is None
     assert f"since champion v{first.champion.version}" in second.reason
-    # Forced, training finds its finished checkpoint and does not train again; the model is
-    # the champion's equal, so the champion stays.
+    # Forced, training finds its finished checkpoint and does not train again, as the skip's
+    # reason says (and `--force`'s help); the model is the champion's equal, so the champion stays.
+    assert second.reason.endswith("--force evaluates, registers and judges it again, reusing that training "
+                                  "(another --storage trains anew)")
     third = pipeline(recipe="smoke", source=str(corpus), storage_url=str(root), overrides=FAST, force=True)
     assert third.trained.resumed_from_step == first.trained.steps
     assert third.decision == "kept" and _task_states("evaluate")[0] == "Cached"
