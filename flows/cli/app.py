@@ -3,21 +3,42 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Optional
 
 import typer
 
+from mllm.resolve import absolute_source
 from mllm.storage import hide_credentials
 
 # typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and `--json true`
 # is then refused: a flag shows no type.
 _display_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
+# ... and an argument's Python type (`RUN_ID <str>`) beside its name, which says what it is: no type.
+typer.core.TyperArgument.display_type_rich = lambda self, ctx: None
 # ... and a required argument in braces (`reproduce {run_id}`), which reads as a literal or a
 # template: the usage line names it as click does, `RUN_ID`, an optional one `[RUN_ID]`.
 _usage_name = typer.core.TyperArgument._usage_display_name
 typer.core.TyperArgument._usage_display_name = (
     lambda self: _usage_name(self).replace("{", "", 1).replace("}", "", 1) if self.required else _usage_name(self))
+
+# An unknown option's suggestions: click's parser compares the whole `--name` with difflib's
+# cutoff of 0.6, so the `--` every option shares lifts a stranger over it (`--nosuch` suggested
+# `--source`, 0.625; the names alone score 0.5). The names are compared without it, and a hidden
+# option is never suggested.
+_no_such_option = typer._click.exceptions.NoSuchOption.__init__
+
+
+def _suggest(self, option_name, message=None, possibilities=None, ctx=None) -> None:
+    if possibilities and option_name.startswith("--") and ctx is not None:
+        names = [o[2:] for p in ctx.command.params if not getattr(p, "hidden", False)
+                 for o in [*p.opts, *p.secondary_opts] if o.startswith("--")]
+        possibilities = ["--" + n for n in difflib.get_close_matches(option_name[2:], names)]
+    _no_such_option(self, option_name, message, possibilities, ctx)
+
+
+typer._click.exceptions.NoSuchOption.__init__ = _suggest
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
                   help="A reproducible training pipeline for small language models.")
@@ -39,7 +60,7 @@ def _options(version: Annotated[bool, typer.Option("--version", callback=_versio
                                                    help="Print the version and exit.")] = False) -> None:
     """A reproducible training pipeline for small language models."""
 
-Recipe = Annotated[str, typer.Option("--recipe", "-r", help="Recipe name (see `mllm-pipeline recipes`).")]
+Recipe = Annotated[str, typer.Option("--recipe", "-r", metavar="NAME|FILE", help="Recipe name (see `mllm-pipeline recipes`).")]
 Source = Annotated[Optional[list[str]], typer.Option(
     "--source", "-s", metavar="URL", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
     "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
@@ -58,11 +79,13 @@ def without_credentials(source: list[str] | None, sets: list[str] | None,
                          task_runner: str | None = None) -> tuple[str | list[str] | None, list[str]]:
     """The source (one, several, or none) and overrides with any user:password taken out of URLs
     (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
-    --task-runner joins the overrides."""
+    A local path is made absolute. --task-runner joins the overrides."""
     sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
     if task_runner:
         sets.append(f"data.task_runner={task_runner}")
-    sources = [hide_credentials(x) for x in source or []]
+    # A relative path means the caller's folder: absolute in the flow's parameters, which a
+    # deployment's worker reads from another, and in the run's record (`reproduce`).
+    sources = [absolute_source(hide_credentials(x)) for x in source or []]
     return (sources[0] if len(sources) == 1 else sources or None), sets
 
 

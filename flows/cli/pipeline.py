@@ -138,28 +138,28 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Trainin
 
 
 @app.command()
-def sample(checkpoint: Annotated[Optional[str], typer.Option(help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
-           run: Annotated[Optional[str], typer.Option("--run", help="An MLflow run id: its logged model.")] = None,
-           model: Annotated[Optional[str], typer.Option("--model", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
+def sample(checkpoint: Annotated[Optional[str], typer.Option(metavar="URL", help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
+           run: Annotated[Optional[str], typer.Option("--run", metavar="RUN_ID", help="An MLflow run id: its logged model.")] = None,
+           model: Annotated[Optional[str], typer.Option("--model", metavar="MODEL", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
            prompt: Annotated[Optional[str], typer.Option(
-               help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
+               metavar="TEXT", help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
                     "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
                     "own prompts.")] = None,
            prompt_file: Annotated[Optional[str], typer.Option(
-               help="A text file of prompts, one a line: an answer a line.")] = None,
+               metavar="FILE", help="A text file of prompts, one a line: an answer a line.")] = None,
            method: Annotated[Optional[str], typer.Option(
-               help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
+               metavar="METHOD", help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
                     "first sample method.")] = None,
-           max_new_tokens: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
-           temperature: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
-           top_k: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
-           top_p: Annotated[Optional[float], typer.Option(help="Default: the run's own.")] = None,
-           beam_width: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
-           seed: Annotated[Optional[int], typer.Option(help="Default: the run's own.")] = None,
+           max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
+           temperature: Annotated[Optional[float], typer.Option(metavar="T", help="Default: the run's own.")] = None,
+           top_k: Annotated[Optional[int], typer.Option(metavar="K", help="Default: the run's own.")] = None,
+           top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Default: the run's own.")] = None,
+           beam_width: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
+           seed: Annotated[Optional[int], typer.Option(metavar="SEED", help="Default: the run's own.")] = None,
            neighbours: Annotated[Optional[int], typer.Option(
-               help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
+               metavar="N", help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
            device: Annotated[Optional[str], typer.Option(
-               help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
+               metavar="DEVICE", help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
                     "for --run/--model a GPU when there is one.")] = None,
            storage: Storage = None) -> None:
     """Sample from a checkpoint, an MLflow run's model or a registered model.

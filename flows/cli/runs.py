@@ -13,8 +13,8 @@ from mllm import UserError
 
 
 @app.command("runs")
-def list_runs(limit: Annotated[int, typer.Option(help="How many runs, newest first.")] = 20,
-              recipe: Annotated[Optional[str], typer.Option(help="Only this recipe's runs.")] = None,
+def list_runs(limit: Annotated[int, typer.Option(metavar="N", help="How many runs, newest first.")] = 20,
+              recipe: Annotated[Optional[str], typer.Option(metavar="NAME", help="Only this recipe's runs.")] = None,
               json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
               storage: Storage = None) -> None:
     """Recent training runs in MLflow: id, recipe, commit, val loss, MFU, precision, status."""

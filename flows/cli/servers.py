@@ -22,13 +22,13 @@ app.add_typer(schedule_app, name="schedule")
 
 @schedule_app.callback()
 def schedule(ctx: typer.Context,
-             recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="The recipe to retrain.")] = None,
-             cron: Annotated[Optional[str], typer.Option(help='When, as a cron line: "0 3 * * 0" is Sundays at 03:00.')] = None,
-             interval: Annotated[Optional[float], typer.Option(help="Or every this many seconds.")] = None,
-             timezone: Annotated[str, typer.Option(help="The schedule's time zone (an IANA name).")] = "UTC",
-             pool: Annotated[str, typer.Option(help="The work pool whose worker runs the pipeline.")] = "local",
+             recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", metavar="NAME", help="The recipe to retrain.")] = None,
+             cron: Annotated[Optional[str], typer.Option(metavar='CRON', help='When, as a cron line: "0 3 * * 0" is Sundays at 03:00.')] = None,
+             interval: Annotated[Optional[float], typer.Option(metavar="SECONDS", help="Or every this many seconds.")] = None,
+             timezone: Annotated[str, typer.Option(metavar="TZ", help="The schedule's time zone (an IANA name).")] = "UTC",
+             pool: Annotated[str, typer.Option(metavar="POOL", help="The work pool whose worker runs the pipeline.")] = "local",
              train_on: Annotated[Optional[str], typer.Option(
-                 "--train-on", help="A work pool whose worker trains the model (default: the recipe's pipeline.pool, "
+                 "--train-on", metavar="POOL", help="A work pool whose worker trains the model (default: the recipe's pipeline.pool, "
                  "else the --pool worker that runs the scheduled pipeline).")] = None,
              source: Source = None, storage: TrainingStorage = None, set_: Sets = None,
              pause: Annotated[bool, typer.Option("--pause", help="Pause the recipe's schedule.")] = False,
@@ -48,6 +48,9 @@ def schedule(ctx: typer.Context,
             (sched.pause if pause else sched.resume if resume else sched.delete)(recipe)
             typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
             return
+        from mllm.resolve import absolute_source
+
+        source = [absolute_source(s) for s in source or []]  # the worker runs in a folder of its own
         d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
                          source=(source[0] if len(source) == 1 else source) if source else None,
                          storage_url=storage, overrides=set_ or [], model=model)
@@ -77,23 +80,23 @@ def schedule_list(json_: Annotated[bool, typer.Option("--json", help="Print JSON
 stack_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown", help="A local Prefect server, process worker and MLflow server on 127.0.0.1.")
 app.add_typer(stack_app, name="stack")
 StackHome = Annotated[Optional[str], typer.Option(
-    "--home", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
+    "--home", metavar="DIR", help="Where the stack keeps its state, databases and logs (default: $MLLM_STACK_HOME or ./.mllm-stack).")]
 
 
 @stack_app.command("up", help=(
     "Start the stack, or what of it is down: services that run are reused, a dead one is started again on its "
     "port (the database's server first). MLflow's artifacts go to the storage root. Prints the stack's URLs."))
 def stack_up(home: StackHome = None, storage: Storage = None,
-             pool: Annotated[str, typer.Option(help="The process work pool its worker serves.")] = "local",
-             prefect_port: Annotated[int, typer.Option(help="0: any free port.")] = 4200,
-             mlflow_port: Annotated[int, typer.Option(help="0: any free port.")] = 5000,
+             pool: Annotated[str, typer.Option(metavar="POOL", help="The process work pool its worker serves.")] = "local",
+             prefect_port: Annotated[int, typer.Option(metavar="PORT", help="0: any free port.")] = 4200,
+             mlflow_port: Annotated[int, typer.Option(metavar="PORT", help="0: any free port.")] = 5000,
              database_url: Annotated[Optional[str], typer.Option(
                  metavar="postgresql://USER:PASSWORD@HOST:PORT/NAME",
                  help="Keep Prefect's and MLflow's records on this PostgreSQL server (databases NAME_prefect, "
                       "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
                       "else SQLite]. The password stays in the servers' environment only.")] = None,
              slots: Annotated[Optional[int], typer.Option(
-                 help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None,
+                 metavar="N", help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].")] = None,
              listen: Annotated[str, typer.Option(
                  metavar="ADDRESS", help="Serve Prefect and MLflow on this address. Any but loopback: always HTTPS "
                  "with each user's credential checked (docs/team-stack.md).")] = "127.0.0.1",

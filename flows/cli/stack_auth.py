@@ -17,7 +17,7 @@ user_app = typer.Typer(no_args_is_help=True, help=(
     "(runs flows, logs runs, registers models, moves aliases) or viewer (reads only)."))
 stack_app.add_typer(user_app, name="user")
 
-Role = Annotated[str, typer.Option("--role", help="admin, worker or viewer.")]
+Role = Annotated[str, typer.Option("--role", metavar="ROLE", help="admin, worker or viewer.")]
 UserName = Annotated[str, typer.Argument(metavar="NAME", help="The user's name.")]
 
 
@@ -72,7 +72,7 @@ def user_list(home: StackHome = None) -> None:
 
 @stack_app.command("worker-env")
 def worker_env(home: StackHome = None,
-               user: Annotated[str, typer.Option(help="Whose credential.")] = "stack-worker",
+               user: Annotated[str, typer.Option(metavar="NAME", help="Whose credential.")] = "stack-worker",
                ca_path: Annotated[Optional[str], typer.Option(
                    metavar="PATH", help="Where the CA file will be on the worker [the stack home's copy].")] = None,
                with_storage_credentials: Annotated[bool, typer.Option(

@@ -310,7 +310,7 @@ def _start_temporary_server() -> Callable[[], None] | None:
     from prefect.server.api.server import SubprocessASGIServer
 
     failure: list[BaseException] = []
-
+    _hide_start_line()
     server = SubprocessASGIServer()
     _servers.append(server)
     _own_group_and_log(server)
@@ -330,6 +330,23 @@ def _start_temporary_server() -> Callable[[], None] | None:
             raise failure[0]
 
     return wait
+
+
+class _StartLine(logging.Filter):
+    """Prefect's "Starting temporary server on http://127.0.0.1:PORT / See https://docs.prefect.io/..."
+    at INFO: this command starts that server on purpose, and whether the line reached the terminal
+    depended on whether Prefect's logging was configured by then (`sweep` imports its flows first
+    and showed it; `run` did not)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Starting temporary server on ")
+
+
+def _hide_start_line() -> None:
+    from prefect.server.api.server import subprocess_server_logger as log
+
+    if not any(isinstance(f, _StartLine) for f in log.filters):
+        log.addFilter(_StartLine())
 
 
 class _InItsOwnGroup:
