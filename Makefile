@@ -66,5 +66,10 @@ image:
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks.run
 
+# What `make run` (and the CLI run here with its defaults) leaves in this folder, and nothing else:
+# the venv and the editable install's metadata, ./storage, MLflow's store (mlflow.db, the lock
+# its creation takes, SQLite's journals) and its artifact store (mlruns/: the registered models'
+# files), and a search's study beside them (optuna.db, optuna.locks/). README's "Outputs" lists them.
 clean:
-	rm -rf $(VENV) storage mlflow.db
+	rm -rf $(VENV) mllm_pipeline.egg-info storage mlflow.db mlflow.db.lock mlflow.db-journal mlflow.db-wal \
+		mlflow.db-shm mlruns optuna.db optuna.locks
