@@ -61,6 +61,20 @@ def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> lis
     return family.sample(loaded, prompts, {k: v for k, v in options.items() if v is not None})
 
 
+def prompt_losses(loaded: Any, prompts: list[str] | None) -> list[str]:
+    """A line for each prompt that loses characters to the normalisation its model's corpus had
+    (a normalising char tokenizer keeps no accents, no ':'): what it loses and what is left."""
+    tokenizer = getattr(loaded, "src_tokenizer", None) or loaded.tokenizer
+    lines = []
+    for prompt in prompts or []:
+        if lost := tokenizer.dropped(prompt):
+            shown = " ".join(repr(c) for c in lost[:20]) + (" ..." if len(lost) > 20 else "")
+            left = tokenizer.detokenize(tokenizer.split(prompt))
+            lines.append(f"the prompt {prompt!r} loses {shown} to the normalisation its model's corpus had "
+                         f"(the model reads {left!r})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mllm.sample",
                                 description="Sample from a trained checkpoint of any family: continue a prompt, "
@@ -83,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_checkpoint(args.checkpoint, device=args.device)
         options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}
         check_method_options(options)
+        for line in prompt_losses(loaded, args.prompt):
+            print(f"warning: {line}", file=sys.stderr)
         out = answer(loaded, args.prompt, use_cache=not args.no_cache, **options)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -188,6 +188,10 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(metavar="URL", help
             from mllm.sample import answer
 
             loaded = load_checkpoint(checkpoint, device=device or "cpu")
+            from mllm.sample import prompt_losses
+
+            for line in prompt_losses(loaded, prompts):  # the model samples from what is left
+                console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
             _print_answers(lambda p: answer(loaded, p, **options), prompts, prompt_file)
             return
         from flows.launch import check_tracked

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from mllm import UserError, layout
 from mllm.resolve import flat_fields
 from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
+from tasks.tracking.served_model import DROP
 from tasks.tracking import tracker as tracking
 from tasks.tracking.tracker import tracking_uri
 
@@ -106,9 +107,16 @@ def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> 
     schema = model.metadata.get_params_schema()
     names = {p.name for p in schema.params} if schema is not None else set()
     params = {k: v for k, v in options.items() if v is not None and k in names}
+    loaded = getattr(model.unwrap_python_model(), "loaded", None)
     if prompts is None:
-        loaded = getattr(model.unwrap_python_model(), "loaded", None)
         prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
+    elif loaded is not None:  # the terminal has room for a warning: say it, and sample from what is left
+        from mllm.sample import prompt_losses
+
+        for line in prompt_losses(loaded, prompts):
+            print(f"warning: {line}", file=sys.stderr)
+        if DROP in names:
+            params[DROP] = True
     try:
         return list(model.predict(prompts, params=params or None))
     except MlflowException as e:  # the served model's refusal of a parameter, as a server would answer it

@@ -71,6 +71,11 @@ class Tokenizer(ABC):
     def detokenize(self, tokens: list[str]) -> str:
         return "".join(tokens)
 
+    def dropped(self, text: str) -> list[str]:
+        """The characters of `text` that normalisation drops outright, each once, in order (what it
+        only changes, a case or a run of spaces, is not dropped). None for most tokenizers."""
+        return []
+
     def take_loss(self) -> tuple[int, dict[str, int]] | None:
         """What normalisation dropped from the text tokenized since the last call: (characters
         read, characters dropped by character), counters reset; None where it is not measured."""
@@ -177,6 +182,11 @@ class CharTokenizer(Tokenizer):
     def split(self, text):
         # The corpus's own path: a prompt's ':' or newline becomes what it became in the corpus.
         return [t for piece in self.tokenize([text]) for t in piece]
+
+    def dropped(self, text):
+        if not self.normalize:
+            return []
+        return [c for c in dict.fromkeys(text) if c not in _CHAR_KEPT and c != "\n"]
 
 
 def _utf8_characters(text: str) -> pa.Array:

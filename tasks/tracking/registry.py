@@ -320,6 +320,7 @@ def _signature(cfg: RunConfig) -> ModelSignature:
     # Texts in (unnamed: a plain list works too), texts out; the parameters are the family's,
     # with the run's own sample section as their defaults.
     params = [ParamSpec(name, kind, default) for name, kind, default in family_of(cfg).served_params(cfg.sample)]
+    params.append(ParamSpec(served_model.DROP, "boolean", False))  # a prompt that loses characters: refused
     return ModelSignature(inputs=Schema([ColSpec("string")]), outputs=Schema([ColSpec("string")]),
                           params=ParamSchema(params))
 

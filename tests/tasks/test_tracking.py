@@ -511,10 +511,12 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     from mlflow.exceptions import MlflowException
 
     refusals = []
-    for bad in ({"method": "nope"}, {"max_new_tokens": -5}, {"max_new_tokens": 5000}, {"top_p": 1.5},
-                {"max_new_tokens": 5, "nope": 1}):
+    for inputs, bad in ((["The "], {"method": "nope"}), (["The "], {"max_new_tokens": -5}),
+                        (["The "], {"max_new_tokens": 5000}), (["The "], {"top_p": 1.5}),
+                        (["The "], {"max_new_tokens": 5, "nope": 1}), (["The "], {"max_new_tokens": "abc"}),
+                        (["The "], {"seed": 1.5}), ([5], {}), (["The ", None], {}), (["Thé: "], {})):
         with pytest.raises(MlflowException) as e:
-            model.predict(["The "], params=bad)
+            model.predict(inputs, params=bad)
         assert e.value.get_http_status_code() == 400 and not e.value.json_kwargs
         refusals.append(e.value.message)
     bound = "give a whole number from 1 to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)"
@@ -522,7 +524,17 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
         "parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam",
         f"parameter max_new_tokens -5: {bound}", f"parameter max_new_tokens 5000: {bound}",
         "parameter top_p 1.5: give a number above 0 and at most 1"]
-    assert refusals[4].startswith("unknown parameter nope: this model takes beam_width, max_new_tokens, method")
+    assert refusals[4].startswith("unknown parameter nope: this model takes beam_width, drop_unsupported, "
+                                  "max_new_tokens, method")
+    # A value of the wrong type by its name and bounds, not in MLflow's words; a prompt that is not text.
+    assert refusals[5:] == [
+        f"parameter max_new_tokens 'abc': {bound}", "parameter seed 1.5: give a whole number",
+        'the prompt 5 is not text (int): send each prompt as a string, e.g. {"inputs": ["The "]}',
+        'the prompt None is not text (NoneType): send each prompt as a string, e.g. {"inputs": ["The "]}',
+        "the prompt 'Thé: ' loses 'é' ':' to the normalisation its model's corpus had (the model reads 'Th '): "
+        "leave them out, or send the parameter drop_unsupported: true to sample from what is left"]
+    assert model.predict(["Thé: "], params={"drop_unsupported": True, "max_new_tokens": 7}) == [
+        sample_text(loaded, "Th ", "greedy", max_new_tokens=7)]
 
 
 def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
@@ -576,9 +588,11 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
                 assert time.monotonic() < deadline, "mlflow models serve did not answer in 240 s"
                 time.sleep(1)
         refused = {}
-        for name, params in (("bad", {"method": "nope", "max_new_tokens": -5}), ("unknown", {"nope": 1})):
+        for name, inputs, params in (("bad", ["The "], {"method": "nope", "max_new_tokens": -5}),
+                                     ("unknown", ["The "], {"nope": 1}), ("type", ["The "], {"max_new_tokens": "abc"}),
+                                     ("number", [5], {}), ("dropped", ["Ünïcödé: 日本 "], {})):
             request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(
-                {"inputs": ["The "], "params": params}).encode(), headers={"Content-Type": "application/json"})
+                {"inputs": inputs, "params": params}).encode(), headers={"Content-Type": "application/json"})
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(request, timeout=60)
             assert e.value.code == 400
@@ -593,6 +607,12 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
     assert refused["bad"]["message"].endswith(
         "Error: parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam")
     assert "unknown parameter nope: this model takes" in refused["unknown"]["message"]
+    assert refused["type"]["message"].endswith("Error: parameter max_new_tokens 'abc': give a whole number from 1 "
+                                               "to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)")
+    assert "the prompt 5 is not text (int): send each prompt as a string" in refused["number"]["message"]
+    assert refused["dropped"]["message"].endswith(
+        "loses 'Ü' 'ï' 'ö' 'é' ':' '日' '本' to the normalisation its model's corpus had (the model reads 'ncd '): "
+        "leave them out, or send the parameter drop_unsupported: true to sample from what is left")
     assert "prefect" not in (tmp_path / "serve.log").read_text().lower()
 
 
