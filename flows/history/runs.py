@@ -110,13 +110,13 @@ def generate(model: Any, prompts: list[str] | None, options: dict[str, Any]) -> 
     loaded = getattr(model.unwrap_python_model(), "loaded", None)
     if prompts is None:
         prompts = list(loaded.config.sample.prompts) if loaded is not None else ["The "]
-    elif loaded is not None:  # the terminal has room for a warning: say it, and sample from what is left
+    if loaded is not None:  # the terminal has room for a warning: say it, and sample from what is left
         from mllm.sample import prompt_losses
 
         for line in prompt_losses(loaded, prompts):
             print(f"warning: {line}", file=sys.stderr)
-        if DROP in names:
-            params[DROP] = True
+    if DROP in names:
+        params[DROP] = True
     try:
         return list(model.predict(prompts, params=params or None))
     except MlflowException as e:  # the served model's refusal of a parameter, as a server would answer it
