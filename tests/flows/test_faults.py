@@ -168,7 +168,7 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stor
         "error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
         "from them"], stderr[-3000:]
     assert "storage unreachable" not in stderr and "Crash detected" not in stderr
-    assert took < 15, took  # seconds, not the minutes of a client retrying a dead server (README: about 3 s)
+    assert took < 15, took  # seconds, not the minutes of a client retrying a dead server (docs/cli.md: within 15 s at load 12)
     with sqlite3.connect(prefect / "prefect.db") as db:
         states = dict(db.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
                                  "WHERE f.name IN ('pipeline', 'train')").fetchall())
