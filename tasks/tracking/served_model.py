@@ -184,7 +184,7 @@ def plain_refusals(max_new_tokens: int) -> None:
     'str'> to DataType.long`, or the prompt 5 taken as "5"). MLflow checks both before the model
     sees the request (mlflow.pyfunc `_validate_prediction_input`; the scoring server converts the
     JSON's values to the signature's string first): those steps are wrapped, once.
-    tests/test_tracking.py fails if MLflow renames them."""
+    tests/tasks/test_tracking.py fails if MLflow renames them."""
     import mlflow.pyfunc as pyfunc
     from mlflow.types import ParamSpec
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import typer
 
-from conftest import cli, make_text
+from commands import cli
+from textdata import make_text
 from flows.cli.main import app
 
 pytestmark = pytest.mark.integration

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, make_text
+from commands import cli
+from textdata import make_text
 
 pytestmark = pytest.mark.integration
 

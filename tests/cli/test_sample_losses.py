@@ -1,6 +1,6 @@
 """A prompt's characters that the model's normalisation drops (accents, ':'), named on the terminal
 by `mllm-pipeline sample` and `python -m mllm.sample`, which then sample from what is left. (The
-served model refuses such a prompt: tests/test_tracking.py.)"""
+served model refuses such a prompt: tests/tasks/test_tracking.py.)"""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import prewarmed
 import pytest
 import torch
 
-from conftest import cli
+from commands import cli
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import UNK, Vocab
-from mllm.family import build_model
+from mllm.families.base import build_model
 from mllm.resolve import resolve
 from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.sample import answer
