@@ -108,7 +108,7 @@ def _check_fields(names: list[str], params: dict) -> None:
 
     resolve(params["recipe"], overrides=params.get("set_") or [])
     if params.get("grid"):
-        from flows.sweep import parse_grid, resolve_points
+        from flows.sweep.points import parse_grid, resolve_points
 
         resolve_points(params["recipe"], parse_grid(params["grid"]), params.get("set_") or [], None)
 
