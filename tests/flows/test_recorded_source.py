@@ -17,6 +17,9 @@ def test_a_relative_source_resolves_to_an_absolute_path_and_a_url_stays(tmp_path
     (tmp_path / "data" / "book.txt").write_text("text\n")
     monkeypatch.chdir(tmp_path / "data")
     assert resolve("smoke", source="book.txt").data.source == str(tmp_path / "data" / "book.txt")
+    # The same config whichever way the path was typed: every key made from it (the data stages',
+    # keyed by content digests, and the training's) is the same.
+    assert resolve("smoke", source="book.txt") == resolve("smoke", source=str(tmp_path / "data" / "book.txt"))
     assert resolve("smoke", source=["../data/*.txt", "s3://b/x.txt"]).data.source == [
         str(tmp_path / "data" / "*.txt"), "s3://b/x.txt"]
     assert resolve("smoke", overrides=["data.source=./book.txt"]).data.source == str(tmp_path / "data" / "book.txt")
