@@ -2,7 +2,7 @@
 uvicorn with ARGS, as Prefect's `python -m uvicorn ARGS` would, and ends it once the command whose
 process is PID is gone, however it went.
 
-The server leads a process group of its own (flows/cli/terminal.py), so a signal to the command's
+The server leads a process group of its own (flows/cli/temporary_start.py), so a signal to the command's
 group does not end it under the runs it records; the command stops it when it ends. A `kill -9` to
 the command (or its group, or the OOM killer) leaves nothing to stop it: without this watch it
 would serve an empty port for ever. The parent is polled, not asked to signal its death:

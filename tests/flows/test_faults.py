@@ -224,7 +224,7 @@ def _alive(pid: int) -> bool:
 def test_a_kill_9_to_the_command_ends_its_temporary_prefect_server_too(tmp_path):
     # The temporary server leads a process group of its own (a group SIGTERM must not reach it), so
     # after a SIGKILL of the command nothing stops it: it must notice its parent's end itself. Here
-    # it is started as flows/cli/terminal.py starts Prefect's (`python -m uvicorn ...`), serving a
+    # it is started as flows/cli/temporary_start.py starts Prefect's (`python -m uvicorn ...`), serving a
     # tiny app: seconds, where a real command's temporary server costs 30 s more of the suite.
     import signal
     import sys
@@ -239,7 +239,7 @@ def test_a_kill_9_to_the_command_ends_its_temporary_prefect_server_too(tmp_path)
         "        await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
         "        await send({'type': 'http.response.body', 'body': b'ok'})\n")
     port = free_port()
-    command = ("import sys, time\nfrom flows.cli.terminal import _InItsOwnGroup\n"
+    command = ("import sys, time\nfrom flows.cli.temporary_start import _InItsOwnGroup\n"
                "server = _InItsOwnGroup.Popen(args=[sys.executable, '-m', 'uvicorn', '--app-dir', sys.argv[1], "
                "'tiny:app', '--port', sys.argv[2], '--log-level', 'error'])\n"
                "print(server.pid, flush=True)\ntime.sleep(600)\n")
