@@ -48,8 +48,14 @@ def schedule(ctx: typer.Context,
             (sched.pause if pause else sched.resume if resume else sched.delete)(recipe)
             typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
             return
+        from mllm.redact import strip_userinfo
         from mllm.resolve import absolute_source
 
+        if any(strip_userinfo(s)[1] for s in source or []):
+            # A scheduled run downloads in a worker, later: the password would have to be stored
+            # in the deployment's parameters, in Prefect's database.
+            raise UserError("a scheduled --source cannot carry a user:password: give the worker its credentials "
+                            "(AWS_* for s3://, a ~/.netrc for https://) and schedule the URL without them")
         source = [absolute_source(s) for s in source or []]  # the worker runs in a folder of its own
         d = sched.upsert(recipe, cron=cron, interval=interval, timezone=timezone, pool=pool, train_on=train_on,
                          source=(source[0] if len(source) == 1 else source) if source else None,

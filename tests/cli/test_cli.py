@@ -219,6 +219,12 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
     out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0", PREFECT_API_URL="")  # no server named
     _assert_one_line_error(out, "set PREFECT_API_URL", "stack up")
 
+    # A scheduled source would keep its password in the deployment, in Prefect's database: refused.
+    out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0", "--source",
+              "https://reader:s3cr3t-Pw@127.0.0.1:9/corpus.txt")
+    _assert_one_line_error(out, "cannot carry a user:password", "~/.netrc")
+    assert "s3cr3t-Pw" not in out.stdout + out.stderr
+
 
 def test_a_field_of_another_model_family_is_refused_in_one_line(tmp_path: Path) -> None:
     out = cli("run", "--recipe", "smoke", "--set", "model.n_head=8", "--storage", str(tmp_path / "s"))
