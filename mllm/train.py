@@ -269,16 +269,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             elapsed, signalled = shared[0].item(), bool(shared[1].item())
         stop = limit_reason(step, elapsed)
         records: Records = []
-        if step % t.log_interval == 0 or stop:
-            now = time.perf_counter()
-            metrics["train_loss"] = (loss_sum / loss_count).item()
-            metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(now - mark, 1e-9)
-            metrics["mfu"] = metrics["tokens_per_s"] * flops_per_target / peak
-            records.append({"step": step, "train_loss": metrics["train_loss"], "lr": lr,
-                            "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"],
-                            "mfu": metrics["mfu"]})
-            loss_sum.zero_()
-            loss_count, mark, tokens_mark = 0, now, tokens_run
+        step_end = time.perf_counter()  # the tokens' rate leaves the evaluation out
         improved = False
         if step % t.eval_interval == 0 or stop:
             eval_start = time.perf_counter()
@@ -304,6 +295,17 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
                 told = bool(on_eval(step, val)) if d.master else False
                 stop = "pruned" if any(gather(told, d)) else None
             metrics["eval_s"] = metrics.get("eval_s", 0.0) + time.perf_counter() - eval_start
+        # After the evaluation, which may end the training here (pruned, early stopping): a step the
+        # training stops at is logged, whether or not a log interval falls there.
+        if step % t.log_interval == 0 or stop:
+            metrics["train_loss"] = (loss_sum / loss_count).item()
+            metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(step_end - mark, 1e-9)
+            metrics["mfu"] = metrics["tokens_per_s"] * flops_per_target / peak
+            records.insert(0, {"step": step, "train_loss": metrics["train_loss"], "lr": lr,
+                               "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"],
+                               "mfu": metrics["mfu"]})
+            loss_sum.zero_()
+            loss_count, mark, tokens_mark = 0, step_end, tokens_run
         metrics["elapsed_s"] = elapsed
         if records and on_metrics and d.master:
             on_metrics(records)

@@ -1,0 +1,46 @@
+"""`mllm-pipeline search` where new users met faults (issue 64): a trial pruned before its first log
+step, the exit status when trials fail, a space with nothing to search, and the search
+benchmark stopped by SIGTERM. (A dead search's flow runs marked Crashed: tests/test_search.py's
+kill-and-resume test.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import cli, one_line_error
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["train.max_steps=40", "train.checkpoint_interval=10", "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for s in overrides for a in ("--set", s)]
+
+
+def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_pruned(corpus: Path,
+                                                                                         tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flows.search import search
+
+    # Evaluations every 10 steps, the first log step at 40; no terminal (pytest's output), so the
+    # training logs its progress as lines. The study's name fixes the sampler's draws: trial 0
+    # trains at lr 0.03, trial 1 at 1e-05, whose val loss at step 10 is far above trial 0's.
+    result = search(recipe="smoke", space=["train.lr=0.03,1e-05"], trials_n=2, sampler="random", pruner="median",
+                    study="first-eval", source=str(corpus), storage_url=str(tmp_path / "storage"),
+                    overrides=[*TINY, "train.eval_interval=10", "train.log_interval=40"], startup_trials=1)
+    (done, pruned) = result.outcomes
+    assert (done.params["train.lr"], done.state, done.step) == ("0.03", "complete", 40)
+    assert (pruned.params["train.lr"], pruned.state, pruned.step, pruned.error) == ("1e-05", "pruned", 10, None)
+    client = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(pruned.mlflow_run_id)
+    assert run.data.tags["trial_state"] == "pruned" and run.info.status == "FINISHED"
+    # The step it stopped at is logged as a log step is: its train loss and tokens per second.
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [10]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_s")] == [10]
