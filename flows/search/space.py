@@ -79,6 +79,9 @@ def parse_spec(field: str, text: str) -> Dim:
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise UserError(f"{where} lists {repeated[0]!r} twice: give each value once")
+        if len(values) == 1:  # every trial would be the same: one training, counted --trials times
+            raise UserError(f"{where} has one value: nothing to search; give two or more ({field}={text},...) or a "
+                            f"range (LOW..HIGH), or fix the field with --set {field}={text}")
         return Dim(field, choices=tuple(values))
     kinds, _, bounds = text.rpartition(":")
     words = [w.strip() for w in kinds.split(":")] if kinds else []

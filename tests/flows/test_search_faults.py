@@ -44,3 +44,13 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
     # The step it stopped at is logged as a log step is: its train loss and tokens per second.
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [10]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_s")] == [10]
+
+
+@pytest.mark.parametrize("space", [["model.hidden_size=48"], ["model.hidden_size=48", "train.lr=1e-3..1e-2"]])
+def test_a_space_field_with_one_value_is_refused_before_anything_runs(space: list[str], tmp_path: Path) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    out = cli("search", "--recipe", "smoke", *[a for s in space for a in ("--space", s)], "--trials", "3", cwd=here)
+    one_line_error(out, "--space model.hidden_size=48 has one value: nothing to search",
+                   "--set model.hidden_size=48")
+    assert list(here.iterdir()) == []  # no study, no storage
