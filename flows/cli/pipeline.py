@@ -271,7 +271,9 @@ def sweep(recipe: Recipe = "default",
           parallel: Annotated[Optional[int], typer.Option(
               metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None,
           model: ModelName = None) -> None:
-    """Run the pipeline at every point of a grid and compare the points' headline metrics."""
+    """Run the pipeline at every point of a grid and compare the points' headline metrics. Exit status 1 when
+    a point failed, after the table, with a line saying how many and where their logs are; as `search` exits 1
+    when a trial failed."""
     with user_errors():
         if parallel is not None and parallel < 1:
             raise UserError(f"--parallel {parallel}: give at least 1 (the points that run at once)")

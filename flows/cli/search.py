@@ -44,7 +44,9 @@ def search(recipe: Recipe = "default",
     """Search a space of config fields with Optuna: each trial a pipeline run, a losing one stopped at an
     evaluation. The study is kept in optuna.db beside the storage root, or in PostgreSQL (the stack's own
     cluster, or $MLLM_STUDY_DATABASE) where searches on several machines share it: the same command again
-    continues it, and resumes a trial whose process died from its checkpoint."""
+    continues it, and resumes a trial whose process died from its checkpoint. Exit status 1 when a trial of the
+    study failed (or none completed), after the table, with a line saying how many and where their logs are;
+    as `sweep` exits 1 when a point failed."""
     with user_errors():
         from flows.search.study import check_options, check_study, study_store
         from flows.search.report import text_table
@@ -63,10 +65,15 @@ def search(recipe: Recipe = "default",
         checked_config(recipe, set_, source, storage, train_here=not pool)
         with flow_session() as fl, progress(stages=("trials",), silent=True):
             from flows.search.flow import search as search_flow
+            from flows.search.record import TrialsFailed
 
-            result = search_flow(recipe=recipe, space=space, trials_n=trials, sampler=sampler, pruner=pruner,
-                                 study=study, source=source, storage_url=fl.storage_root(storage), overrides=set_,
-                                 train_on=train_on, parallel=parallel, startup_trials=startup_trials, model=model)
+            failure = ""
+            try:
+                result = search_flow(recipe=recipe, space=space, trials_n=trials, sampler=sampler, pruner=pruner,
+                                     study=study, source=source, storage_url=fl.storage_root(storage), overrides=set_,
+                                     train_on=train_on, parallel=parallel, startup_trials=startup_trials, model=model)
+            except TrialsFailed as e:  # the others ran: their table first, then the one line
+                result, failure = e.result, str(e)
         for o in result.failed:
             values = " ".join(f"{f}={v}" for f, v in o.params.items())
             console.print(f"[bold red]failed:[/] trial {o.number} {escape(scrub(values))}: "
@@ -83,7 +90,7 @@ def search(recipe: Recipe = "default",
         typer.echo(f"study: {result.study} in {result.study_file}")
         typer.echo(f"search mlflow run: {result.mlflow_run_id}")
         typer.echo(f"table and plots: {result.outputs}/ (search.md, history.png, params.png)")
-        if result.best is None:
-            console.print(f"[bold red]error:[/] no trial of study {escape(result.study)} completed",
+        if failure or result.best is None:
+            console.print(f"[bold red]error:[/] {escape(scrub(failure)) or 'no trial of study ' + escape(result.study) + ' completed'}",
                           highlight=False, soft_wrap=True)
             raise typer.Exit(1)

@@ -45,7 +45,7 @@ from flows.launch import (
     with_results,
 )
 from flows.pipeline import evaluate, judge, prepare
-from flows.search.record import SearchResult, record
+from flows.search.record import SearchResult, TrialsFailed, record
 from flows.search.report import TrialOutcome
 from flows.search.study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
                                 one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
@@ -436,4 +436,6 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
                 raise UserError(down)
             result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, store.shown, revived)
     rdb.engine.dispose()
+    if result.failed:
+        raise TrialsFailed(result)  # the flow run fails, after every trial ran and was recorded
     return result

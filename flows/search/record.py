@@ -17,7 +17,7 @@ from flows.search.report import TrialOutcome
 from flows.search.space import Dim
 from flows.search.study import optuna_module
 from flows.sweep.table import csv_text
-from mllm import storage
+from mllm import UserError, storage
 from mllm.resolve import resolve
 from tasks.tracking.tracker import MAX_TAG_VALUE
 
@@ -39,6 +39,21 @@ class SearchResult(BaseModel):
     @property
     def failed(self) -> list[TrialOutcome]:
         return [o for o in self.outcomes if o.state == "failed" and o.resumed_by is None]
+
+
+class TrialsFailed(UserError):
+    """Some trials of the study failed; the others ran, and the table and plots are recorded. The
+    search's flow run fails, as a sweep's does when a point failed (flows/sweep/flow.py PointsFailed),
+    and the command exits 1 after its table."""
+
+    def __init__(self, result: SearchResult):
+        self.result = result
+        counted = [o for o in result.outcomes if o.resumed_by is None and o.state in ("complete", "pruned", "failed")]
+        failed = "; ".join(f"trial {o.number} ({o.error})" for o in result.failed)
+        logs = ", ".join(f"{result.study}-trial-{o.number}" for o in result.failed[:3])
+        more = f" and {len(result.failed) - 3} more" if len(result.failed) > 3 else ""
+        super().__init__(f"{len(result.failed)} of {len(counted)} trials failed: {failed}; their logs: the Prefect "
+                         f"flow runs {logs}{more}")
 
 
 

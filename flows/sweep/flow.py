@@ -65,7 +65,8 @@ class PointsFailed(UserError):
     def __init__(self, result: SweepResult):
         self.result = result
         failed = "; ".join(f"{o.label} ({o.error})" for o in result.failed)
-        super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}")
+        super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}; their logs: "
+                         "the sweep's flow run in Prefect, each point's pipeline flow run under it")
 
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli, one_line_error
+from commands import cli, one_line_error
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["train.max_steps=40", "train.checkpoint_interval=10", "sample.max_new_tokens=10", "sample.methods=[greedy]"]
@@ -27,7 +27,7 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
                                                                                          tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    from flows.search import search
+    from flows.search.flow import search
 
     # Evaluations every 10 steps, the first log step at 40; no terminal (pytest's output), so the
     # training logs its progress as lines. The study's name fixes the sampler's draws: trial 0
@@ -44,6 +44,28 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
     # The step it stopped at is logged as a log step is: its train loss and tokens per second.
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [10]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_s")] == [10]
+
+
+def test_a_search_with_a_failed_trial_exits_1_after_its_table_as_a_sweep_does(corpus: Path, tmp_path: Path) -> None:
+    # A window longer than the validation split resolves, then fails in training (as in
+    # tests/test_sweep.py); the study's name fixes the draws: trial 0 that window, trial 1 16.
+    out = cli("search", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
+              "--space", "train.window=16,5000", "--trials", "2", "--sampler", "random", "--pruner", "none",
+              "--study", "one-of-two-fails",
+              *_sets([*TINY, "train.eval_interval=20", "train.log_interval=20"]))
+    assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-3000:])
+    assert "Traceback" not in out.stdout + out.stderr
+    assert "best: trial 1" in out.stdout and "study: one-of-two-fails" in out.stdout  # the table and the rest first
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert errors[0].startswith("error: 1 of 2 trials failed: trial 0 (the validation split has"), errors[0]
+    assert errors[0].endswith("their logs: the Prefect flow runs one-of-two-fails-trial-0"), errors[0]
+
+    # The rule is the same for both commands, and each one's help says it.
+    for command, what in (("search", "a trial"), ("sweep", "a point")):
+        helped = cli(command, "--help")
+        assert helped.returncode == 0
+        assert f"Exit status 1 when {what}" in " ".join(helped.stdout.split()), helped.stdout
 
 
 @pytest.mark.parametrize("space", [["model.hidden_size=48"], ["model.hidden_size=48", "train.lr=1e-3..1e-2"]])
