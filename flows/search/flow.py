@@ -45,6 +45,7 @@ from flows.launch import (
     with_results,
 )
 from flows.pipeline import evaluate, judge, prepare
+from flows.search.dead import PROCESS_ATTR, crash_flow_runs, this_process
 from flows.search.record import SearchResult, TrialsFailed, record
 from flows.search.report import TrialOutcome
 from flows.search.study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
@@ -236,6 +237,7 @@ def revive(study: Any, root: str, parent_id: str) -> list[int]:
     optuna = optuna_module()
     revived = []
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        crash_flow_runs(t, known_dead=True)  # its search is dead: this one holds the lock
         study.tell(t.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         study.enqueue_trial(t.params, user_attrs={"resumes": t.number})
         revived.append(t.number)
@@ -263,6 +265,7 @@ def on_stale(root: str, parent: dict[str, str]) -> Any:
             retry(study, frozen)
         if parent.get("id"):
             _mark_failed(root, parent["id"], study.study_name, frozen.number, _resumed_by(study, frozen.number))
+        crash_flow_runs(frozen, known_dead=False)  # where its process is known gone
     return failed
 
 
@@ -407,6 +410,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
             done = finished_count(outcomes_of(st))
             ended = TrialsEnded(trials_n, done, fam.higher_is_better)
             futures: list[Any] = []
+            me = this_process()
             while True:
                 running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
                 if parallel and len(running) >= parallel:
@@ -416,6 +420,7 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
                     if trial is None:
                         break
                     beats.add(trial._trial_id)
+                    trial.set_user_attr(PROCESS_ATTR, me)  # for the search that takes over, should this one die
                 one = run_one.with_options(task_run_name=f"trial {trial.number}")
                 args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign, model)
                 if pool is None:

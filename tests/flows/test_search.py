@@ -287,6 +287,7 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
             "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
             *_sets([f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
                     "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"])]
+    started = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -335,6 +336,28 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
     # (Ctrl-C writes last.pt at the step it came, SIGKILL leaves the last one of the interval.)
     assert min(new_steps) == (at_kill // 20 + 1) * 20 and max(new_steps) == steps
     assert sorted(set(old_steps) | set(new_steps)) == list(range(20, steps + 1, 20))  # no step lost
+
+    # No flow run of either search is left in flight on the Prefect server (`stack down` would
+    # refuse): the rerun marked the killed search's Crashed (its own, the trial's, the training's).
+    runs = _flow_runs_since(started)
+    assert [(r.name, r.state.type.value) for r in runs if not r.state.is_final()] == []
+    dead = [r for r in runs if r.name == f"{st.study_name}-trial-0"]
+    if how == signal.SIGKILL:
+        assert len(dead) == 1 and dead[0].state.is_crashed(), dead
+        assert "took over trial 0" in dead[0].state.message
+        crashed = sorted(r.name for r in runs if r.state.is_crashed())
+        assert [n for n in crashed if n.startswith("search-smoke-")] and [n for n in crashed if n.endswith("-train")], crashed
+
+
+def _flow_runs_since(started: float) -> list:
+    from datetime import datetime, timezone
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc))))
 
 
 def _dead_run(client, study: str) -> str:
