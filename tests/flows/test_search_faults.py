@@ -76,3 +76,32 @@ def test_a_space_field_with_one_value_is_refused_before_anything_runs(space: lis
     one_line_error(out, "--space model.hidden_size=48 has one value: nothing to search",
                    "--set model.hidden_size=48")
     assert list(here.iterdir()) == []  # no study, no storage
+
+
+def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process(corpus: Path,
+                                                                                  tmp_path: Path) -> None:
+    import psutil
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    bench = subprocess.Popen([sys.executable, "-m", "benchmarks.search", "--quick", "--grid-points", "2",
+                              "--fields", "1", "--steps", "20", "--pruners", "median", "--source", str(corpus)],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    family: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        # Stopped while its sweep runs: once the command has written into the benchmark's folder.
+        while not list(tmp.glob("bench-search-*/grid/prefect/*")):
+            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()[0][-3000:]
+            time.sleep(0.2)
+        family = psutil.Process(bench.pid).children(recursive=True)
+        assert family  # the sweep's command, at least
+        bench.send_signal(signal.SIGTERM)
+        output = bench.communicate(timeout=120)[0]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert list(tmp.glob("bench-search-*")) == []
+    assert [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
