@@ -1,6 +1,6 @@
 """`mllm-pipeline search` where new users met faults (issue 64): a trial pruned before its first log
 step, the exit status when trials fail, a space with nothing to search, and the search
-benchmark stopped by SIGTERM. (A dead search's flow runs marked Crashed: tests/test_search.py's
+benchmark stopped by SIGTERM. (A dead search's flow runs marked Crashed: tests/flows/test_search.py's
 kill-and-resume test.)"""
 
 from __future__ import annotations
