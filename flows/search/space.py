@@ -58,16 +58,16 @@ class Dim:
 def parse_space(items: list[str]) -> dict[str, Dim]:
     if not items:
         raise UserError(f"give at least one --space FIELD=SPEC ({EXAMPLE})")
-    space: dict[str, Dim] = {}
+    texts: dict[str, str] = {}
     for item in items:
         field, sep, text = item.partition("=")
         field = field.strip()
         if not sep or not field or any(not part for part in field.split(".")):
             raise UserError(f"malformed --space {item!r}: write it as FIELD=SPEC ({EXAMPLE})")
-        if field in space:
+        if field in texts:  # first: each of two one-value --space of a field is no mistake of its own
             raise UserError(f"--space {field} is given twice: give each field once")
-        space[field] = parse_spec(field, text.strip())
-    return space
+        texts[field] = text.strip()
+    return {field: parse_spec(field, text) for field, text in texts.items()}
 
 
 def parse_spec(field: str, text: str) -> Dim:
