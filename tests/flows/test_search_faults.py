@@ -105,3 +105,41 @@ def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process
     assert bench.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert list(tmp.glob("bench-search-*")) == []
     assert [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_dead_search_found_by_its_heartbeat_has_its_flow_runs_crashed_only_once_its_process_is_gone() -> None:
+    # PostgreSQL's path (flows/search/dead.py): a stopped heartbeat alone proves no death (a stalled
+    # search, one on another machine); a process of this machine that is gone does.
+    import socket
+    from types import SimpleNamespace
+
+    import psutil
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+
+    from flows.search.dead import PROCESS_ATTR, crash_flow_runs
+
+    @flow(name="search")
+    def searching() -> None:
+        pass
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(ended.pid).create_time()
+    ended.wait()
+    me = psutil.Process()
+    cases = {"gone": {"host": socket.gethostname(), "pid": ended.pid, "started": started},
+             "alive": {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()},
+             "elsewhere": {"host": "another-machine", "pid": ended.pid, "started": started}}
+    with get_client(sync_client=True) as client:
+        runs = {case: client.create_flow_run(searching, name=f"dead-search-{case}", state=Running()) for case in cases}
+        try:
+            for case, process in cases.items():
+                trial = SimpleNamespace(number=3, user_attrs={PROCESS_ATTR: {"flow_run": str(runs[case].id), **process}})
+                assert crash_flow_runs(trial, known_dead=False) == ([f"dead-search-{case}"] if case == "gone" else [])
+            states = {case: client.read_flow_run(run.id).state for case, run in runs.items()}
+        finally:  # none left in flight on the session's server
+            for run in runs.values():
+                client.set_flow_run_state(run.id, Completed(), force=True)
+    assert states["gone"].is_crashed() and "took over trial 3" in states["gone"].message
+    assert states["alive"].is_running() and states["elsewhere"].is_running()
