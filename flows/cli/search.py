@@ -91,6 +91,6 @@ def search(recipe: Recipe = "default",
         typer.echo(f"search mlflow run: {result.mlflow_run_id}")
         typer.echo(f"table and plots: {result.outputs}/ (search.md, history.png, params.png)")
         if failure or result.best is None:
-            console.print(f"[bold red]error:[/] {escape(scrub(failure)) or 'no trial of study ' + escape(result.study) + ' completed'}",
-                          highlight=False, soft_wrap=True)
+            line = failure or f"no trial of study {result.study} completed"
+            console.print(f"[bold red]error:[/] {escape(scrub(line))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1)
