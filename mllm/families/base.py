@@ -142,6 +142,11 @@ class Family:
         prompts = list(cfg.sample.prompts)
         return Samples(prompts, {m: self.sample(loaded, prompts, {"method": m}) for m in cfg.sample.methods})
 
+    def exports(self, model: Any) -> dict[str, str]:
+        """The formats this model section exports to (mllm.export): format -> "module:function"
+        of mllm.export that writes it. None by default."""
+        return {}
+
     def served_params(self, s: Any) -> list[tuple[str, str, Any]]:
         """The served model's parameters: (name, MLflow type, default from the run's `sample`)."""
         return [("method", "string", s.methods[0]), ("seed", "long", s.seed)]

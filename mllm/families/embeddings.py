@@ -100,6 +100,9 @@ class WordEmbeddings(Family):
                  for w in sorted(set(s.probes) - set(known))]
         return Samples(known, {"neighbours": neighbours_of(loaded, known, s.neighbours)}, notes)
 
+    def exports(self, m: Any) -> dict[str, str]:
+        return {"onnx": "onnx:export_cbow"}
+
     def served_params(self, s: Any) -> list[tuple[str, str, Any]]:
         return [("neighbours", "long", s.neighbours)]
 

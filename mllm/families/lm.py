@@ -129,6 +129,11 @@ class LanguageModel(Family):
         out = {m: self.sample(loaded, prompts, {"method": m}) for m in cfg.sample.methods}
         return Samples(prompts, out, notes)
 
+    def exports(self, m: Any) -> dict[str, str]:
+        if isinstance(m, GPTConfig):
+            return {"hf": "hf:export_gpt", "onnx": "onnx:export_gpt", "gguf": "gguf:export_gpt"}
+        return {"onnx": "onnx:export_recurrent"}
+
     def served_params(self, s: Any) -> list[tuple[str, str, Any]]:
         return [("method", "string", s.methods[0]), ("max_new_tokens", "long", s.max_new_tokens),
                 ("temperature", "double", s.temperature), ("top_k", "long", s.top_k),

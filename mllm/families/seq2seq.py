@@ -142,6 +142,9 @@ class SequenceToSequence(Family):
                for m in cfg.sample.methods}
         return Samples(prompts, out, notes)
 
+    def exports(self, m: Any) -> dict[str, str]:
+        return {"onnx": "seq2seq_onnx:" + ("export_rnn" if m.arch == "seq2seq-rnn" else "export_transformer")}
+
     def served_params(self, s: Any) -> list[tuple[str, str, Any]]:
         return [("method", "string", s.methods[0]), ("beam_width", "long", s.beam_width),
                 ("temperature", "double", s.temperature), ("seed", "long", s.seed)]

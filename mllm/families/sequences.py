@@ -22,6 +22,9 @@ class SequenceExperiments(Family):
     higher_is_better = True
     methods = ("greedy",)
 
+    def exports(self, m: Any) -> dict[str, str]:
+        return {"onnx": "onnx:export_recurrent"}
+
     def size(self, m: Any) -> str:
         return f"{m.n_layer}x{m.hidden_size}" + (" from scratch" if m.from_scratch else "")
 
