@@ -20,6 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from mllm import UserError, storage
 from mllm.export.pieces import FORMATS
+from mllm.families.base import family_of
 
 # The libraries each format needs (the `export` extra), to name in an error and record beside the export.
 LIBRARIES = {"hf": ("transformers", "safetensors", "tokenizers"), "onnx": ("onnx", "onnxruntime"), "gguf": ("gguf",)}
@@ -43,8 +44,6 @@ def library_versions(fmt: str) -> dict[str, str]:
 def exporter(model_config: Any, fmt: str):
     """The function that writes `fmt` for this model section (its family says which); a
     UserError when none does."""
-    from mllm.families.base import family_of
-
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
     by_format = family_of(model_config).exports(model_config)

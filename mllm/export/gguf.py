@@ -15,7 +15,8 @@ from mllm.export.pieces import check_gpt
 FILE = "model.gguf"
 
 
-def arch_of(c: Any) -> str:
+def runtime_arch(c: Any) -> str:
+    """llama.cpp's architecture for the GPT config `c`."""
     if c.positions == "learned":
         return "gpt2"
     return "nemotron" if c.mlp == "relu2" else "gptneox"
@@ -43,18 +44,18 @@ _BYTES = _bytes_to_unicode()
 def tensors(model: Any) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> the checkpoint's tensor (zeros where mllm's layer has no bias)."""
     c, sd = model.config, model.state_dict()
-    E, arch = c.n_embd, arch_of(c)
+    E, kind = c.n_embd, runtime_arch(c)
     zeros = lambda n: torch.zeros(n)  # noqa: E731
     out = {"token_embd.weight": sd["transformer.wte.weight"], "output.weight": sd["lm_head.weight"],
            "output_norm.weight": sd["transformer.ln_f.weight"],
            "output_norm.bias": sd.get("transformer.ln_f.bias", zeros(E))}
-    if arch == "gpt2":
+    if kind == "gpt2":
         out["position_embd.weight"] = sd["transformer.wpe.weight"]
     for i in range(c.n_layer):
         src, dst = f"transformer.h.{i}.", f"blk.{i}."
         pairs = [("ln_1", "attn_norm", E), ("attn.c_proj", "attn_output", E), ("ln_2", "ffn_norm", E),
                  ("mlp.c_fc", "ffn_up", 4 * E), ("mlp.c_proj", "ffn_down", E)]
-        if arch == "nemotron":
+        if kind == "nemotron":
             w, b = sd[src + "attn.c_attn.weight"], sd.get(src + "attn.c_attn.bias", zeros(3 * E))
             for j, name in enumerate(("attn_q", "attn_k", "attn_v")):
                 out[dst + name + ".weight"], out[dst + name + ".bias"] = w[j * E:(j + 1) * E], b[j * E:(j + 1) * E]
@@ -96,8 +97,8 @@ def export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
 
     c = loaded.model.config
     check_gpt(c, "gguf")
-    arch = arch_of(c)
-    w = gguf.GGUFWriter(os.path.join(out, FILE), arch)
+    kind = runtime_arch(c)
+    w = gguf.GGUFWriter(os.path.join(out, FILE), kind)
     w.add_name(card.get("name") or loaded.config.recipe)
     w.add_context_length(c.block_size)
     w.add_embedding_length(c.n_embd)
@@ -108,10 +109,10 @@ def export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     w.add_layer_norm_eps(1e-5)
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if arch != "gpt2":
+    if kind != "gpt2":
         w.add_rope_dimension_count(c.n_embd // c.n_head)
         w.add_rope_freq_base(10000.0)
-    if arch == "gptneox":
+    if kind == "gptneox":
         w.add_parallel_residual(False)
     _vocabulary(w, loaded)
     for name, t in tensors(loaded.model).items():
