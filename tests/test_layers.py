@@ -17,6 +17,7 @@ LAZY = {
     "flows/cli/pipeline.py": "its commands import Prefect's flows and mllm's models (torch) when they run: "
                              "--help answers in under a second instead of 2.5 s",
     "flows/cli/runs.py": "MLflow (1.5 s) only for the command that reads runs",
+    "flows/cli/exporting.py": "MLflow, torch and the export libraries only when an export runs",
     "flows/cli/servers.py": "Prefect's client only for the command that drives a server",
     "flows/cli/search.py": "Optuna and Prefect's flows only when a search runs",
     "flows/cli/terminal.py": "flows.pipeline (Prefect, several seconds) on a command's first flow",

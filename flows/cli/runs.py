@@ -66,7 +66,7 @@ def reproduce(run_id: Annotated[str, typer.Argument(metavar="RUN_ID", help="The 
 
 @app.command()
 def lineage(model: Annotated[Optional[str], typer.Argument(metavar="MODEL",
-                help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)] = None,
+                help="MODEL@ALIAS, MODEL/VERSION, an MLflow run id or an export's folder.", show_default=False)] = None,
             corpus: Annotated[Optional[str], typer.Option(
                 "--corpus", metavar="SHA256-PREFIX",
                 help="List the runs and models trained on this corpus (or on a corpus holding a file of this digest) instead.")] = None,

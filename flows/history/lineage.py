@@ -21,12 +21,14 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mllm import UserError, layout, storage
+from mllm.export import MANIFEST
 from mllm.resolve import validate
 from mllm.data.vocab import Vocab
 from mllm.runtime.epochs import ids_digest, missing_piece
 from flows.history.lineage_corpus import manifest_link, packs_link
 from flows.history.links import BROKEN, CHANGED, MISSING, OK, UNCHECKED, UNRECORDED, as_float, as_int, clean, get_or_none, make_link, model_id  # noqa: F401
 from tasks.tracking import tracker as tracking
+from tasks.tracking.exports import model_version as _model_version
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
@@ -37,6 +39,9 @@ _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 def trace(root: str, ref: str, files: bool = False) -> dict[str, Any]:
     """The chain of `ref` (MODEL@ALIAS, MODEL/VERSION or an MLflow run id), newest first, each
     stage's link checked against storage."""
+    exported = _export_link(ref)
+    if exported is not None:  # an export's folder: the chain of the model it came from
+        ref = exported["model"] or exported["mlflow_run"]
     client = tracking.client(root)
     version = _model_version(client, ref)
     run_id = version.run_id if version is not None else ref
@@ -48,7 +53,7 @@ def trace(root: str, ref: str, files: bool = False) -> dict[str, Any]:
     if version is None and tags.get("model_version"):
         name, _, number = tags["model_version"].rpartition("/")
         version = get_or_none(client.get_model_version, name, number)
-    links = [_model_link(version), _run_link(client, run), _prefect_link(tags), _code_link(tags)]
+    links = [exported, _model_link(version), _run_link(client, run), _prefect_link(tags), _code_link(tags)]
     links += [_training_link(tags, version), _split_link(tags), _vocab_link(tags), _tokens_link(tags),
               _corpus_link(tags, files)]
     chain = {"ref": ref, "tracking_uri": tracking.tracking_uri(root),
@@ -57,23 +62,18 @@ def trace(root: str, ref: str, files: bool = False) -> dict[str, Any]:
     return clean(chain)
 
 
-def _model_version(client: MlflowClient, ref: str) -> Any:
-    """The registered version `ref` names, or None when `ref` is a run id."""
-    if "@" in ref:
-        name, _, alias = ref.rpartition("@")
-        found = get_or_none(client.get_model_version_by_alias, name, alias)
-        if found is None:
-            raise UserError(f"no model {name!r} with alias {alias!r}: see the MLflow registry, or give MODEL/VERSION")
-        return found
-    if "/" in ref:
-        name, _, number = ref.rpartition("/")
-        found = get_or_none(client.get_model_version, name, number) if number.isdigit() else None
-        if found is None:
-            raise UserError(f"no model version {ref!r}: give MODEL@ALIAS, MODEL/VERSION or an MLflow run id")
-        return found
-    if not _RUN_ID.match(ref):
-        raise UserError(f"{ref!r} is neither MODEL@ALIAS, MODEL/VERSION nor an MLflow run id (32 hex characters)")
-    return None
+def _export_link(ref: str) -> dict[str, Any] | None:
+    """An export folder's manifest (mllm.export.MANIFEST) with each of its files checked, or None
+    when `ref` is no such folder."""
+    if _RUN_ID.match(ref) or not storage.exists(storage.join(ref, MANIFEST)):
+        return None
+    m = storage.read_json(storage.join(ref, MANIFEST))
+    gone = [f for f in m.get("files", []) if not storage.exists(storage.join(ref, f))]
+    fields = {"format": m.get("format"), "uri": storage.hide_credentials(ref), "model": m.get("model"),
+              "mlflow_run": m.get("mlflow_run"), "libraries": m.get("libraries")}
+    if gone:
+        return make_link("export", MISSING, **fields, detail=f"{', '.join(gone)} gone from the folder")
+    return make_link("export", OK, **fields)
 
 
 def _model_link(version: Any) -> dict[str, Any] | None:
@@ -321,6 +321,8 @@ def render(chain: dict[str, Any]) -> str:
         head = {
             "model": lambda x: f"{x['name']}/{x['version']}" + (f" @{', @'.join(x['aliases'])}" if x.get("aliases") else "")
             + (f"  {x['headline']} {x['headline_value']:.4f}" if x.get("headline_value") is not None else ""),
+            "export": lambda x: f"{x['format']}  of {x.get('model') or x.get('mlflow_run')}  "
+            + ", ".join(f"{k} {v}" for k, v in (x.get("libraries") or {}).items()),
             "run": lambda x: f"{x['run_id']}  {x.get('name', '')}  {x.get('run_status', '')}  {x.get('started', '')}",
             "prefect": lambda x: f"flow run {x.get('flow_run_id', '?')}" + (f"  {x['name']}" if x.get("name") else "")
             + (f"  {x['state']}" if x.get("state") else ""),

@@ -11,6 +11,7 @@ refused (one UserError line naming it and the formats that take it) before anyth
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ from mllm.families.base import family_of
 LIBRARIES = {"hf": ("transformers", "safetensors", "tokenizers"), "onnx": ("onnx", "onnxruntime"), "gguf": ("gguf",)}
 
 VOCAB = "mllm-vocab.json"  # the mllm vocabulary, beside every export
+MANIFEST = "mllm-export.json"  # what was exported, with which libraries, from which model and run
 
 def library_versions(fmt: str) -> dict[str, str]:
     """The installed version of torch and of each library the format needs."""
@@ -65,7 +67,7 @@ def _check_out(out: str) -> None:
 def export(loaded: Any, fmt: str, out: str, card: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `loaded` (a mllm.runtime.checkpoint.Loaded) as `fmt` into the folder `out` (a path
     or URL), whole or not at all. `card`: lineage for the model card (corpus sha256, run...).
-    Returns {"format", "files", "libraries"}."""
+    Returns what it wrote into MANIFEST beside the files: {"format", "files", "libraries", ...card}."""
     write = exporter(loaded.config.model, fmt)
     _check_out(out)
     loaded.model.float().eval()
@@ -73,7 +75,11 @@ def export(loaded: Any, fmt: str, out: str, card: dict[str, Any] | None = None) 
         files = write(loaded, tmp, dict(card or {}))
         with open(os.path.join(tmp, VOCAB), "w", encoding="utf-8") as f:
             f.write(loaded.vocab.to_json() + "\n")  # the mllm vocabulary the ids come from
-        files = sorted({*files, VOCAB})
+        files = sorted({*files, VOCAB, MANIFEST})
+        manifest = {"format": fmt, "libraries": library_versions(fmt), "files": files, "step": loaded.step,
+                    "vocab_sha256": loaded.vocab.digest, **(card or {})}
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
         fs, _ = storage.filesystem(out)
         with storage.staged_dir(out) as dest:
             for name in files:
@@ -82,4 +88,4 @@ def export(loaded: Any, fmt: str, out: str, card: dict[str, Any] | None = None) 
                     shutil.copy(src, os.path.join(dest, name))
                 else:
                     fs.put(src, storage.filesystem(storage.join(dest, name))[1])
-    return {"format": fmt, "files": files, "libraries": library_versions(fmt)}
+    return manifest
