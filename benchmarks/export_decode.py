@@ -40,7 +40,7 @@ def _loaded(pieces: dict):
     from mllm.config import RunConfig
     from mllm.data.text import CharTokenizer
     from mllm.data.vocab import Vocab
-    from mllm.family import build_model
+    from mllm.families.base import build_model
     from mllm.runtime.checkpoint import Loaded
 
     vocab = Vocab(["<unk>", *" !,-.;?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"])

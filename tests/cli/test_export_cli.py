@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from conftest import cli, make_text
+from commands import cli
+from textdata import make_text
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("transformers")
