@@ -22,6 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 from mllm import UserError, storage
 from mllm.export.pieces import FORMATS
 from mllm.families.base import family_of
+from mllm.redact import scrub
 
 # The libraries each format needs (the `export` extra), to name in an error and record beside the export.
 LIBRARIES = {"hf": ("transformers", "safetensors", "tokenizers"), "onnx": ("onnx", "onnxruntime"), "gguf": ("gguf",)}
@@ -76,8 +77,8 @@ def export(loaded: Any, fmt: str, out: str, card: dict[str, Any] | None = None) 
         with open(os.path.join(tmp, VOCAB), "w", encoding="utf-8") as f:
             f.write(loaded.vocab.to_json() + "\n")  # the mllm vocabulary the ids come from
         files = sorted({*files, VOCAB, MANIFEST})
-        manifest = {"format": fmt, "libraries": library_versions(fmt), "files": files, "step": loaded.step,
-                    "vocab_sha256": loaded.vocab.digest, **(card or {})}
+        manifest = scrub({"format": fmt, "libraries": library_versions(fmt), "files": files, "step": loaded.step,
+                          "vocab_sha256": loaded.vocab.digest, **(card or {})})
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         fs, _ = storage.filesystem(out)

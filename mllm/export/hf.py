@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from mllm.export.pieces import check_gpt
+from mllm.redact import scrub
 from mllm.export.tokenizer import fast_tokenizer
 
 
@@ -138,9 +139,9 @@ def model_card(loaded: Any, card: dict[str, Any], arch: str) -> str:
              f"| checkpoint step | {loaded.step} |",
              f"| tokenizer | {loaded.tokenizer.kind} (normalize: {str(loaded.tokenizer.normalize).lower()}) |",
              f"| vocabulary | {len(loaded.vocab)} tokens, sha256 {loaded.vocab.digest} |"]
-    lines += [f"| {k} | {v} |" for k, v in card.items() if k != "name" and v is not None]
+    lines += [f"| {k} | {scrub(str(v))} |" for k, v in card.items() if k != "name" and v is not None]
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.6g} |" for k, v in sorted(loaded.metrics.items()) if isinstance(v, (int, float))]
-    lines += ["", "## Recipe", "", "```json", json.dumps(cfg.model_dump(mode="json"), indent=1, sort_keys=True),
+    lines += ["", "## Recipe", "", "```json", json.dumps(scrub(cfg.model_dump(mode="json")), indent=1, sort_keys=True),
               "```", ""]
     return "\n".join(lines)

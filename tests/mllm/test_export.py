@@ -151,6 +151,15 @@ print(json.dumps({{"ids": ids, "text": tok.decode(ids), "arch": type(model).__na
         pytest.skip("../shared/data/warandpeace.txt is absent: checked on made-up text instead")
 
 
+def test_the_model_card_and_manifest_hold_no_password(tmp_path):
+    secret = "s3cr3t-Passw0rd-card"
+    url = _checkpoint("default", tmp_path, source=f"https://reader:{secret}@127.0.0.1:1/corpus.txt")
+    export(load_checkpoint(url), "hf", str(tmp_path / "hf"), {"corpus_source": f"https://reader:{secret}@host/c.txt"})
+    for f in (tmp_path / "hf").iterdir():
+        assert secret not in f.read_text(errors="replace"), f.name
+    assert "127.0.0.1:1/corpus.txt" in (tmp_path / "hf" / "README.md").read_text()
+
+
 def _tokenizers() -> list:
     text = make_text(3000, gutenberg=False) + " Ünïcode — “quotes” <br /> tabs\tand\nlines"
     out = []
@@ -177,10 +186,12 @@ def test_the_hf_tokenizer_encodes_and_decodes_as_mllms(tok):
         assert 0 in ids  # the unknown tokens were met, and became <unk> on both sides
 
 
-def _checkpoint(recipe: str, folder: Path, std: float | None = None, **model) -> str:
+def _checkpoint(recipe: str, folder: Path, std: float | None = None, source: str | None = None, **model) -> str:
     """An untrained checkpoint of a shipped recipe's model, its weights shaken so that every layer
     matters (or its matrices drawn at `std`), with the vocabularies it needs."""
     cfg = resolve(recipe)
+    if source is not None:
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"source": source})})
     tokenizer, extra = build_tokenizer(cfg.data.tokenizer), {}
     words = "the war and the peace said the prince to the princess".split()
     vocab = Vocab([UNK, "<pad>", "<bos>", "<eos>", *dict.fromkeys(words + list("abcdefghijklmnopqrstuvwxyz "))])
