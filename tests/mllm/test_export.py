@@ -78,7 +78,7 @@ def _window(data_dir: Path) -> torch.Tensor:
 
 def _hf_equals_mllm(loaded, window: torch.Tensor, out: Path) -> list[int]:
     """Export to `out`; the logits of `window` and 200 greedy tokens after "The " agree."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     done = export(loaded, "hf", str(out), {"corpus_sha256": "ab" * 32, "mlflow_run": "run123"})
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md",
@@ -91,12 +91,16 @@ def _hf_equals_mllm(loaded, window: torch.Tensor, out: Path) -> list[int]:
     with torch.no_grad():
         ours, theirs = loaded.model(window)[0], hf(window).logits
     assert (ours - theirs).abs().max().item() < 1e-4
-    prompt = loaded.vocab.encode(list("The "))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("The ")["input_ids"]
+    assert prompt == loaded.vocab.encode(loaded.tokenizer.split("The "))
     # 200 tokens whatever they are (no stop at <eos>), then as `sample` runs: stopping at <eos>.
     mine = generate(loaded.model, prompt, 200, method="greedy", dtype="float32")
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False, eos_token_id=None)
     assert got[0, len(prompt):].tolist() == mine
+    # The same text, as mllm's sample_text writes it and transformers' tokenizer decodes it.
+    assert tokenizer.decode(got[0]) == loaded.tokenizer.detokenize(loaded.vocab.decode(prompt + mine))
     eos = loaded.vocab.stoi.get("<eos>")
     if eos is not None:
         stopped = generate(loaded.model, prompt, 200, method="greedy", dtype="float32", eos_id=eos)
