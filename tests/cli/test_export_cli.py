@@ -57,6 +57,8 @@ def test_export_a_registered_model_records_it_and_lineage_follows_it(mlflow_serv
     links = {link["link"]: link for link in json.loads(chain.stdout)["links"]}
     assert list(links)[:2] == ["export", "model"] and links["export"]["status"] == "ok"
     assert links["corpus"]["sha256"] == manifest["corpus_sha256"]
+    text = cli("lineage", str(out), env=env).stdout
+    assert text.startswith("export      hf  of default/1") and "corpus" in text
 
     # Another format of the same version; a folder that holds files already is refused in one line.
     onnx = cli("export", "default/1", "--format", "onnx", "--out", str(tmp_path / "onnx"), env=env)

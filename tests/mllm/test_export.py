@@ -352,3 +352,15 @@ def test_a_piece_no_format_holds_is_refused_in_one_line_and_nothing_is_written(r
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0] and "onnx" in lines[0], lines
     assert not out.exists() and sorted(tmp_path.iterdir()) == before
+
+
+def test_python_m_mllm_export_writes_a_folder(tmp_path):
+    url = _checkpoint("smoke", tmp_path)
+    out = tmp_path / "onnx"
+    run = prewarmed.run("mllm.export", ["--checkpoint", url, "--format", "onnx", "--out", str(out)], timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"exported {url} as onnx to {out}")
+    manifest = json.loads((out / "mllm-export.json").read_text())
+    assert manifest["format"] == "onnx" and set(manifest["libraries"]) == {"torch", "onnx", "onnxruntime"}
+    assert {"model.onnx", VOCAB} <= set(manifest["files"]) and all((out / f).is_file() for f in manifest["files"])
+    assert Vocab.from_json((out / VOCAB).read_text()) == load_checkpoint(url).vocab
