@@ -1,5 +1,6 @@
-"""Which export format takes which of the GPT's pieces: one table, read by every format and by
-docs/export.md, so a piece a format cannot express is refused by name before anything is written."""
+"""Which export format takes which of the GPT's pieces: one table that every format checks (and
+docs/export.md shows), so a piece a format cannot express is refused by name before anything is
+written."""
 
 from __future__ import annotations
 
