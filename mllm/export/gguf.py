@@ -84,7 +84,9 @@ def _vocabulary(w: Any, loaded: Any) -> None:
         merges = json.loads(loaded.tokenizer.hf.to_str())["model"]["merges"]
         w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     else:
-        w.add_token_merges([])
+        # llama.cpp refuses a vocabulary without merges, and GGUF has no empty array: one pair of
+        # control tokens, which never meet (its BPE starts from single characters), changes nothing.
+        w.add_token_merges(["<unk> <unk>"])
     for name, add in (("<unk>", w.add_unk_token_id), ("<bos>", w.add_bos_token_id), ("<eos>", w.add_eos_token_id),
                       ("<pad>", w.add_pad_token_id)):
         if name in stoi:
