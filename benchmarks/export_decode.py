@@ -82,7 +82,7 @@ def _llama(folder: Path, threads: int) -> list[int]:
     from llama_cpp import Llama
 
     llm = Llama(str(folder / "model.gguf"), n_ctx=SHAPE["block_size"], n_threads=threads, n_threads_batch=threads,
-                n_batch=64, verbose=False, type_k=0, type_v=0, flash_attn=False)  # a float32 KV cache, as the others
+                n_batch=64, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)  # float32 KV cache
     llm.eval(PROMPT)
     out = []
     for _ in range(NEW):
