@@ -2,16 +2,17 @@
 
     python -m benchmarks.export_decode [--quick] [--threads N] [--llama-path DIR] [--repeats N]
 
-Two networks with random weights (std 0.2: confident, so greedy decoding varies): the default
-recipe's pieces (4 layers, 4 heads, 128 wide, rotary, ReLU², no bias; llama.cpp as `nemotron`)
-and nanoGPT's at the same size (learned positions, GELU; llama.cpp as `gpt2`), both with a
-512-position context so that a 4-token prompt and 500 new tokens fit without a refill. Each is
+Three networks with random weights (std 0.2: confident, so greedy decoding varies): the default
+recipe's pieces (4 layers, 4 heads, 128 wide, rotary, ReLU², no bias; llama.cpp as `nemotron`),
+the same with GELU (`gptneox`) and nanoGPT's at the same size (learned positions, GELU; `gpt2`),
+each with a 512-position context so that a 4-token prompt and 500 new tokens fit without a refill. Each is
 exported with `mllm.export` (onnx, gguf) and decoded greedily, one token per step with a KV cache:
 mllm's `generate` (float32), onnxruntime on the exported `model.onnx` (its cache fed back as
 inputs), llama.cpp through llama-cpp-python on `model.gguf`, token ids in and out. Every runtime
 gets the same thread count (mllm's cached decoding takes one thread whatever it is given: see
 mllm.lm.generate). The figure is tokens/s of the whole decode (prompt included), median of the
-repeats, contenders alternating; the tokens are compared with mllm's.
+repeats, contenders alternating; the tokens are compared with mllm's, and the logits of 64
+positions fed at once (the largest gap to mllm's forward).
 
 llama-cpp-python is no dependency of the project: it builds from its source distribution (about
 half an hour on 2 cores), e.g. `pip install --target /tmp/llama llama-cpp-python==0.3.36`, and
@@ -33,6 +34,7 @@ from benchmarks.common import header, median, parse_args, save, table
 NEW, PROMPT = 500, [5, 6, 7, 8]
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 512, "dropout": 0.0}
 PIECES = {"default (rotary, ReLU², no bias)": {"positions": "rotary", "mlp": "relu2", "bias": False},
+          "rotary, GELU, no bias": {"positions": "rotary", "mlp": "gelu", "bias": False},
           "nanoGPT (learned, GELU, bias)": {"positions": "learned", "mlp": "gelu", "bias": True}}
 
 
@@ -92,6 +94,28 @@ def _llama(folder: Path, threads: int) -> list[int]:
     return out
 
 
+def _logit_gaps(folder: Path, loaded, llama: bool) -> dict[str, float]:
+    """Max |logit - mllm's| over 64 positions of random ids, fed at once: how exact each runtime is."""
+    import onnxruntime as ort
+
+    ids = torch.randint(1, len(loaded.vocab), (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = loaded.model(ids)[0][0].numpy()
+    c = loaded.model.config
+    empty = np.zeros((c.n_layer, 1, c.n_head, 0, c.n_embd // c.n_head), np.float32)
+    s = ort.InferenceSession(str(folder / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    gaps = {"onnx gap": float(np.abs(s.run(None, {"input_ids": ids.numpy(), "past_keys": empty,
+                                                   "past_values": empty})[0][0] - ours).max())}
+    if llama:
+        from llama_cpp import Llama
+
+        llm = Llama(str(folder / "gguf" / "model.gguf"), n_ctx=SHAPE["block_size"], n_threads=1, logits_all=True,
+                    verbose=False, type_k=0, type_v=0, flash_attn=False)
+        llm.eval(ids[0].tolist())
+        gaps["llama gap"] = float(np.abs(np.array(llm.scores[:64]) - ours).max())
+    return gaps
+
+
 def _timed(fn, *args) -> tuple[float, list[int]]:
     start = time.perf_counter()
     tokens = fn(*args)
@@ -139,7 +163,8 @@ def main() -> None:
                         continue
                     rate, tokens[who] = _timed(fn, *a)
                     runs[who].append(rate)
-        row = {"model": name, **{who: median(r) for who, r in runs.items() if r}}
+            gaps = _logit_gaps(Path(tmp), loaded, llama_note.startswith("llama-cpp"))
+        row = {"model": name, **{who: median(r) for who, r in runs.items() if r}, **gaps}
         row["onnx tokens"] = _same(tokens["mllm"], tokens.get("onnxruntime"))
         row["llama.cpp tokens"] = _same(tokens["mllm"], tokens.get("llama.cpp"))
         rows.append(row)
@@ -147,7 +172,8 @@ def main() -> None:
     print()
     print(table(rows, [("model", "model"), ("mllm", "mllm tok/s"), ("onnxruntime", "onnxruntime tok/s"),
                        ("llama.cpp", "llama.cpp tok/s"), ("onnx tokens", "onnxruntime = mllm"),
-                       ("llama.cpp tokens", "llama.cpp = mllm")]))
+                       ("llama.cpp tokens", "llama.cpp = mllm"), ("onnx gap", "onnxruntime max logit gap"),
+                       ("llama gap", "llama.cpp max logit gap")]))
     save("export_decode", {"machine": m, "threads": threads, "llama": llama_note, "rows": rows})
 
 
