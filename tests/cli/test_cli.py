@@ -79,12 +79,13 @@ def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_so
     skips = "a run skips training only when this root holds the finished training"
     commands = {("run",): True, ("train",): True, ("evaluate",): True, ("sweep",): True, ("search",): True,
                 ("schedule",): True, ("prepare",): False, ("sample",): False, ("runs",): False, ("lineage",): False,
-                ("reproduce",): False, ("stack", "up"): False}
+                ("reproduce",): False, ("export",): False, ("stack", "up"): False}
     for command, trains in commands.items():
         text = helps(*command)
         assert "--storage URL" in text and (skips in text) == trains, (command, text)
         assert "list[str]" not in text and "{" not in text, (command, text)
     assert "reproduce [OPTIONS] RUN_ID " in helps("reproduce")
+    assert "export [OPTIONS] MODEL " in helps("export") and "--format FORMAT" in helps("export")
     assert "add [OPTIONS] NAME " in helps("stack", "user", "add") and "{" not in helps("stack", "user", "add")
     assert "--set FIELD=VALUE" in helps("run") and "--tag KEY=VALUE" in helps("run")
     # `runs`: every column has its header, the model's LoggedModel id too.
