@@ -42,6 +42,7 @@ from mllm.config import RunConfig
 from tasks.tracking import tracker as tracking
 from tasks.model import Prepared, Trained
 from tasks.model.train import parse_progress, train_job, training_code
+from flows.settings import settings
 
 ENTRYPOINT = "flows.training:train"
 
@@ -86,7 +87,7 @@ def one_slot(pool: str) -> str:
 def refuse_waiting_on_itself(client: Any, wp: Any) -> None:
     """A flow run on a pool of one slot (a worker runs it: PREFECT__FLOW_RUN_ID) that hands its
     training to that same pool holds the slot the training waits for: refused, not waited on."""
-    own = os.environ.get("PREFECT__FLOW_RUN_ID")
+    own = settings().flow_run_id
     if not own or wp.concurrency_limit is None or wp.concurrency_limit > 1:
         return
     try:
@@ -133,8 +134,7 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
     job_variables: dict[str, Any] = {"env": job_env(root), **gpu_variables(cfg, variables)}
     params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
               "run_id": run_id, "code": training_code(), **({"search": True} if search else {})}
-    restarts = int(os.environ.get("MLLM_TRAIN_RESTARTS", "3"))
-    lost_after = float(os.environ.get("MLLM_LOST_AFTER_S", "300"))
+    restarts, lost_after = settings().train_restarts, settings().lost_after_s
     for attempt in range(restarts + 1):
         flow_run = run_deployment(name, parameters=params, timeout=0, job_variables=job_variables,
                                   tags=["mllm-pipeline"])

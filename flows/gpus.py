@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from mllm import UserError
+from flows.settings import settings
 
 log = logging.getLogger(__name__)
 
 
 def worker_devices() -> list[str]:
-    listed = os.environ.get("MLLM_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    s = settings()
+    listed = s.gpus or s.cuda_visible_devices
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
     import torch
@@ -37,7 +39,7 @@ def worker_devices() -> list[str]:
 
 
 def _locks() -> Path:
-    folder = Path(os.environ.get("MLLM_GPU_LOCKS") or Path(tempfile.gettempdir()) / f"mllm-gpus-{os.getuid()}")
+    folder = Path(settings().gpu_locks or Path(tempfile.gettempdir()) / f"mllm-gpus-{os.getuid()}")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -64,7 +66,7 @@ def own_devices(n: int, device: str, logger: logging.Logger | None = None) -> It
     """Hold `n` of the worker's GPUs for a training on `device` (auto or cuda; cpu, cuda:N and
     mps are left as they are) and show it only those; yields the ids held (none: nothing done)."""
     logger = logger or log
-    devices = worker_devices() if os.environ.get("PREFECT__FLOW_RUN_ID") and device in ("auto", "cuda") else []
+    devices = worker_devices() if settings().flow_run_id and device in ("auto", "cuda") else []
     if n < 1 or len(devices) < 2:
         yield []
         return

@@ -18,11 +18,12 @@ from typing import Any
 from mllm import UserError, storage
 from mllm.resolve import LAUNCH_SECTION, recipe_dict, resolve
 from mllm.redact import strip_userinfo
+from flows.settings import settings
 
 
 def storage_root(storage_url: str | None = None) -> str:
     """The storage root: --storage, else $MLLM_STORAGE, else ./storage."""
-    root = storage_url or os.environ.get("MLLM_STORAGE") or "storage"
+    root = storage_url or settings().storage or "storage"
     if "://" not in root:
         # The real folder: a stage Prefect finds cached hands back the paths of the run that made
         # it, and a root given once through a symlink and once not would mix two names for one folder.
@@ -124,7 +125,7 @@ def check_tracked(root: str) -> None:
     exists (reading must not create an empty store, and an empty one answers every question with
     "not found" where the real mistake is the folder)."""
     check_tracking_server()
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    uri = settings().mlflow_tracking_uri.strip()
     if uri and not uri.startswith("sqlite:///"):
         return
     from tasks.tracking.tracker import local_store
@@ -139,7 +140,7 @@ def check_tracked(root: str) -> None:
 def check_tracking_server(timeout: float = 5.0) -> None:
     """An MLflow server named by MLFLOW_TRACKING_URI must answer its health check within seconds
     (MLflow's own client would retry for minutes before failing)."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    uri = settings().mlflow_tracking_uri.strip()
     if not uri.startswith(("http://", "https://")):
         return
     from flows.stack.auth_errors import _tls, mlflow_refused, tls_line
@@ -168,18 +169,19 @@ def check_prefect_server(timeout: float = 5.0) -> None:
     """A Prefect server named by PREFECT_API_URL: its certificate, this client's credential, and
     its Prefect version, the one this client runs. Its /admin/version route (which Prefect's
     client reads too) shows all three."""
-    api = os.environ.get("PREFECT_API_URL", "").strip().rstrip("/")
+    s = settings()
+    api = s.prefect_api_url.strip().rstrip("/")
     if not api.startswith(("http://", "https://")):
         return  # Prefect's temporary server, started by this command: the same version
     from flows.stack.auth_errors import _tls, prefect_refused, tls_line, version_line
 
     clean, _ = strip_userinfo(api)
     req = urllib.request.Request(f"{api}/admin/version")
-    if auth := os.environ.get("PREFECT_API_AUTH_STRING"):
+    if auth := s.prefect_api_auth_string:
         req.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
-    ca = os.environ.get("PREFECT_API_SSL_CERT_FILE")
+    ca = s.prefect_api_ssl_cert_file
     ctx = ssl.create_default_context(cafile=ca or None) if api.startswith("https") else None
-    if ctx and os.environ.get("PREFECT_API_TLS_INSECURE_SKIP_VERIFY", "").lower() in ("1", "true"):
+    if ctx and s.prefect_api_tls_insecure_skip_verify:
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the user's own choice, as Prefect's client takes it
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:

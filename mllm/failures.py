@@ -10,8 +10,9 @@ decide with these; the lines a user reads are written there.
 from __future__ import annotations
 
 import errno
-import os
 from typing import Iterator
+
+from mllm.settings import settings
 
 
 def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -41,7 +42,7 @@ def unreachable(exc: BaseException) -> str | None:
         return None
     for e in exception_chain(exc):
         if {c.__name__ for c in type(e).__mro__} & _UNREACHABLE:
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            endpoint = settings().s3_endpoint
             where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
             detail = " ".join(str(e).split())[:200] or "no answer in time"
             return (f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "

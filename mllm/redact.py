@@ -9,10 +9,11 @@ HF_TOKEN, ...), the user:password part of a URL, and the values of entries named
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
+from mllm.settings import environment
 
 _SECRET_ENV = ("KEY", "SECRET", "TOKEN", "PASSWORD", "CREDENTIAL", "AUTH_STRING")
 _SECRET_WORDS = ("key", "secret", "token", "password", "passwd", "credential", "credentials")
@@ -39,7 +40,7 @@ def _secret_name(name: str) -> bool:
 
 
 def _secret_values() -> list[str]:
-    values = {v for k, v in os.environ.items()
+    values = {v for k, v in environment().items()
               if any(s in k.upper() for s in _SECRET_ENV)
               and len(v) >= 4 and v.lower() not in _NOT_SECRETS}
     return sorted(values, key=len, reverse=True)  # longest first: one secret may contain another

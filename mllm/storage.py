@@ -24,6 +24,7 @@ from fsspec.implementations.local import LocalFileSystem
 from mllm import UserError
 from mllm.failures import disk_full, exception_chain, unreachable
 from mllm.redact import strip_userinfo
+from mllm.settings import settings
 
 # user:password taken out of URLs by `hide_credentials`, by the URL without them: held in this
 # process's memory for the requests that need them, and never written anywhere.
@@ -51,7 +52,7 @@ def storage_options(url: str) -> dict[str, Any]:
     auth = _CREDENTIALS.get(url) or next((a for prefix, a in _CREDENTIALS.items()
                                           if url.startswith(prefix.rstrip("/") + "/")), None)
     if protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        endpoint = settings().s3_endpoint
         options: dict[str, Any] = {"config_kwargs": s3_timeouts()}
         if endpoint:
             options["client_kwargs"] = {"endpoint_url": endpoint}
@@ -68,27 +69,25 @@ def storage_options(url: str) -> dict[str, Any]:
     return {}
 
 
-# Every S3 request gives up after CONNECT_S without a connection or READ_S without a byte, and
-# is tried S3_ATTEMPTS times in all (botocore's standard retries; AWS_MAX_ATTEMPTS and
+# Every S3 request gives up after MLLM_S3_CONNECT_TIMEOUT seconds (5) without a connection or
+# MLLM_S3_READ_TIMEOUT (10) without a byte (mllm/settings.py), and is tried S3_ATTEMPTS times in all (botocore's standard retries; AWS_MAX_ATTEMPTS and
 # AWS_RETRY_MODE, when set, win): a store that hangs fails a storage call in about
 # attempts * READ_S seconds, as one that is down does; Prefect's retries of the stage come on
-# top (README, "Object storage", gives the whole bound). MLLM_S3_CONNECT_TIMEOUT and
-# MLLM_S3_READ_TIMEOUT (seconds) set the two timeouts for a store known to be slower, or, in the
-# tests, to wait out a hung store in seconds.
-CONNECT_S = float(os.environ.get("MLLM_S3_CONNECT_TIMEOUT") or 5)
-READ_S = float(os.environ.get("MLLM_S3_READ_TIMEOUT") or 10)
+# top (README, "Object storage", gives the whole bound). The two timeouts are set higher for a
+# store known to be slower, or, in the tests, lower to wait out a hung store in seconds.
 S3_ATTEMPTS = 3
 MIN_UPLOAD_BYTES_PER_S = 1 << 20
 
 
 def attempts() -> int:
-    return int(os.environ.get("AWS_MAX_ATTEMPTS") or S3_ATTEMPTS)
+    return settings().aws_max_attempts or S3_ATTEMPTS
 
 
 def transfer_deadline(nbytes: int) -> float:
     """Seconds an upload of `nbytes` may take in all: every attempt's timeouts, and a second
     per MiB (a store that takes less than 1 MiB/s on average counts as hung)."""
-    return attempts() * (CONNECT_S + READ_S) + nbytes / MIN_UPLOAD_BYTES_PER_S
+    s = settings()
+    return attempts() * (s.s3_connect_timeout + s.s3_read_timeout) + nbytes / MIN_UPLOAD_BYTES_PER_S
 
 
 def s3_timeouts() -> dict[str, Any]:
@@ -106,8 +105,9 @@ def s3_timeouts() -> dict[str, Any]:
     # it the body goes at once and the read timeout applies. (Set before the first S3 client.)
     botocore.handlers.BUILTIN_HANDLERS[:] = [h for h in botocore.handlers.BUILTIN_HANDLERS
                                              if h[1] is not botocore.handlers.add_expect_header]
-    config: dict[str, Any] = {"connect_timeout": CONNECT_S, "read_timeout": READ_S}
-    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+    s = settings()
+    config: dict[str, Any] = {"connect_timeout": s.s3_connect_timeout, "read_timeout": s.s3_read_timeout}
+    if not (s.aws_max_attempts or s.aws_retry_mode):
         config["retries"] = {"mode": "standard", "max_attempts": S3_ATTEMPTS}
     return config
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,14 +29,24 @@ from mllm.config import RunConfig
 from mllm.families.base import build_model, family_of, load_inputs
 from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
-from mllm.runtime.checkpoint import (BrokenOff, Signals, check_model, check_vocab, read_checkpoint, rewind,
-                                     save_checkpoint, signalled_alone, step_position)
+from mllm.runtime.checkpoint import (
+    BrokenOff,
+    Signals,
+    check_model,
+    check_vocab,
+    read_checkpoint,
+    rewind,
+    save_checkpoint,
+    signalled_alone,
+    step_position,
+)
 from mllm.runtime.choices import choose_attention, choose_precision
 from mllm.runtime.compiling import Compiler, compile_key
 from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.runtime.events import event_log, print_records
 from mllm.runtime.optim import build_optimizer, lr_factor, newton_schulz_dtype
+from mllm.settings import settings
 
 Records = list[dict]
 
@@ -379,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: interrupted: last.pt holds the last finished step; run the same command to resume",
               file=sys.stderr)
         return 130
-    if int(os.environ.get("RANK", "0")) == 0:
+    if settings().rank == 0:
         val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
         best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
         resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""

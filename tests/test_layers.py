@@ -22,6 +22,7 @@ LAZY = {
     "flows/cli/search.py": "Optuna and Prefect's flows only when a search runs",
     "flows/cli/terminal.py": "flows.pipeline (Prefect, several seconds) on a command's first flow",
     "flows/launch.py": "Prefect and MLflow off the CLI's fast paths (the preflight checks)",
+    "flows/settings.py": "the other layers' settings only to write the docs' table",
     "flows/history/runs.py": "torch only to sample from a run",
     "mllm/resolve.py": "mllm.families.base brings torch (2.4 s), which listing recipes has no use for",
     "mllm/families/lm.py": "the registry imports every family to find one: a family's models and data load when it runs",

@@ -24,6 +24,7 @@ from flows.stack.auth_errors import auth_line
 from flows.stack.database import DOWN, down_line
 from flows.stack.orphans import leave_in_flight
 from flows.stack.state import stack_home
+from flows.settings import settings
 from mllm import UserError
 from mllm.failures import disk_full, unreachable
 from mllm.redact import scrub
@@ -302,7 +303,7 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
     only those bars (a sweep's `points`: its points' own trainings would fight over one bar).
     `silent`: none of Prefect's lines on the terminal from the first bar on (they stay in the
     run record): a sweep of many points would print hundreds of them."""
-    if not sys.stderr.isatty() and not os.environ.get("MLLM_PROGRESS"):
+    if not sys.stderr.isatty() and not settings().progress:
         yield
         return
     bars: dict[str, Any] = {}

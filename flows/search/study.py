@@ -24,6 +24,7 @@ from typing import Any
 
 from flows.search.space import Dim, space_text
 from flows.stack import database
+from flows.settings import settings
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks.tracking.tracker import local_store
@@ -35,7 +36,7 @@ PRUNERS = ("median", "halving", "hyperband", "none")
 def grace_s() -> float:
     """How long a trial's search may go silent before its trial counts as dead: 90 s (a busy CPU
     stalls threads), or MLLM_SEARCH_GRACE_S."""
-    return float(os.environ.get("MLLM_SEARCH_GRACE_S", "90"))
+    return settings().search_grace_s
 
 
 def heartbeat_s() -> float:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flows.stack import state
 from flows.stack.processes import Service, free_port, port_free
+from flows.settings import settings
 from mllm import UserError, failures
 from tasks.tracking import outage
 
@@ -61,8 +62,8 @@ def recorded(home: Path) -> dict:
 def server_bin() -> Path | None:
     """The folder of PostgreSQL's server binaries: $MLLM_POSTGRES_BIN, Debian's newest
     /usr/lib/postgresql/N/bin, or wherever `initdb` is on PATH."""
-    if os.environ.get("MLLM_POSTGRES_BIN"):
-        return Path(os.environ["MLLM_POSTGRES_BIN"])
+    if given := settings().postgres_bin:
+        return Path(given)
     debian = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name)
                     if p.parent.parent.name.isdigit() else 0)
     if debian:
@@ -74,7 +75,7 @@ def server_bin() -> Path | None:
 def owner() -> str | None:
     """The user the cluster runs as: None for this process's own user, `postgres` (or
     $MLLM_POSTGRES_USER) when this process is root."""
-    return os.environ.get("MLLM_POSTGRES_USER", "postgres") if os.geteuid() == 0 else None
+    return settings().postgres_user if os.geteuid() == 0 else None
 
 
 def as_owner(cmd: list[str]) -> list[str]:
@@ -198,12 +199,12 @@ def study_database() -> tuple[str, str] | None:
     cluster of the stack that $PREFECT_API_URL belongs to (in $MLLM_STACK_HOME or ./.mllm-stack);
     its database `<NAME>_optuna` created where missing. The SQLAlchemy URL (with the password: for
     the storage only) and a line that names it without the password; None on neither (SQLite)."""
-    given = os.environ.get(STUDY_ENV)
+    given = settings().study_database
     if given:
         user, password, host, port, name = _parts(given, f"${STUDY_ENV}")
     else:
         home = state.stack_home()
-        api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+        api = settings().prefect_api_url.rstrip("/")
         describe = recorded(home).get("database", "")
         if (not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api
                 or not describe.startswith("PostgreSQL ") or describe.startswith("PostgreSQL at ")):

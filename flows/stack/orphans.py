@@ -18,12 +18,12 @@ flight Crashed, and cancels the trainings they handed to the pool that no worker
 from __future__ import annotations
 
 import json
-import os
 import threading
 from datetime import timedelta
 from pathlib import Path
 
 from flows.stack import state
+from flows.settings import settings
 
 CRASHED_BY_STACK = ("its process is gone (the stack's database or worker stopped under it); marked by "
                     "`mllm-pipeline stack up`: run the same command again to resume from its last checkpoint")
@@ -116,7 +116,7 @@ def stop_reporting() -> None:
 def leave_in_flight(home: Path) -> None:
     """At the end of a command whose stack's database is down: the flow runs it ran, left in `home`
     for `stack up` (only when $PREFECT_API_URL is that stack's)."""
-    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    api = settings().prefect_api_url.rstrip("/")
     if not _here or not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api:
         return
     path = home / IN_FLIGHT

@@ -4,14 +4,14 @@ lines, URLs, log files) and the environment its clients use. No secret is writte
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from flows.stack.processes import Service
+from flows.settings import settings
 
 
 def stack_home(home: str | None = None) -> Path:
-    return Path(home or os.environ.get("MLLM_STACK_HOME") or ".mllm-stack").expanduser().resolve()
+    return Path(home or settings().stack_home or ".mllm-stack").expanduser().resolve()
 
 
 def state_file(home: Path) -> Path:

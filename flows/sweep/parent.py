@@ -9,6 +9,7 @@ import functools
 import json
 from typing import Any
 
+from flows.settings import settings
 from flows.sweep.points import expand
 from flows.sweep.table import PointOutcome
 from mllm import UserError, failures, storage
@@ -41,8 +42,7 @@ def passing(exc: BaseException | None) -> bool:
 def retry_delay_s() -> float:
     """Seconds before a point (or a search trial) that failed of a passing failure runs once more:
     MLLM_SWEEP_RETRY_DELAY_S, 10 by default."""
-    return outage.seconds_setting("MLLM_SWEEP_RETRY_DELAY_S", "10", True,
-                                  "give the seconds before a failed point runs again, 0 or more")
+    return settings().sweep_retry_delay_s
 
 
 class DatabaseDown(UserError):

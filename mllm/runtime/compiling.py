@@ -12,13 +12,13 @@ cached per machine and model shape, like the probes of mllm.runtime.speed, and d
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from mllm.runtime.speed import _busy, _recall, _remember, _shape
+from mllm.settings import settings
 
 COMPILE_GUESS = {"gain": 1.15, "compile_s": 60.0}  # before this machine has measured the model
 COMPILE_MARGIN = 0.03  # compiled steps at least this much shorter, or back to eager
@@ -43,7 +43,7 @@ def cannot_compile(device: torch.device, world_size: int) -> str | None:
     if device.type == "cpu":
         import shutil
 
-        cxx = os.environ.get("CXX") or "g++"
+        cxx = settings().cxx
         return None if shutil.which(cxx) else f"inductor needs a C++ compiler ({cxx} not found)"
     if device.type == "cuda":
         import importlib.util

@@ -3,11 +3,12 @@ that every rank resumes exactly. With one process each of these is a no-op or a 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+
+from mllm.settings import settings
 
 
 @dataclass
@@ -24,10 +25,10 @@ class Dist:
 
 def join(device: torch.device) -> tuple[Dist, torch.device]:
     """Join the process group when started under torchrun (WORLD_SIZE > 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    s = settings()
+    if s.world_size <= 1:
         return Dist(), device
-    d = Dist(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world)
+    d = Dist(s.rank, s.local_rank, s.world_size)
     if device.type == "cuda":
         device = torch.device("cuda", d.local_rank)
         torch.cuda.set_device(device)

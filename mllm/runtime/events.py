@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
+
+from mllm.settings import settings
 
 
 def print_records(records: list[dict]) -> None:
@@ -22,7 +23,7 @@ def print_records(records: list[dict]) -> None:
 @contextlib.contextmanager
 def event_log(path: str | None):
     """A function writing one JSON line per call to `path` (rank 0 only), or doing nothing."""
-    if not path or int(os.environ.get("RANK", "0")) != 0:
+    if not path or settings().rank != 0:
         yield lambda event: None
         return
     with open(path, "a", encoding="utf-8") as f:

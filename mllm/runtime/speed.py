@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mllm.settings import settings
 from mllm.transformer import causal_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -141,8 +142,8 @@ def _cpuinfo() -> dict[str, str]:
 # --- the cache ------------------------------------------------------------------------------
 
 def cache_file() -> Path:
-    root = os.environ.get("MLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mllm")
+    s = settings()
+    root = s.cache_dir or os.path.join(s.xdg_cache_home or os.path.expanduser("~/.cache"), "mllm")
     return Path(root) / "speed.json"
 
 

@@ -31,6 +31,7 @@ from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
 from tasks.tracking.system import system_metrics
 from tasks.tracking.tracker import RunTracker
+from tasks.settings import settings
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
@@ -103,8 +104,7 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
 def retry_delay_s() -> float:
     """Seconds before the training stage runs again after a storage failure, resuming from its
     last checkpoint: MLLM_TRAIN_RETRY_DELAY_S, 5 by default (docs/object-storage.md)."""
-    return outage.seconds_setting("MLLM_TRAIN_RETRY_DELAY_S", "5", True,
-                                  "give the seconds before a failed training runs again, 0 or more")
+    return settings().train_retry_delay_s
 
 
 # The delay is given where the task is called (flows/training.py): retry_delay_s().
@@ -126,7 +126,7 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
     config_url = storage.join(run_dir, "config.yaml")
     storage.write_text(config_url, job.to_yaml())
     logger.info("training %s %s: %s", cfg.recipe, cfg.model.arch, run_dir)
-    every = float(os.environ.get("MLLM_LOG_EVERY_S", "10"))
+    every = settings().log_every_s
     last_log = [0.0]
 
     def on_progress(p: dict[str, Any]) -> None:

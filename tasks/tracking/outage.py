@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 from mllm import UserError, failures, layout, storage
 from mllm.failures import exception_chain
 from mllm.redact import strip_userinfo
+from tasks.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -42,36 +43,22 @@ def _logger() -> Any:
 HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
 
 
-def seconds_setting(name: str, default: str, zero_ok: bool, what: str) -> float:
-    """The seconds an environment variable gives: more than 0 (or 0 too, `zero_ok`); a one-line
-    error naming the variable otherwise."""
-    raw = os.environ.get(name, default)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 if zero_ok else value > 0):
-        raise UserError(f"{name}={raw!r}: {what}")
-    return value
-
-
 def metrics_every_s() -> float:
     """Seconds between two metric requests of a training (MLLM_METRICS_EVERY_S, default 2): one
     log_batch costs 25-55 ms over HTTP on a 2-core machine, 3-5% of a small model's training
     when sent at every log step (docs/team-stack.md, tracking overhead). 0 sends every log step."""
-    return seconds_setting("MLLM_METRICS_EVERY_S", "2", True, "give seconds between metric requests, 0 or more")
+    return settings().metrics_every_s
 
 
 def retry_every_s() -> float:
     """Seconds between two looks at a tracking server that stopped answering during a training
     (MLLM_METRICS_RETRY_S, default 10; each look a 2 s health check)."""
-    return seconds_setting("MLLM_METRICS_RETRY_S", "10", False,
-                           "give the seconds between two looks at a tracking server that stopped answering, more than 0")
+    return settings().metrics_retry_s
 
 
 def server() -> str | None:
     """The tracking server's URL (without credentials), or None for a local store."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    uri = settings().mlflow_tracking_uri.strip()
     return strip_userinfo(uri)[0].rstrip("/") if uri.startswith(("http://", "https://")) else None
 
 
@@ -97,10 +84,11 @@ def health_request(url: str):
     import ssl
 
     req = urllib.request.Request(url)
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    s = settings()
+    user, password = s.mlflow_tracking_username, s.mlflow_tracking_password
     if user and password:
         req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
-    ca = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    ca = s.mlflow_tracking_server_cert_path
     return req, (ssl.create_default_context(cafile=ca) if ca and url.startswith("https") else None)
 
 
@@ -148,9 +136,9 @@ def wait_for_servers() -> bool:
     checks with 200, for at most MLLM_SERVERS_WAIT_S seconds (240 by default); whether they did.
     Prefect's is its readiness (`/ready`, which asks its database, as the MLflow server of the
     stack shares that database): its `/health` says 200 while that database is down."""
-    urls = [u for u in (os.environ.get("PREFECT_API_URL", "").rstrip("/") + "/ready", (server() or "") + "/health")
+    urls = [u for u in (settings().prefect_api_url.rstrip("/") + "/ready", (server() or "") + "/health")
             if u.startswith(("http://", "https://"))]
-    deadline, pause = time.monotonic() + float(os.environ.get("MLLM_SERVERS_WAIT_S", "240")), 1.0
+    deadline, pause = time.monotonic() + settings().servers_wait_s, 1.0
     while True:
         pending = []
         for url in urls:
@@ -173,7 +161,7 @@ def prefect_database_down() -> str | None:
     """The Prefect server's API URL when that server answers that its database is not available
     (its /ready says 503; the stack's MLflow server shares that database), else None. One look
     every few seconds at most: the terminal's log filter asks for each failure it sees."""
-    api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    api = settings().prefect_api_url.rstrip("/")
     if not api.startswith(("http://", "https://")):
         return None
     at, down = _probed.get(api, (0.0, False))
@@ -197,7 +185,7 @@ def prefect_down(exc: BaseException | None) -> str | None:
     one Prefect starts inside the command."""
     for e in exception_chain(exc):
         if failures.from_http_client(e) and (failures.dropped(e) or failures.server_error(e)):
-            api = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+            api = settings().prefect_api_url.rstrip("/")
             how = _failed(e, "does not answer")
             if not api:
                 return (f"Prefect's temporary server (started by this command, as PREFECT_API_URL is not set) {how}: "

@@ -14,6 +14,7 @@ from typing import Any
 import mllm
 from mllm.config import RunConfig
 from mllm.runtime.devices import resolve_device
+from tasks.settings import settings
 
 # The packages whose versions a run records (tags `version.<name>`) and `reproduce` compares.
 PACKAGES = ("torch", "numpy", "pyarrow", "tokenizers", "prefect", "mlflow")
@@ -59,8 +60,9 @@ def code_git_info() -> dict[str, Any]:
     info = git_info(".")
     if info["commit"] is None:
         info = git_info(str(Path(__file__).resolve().parents[1]))
-    if info["commit"] is None and os.environ.get("MLLM_GIT_COMMIT", "unknown") not in ("", "unknown"):
-        info.update(commit=os.environ["MLLM_GIT_COMMIT"], dirty=False)
+    given = settings().git_commit
+    if info["commit"] is None and given not in (None, "unknown"):
+        info.update(commit=given, dirty=False)
     return info
 
 
@@ -97,7 +99,7 @@ def describe_device(requested: str) -> str:
 def _prefect_flow_run() -> tuple[str | None, str | None]:
     # Importing prefect costs a second and creates its home folder: only ask when a flow run
     # can exist, i.e. prefect is already loaded or a worker started this process for one.
-    if "prefect" not in sys.modules and not os.environ.get("PREFECT__FLOW_RUN_ID"):
+    if "prefect" not in sys.modules and not settings().flow_run_id:
         return None, None
     from prefect.runtime import flow_run
     from prefect.settings import PREFECT_UI_URL

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 from tasks.tracking.tracker import tracking_uri
+from tasks.settings import settings
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ def system_metrics(run_id: str | None, storage_root: str):
     MLflow's monitor samples in a thread of its own every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
     seconds (10 unless set), off the training loop's path. A training shorter than one interval
     still gets one sample, taken at its end. MLLM_SYSTEM_METRICS=0 turns it off."""
-    if not run_id or os.environ.get("MLLM_SYSTEM_METRICS", "1") == "0":
+    if not run_id or not settings().system_metrics:
         yield
         return
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

@@ -41,6 +41,7 @@ from tasks.tracking import outage
 from tasks.caching import forget_exception
 from tasks.tracking.datasets import MAX_DIGEST, TokenDataset, dataset_source
 from tasks.tracking.provenance import code_git_info, run_tags
+from tasks.settings import settings
 
 log = logging.getLogger(__name__)
 log.addFilter(ScrubFilter())
@@ -74,7 +75,7 @@ def tracking_uri(storage_root: str) -> str:
     ./mlflow.db for an object-store root). Credentials in the URI move to MLflow's own
     username/password variables so that MLflow never prints them."""
     global _derived_uri
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    uri = settings().mlflow_tracking_uri.strip()
     if uri and uri != _derived_uri:  # set_tracking_uri exports what we chose: not the user's
         parts = urlsplit(uri)
         if parts.username or parts.password:
