@@ -25,178 +25,41 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 
 import tasks
 from flows import dispatch
 from flows.stack import database, orphans
 from flows.launch import (
     check_model_name,
-    data_runner,
     preflight,
     storage_root,
     training_pool,
-    with_results,
 )
-from flows.pipeline import evaluate, judge, prepare
 from flows.search.dead import PROCESS_ATTR, crash_flow_runs, this_process
 from flows.search.record import SearchResult, TrialsFailed, record
 from flows.search.report import TrialOutcome
+from flows.search.trial import STUDY_TAG, mark_failed, run_one
 from flows.search.study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
                                 one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
                                 study_store)
 from flows.search.space import Dim, check_space, parse_space, space_text, study_name
-from flows.sweep.parent import PARENT_TAG, ParentRun, passing, retry_delay_s, supersede
-from flows.training import run_training, train
+from flows.sweep.parent import ParentRun
+from flows.training import train
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.families.base import family_of
 from mllm.redact import scrub
-from mllm.resolve import resolve
-from tasks.model import train as training_stage
-from tasks import trials
-from tasks.tracking import outage
 from tasks.caching import forget_exception
-from tasks.model import Prepared
 from tasks.tracking.provenance import code_git_info, run_tags
-from tasks.tracking.registry import current_champion
 from tasks.tracking.tracker import (
     MAX_PARAM_VALUE,
     MAX_TAG_VALUE,
     RunTracker,
-    log_data,
 )
-from tasks.tracking.tracker import client as tracking_client
-
-STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
-_preparing = threading.Lock()
-
-
-# --- one trial -----------------------------------------------------------------------------
-
-@flow(name="search-trial", on_failure=[forget_exception], on_crashed=[forget_exception])
-def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int, tags: dict[str, str],
-              pool: str | None = None, model: str | None = None) -> dict[str, Any]:
-    """One trial: the pipeline's training, evaluation and judgement in a run nested under the
-    study's; a pruned training ends the trial without an evaluation."""
-    key = training_stage.train_key(cfg, data)
-    with RunTracker(cfg, root, tags=tags, run_name=f"{study}-trial-{number}") as run:
-        log_data(run.run_id, quote(cfg), root, quote(data))
-        run.set_tags(training_stage.lineage_tags(cfg, data))
-        trained = run_training(cfg, data, root, run.run_id, pool, search=pool is not None)
-        found = {"mlflow_run_id": run.run_id, "step": trained.steps, "val_loss": trained.val_loss,
-                 "resumed_from_step": trained.resumed_from_step, "key": key}
-        if trained.stop_reason == "pruned":
-            with contextlib.suppress(Exception):  # a picture is no reason to fail the trial
-                run.log_loss_curve()
-            run.set_tags({STATE_TAG: "pruned", "trial.step": str(trained.steps)})
-            return {**found, "state": "pruned"}
-        evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
-        outage.check_back(trained.run_dir)
-        judge(run.run_id, cfg, root, trained, evaluation, samples, data,
-              current_champion(tracking_client(root), model or cfg.recipe), None, model)
-        run.set_tags({STATE_TAG: "complete", "trial.step": str(trained.steps)})
-        return {**found, "state": "complete", "value": evaluation.score, "headline": evaluation.headline}
-
-
-@task(name="search-trial", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
-def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: str | list[str] | None, root: str,
-            overrides: list[str], parent_id: str, pool: str | None, sign: float,
-            model: str | None = None) -> TrialOutcome:
-    """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
-    params = {field: dim.suggest(trial) for field, dim in space.items()}
-    resumes = resumed_number(study.trials[trial.number])
-    outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
-    tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number),
-            **({"train.pool": pool} if pool else {})}
-    if resumes is not None:
-        tags["search.resumes"] = str(resumes)
-        # What the dead trial reported, so the pruner sees the whole curve of the resumed one.
-        for step, value in study.trials[resumes].intermediate_values.items():
-            trial.report(value, step)
-    try:
-        cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in params.items())], source=source)
-        with _preparing:  # trials on a pool start side by side: no two write one data stage at once
-            data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
-
-        def ask_pruner(step: int, val_loss: float) -> bool:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a step reported before the process died: Optuna keeps the first
-                trial.report(sign * val_loss, step)
-            return trial.should_prune()
-
-        # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
-        asking = (trials.asking(training_stage.train_key(cfg, data), ask_pruner) if pool is None
-                  else trials.answering(training_stage.train_job(cfg, data, root)[1], ask_pruner))
-        with asking:
-            found = once_more_if_passing(lambda: trial_run.with_options(
-                flow_run_name=f"{study.study_name}-trial-{trial.number}")(
-                cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool,
-                model=model), root, tags)
-    except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
-        message = scrub(str(e).splitlines()[0]) if str(e) else ""
-        if not isinstance(e, UserError):
-            message = database.down_line(e) or f"{type(e).__name__}: {message}"
-        outcome.error = message[:500]
-        trial.set_user_attr("error", outcome.error)
-        _mark_failed(root, parent_id, study.study_name, trial.number)
-        study.tell(trial, state=optuna_module().trial.TrialState.FAIL)
-        return outcome
-    for name in ("mlflow_run_id", "step", "val_loss", "resumed_from_step"):
-        trial.set_user_attr(name, found[name])
-    outcome = outcome.model_copy(update={k: found[k] for k in ("mlflow_run_id", "step", "val_loss",
-                                                                "resumed_from_step")} | {"state": found["state"]})
-    if found["state"] == "pruned":
-        study.tell(trial, state=optuna_module().trial.TrialState.PRUNED)
-    else:
-        study.tell(trial, found["value"])
-        outcome.value = found["value"]
-    return outcome
-
-
-def once_more_if_passing(attempt: Callable[[], dict[str, Any]], root: str, tags: dict[str, str]) -> dict[str, Any]:
-    """A trial's run, run once more when it failed of a server's passing failure (a tracking
-    server still away when its training ended, a refused connection, a 503 that outlasted the
-    clients' retries), as a sweep runs its point again (docs/sweeps.md): after
-    MLLM_SWEEP_RETRY_DELAY_S seconds, once both servers answer (at most 4 minutes). Its training is
-    found in storage; the failed attempt's MLflow run is tagged `search.superseded_by`, its curve
-    copied into the new run, and it goes to MLflow's trash."""
-    try:
-        return attempt()
-    except Exception as e:
-        if not passing(e):
-            raise
-        with contextlib.suppress(Exception):  # outside a flow run (a test): nothing to log to
-            from prefect import get_run_logger
-
-            get_run_logger().warning("%s: the trial runs once more once the servers answer",
-                                     scrub(str(e).splitlines()[0]))
-    time.sleep(retry_delay_s())
-    outage.wait_for_servers()  # bounded: a server still away fails the trial, as it would
-    found = attempt()
-    supersede(root, tags, found["mlflow_run_id"], same=TRIAL_TAG, mark="search.superseded_by")
-    return found
-
-
-def _mark_failed(root: str, parent_id: str, study: str, number: int, resumed_by: int | None = None) -> None:
-    """The trial's MLflow run (where it got that far), tagged failed; a run left RUNNING by a dead
-    process is ended KILLED."""
-    with contextlib.suppress(Exception):  # the trial's own error is the one to report
-        client = tracking_client(root)
-        experiment = client.get_run(parent_id).info.experiment_id
-        query = f"tags.`{STUDY_TAG}` = '{study}' and tags.`{TRIAL_TAG}` = '{number}'"
-        for run in client.search_runs([experiment], query):
-            client.set_tag(run.info.run_id, STATE_TAG, "failed")
-            if resumed_by is not None:
-                client.set_tag(run.info.run_id, "search.resumed_by", str(resumed_by))
-            if run.info.status == "RUNNING":
-                client.set_terminated(run.info.run_id, "KILLED")
 
 
 # --- the study -----------------------------------------------------------------------------
@@ -242,7 +105,7 @@ def revive(study: Any, root: str, parent_id: str) -> list[int]:
         study.enqueue_trial(t.params, user_attrs={"resumes": t.number})
         revived.append(t.number)
     for number in revived:
-        _mark_failed(root, parent_id, study.study_name, number, _resumed_by(study, number))
+        mark_failed(root, parent_id, study.study_name, number, _resumed_by(study, number))
     return revived
 
 
@@ -264,7 +127,7 @@ def on_stale(root: str, parent: dict[str, str]) -> Any:
             warnings.simplefilter("ignore")
             retry(study, frozen)
         if parent.get("id"):
-            _mark_failed(root, parent["id"], study.study_name, frozen.number, _resumed_by(study, frozen.number))
+            mark_failed(root, parent["id"], study.study_name, frozen.number, _resumed_by(study, frozen.number))
         crash_flow_runs(frozen, known_dead=False)  # where its process is known gone
     return failed
 
@@ -334,7 +197,6 @@ class TrialsEnded:
 
 def _run_name() -> str:
     """Named after the recipe and the start, as the pipeline's flow runs are."""
-    import time
 
     from prefect.runtime import flow_run
 

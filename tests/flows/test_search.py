@@ -231,7 +231,7 @@ def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point
     from mlflow.entities.lifecycle_stage import LifecycleStage
     from mlflow.tracking import MlflowClient
 
-    from flows.search.flow import TRIAL_TAG, once_more_if_passing
+    from flows.search.trial import TRIAL_TAG, once_more_if_passing
     from flows.sweep.parent import PARENT_TAG
     from tasks.tracking.outage import TrackingAway
 
