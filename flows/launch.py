@@ -128,7 +128,7 @@ def check_tracked(root: str) -> None:
     uri = settings().mlflow_tracking_uri.strip()
     if uri and not uri.startswith("sqlite:///"):
         return
-    from tasks.tracking.tracker import local_store
+    from tasks.tracking.store import local_store
 
     path = uri[len("sqlite:///"):] if uri else local_store(root)
     if not os.path.exists(path):

@@ -40,8 +40,9 @@ from tasks.model.evaluate import describe
 from tasks.model.train import lineage_tags, train_key
 from tasks.tracking.registry import (Champion, Outcome, current_champion, log_outcome, log_skipped,
                                      shares_files, skip_reason, version_trained_on)
-from tasks.tracking.tracker import RunTracker, log_data, run_url
-from tasks.tracking.tracker import client as tracking_client
+from tasks.tracking.tracker import RunTracker, log_data
+from tasks.tracking.store import run_url
+from tasks.tracking.store import client as tracking_client
 
 
 @flow(name="prepare", log_prints=True, flow_run_name=lambda: f"{_run_name()}-prepare")

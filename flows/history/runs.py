@@ -22,7 +22,7 @@ from mllm.resolve import flat_fields
 from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
 from tasks.tracking.served_model import DROP
 from tasks.tracking import tracker as tracking
-from tasks.tracking.tracker import tracking_uri
+from tasks.tracking.store import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.
 COMPARED = ("final_val_loss", "final_val_bits_per_token", "final_val_bits_per_byte", "train_loss")

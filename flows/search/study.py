@@ -27,7 +27,7 @@ from flows.stack import database
 from flows.settings import settings
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from tasks.tracking.tracker import local_store
+from tasks.tracking.store import local_store
 
 SAMPLERS = ("tpe", "random")
 PRUNERS = ("median", "halving", "hyperband", "none")

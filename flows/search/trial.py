@@ -40,7 +40,7 @@ from tasks.tracking.tracker import (
     RunTracker,
     log_data,
 )
-from tasks.tracking.tracker import client as tracking_client
+from tasks.tracking.store import client as tracking_client
 
 STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
 _preparing = threading.Lock()

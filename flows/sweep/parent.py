@@ -25,7 +25,7 @@ from tasks.tracking.tracker import (
     deleted_run,
     log_records,
 )
-from tasks.tracking.tracker import client as tracking_client
+from tasks.tracking.store import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
 POINT_TAG = "sweep.point"

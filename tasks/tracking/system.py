@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from tasks.tracking.tracker import tracking_uri
+from tasks.tracking.store import tracking_uri
 from tasks.settings import settings
 
 log = logging.getLogger(__name__)

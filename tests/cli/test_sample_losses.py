@@ -4,7 +4,6 @@ served model refuses such a prompt: tests/tasks/test_tracking.py.)"""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import prewarmed
 import pytest

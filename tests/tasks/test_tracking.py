@@ -32,7 +32,8 @@ from flows.stack.servers import free_port
 from mllm.redact import scrub
 from tasks.tracking import registry, tracker as tracking
 from tasks.tracking.provenance import git_info
-from tasks.tracking.tracker import RunTracker, flatten, tracking_uri
+from tasks.tracking.tracker import RunTracker, flatten
+from tasks.tracking.store import tracking_uri
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 TINY = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0}
