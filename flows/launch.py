@@ -144,7 +144,7 @@ def check_tracking_server(timeout: float = 5.0) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     from flows.stack.auth_errors import _tls, mlflow_refused, tls_line
-    from tasks.tracking.outage import health_request
+    from tasks.tracking.servers import health_request
 
     clean, _ = strip_userinfo(uri)
     req, ctx = health_request(f"{clean.rstrip('/')}/health")

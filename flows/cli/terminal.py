@@ -28,7 +28,7 @@ from flows.settings import settings
 from mllm import UserError
 from mllm.failures import disk_full, unreachable
 from mllm.redact import scrub
-from tasks.tracking.outage import prefect_down, tracking_down
+from tasks.tracking.servers import prefect_down, tracking_down
 
 console = Console(stderr=True)
 

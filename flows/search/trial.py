@@ -33,6 +33,7 @@ from mllm.resolve import resolve
 from tasks.model import train as training_stage
 from tasks import trials
 from tasks.tracking import outage
+from tasks.tracking import servers as tracking_servers
 from tasks.caching import forget_exception
 from tasks.model import Prepared
 from tasks.tracking.registry import current_champion
@@ -145,7 +146,7 @@ def once_more_if_passing(attempt: Callable[[], dict[str, Any]], root: str, tags:
             get_run_logger().warning("%s: the trial runs once more once the servers answer",
                                      scrub(str(e).splitlines()[0]))
     time.sleep(retry_delay_s())
-    outage.wait_for_servers()  # bounded: a server still away fails the trial, as it would
+    tracking_servers.wait_for_servers()  # bounded: a server still away fails the trial, as it would
     found = attempt()
     supersede(root, tags, found["mlflow_run_id"], same=TRIAL_TAG, mark="search.superseded_by")
     return found

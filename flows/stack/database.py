@@ -29,8 +29,8 @@ from flows.stack import state
 from flows.stack.processes import Service, free_port, port_free
 from flows.settings import settings
 from mllm import UserError, failures
-from tasks.tracking import outage
 
+from tasks.tracking import servers as tracking_servers
 ROLE = "mllm"
 DEFAULT_NAME = "mllm"
 INSTALL = "apt-get install postgresql"  # Debian/Ubuntu; the command the SQLite line names
@@ -131,9 +131,9 @@ def down_line(exc: BaseException | None) -> str | None:
     is down (not the asyncpg or psycopg tracebacks the servers log), naming the stack's database
     when $PREFECT_API_URL is the stack's in $MLLM_STACK_HOME (or ./.mllm-stack); else None."""
 
-    if exc is None or not (failures.server_error(exc) or outage.tracking_down(exc)):
+    if exc is None or not (failures.server_error(exc) or tracking_servers.tracking_down(exc)):
         return None
-    api = outage.prefect_database_down()
+    api = tracking_servers.prefect_database_down()
     if api is None:
         return None
     home = state.stack_home()

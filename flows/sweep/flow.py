@@ -37,7 +37,7 @@ from flows.training import train
 from mllm import UserError, storage
 from mllm.redact import scrub
 from tasks.model.train import train_key
-from tasks.tracking import outage
+from tasks.tracking import servers as tracking_servers
 from tasks.caching import forget_exception
 
 
@@ -91,7 +91,7 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
 
     again = task_run.run_count > 1
     if again:
-        outage.wait_for_servers()  # bounded: a server still away fails the point, as it would
+        tracking_servers.wait_for_servers()  # bounded: a server still away fails the point, as it would
     try:
         r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
                      train_on=pool, force=True, model=model)

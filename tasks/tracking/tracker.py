@@ -32,6 +32,7 @@ from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
 from tasks.tracking import outage
+from tasks.tracking import servers as tracking_servers
 from tasks.caching import forget_exception
 from tasks.tracking.datasets import MAX_DIGEST, TokenDataset, dataset_source
 from tasks.tracking.provenance import code_git_info, run_tags
@@ -149,7 +150,7 @@ class RunTracker:
             status = RunStatus.to_string(RunStatus.KILLED if killed else RunStatus.FAILED)
             message = str(exc).splitlines()[0] if str(exc) else ""
             error = scrub(f"{exc_type.__name__}: {message}")[:MAX_TAG_VALUE]
-        if not outage.answers():
+        if not tracking_servers.answers():
             # Not minutes of MLflow's retries: closed by the next run that reaches the server.
             outage.note_unfinished(self.storage_root, self.run_id, status, error or "")
             return

@@ -139,6 +139,7 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
 
     from tasks.tracking import outage
 
+    from tasks.tracking import servers as tracking_servers
     proxy = servers["mlflow"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
     client = MlflowClient(proxy.url)
@@ -159,7 +160,7 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
             try:
                 send([{"step": 8, "train_loss": 2.4}])
             except Exception as e:  # noqa: BLE001 (what MLflow raises is what the pipeline meets)
-                line = outage.tracking_down(e)
+                line = tracking_servers.tracking_down(e)
             else:
                 pytest.fail("the proxy answered 503, yet log_batch went through")
     finally:
