@@ -39,7 +39,7 @@ from prefect.utilities.callables import parameter_schema
 import tasks
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from tasks.tracking import tracker as tracking
+from tasks.tracking import store as tracking
 from tasks.model import Prepared, Trained
 from tasks.model.train import parse_progress, train_job, training_code
 from flows.settings import settings

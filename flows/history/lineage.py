@@ -27,7 +27,7 @@ from mllm.data.vocab import Vocab
 from mllm.runtime.epochs import ids_digest, missing_piece
 from flows.history.lineage_corpus import manifest_link, packs_link
 from flows.history.links import BROKEN, CHANGED, MISSING, OK, UNCHECKED, UNRECORDED, as_float, as_int, clean, get_or_none, make_link, model_id  # noqa: F401
-from tasks.tracking import tracker as tracking
+from tasks.tracking import store as tracking
 from tasks.tracking.exports import model_version as _model_version
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -11,7 +11,7 @@ from typing import Any
 from flows.history.links import CHANGED, MISSING, OK, as_float, as_int, clean, get_or_none, make_link, model_id
 from mllm import UserError, layout, storage
 from tasks.data.download import corpus_digest, file_key
-from tasks.tracking import tracker as tracking
+from tasks.tracking import store as tracking
 
 
 def packs_link(url: str, key: str | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from mllm import UserError, layout
 from mllm.resolve import flat_fields
 from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
 from tasks.tracking.served_model import DROP
-from tasks.tracking import tracker as tracking
+from tasks.tracking import store as tracking
 from tasks.tracking.store import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, storage
 from mllm.redact import scrub
-from tasks.tracking import tracker as tracking
+from tasks.tracking import store as tracking
 
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
