@@ -134,6 +134,8 @@ class Gate:
             elif rule.check and role != "admin":
                 body = await self._body(request)
                 problem = "the body is too large" if body is None else policy.body_problem(rule.check, body, self.tracking)
+                if not problem and rule.check == "results" and method == "PATCH":
+                    problem = await self._block_problem(server, path)
                 answer = refusal(403, f"forbidden: {problem}") if problem else None
         if answer is not None:
             await self._drain(request)  # an HTTP/2 client still sending its body gets the answer, not a reset
@@ -145,6 +147,12 @@ class Gate:
         status = await self._forward(scope, request, server, body, send)
         if method not in _READS and rule.level != "all" and where["route"] not in policy.POLLS:  # a write
             self.audit.write(event="write", user=user, role=role, source=source, status=status, **where)
+
+    async def _block_problem(self, server: str, path: str) -> str | None:
+        """Why a non-admin may not change the block document at `path` (the name it has now)."""
+        found = await self._client_for(server).get(f"http://localhost{path}")
+        name = found.json().get("name") if found.status_code == 200 else None
+        return policy.results_problem(name)
 
     async def _body(self, request: Request) -> bytes | None:
         chunks, size = [], 0

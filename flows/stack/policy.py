@@ -24,6 +24,7 @@ LEVELS = {"all": ("viewer", "worker", "admin"), "worker": ("worker", "admin"), "
 # template) match a route gives its rule. WS is a websocket. Checks (for non-admins):
 #   jobvars  the body's job_variables only from the safe set (SAFE_JOB_VARIABLES);
 #   training a deployment only of the project's training flow, with no pull steps or other code;
+#   results  a block document only of the pipeline's result storage (named mllm-results-...);
 #   hello    a worker channel's hello may not create its pool (create_pool_if_not_found off);
 #   (two checks joined by + both apply)
 #   token    the credential may come inside the first message ({"type": "auth", "token": ...}),
@@ -58,6 +59,10 @@ worker POST   /api/task_runs/{id}/set_state
 worker POST   /api/deployments/                                 training
 worker POST   /api/deployments/{id}/create_flow_run             jobvars
 worker POST   /api/logs/
+worker POST   /api/block_types/
+worker POST   /api/block_schemas/
+worker POST   /api/block_documents/                             results
+worker PATCH  /api/block_documents/{id}                         results
 worker POST   /api/events
 worker POST   /api/artifacts/
 worker POST   /api/concurrency_limits/increment
@@ -105,6 +110,7 @@ SAFE_JOB_VARIABLES = ("env", "gpus", "device_requests")
 SAFE_ENV = ("MLLM_STORAGE", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
             "MLFLOW_S3_ENDPOINT_URL")
 TRAINING_ENTRYPOINT = "flows.training:train"  # flows/dispatch.py ENTRYPOINT
+RESULTS_PREFIX = "mllm-results-"  # tasks/caching.py result_storage's blocks
 # A worker's polls and heartbeats: POSTs every few seconds that change no one's work; not audited.
 POLLS = ("/api/work_pools/{name}/get_scheduled_flow_runs", "/api/deployments/get_scheduled_flow_runs",
          "/api/work_queues/{id}/get_runs", "/api/work_pools/{work_pool_name}/workers/heartbeat")
@@ -206,7 +212,7 @@ def job_variables_problem(job_variables: object, tracking_uri: str | None = None
 
 def body_problem(check: str | None, body: bytes, tracking_uri: str | None = None) -> str | None:
     """Why a non-admin's request body fails the route's check, or None."""
-    if check not in ("jobvars", "training"):
+    if check not in ("jobvars", "training", "results"):
         return None
     try:
         data = json.loads(body or b"{}")
@@ -214,6 +220,8 @@ def body_problem(check: str | None, body: bytes, tracking_uri: str | None = None
         return "the body is not JSON"
     if not isinstance(data, dict):
         return "the body is not a JSON object"
+    if check == "results":
+        return results_problem(data.get("name", RESULTS_PREFIX))
     if check == "training":
         if data.get("entrypoint") != TRAINING_ENTRYPOINT:
             return f"a worker may deploy only the project's training (entrypoint {TRAINING_ENTRYPOINT})"
@@ -221,6 +229,12 @@ def body_problem(check: str | None, body: bytes, tracking_uri: str | None = None
             if data.get(field):
                 return f"field {field!r} of a deployment is an admin's alone"
     return job_variables_problem(data.get("job_variables"), tracking_uri)
+
+
+def results_problem(name: object) -> str | None:
+    if isinstance(name, str) and name.startswith(RESULTS_PREFIX):
+        return None
+    return f"a worker writes only the pipeline's result storage blocks (named {RESULTS_PREFIX}...)"
 
 
 def has(rule: Rule, check: str) -> bool:

@@ -40,13 +40,22 @@ def mlflow_routes() -> list[tuple[str, str]]:
         ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{tmp}/auth.db\n"
                        "admin_username = routes\nadmin_password = routes-listing-only-0\n"
                        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-        os.environ.update(MLFLOW_AUTH_CONFIG_PATH=str(ini), MLFLOW_FLASK_SERVER_SECRET_KEY="routes-listing-only")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from mlflow.server import app
-            from mlflow.server.auth import create_app
+        settings = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "routes-listing-only"}
+        before = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from mlflow.server import app
+                from mlflow.server.auth import create_app
 
-            flask = create_app(app)
+                flask = create_app(app)
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     found = set()
     for rule in flask.url_map.iter_rules():
         template = re.sub(r"<(?:path:)([^>]+)>", r"{\1:path}", rule.rule)

@@ -177,6 +177,12 @@ print(json.dumps({{"steps": max(steps), "trains": [(t.work_pool_name, t.state.ty
                 assert secret.encode() not in client.get_object(Bucket=BUCKET, Key=key)["Body"].read(), key
             assert secret not in done.stdout + done.stderr + read.stdout + read.stderr
             assert secret not in Path(worker.log).read_text()
+            # Its events stream connected (the token in the first message, taken by the stack's gate).
+            worker_log = Path(worker.log).read_text()
+            assert "HTTP 401" not in worker_log and "Unable to connect" not in worker_log, worker_log[-3000:]
+            audit = [json.loads(line) for line in (home / "auth/audit/audit.jsonl").read_text().splitlines()]
+            assert any(e["event"] == "websocket" and e["user"] == "gpu-box" and e["path"] == "/api/events/out"
+                       and e["source"] == ns_ip for e in audit)
         finally:
             if worker is not None:
                 worker.stop()
