@@ -27,7 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
 from flows.stack import policy
-from flows.stack.audit import LOCK_S, TRIES, Audit, Throttle
+from flows.settings import settings
+from flows.stack.audit import LOCK_S, Audit, Throttle
 from flows.stack.gate_ws import relay
 
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer", b"proxy-authorization",
@@ -63,7 +64,7 @@ class Gate:
         ends = json.loads((home / "auth" / "endpoints.json").read_text())
         self.home, self.tracking = home, ends["tracking"]
         self.backends = ends["sockets"]  # each server's Unix socket
-        self.audit, self.throttle = Audit(home), Throttle(int(os.environ.get("MLLM_STACK_LOGIN_TRIES", TRIES)))
+        self.audit, self.throttle = Audit(home), Throttle(settings().stack_login_tries)
         self._users: tuple[float, dict] = (-1.0, {})
         self._clients: dict[str, httpx.AsyncClient] = {}
 

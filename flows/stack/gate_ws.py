@@ -89,9 +89,12 @@ async def _to_client(ws: WebSocket, upstream, scope) -> None:
         code, reason = upstream.close_code or 1000, upstream.close_reason or ""
     except ConnectionClosed as e:
         code, reason = (e.rcvd.code, e.rcvd.reason) if e.rcvd else (1011, "")
+    except WebSocketDisconnect:  # the client went: nothing to tell it
+        scope.cancel()
+        return
     try:
         await ws.close(code if code not in (1005, 1006) else 1011, reason)
-    except RuntimeError:  # closed already
+    except (RuntimeError, WebSocketDisconnect):  # closed already, or the client went
         pass
     scope.cancel()
 

@@ -119,10 +119,11 @@ def _cells(server: str) -> list[tuple[str, str, str, policy.Rule]]:
 
 
 def _unsafe(method: str, template: str) -> bool:
-    """A route an admin's request would really act on: one that wipes something real, or MLflow's
-    AI gateway and GenAI routes, which call model providers off this machine."""
+    """A route an admin's request would really act on: one that wipes something real (MLflow's
+    demo routes delete without a body), or MLflow's AI gateway and GenAI routes, which call model
+    providers off this machine."""
     return (method in ("DELETE", "PUT") and "{" not in template) or any(
-        word in template for word in ("/gateway", "/genai", "/prompt-optimization", "/scorers"))
+        word in template for word in ("/gateway", "/genai", "/prompt-optimization", "/scorers", "/demo/"))
 
 
 def _http_row(home: Path, user: str, server: str, cells) -> list[tuple]:
