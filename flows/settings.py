@@ -32,6 +32,9 @@ class FlowSettings(Settings):
                            description="progress bars where standard error is not a terminal")
     stack_home: str | None = Field(None, validation_alias="MLLM_STACK_HOME",
                                    description="the stack's folder [./.mllm-stack]")
+    stack_login_tries: int = Field(10, ge=1, validation_alias="MLLM_STACK_LOGIN_TRIES",
+                                   description="failed logins a minute, per user and per address, before a "
+                                               "secured stack's gate locks them out for 300 s")
     postgres_bin: str | None = Field(None, validation_alias="MLLM_POSTGRES_BIN",
                                      description="the folder of PostgreSQL's programs [the newest installed]")
     postgres_user: str = Field("postgres", validation_alias="MLLM_POSTGRES_USER",

@@ -109,7 +109,10 @@ def stack_up(home: StackHome = None, storage: Storage = None,
              auth: Annotated[bool, typer.Option("--auth", help="HTTPS and users on a loopback stack too.")] = False,
              tls_cert: Annotated[Optional[str], typer.Option(metavar="FILE", help="The team's certificate (PEM, chain "
                                                              "included) [a CA and certificate of the stack's own].")] = None,
-             tls_key: Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")] = None) -> None:
+             tls_key: Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")] = None,
+             local_worker: Annotated[bool, typer.Option(
+                 "--local-worker", help="A secured stack runs a worker of its pool on this machine too (its flow "
+                 "runs then run as the stack's user, beside its keys); a loopback stack always does.")] = False) -> None:
     with user_errors():
         if slots is not None and slots < 1:
             raise UserError(f"--slots {slots}: give at least 1 (the trainings the pool runs at once)")
@@ -120,9 +123,14 @@ def stack_up(home: StackHome = None, storage: Storage = None,
         console.print(f"starting the stack in {folder} (logs in {folder / 'logs'}) ...", highlight=False)
         try:
             state = stack.up(folder, root, pool, prefect_port, mlflow_port, database_url=database_url, slots=slots,
-                             listen=listen, auth=auth, tls_cert=tls_cert, tls_key=tls_key)
+                             listen=listen, auth=auth, tls_cert=tls_cert, tls_key=tls_key,
+                             local_worker=local_worker or None)
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
+        if not any(s.name == "worker" for s in state["services"]):
+            console.print(f"no worker on this machine: pool {state['pool']!r} is served by the team's workers "
+                          "(`mllm-pipeline stack worker-env --user NAME`); `stack up --local-worker` runs one here",
+                          highlight=False, soft_wrap=True)
         if state["reused"]:
             again = f"started again: {', '.join(state['restarted'])}; " if state["restarted"] else "nothing to start; "
             console.print(f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False,

@@ -9,7 +9,7 @@ import typer
 
 from flows.cli.servers import StackHome, stack_app
 from flows.cli.terminal import user_errors
-from flows.stack import auth as stack_auth, servers as stack
+from flows.stack import audit as stack_audit, auth as stack_auth, servers as stack
 from mllm import UserError
 
 user_app = typer.Typer(no_args_is_help=True, help=(
@@ -103,3 +103,20 @@ def worker_env(home: StackHome = None,
             if "\n" in v:
                 raise UserError(f"{k} holds a line break, which docker's --env-file cannot carry")
             print(f"{k}={v}")  # print, not the console: the secret must not be scrubbed here
+
+
+@stack_app.command("audit")
+def audit(user: Annotated[Optional[str], typer.Option("--user", help="Only this user's entries.")] = None,
+          since: Annotated[Optional[str], typer.Option("--since", help="An ISO time, or an age: 30m, 2h, 1d.")] = None,
+          failed: Annotated[bool, typer.Option("--failed", help="Only refused credentials and lockouts.")] = False,
+          home: StackHome = None) -> None:
+    """The secured stack's audit: every write, websocket and refused credential, oldest first."""
+    with user_errors():
+        folder = stack.stack_home(home)
+        when = stack_audit.since_time(since)
+        if since and when is None:
+            raise UserError(f"--since {since!r} is neither an ISO time nor an age such as 30m, 2h, 1d")
+        if not stack_audit.audit_file(folder).exists():
+            raise UserError(f"no audit in {folder}: it is written by a secured stack (`stack up --auth` or --listen)")
+        for entry in stack_audit.entries(folder, user, when, failed):
+            typer.echo(stack_audit.line(entry))

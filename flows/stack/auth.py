@@ -1,18 +1,16 @@
 """The stack's users, roles, certificates and TLS proxy: what makes a stack reachable from other
 machines (`stack up --listen ADDRESS`, or `--auth` on loopback).
 
-Caddy (Debian's 2.6) terminates TLS on the listening address, one endpoint per server, and
-checks each user's basic credential (bcrypt hashes in its config) and role before passing a
-request to the servers, which listen on loopback only. MLflow runs its basic-auth app and checks
-the same credentials again: MLflow's users are the stack's users with the same secrets (stack
-`admin` and `worker` users are MLflow admins, `viewer` users plain ones with MLflow's default
-READ), and the proxy keeps non-admins off MLflow's user and permission routes.
+Caddy (Debian's 2.6) terminates TLS on the listening address, one endpoint per server, answers a
+foreign Host with 421 and hands every request over a Unix socket to the gate
+(flows/stack/gate.py), which checks each user's credential and the policy of
+flows/stack/policy.py. The Prefect and MLflow servers listen on Unix sockets in a 0700 folder
+only. MLflow runs its basic-auth app and checks the same credentials again: MLflow's users are
+the stack's users with the same secrets (stack `admin` and `worker` users are MLflow admins,
+`viewer` users plain ones with MLflow's default READ).
 
-Prefect's own `PREFECT_SERVER_API_AUTH_STRING` stays off: its events websockets authenticate
-with the client's auth string inside the first websocket message, compared with the server's
-one string, which a per-user credential can never match (and a proxy cannot rewrite inside a
-websocket). The proxy's per-user check is then Prefect's only lock, and the Prefect server
-listens on loopback only.
+Prefect's own `PREFECT_SERVER_API_AUTH_STRING` stays off: its one string cannot tell users
+apart; the gate takes the subscribers' in-message token itself.
 
 The users and their secrets: flows/stack/users.py; the certificates: flows/stack/certs.py.
 """
@@ -22,14 +20,15 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import os
 import ssl
-import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from flows.stack.processes import _DIRECT, Service, free_port
+from flows.stack.processes import _DIRECT, Service, unix_request, unix_url
 from flows.stack.state import load
 from flows.stack.certs import Certs, certificates, hosts_for  # noqa: F401 (the stack's API)
 from flows.stack.users import (BUILT_IN, INSTALL, MLFLOW_ADMIN, ROLES, STACK_ADMIN, STACK_WORKER,  # noqa: F401
@@ -47,30 +46,18 @@ def secured(home: Path) -> dict | None:
 
 # -- the proxy's configuration -------------------------------------------------------------------
 
-# Prefect's reads: GETs, and the POSTs that filter, count or page (the UI's /api/ui/ ones too).
-_PREFECT_READ_POST = r"^/api/(ui/.*|.*/(filter|count|paginate|history))$"
-# MLflow's reads that are POSTs: the searches, and the UI's GraphQL queries (MLflow checks those).
-_MLFLOW_READ_POST = r"^/(api|ajax-api)/[23]\.0/mlflow/.*(search|get-history-bulk-interval|search-datasets)$|^/graphql$"
-# MLflow's user, role and permission routes: its admins' only (a user's own view of itself stays).
-_MLFLOW_ACCOUNTS = (r"^/(api|ajax-api)/[23]\.0/mlflow/(users/(create|update|delete|list|get|permissions/)"
-                    r"|roles/|.*permissions/(create|update|delete|grant|revoke))|^/signup|create-ui")
+
+def gate_socket(home: Path) -> Path:
+    """The gate's Unix socket, in a 0700 folder: only the stack's own user (the proxy) reaches it."""
+    return folder(home) / "gate" / "gate.sock"
 
 
-def _matcher(name: str, users: list[str], *lines: str) -> list[str]:
-    if not users:
-        return []
-    return [f"\t@{name} {{", f"\t\tvars {{http.auth.user.id}} {' '.join(users)}", *(f"\t\t{line}" for line in lines),
-            "\t}", f'\trespond @{name} "forbidden: the stack\'s role of this user does not allow this" 403']
-
-
-def caddyfile(home: Path, listen: str, ports: dict[str, int], backends: dict[str, int], certs: Certs) -> str:
-    """Caddy's configuration: an HTTPS site per server on `listen`, each user's credential
-    checked and their role's limits applied before the request is passed on."""
-    users = read_users(home)["users"]
-    by_role = {r: sorted(n for n, u in users.items() if u["role"] == r) for r in ROLES}
-    accounts = "\n".join(f"\t\t{n} {u['hash']}" for n, u in sorted(users.items()))
-    host = f"[{listen}]" if ":" in listen else listen
+def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> str:
+    """Caddy's configuration: an HTTPS site per server on `listen`, a Host that is not one of the
+    stack's names answered 421, everything else handed to the gate (flows/stack/gate.py), which
+    checks the credential and the policy. No user and no hash is in it."""
     log = folder(home) / "caddy"
+    hosts = " ".join(h for h in hosts_for(listen))
     # HTTP/1.1 and 2 over TCP only: no HTTP/3 listener on UDP beside them.
     # A client that sends no server name (one that connects to an IP address) gets the stack's
     # certificate, which then names that address or is refused by the client as for another one.
@@ -79,31 +66,20 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], backends: dict[str
             f"\tstorage file_system {log / 'data'}", "}"]
     sites = []
     for server in ("prefect", "mlflow"):
-        lines = [f"https://{host}:{ports[server]} {{", f"\tbind {listen}", f"\ttls {certs.cert} {certs.key}",
-                 "\troute {", "\t\tbasicauth bcrypt \"mllm stack\" {", accounts.replace("\t\t", "\t\t\t"), "\t\t}",
-                 "\t}"]
-        if server == "prefect":
-            lines += _matcher("viewer_writes", by_role["viewer"], "not method GET HEAD OPTIONS",
-                              f"not path_regexp {_PREFECT_READ_POST}")
-            lines += _matcher("viewer_events", by_role["viewer"], "path /api/events/in")
-            lines += _matcher("admin_routes", by_role["worker"] + by_role["viewer"], "path /api/admin/*",
-                              "not method GET HEAD")
-            # The credential stops here: Prefect's server needs none, and logs no header.
-            proxy = [f"\treverse_proxy 127.0.0.1:{backends[server]} {{", "\t\theader_up -Authorization", "\t}"]
-        else:
-            lines += _matcher("viewer_writes", by_role["viewer"], "not method GET HEAD OPTIONS",
-                              f"not path_regexp {_MLFLOW_READ_POST}")
-            lines += _matcher("accounts", by_role["worker"] + by_role["viewer"], f"path_regexp {_MLFLOW_ACCOUNTS}")
-            # MLflow checks the same credential again, and its permissions.
-            proxy = [f"\treverse_proxy 127.0.0.1:{backends[server]}"]
-        sites.append("\n".join([*lines, *proxy, "}"]))
+        sites.append("\n".join([
+            f"https://:{ports[server]} {{", f"\tbind {listen}", f"\ttls {certs.cert} {certs.key}",
+            f"\t@foreign not host {hosts}",
+            '\trespond @foreign "misdirected request: this is the mllm stack at one of its own names" 421',
+            f"\treverse_proxy unix/{gate_socket(home)} {{",
+            f"\t\theader_up X-Stack-Server {server}", "\t\theader_up X-Stack-Client {remote_host}",
+            "\t\tflush_interval -1", "\t}", "}"]))
     return "\n".join(head) + "\n\n" + "\n\n".join(sites) + "\n"
 
 
 def write_caddyfile(home: Path) -> Path:
     ends = secured(home)
     certs = Certs(**{k: Path(v) for k, v in ends["certs"].items()})
-    return private(folder(home) / "Caddyfile", caddyfile(home, ends["listen"], ends["ports"], ends["backends"], certs))
+    return private(folder(home) / "Caddyfile", caddyfile(home, ends["listen"], ends["ports"], certs))
 
 
 def proxy_service(home: Path):
@@ -114,18 +90,15 @@ def proxy_service(home: Path):
                    env={"HOME": str(data), "XDG_DATA_HOME": str(data / "data"), "XDG_CONFIG_HOME": str(data / "config")})
 
 
+def gate_service(home: Path) -> Service:
+    return Service("gate", [sys.executable, "-m", "flows.stack.gate", str(home), str(gate_socket(home))],
+                   str(home / "logs" / "gate.log"), None, f"unix:{gate_socket(home)}")
+
+
 def reload_proxy(home: Path) -> bool:
-    """Give the running proxy the users as they are now (at once: a removed or rotated secret
-    stops working with this). False if no proxy runs."""
-    if not any(s.name == "proxy" and s.alive() for s in load(home)["services"]):
-        return False
-    write_caddyfile(home)
-    done = subprocess.run([caddy_binary(), "reload", "--config", str(folder(home) / "Caddyfile"), "--adapter",
-                           "caddyfile", "--address", "unix/" + str(folder(home) / "caddy" / "admin.sock")],
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise RuntimeError(f"the stack's proxy did not take the new users: {done.stderr.strip()[-400:]}")
-    return True
+    """Whether the secured stack's gate runs: it reads the users file again at its next request
+    after a change, so a removed or rotated secret stops working at once."""
+    return any(s.name == "gate" and s.alive() for s in load(home)["services"])
 
 
 # -- the plan of a secured stack -----------------------------------------------------------------
@@ -138,31 +111,47 @@ def is_loopback(address: str) -> bool:
         return address == "localhost"
 
 
-def plan(home: Path, listen: str, ports: dict[str, int], backends: dict[str, int],
-         tls_cert: str | None, tls_key: str | None) -> dict:
+def server_sockets(home: Path) -> dict[str, str]:
+    """The Prefect and MLflow servers' Unix sockets on a secured stack, in a 0700 folder: no
+    server listens on TCP, and only the stack's own user reaches them."""
+    return {s: str(folder(home) / "servers" / f"{s}.sock") for s in ("prefect", "mlflow")}
+
+
+def plan(home: Path, listen: str, ports: dict[str, int], tls_cert: str | None, tls_key: str | None) -> dict:
     """Make what a secured stack needs in `home` (users, certificates) and record its endpoints."""
     caddy_binary()
     ensure_built_in(home)
     certs = certificates(home, hosts_for(listen), tls_cert, tls_key)
     host = f"[{listen}]" if ":" in listen else listen
-    ends = {"listen": listen, "ports": ports, "backends": backends,
+    ends = {"listen": listen, "ports": ports, "sockets": server_sockets(home),
             "certs": {"ca": str(certs.ca), "cert": str(certs.cert), "key": str(certs.key)},
             "api": f"https://{host}:{ports['prefect']}/api", "tracking": f"https://{host}:{ports['mlflow']}",
             "listen_url": f"https://{host}:{ports['prefect']} https://{host}:{ports['mlflow']}"}
-    folder(home).mkdir(parents=True, exist_ok=True)
+    (folder(home) / "servers").mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder(home) / "servers", 0o700)
     (folder(home) / "endpoints.json").write_text(json.dumps(ends, indent=1) + "\n")
     _mlflow_ini(home)
     write_caddyfile(home)
     return ends
 
 
+def _without_password(uri: str) -> str:
+    parts = urllib.parse.urlsplit(uri)
+    if not parts.password:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = urllib.parse.unquote(parts.username or "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{urllib.parse.quote(user)}@{host}" if user else host))
+
+
 def _mlflow_ini(home: Path, database_uri: str | None = None) -> Path:
-    data = read_users(home)
-    uri = database_uri or f"sqlite:///{folder(home) / 'mlflow-auth.db'}"
+    """MLflow's auth configuration, with no secret in it: its admin's password comes from the
+    users file and the database's from the server's environment (server_env), so each secret
+    stays in one file."""
+    uri = _without_password(database_uri or f"sqlite:///{folder(home) / 'mlflow-auth.db'}")
     return private(folder(home) / "mlflow-auth.ini",
                    "[mlflow]\ndefault_permission = READ\n"
                    f"database_uri = {uri}\nadmin_username = {MLFLOW_ADMIN}\n"
-                   f"admin_password = {data['mlflow_admin']}\n"
                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                    # A checked credential is remembered for 5 minutes: without this each request
                    # pays a PBKDF2 check (about 250 ms of the server's CPU per log_batch, measured on
@@ -173,11 +162,10 @@ def _mlflow_ini(home: Path, database_uri: str | None = None) -> Path:
 
 def setup(home: Path, listen: str, auth: bool, prefect_port: int, mlflow_port: int, tls_cert: str | None,
           tls_key: str | None, db) -> dict | None:
-    """A secured stack's endpoints (its servers' loopback ports among them), made ready in
+    """A secured stack's endpoints (its servers' Unix sockets among them), made ready in
     `home`; None for a plain loopback stack, exactly as before."""
     if auth or not is_loopback(listen):
-        ends = plan(home, listen, {"prefect": prefect_port, "mlflow": mlflow_port},
-                    {"prefect": free_port(), "mlflow": free_port()}, tls_cert, tls_key)
+        ends = plan(home, listen, {"prefect": prefect_port, "mlflow": mlflow_port}, tls_cert, tls_key)
         set_database(home, db.mlflow_env.get("MLFLOW_BACKEND_STORE_URI"))
         return ends
     if tls_cert or tls_key:
@@ -193,18 +181,23 @@ def public_env(home: Path) -> dict[str, str]:
             "PREFECT_API_SSL_CERT_FILE": ends["certs"]["ca"], "MLFLOW_TRACKING_SERVER_CERT_PATH": ends["certs"]["ca"]}
 
 
-def start_proxy(home: Path, timeout: float):
-    """Start the proxy, wait until both endpoints answer the stack's own credential over TLS,
-    and give MLflow the stack's users."""
+def start_proxy(home: Path, timeout: float) -> list[Service]:
+    """Start the gate and the proxy, wait until both endpoints answer the stack's own credential
+    over TLS, and give MLflow the stack's users."""
     (folder(home) / "caddy" / "admin.sock").unlink(missing_ok=True)  # a killed proxy's
-    proxy = proxy_service(home).start()
+    gate = gate_service(home).start()
+    proxy = None
     try:
+        gate.wait_ready(timeout, ready=lambda: gate_socket(home).exists())
+        proxy = proxy_service(home).start()
         proxy.wait_ready(timeout, ready=lambda: proxy_ready(home))
         sync_mlflow(home)
     except BaseException:
-        proxy.stop()
+        for s in (proxy, gate):
+            if s is not None:
+                s.stop()
         raise
-    return proxy
+    return [gate, proxy]
 
 
 def set_database(home: Path, mlflow_backend_uri: str | None) -> None:
@@ -213,15 +206,22 @@ def set_database(home: Path, mlflow_backend_uri: str | None) -> None:
     _mlflow_ini(home, mlflow_backend_uri)
 
 
-def server_env(name: str, home: Path) -> dict[str, str]:
-    """What a secured stack's server needs in its environment beyond the plain stack's."""
+def server_env(name: str, home: Path, backend_uri: str | None = None) -> dict[str, str]:
+    """What a secured stack's server needs in its environment beyond the plain stack's (never
+    saved: MLflow's admin password, and the database's password for its auth tables, which libpq
+    takes from PGPASSWORD)."""
     ends = secured(home)
     if ends is None:
         return {}
     if name == "prefect-server":
         return {"PREFECT_UI_API_URL": ends["api"]}
-    return {"MLFLOW_AUTH_CONFIG_PATH": str(folder(home) / "mlflow-auth.ini"),
-            "MLFLOW_FLASK_SERVER_SECRET_KEY": read_users(home)["flask_key"]}
+    env = {"MLFLOW_AUTH_CONFIG_PATH": str(folder(home) / "mlflow-auth.ini"),
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": read_users(home)["flask_key"],
+           "MLFLOW_AUTH_ADMIN_PASSWORD": read_users(home)["mlflow_admin"]}
+    password = urllib.parse.urlsplit(backend_uri).password if backend_uri else None
+    if password:
+        env["PGPASSWORD"] = urllib.parse.unquote(password)
+    return env
 
 
 def mlflow_args(home: Path) -> list[str]:
@@ -232,7 +232,9 @@ def mlflow_args(home: Path) -> list[str]:
         return []
     port = ends["ports"]["mlflow"]
     hosts = [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts_for(ends["listen"])]
-    return ["--app-name", "basic-auth", "--allowed-hosts", ",".join([*hosts, f"127.0.0.1:{ends['backends']['mlflow']}"])]
+    # The stack's own calls on its socket (sync_mlflow) say Host: localhost.
+    return ["--app-name", "basic-auth", "--allowed-hosts", ",".join([*hosts, "localhost"]),
+            "--uvicorn-opts", f"--uds {ends['sockets']['mlflow']}"]
 
 
 # -- clients -------------------------------------------------------------------------------------
@@ -304,20 +306,15 @@ def proxy_ready(home: Path) -> bool:
 
 
 def _mlflow(home: Path, method: str, route: str, body: dict) -> int:
-    """A call to MLflow's user API as its own admin, straight to the server on loopback (the
-    proxy knows no such user)."""
-    ends = secured(home)
-    url = f"http://127.0.0.1:{ends['backends']['mlflow']}/api/2.0/mlflow/users/{route}"
+    """A call to MLflow's user API as its own admin, straight to the server's socket (the gate
+    knows no such user)."""
+    url = unix_url(secured(home)["sockets"]["mlflow"], f"/api/2.0/mlflow/users/{route}")
     data = json.dumps(body).encode()
     if method == "GET":
         url, data = url + "?" + urllib.parse.urlencode(body), None
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Content-Type": "application/json", "Authorization": basic(MLFLOW_ADMIN, read_users(home)["mlflow_admin"])})
-    try:
-        with _DIRECT.open(req, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    headers = {"Content-Type": "application/json",
+               "Authorization": basic(MLFLOW_ADMIN, read_users(home)["mlflow_admin"])}
+    return unix_request(url, method, data, headers, timeout=30)[0]
 
 
 def sync_mlflow(home: Path) -> None:

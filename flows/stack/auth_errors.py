@@ -44,7 +44,7 @@ def auth_line(exc: BaseException | None) -> str | None:
         response = getattr(e, "response", None)
         code = getattr(response, "status_code", None)
         if type(e).__module__.split(".")[0] in ("httpx", "prefect") and code in (401, 403):
-            return prefect_refused(code)
+            return prefect_refused(code, _detail(response))
         text = str(e)
         if "API request to endpoint" in text and ("error code 401" in text or "error code 403" in text):
             return mlflow_refused(401 if "error code 401" in text else 403)
@@ -81,13 +81,26 @@ def version_line(api: str, server: str, client: str) -> str | None:
             "the version its server runs (the project pins one in constraints.txt)")
 
 
-def prefect_refused(code: int) -> str:
+def _detail(response) -> str | None:
+    """The stack's gate's reason for a refusal (flows/stack/gate.py), where it gave one."""
+    try:
+        if response.headers.get("x-stack-gate") == "refused":
+            return str(response.json()["detail"])
+    except (ValueError, KeyError, AttributeError, TypeError):
+        pass
+    return None
+
+
+def prefect_refused(code: int, detail: str | None = None) -> str:
     prefect = os.environ.get("PREFECT_API_URL", "").rstrip("/")
     who = _who("PREFECT_API_AUTH_STRING", True)
     if code == 401:
         return (f"the Prefect server {prefect} did not take the credential of {who} (401): set "
                 "PREFECT_API_AUTH_STRING to NAME:SECRET as `mllm-pipeline stack worker-env --user NAME` "
                 f"prints it (a removed or rotated user's old secret no longer works; {_USERS})")
+    if detail:  # the policy's reason names the route or the field (docs/team-stack.md, the policy table)
+        return (f"the Prefect server {prefect} does not let {who} do this (403, {detail}): a viewer only reads, a "
+                "worker runs the project's training; ask the stack's admin for the rest")
     return (f"the Prefect server {prefect} does not let {who} do this (403: a viewer only reads): run it as "
             "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
 

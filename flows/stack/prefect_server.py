@@ -10,12 +10,17 @@ first state a run could not write failed it. Here only that case changes; a 500 
 cause (a bug) still fails at once, where PREFECT_CLIENT_RETRY_EXTRA_CODES=500 would have every
 client wait out its retries on it.
 
-Run as `python -m flows.stack.prefect_server server start ...` (Prefect's CLI arguments).
+Run as `python -m flows.stack.prefect_server server start ...` (Prefect's CLI arguments), or as
+`python -m flows.stack.prefect_server uds SOCKET`: the same server on a Unix socket (a secured
+stack's, in a 0700 folder), as `prefect server start` runs it in the foreground.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+from pathlib import Path
 
 from prefect.server.api import server as _api
 
@@ -39,6 +44,13 @@ def retryable(exc: Exception) -> bool:
 def main() -> None:
     # Prefect's exception handler looks the test up in its module each time it answers a failure.
     _api.is_client_retryable_exception = retryable
+    if sys.argv[1:2] == ["uds"]:
+        import uvicorn
+
+        os.umask(0o077)
+        Path(sys.argv[2]).unlink(missing_ok=True)
+        uvicorn.run(_api.create_app(final=True), uds=sys.argv[2], log_config=None, timeout_keep_alive=5)
+        return
     from prefect.cli import app
 
     app()

@@ -5,12 +5,14 @@ children; and the loopback port checks the stack and the tests share."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +39,42 @@ def port_free(port: int) -> bool:
             return False
 
 
+def unix_url(sock: str | Path, path: str) -> str:
+    """A URL for `path` on the HTTP server of the Unix socket `sock` (as health URLs are kept)."""
+    return "http+unix://" + urllib.parse.quote(str(sock), safe="") + path
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, sock: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._sock_path = sock
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._sock_path)
+
+
+def unix_request(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None,
+                 timeout: float = 30.0) -> tuple[int, bytes]:
+    """(status, body) of a request to an `http+unix://` URL (unix_url)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = _UnixHTTP(urllib.parse.unquote(parts.netloc), timeout)
+    try:
+        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body=body,
+                     headers={"Host": "localhost", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
 def answers(url: str, timeout: float = 2.0) -> bool:
+    if url.startswith("http+unix://"):
+        try:
+            return unix_request(url, timeout=timeout)[0] == 200
+        except OSError:
+            return False
     try:
         with _DIRECT.open(url, timeout=timeout) as r:
             return r.status == 200
@@ -66,8 +103,11 @@ class Service:
     env: dict[str, str] = field(default_factory=dict, repr=False)  # not saved: may hold secrets
 
     def start(self) -> "Service":
-        Path(self.log).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "ab") as out:
+        # Logs carry flow runs' output: the stack's user's alone (0600 in a 0700 folder).
+        Path(self.log).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "ab") as out:
             popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **self.env}, start_new_session=True,
                                      cwd=Path(self.log).parent)

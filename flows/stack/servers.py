@@ -20,8 +20,9 @@ from pathlib import Path
 
 from flows import QUIET_ENV
 from flows.stack import auth as stack_auth, database, state
+from flows.stack.pools import ensure_pool
 from flows.stack.orphans import crash_left_in_flight, crash_orphans
-from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail  # noqa: F401 (the stack's API)
+from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail, unix_url  # noqa: F401 (the stack's API)
 from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
 
@@ -61,24 +62,28 @@ def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
     mlflow_env = _quiet_env(home)
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
         mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    return {**mlflow_env, **db.mlflow_env, **stack_auth.server_env(name, home)}
+    return {**mlflow_env, **db.mlflow_env,
+            **stack_auth.server_env(name, home, db.mlflow_env.get("MLFLOW_BACKEND_STORE_URI"))}
 
 
 def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
        mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
        database_url: str | None = None, slots: int | None = None, listen: str = "127.0.0.1", auth: bool = False,
-       tls_cert: str | None = None, tls_key: str | None = None) -> dict:
+       tls_cert: str | None = None, tls_key: str | None = None, local_worker: bool | None = None) -> dict:
     """Start the stack, or what of it is not running, and return its state (services, env, and
     the names of the services `restarted` and of those `reused` as they ran). What runs is reused; a
     service that died is started again with its recorded command (its port, so its URL holds),
     the options for a new stack (ports, pool, storage, database) then do not apply. `slots`: the
     pool's concurrency limit (None: no limit on a new stack, the limit unchanged on a running
     one; the CLI gives its default). `listen` other than loopback, or `auth`: the servers behind
-    a TLS proxy that checks each user (flows/stack/auth.py)."""
+    a TLS proxy that checks each user (flows/stack/auth.py). `local_worker`: whether a worker of
+    the pool runs here (None: on a loopback stack only; a secured stack's flow runs would run as
+    the stack's user, beside its keys)."""
     state = load(home)
     if any(s.alive() for s in state["services"]):
         restarted = _restart_servers(home, state, database_url, timeout) + _restart_proxy(home, timeout)
-        if not any(s.name == "worker" and s.alive() for s in load(home)["services"]):
+        had = [s for s in state["services"] if s.name == "worker"]
+        if (had or local_worker) and not any(s.alive() for s in had):
             start_worker(home, timeout)
             restarted.append("worker")
         set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
@@ -95,28 +100,11 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     db.record(home)
     # -- a secured stack (flows/stack/auth.py): servers on loopback behind the TLS proxy ---------
     ends = stack_auth.setup(home, listen, auth, prefect_port, mlflow_port, tls_cert, tls_key, db)
-    if ends:
-        prefect_port, mlflow_port = ends["backends"]["prefect"], ends["backends"]["mlflow"]
-    # ------------------------------------------------------------------------------------------
-    logs = home / "logs"
-    api = f"http://127.0.0.1:{prefect_port}/api"
-    tracking = f"http://127.0.0.1:{mlflow_port}"
-    artifacts = storage.join(storage_root, "mlflow-artifacts")
+    api, tracking = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
     env = {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking, "MLLM_STORAGE": storage_root}
     if ends:
         env = {**env, **stack_auth.public_env(home)}
-    py = sys.executable
-    services = [
-        Service("prefect-server", [py, "-m", "flows.stack.prefect_server", "server", "start", "--host", "127.0.0.1",
-                                   "--port", str(prefect_port)],
-                str(logs / "prefect-server.log"), f"{api}/health", f"http://127.0.0.1:{prefect_port}",
-                env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
-        Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
-                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
-                                  *stack_auth.mlflow_args(home)],
-                str(logs / "mlflow-server.log"), f"{tracking}/health", tracking,
-                env=_server_env("mlflow-server", home, api, db)),
-    ]
+    services = _server_services(home, db, env, prefect_port, mlflow_port, storage.join(storage_root, "mlflow-artifacts"))
     extra = {"pool": pool, "storage": storage_root, "worker_env": worker_env or {}}
     started: list[Service] = list(db.services)  # the database's server, already running
     try:
@@ -126,10 +114,12 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         for s in services:
             s.wait_ready(timeout)
         if ends:
-            started.append(stack_auth.start_proxy(home, timeout))
+            started.extend(stack_auth.start_proxy(home, timeout))
             save(home, started, env, **extra)
         api = env["PREFECT_API_URL"]
-        start_worker(home, timeout)
+        ensure_pool(api, pool, _open)
+        if local_worker or (local_worker is None and not ends):
+            start_worker(home, timeout)
         set_slots(api, pool, slots)
     except BaseException:
         for s in reversed(load(home)["services"] or started):
@@ -138,6 +128,33 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
         raise
     return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool),
             **_crash_left(api, home)}
+
+
+def _server_services(home: Path, db, env: dict[str, str], prefect_port: int, mlflow_port: int,
+                     artifacts: str) -> list[Service]:
+    """The Prefect and MLflow servers: on 127.0.0.1, or on a secured stack on Unix sockets in a
+    0700 folder only (flows/stack/auth.py), where nothing unauthenticated listens on TCP."""
+    logs, py = home / "logs", sys.executable
+    ends = stack_auth.secured(home)
+    if ends:
+        socks = ends["sockets"]
+        prefect_cmd = [py, "-m", "flows.stack.prefect_server", "uds", socks["prefect"]]
+        where = {"prefect": (unix_url(socks["prefect"], "/api/health"), f"unix:{socks['prefect']}"),
+                 "mlflow": (unix_url(socks["mlflow"], "/health"), f"unix:{socks['mlflow']}")}
+    else:
+        prefect_cmd = [py, "-m", "flows.stack.prefect_server", "server", "start", "--host", "127.0.0.1",
+                       "--port", str(prefect_port)]
+        where = {"prefect": (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{prefect_port}"),
+                 "mlflow": (f"http://127.0.0.1:{mlflow_port}/health", f"http://127.0.0.1:{mlflow_port}")}
+    return [
+        Service("prefect-server", prefect_cmd, str(logs / "prefect-server.log"), *where["prefect"],
+                env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
+        Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
+                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+                                  *stack_auth.mlflow_args(home)],
+                str(logs / "mlflow-server.log"), *where["mlflow"], env=_server_env("mlflow-server", home,
+                                                                                     env["PREFECT_API_URL"], db)),
+    ]
 
 
 def _crash_orphans(api: str, pool: str) -> list[str]:
@@ -179,8 +196,8 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
     try:
         for old in down:
             old.stop()
-            port = int(old.url.rsplit(":", 1)[1])
-            if not port_free(port):
+            port = None if old.url.startswith("unix:") else int(old.url.rsplit(":", 1)[1])
+            if port is not None and not port_free(port):
                 raise UserError(f"port {port} of the stack's {old.name} is taken by another process: stop that, or "
                                 "start the stack on other ports (`mllm-pipeline stack down`, then `stack up "
                                 "--prefect-port PORT --mlflow-port PORT`)")
@@ -200,16 +217,17 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
 
 
 def _restart_proxy(home: Path, timeout: float) -> list[str]:
-    """Start again a secured stack's proxy that is down (flows/stack/auth.py)."""
+    """Start again a secured stack's gate and proxy when either is down (flows/stack/auth.py)."""
     state = load(home)
-    proxy = next((s for s in state["services"] if s.name == "proxy"), None)
-    if proxy is None or proxy.alive():
+    front = [s for s in state["services"] if s.name in ("gate", "proxy")]
+    if not front or all(s.alive() for s in front):
         return []
-    proxy.stop()  # what is left of its process group
-    new = stack_auth.start_proxy(home, timeout)
-    save(home, [new if s.name == "proxy" else s for s in state["services"]], state["env"], state["pool"],
-          state["storage"], state.get("worker_env", {}))
-    return ["proxy"]
+    for s in front:
+        s.stop()  # what is left of its process group
+    new = {s.name: s for s in stack_auth.start_proxy(home, timeout)}
+    kept = [s for s in state["services"] if s.name not in new]
+    save(home, [*kept, *new.values()], state["env"], state["pool"], state["storage"], state.get("worker_env", {}))
+    return list(new)
 
 
 def start_worker(home: Path, timeout: float = 180.0) -> Service:

@@ -1,8 +1,8 @@
 """The secured stack's users (flows/stack/auth.py): one file, `<home>/auth/users.json` (0600, in
-a 0700 folder), with each user's role, random secret and the bcrypt hash the proxy checks, and
-the secrets of MLflow's own admin and of its CSRF tokens. Nothing else the stack writes holds a
-secret but `<home>/auth/mlflow-auth.ini` (0600: MLflow's admin password, which its auth app reads
-there)."""
+a 0700 folder), with each user's role and random secret (which the gate, flows/stack/gate.py,
+checks; a bcrypt hash of it is kept too), and the secrets of MLflow's own admin and of its CSRF
+tokens. Each secret is in this one file only: MLflow's server gets its admin's password in its
+environment, never in `<home>/auth/mlflow-auth.ini`."""
 
 from __future__ import annotations
 

@@ -114,15 +114,16 @@ def test_certificates_made_for_the_address_keys_private(tmp_path: Path) -> None:
 
 
 def test_proxy_configuration_is_valid_and_holds_hashes_only(tmp_path: Path, caddy: str) -> None:
-    ends = stack_auth.plan(tmp_path, "127.0.0.1", {"prefect": 4200, "mlflow": 5000},
-                           {"prefect": 4201, "mlflow": 5001}, None, None)
+    ends = stack_auth.plan(tmp_path, "127.0.0.1", {"prefect": 4200, "mlflow": 5000}, None, None)
     stack_auth.add_user(tmp_path, "vic", "viewer")
     config = stack_auth.write_caddyfile(tmp_path)
     text = config.read_text()
     assert _mode(config) == 0o600
-    for user in stack_auth.read_users(tmp_path)["users"].values():
-        assert user["secret"] not in text and user["hash"] in text
-    assert "vars {http.auth.user.id} vic" in text and "header_up -Authorization" in text
+    # No user at all: the gate (flows/stack/gate.py) checks credentials, behind a 0700 socket.
+    for name, user in stack_auth.read_users(tmp_path)["users"].items():
+        assert user["secret"] not in text and user["hash"] not in text and name not in text
+    assert f"reverse_proxy unix/{stack_auth.gate_socket(tmp_path)}" in text and "X-Stack-Server prefect" in text
+    assert "@foreign not host" in text
     done = subprocess.run([caddy, "validate", "--config", str(config), "--adapter", "caddyfile"],
                           capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -167,8 +168,9 @@ def secured(tmp_path_factory) -> Secured:
     home, storage = root / "stack", root / "storage"
     mp = pytest.MonkeyPatch()
     mp.setenv("HOME", str(root / "home"))
+    mp.setenv("MLLM_STACK_LOGIN_TRIES", "1000")  # this module tries many wrong passwords on purpose
     try:
-        stack.up(home, str(storage), pool="local", prefect_port=0, mlflow_port=0, auth=True,
+        stack.up(home, str(storage), pool="local", prefect_port=0, mlflow_port=0, auth=True, local_worker=True,
                  worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
         for name, role in (("vic", "viewer"), ("wendy", "worker")):
             prewarmed.run("flows.cli", ["stack", "user", "add", name, "--role", role, "--home", str(home)], check=True)
@@ -209,7 +211,7 @@ def _call(url: str, ca: str, user: tuple[str, str] | None, method: str = "GET", 
 def _socket(url: str, ca: str, user: tuple[str, str] | None) -> str:
     """An events websocket as Prefect's client opens it: the handshake's answer, or 'open' once
     the server took the client's auth message."""
-    from websockets.exceptions import InvalidStatus
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
     from websockets.sync.client import connect
 
     headers = {"Authorization": stack_auth.basic(*user)} if user else {}
@@ -224,6 +226,8 @@ def _socket(url: str, ca: str, user: tuple[str, str] | None) -> str:
                 return "101 open" if json.loads(ws.recv(timeout=30))["type"] == "auth_success" else "101 refused"
         except InvalidStatus as e:
             return str(e.response.status_code)
+        except ConnectionClosed as e:
+            return f"{e.rcvd.code if e.rcvd else 1006} closed"
         except TimeoutError:
             print(f"no answer in 30 s: {url} as {user[0] if user else 'nobody'}")
     return "no answer in 30 s"
@@ -239,7 +243,8 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
     ws = api.replace("https://", "wss://")
     # The worker's own objects to act on: a flow, a deployment, an experiment with a run and an artifact.
     flow = _json(f"{api}/flows/", ca, wendy, {"name": "routes-check"})
-    deployment = _json(f"{api}/deployments/", ca, wendy, {"name": "d", "flow_id": flow["id"]})
+    deployment = _json(f"{api}/deployments/", ca, wendy, {"name": "train-d", "flow_id": flow["id"],
+                                                          "entrypoint": "flows.training:train"})
     experiment = _json(f"{tracking}/api/2.0/mlflow/experiments/create", ca, wendy, {"name": "routes-check"})
     run = _json(f"{tracking}/api/2.0/mlflow/runs/create", ca, wendy, {"experiment_id": experiment["experiment_id"]})
     run_id = run["run"]["info"]["run_id"]
@@ -252,7 +257,8 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
         ("Prefect", "read flow runs", lambda u: _call(f"{api}/flow_runs/filter", ca, u, "POST", {})),
         ("Prefect", "read logs", lambda u: _call(f"{api}/logs/filter", ca, u, "POST", {})),
         ("Prefect", "create a deployment", lambda u: _call(f"{api}/deployments/", ca, u, "POST",
-                                                           {"name": "x", "flow_id": flow["id"]})),
+                                                           {"name": "train-x", "flow_id": flow["id"],
+                                                            "entrypoint": "flows.training:train"})),
         ("Prefect", "create a flow run", lambda u: _call(f"{api}/deployments/{deployment['id']}/create_flow_run",
                                                          ca, u, "POST", {})),
         ("Prefect", "clear the database", lambda u: _call(f"{api}/admin/database/clear", ca, u, "POST",
@@ -280,7 +286,9 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
     writes = {"create a deployment", "create a flow run", "log a metric", "set an alias", "events websocket in",
               "delete an experiment"}
     for (server, what), answers in table.items():
-        assert answers["none"] == answers["wrong password"] == answers["unknown user"] == "401", (what, answers)
+        # The events-out stream takes its credential in its first message, as Prefect's client sends it.
+        none = "1008 closed" if what == "events websocket out" else "401"
+        assert answers["none"] == none and answers["wrong password"] == answers["unknown user"] == "401", (what, answers)
         if what in writes:
             assert answers["viewer"] == "403", (what, answers)
         if what in ("read flow runs", "read logs", "read experiments", "download an artifact"):
@@ -364,7 +372,7 @@ def _odd_proxies(caddy: str, home: Path, folder: Path) -> tuple[dict[str, int], 
     One Caddy each: a client that names an IP address sends no server name, and one Caddy
     would answer it with whichever of its certificates names that address."""
     ends = stack_auth.secured(home)
-    tls, back = home / "auth" / "tls", ends["backends"]
+    tls, back = home / "auth" / "tls", ends["sockets"]
     sites = {"expired": (sign_server(tls, ["127.0.0.1"], *_days(-30, -1)), back["mlflow"], ""),
              "other host": (sign_server(tls, ["10.9.8.7"], *_days(0, 1)), back["prefect"], ""),
              "other version": (None, back["prefect"], '\thandle /api/admin/version {\n\t\trespond "\\"3.7.2\\"" 200\n\t}')}
@@ -382,7 +390,7 @@ def _odd_proxies(caddy: str, home: Path, folder: Path) -> tuple[dict[str, int], 
         (site / "Caddyfile").write_text("\n".join([
             "{", "\tadmin off", "\tauto_https off", "\tdefault_sni 10.9.8.7" if name == "other host" else "",
             f"\tstorage file_system {site / 'data'}", "}",
-            f"https://127.0.0.1:{port} {{", f"\ttls {cert} {key}", extra, f"\treverse_proxy 127.0.0.1:{backend} {{",
+            f"https://127.0.0.1:{port} {{", f"\ttls {cert} {key}", extra, f"\treverse_proxy unix/{backend} {{",
             "\t\theader_up -Authorization", "\t}", "}"]) + "\n")
         procs.append(subprocess.Popen([caddy, "run", "--config", str(site / "Caddyfile"), "--adapter", "caddyfile"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HOME": str(site)}))

@@ -23,6 +23,7 @@ from textdata import make_text
 from servers import quiet_env, serving
 
 from flows.stack import servers as stack, auth as stack_auth
+from flows.stack.pools import ensure_pool
 from flows.stack.processes import Service, free_port
 
 pytestmark = pytest.mark.integration
@@ -124,7 +125,10 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
                                    capture_output=True, text=True)
             if shutil.which("curl"):
                 assert probe.stdout == "401" and plain.stdout == "400", (probe.returncode, probe.stderr, plain)
-            # A real worker there, of a pool of its own, from the file's settings alone.
+            # A real worker there, of a pool an admin made (a worker credential makes no pool), from the
+            # file's settings alone.
+            stack_auth.register(home)
+            ensure_pool(api, "gpu", stack_auth.open_url)
             worker = Service("gpu-worker", _in_ns(ns, [sys.executable, "-m", "prefect", "worker", "start", "--pool",
                                                        "gpu", "--type", "process", "--name", "gpu-box"]),
                              str(tmp_path / "gpu-worker.log"), env=env_of("gpu-box")).start()
@@ -173,6 +177,12 @@ print(json.dumps({{"steps": max(steps), "trains": [(t.work_pool_name, t.state.ty
                 assert secret.encode() not in client.get_object(Bucket=BUCKET, Key=key)["Body"].read(), key
             assert secret not in done.stdout + done.stderr + read.stdout + read.stderr
             assert secret not in Path(worker.log).read_text()
+            # Its events stream connected (the token in the first message, taken by the stack's gate).
+            worker_log = Path(worker.log).read_text()
+            assert "HTTP 401" not in worker_log and "Unable to connect" not in worker_log, worker_log[-3000:]
+            audit = [json.loads(line) for line in (home / "auth/audit/audit.jsonl").read_text().splitlines()]
+            assert any(e["event"] == "websocket" and e["user"] == "gpu-box" and e["path"] == "/api/events/out"
+                       and e["source"] == ns_ip for e in audit)
         finally:
             if worker is not None:
                 worker.stop()
