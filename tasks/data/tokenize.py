@@ -231,7 +231,7 @@ def dropped_line(tokens: Tokens) -> str | None:
     if share is None or share <= DROPPED_WARN:
         return None
     top = sorted(tokens.lost.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
-    shown = ", ".join(f"{c if c == 'non-ASCII' else repr(c)} {n / tokens.chars:.1%}" for c, n in top)
+    shown = ", ".join(f"{c if len(c) > 1 else repr(c)} {n / tokens.chars:.1%}" for c, n in top)  # non-ASCII, ...
     return (f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: {shown}): set "
             "data.tokenizer.normalize=false to keep every character, or choose a recipe made for such text")
 
