@@ -319,7 +319,8 @@ def files_line(c: dict[str, int]) -> str:
     line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
             f"{c['tokenized']} tokenized")
     return (line + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
-            + (f"; {c['skipped']} left out" if c.get("skipped") else ""))
+            + (f"; {c['skipped']} left out" if c.get("skipped") else "")
+            + (f" ({c['empty']} empty)" if c.get("empty") else ""))
 
 
 def _mfu(t: Any) -> str:

@@ -131,8 +131,10 @@ class DataConfig(_Section):
     # JSONL and Parquet files: the field that holds each record's text (other fields are ignored).
     text_field: str = "text"
     # A file of a many-file source that is not usable text: fail the run, or skip it (named in
-    # the run's record).
-    bad_files: Literal["fail", "skip"] = "fail"
+    # the run's record). By default (skip-empty) an empty file of many is left out and counted (it
+    # holds no text to lose: a package's __init__.py) and any other bad file fails the run; a
+    # source of one file that is empty is always an error.
+    bad_files: Literal["skip-empty", "fail", "skip"] = "skip-empty"
     # Where the per-file work of a many-file source runs: processes (one per core), threads, or
     # dask://HOST:PORT (a running Dask scheduler, through prefect-dask).
     task_runner: str = "processes"

@@ -54,3 +54,26 @@ def check_head(f: SourceFile, text_field: str) -> None:
     elif whole and not text.strip():
         raise UserError(f"{f.url} {'is empty' if not text else 'holds no text, only white space'}: give a file "
                         "with text in it")
+
+
+# Why an empty file of a many-file source was left out (the corpus manifest's `skipped` reason).
+EMPTY = "an empty file"
+
+
+def empty_files(found: list[SourceFile], bad_files: str, sources: list[str]) -> list[SourceFile]:
+    """The files of a source of many that are empty (0 bytes as listed), to leave out under
+    data.bad_files skip-empty (the default) or skip: an empty file holds no text to lose. Under
+    fail they are refused, all named (the first ten past ten), as is a source whose files are all
+    empty. A source of one file is left to the download, where an empty one is an error."""
+    if len(found) < 2:
+        return []
+    empty = [f for f in found if f.size == 0]
+    where = ", ".join(sources)
+    if empty and len(empty) == len(found):
+        raise UserError(f"all {len(found)} files of {where} are empty: give files with text in them")
+    if empty and bad_files == "fail":
+        names = ", ".join(f.name for f in empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+        raise UserError(f"{len(empty)} of the {len(found)} files of {where} are empty: {names}; leave them out of "
+                        "the source, or drop data.bad_files=fail to skip empty files (the default)")
+    return empty
+

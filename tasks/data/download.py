@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from mllm import UserError, layout, storage
 from mllm.config import DataConfig
-from mllm.data import corpus, files
+from mllm.data import corpus, files, heads
 from tasks import NOTICE, assets, report_progress
 from tasks.caching import forget_exception, retry_unless_mistake
 from tasks.data import (RawText)
@@ -158,8 +158,9 @@ def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | N
     assets.materializes(url, reads=[r.source for r in kept.values()][:50], name="corpus manifest")
     assets.describe(url, digest=digest, files=len(kept), bytes=total, skipped=len(skipped))
     logger = get_run_logger()
+    n_empty = sum(r.skipped == heads.EMPTY for r in skipped)
     logger.info("corpus %s: %d files, %d bytes%s", digest[:12], len(kept), total,
-                f", {len(skipped)} left out" if skipped else "")
+                f", {len(skipped)} left out" + (f" ({n_empty} empty)" if n_empty else "") if skipped else "")
     n_twins = sum(len(t) for t in twins.values())
     if n_twins:
         logger.info("%d files hold the same bytes as another, read once: %s (every name in the corpus manifest %s)",
@@ -181,6 +182,9 @@ def download_source(d: DataConfig, root: str) -> RawText:
     if len(found) == 1 and found[0].format == "text":
         raw = download(found[0].url, d.sha256, root)
         return raw.model_copy(update={"skipped": [f"{h}: {HIDDEN}" for h in hidden]}) if hidden else raw
+    # An empty file of many holds no text to lose: left out and counted (data.bad_files).
+    empty = heads.empty_files(found, d.bad_files, sources)
+    found = [f for f in found if f not in empty]
     # What was read depends on the text field too (a JSONL file's documents are that field's).
     index_url = layout.folder(root, layout.CORPORA, f"seen-{storage.digest([sources, d.text_field])}.json")
     known = _known(index_url, root) if not d.sha256 else {}  # a pinned corpus is read whole, always
@@ -189,7 +193,8 @@ def download_source(d: DataConfig, root: str) -> RawText:
     made = fan_out(download_files, batches, sum(f.size or 0 for f in todo), d.task_runner, d.text_field,
                    d.bad_files, root)
     fresh = [r for batch in made for r in batch]
-    records = [known[_quick_key(f)] for f in found if _quick_key(f) in known] + fresh
+    records = [known[_quick_key(f)] for f in found if _quick_key(f) in known] + fresh + \
+        [FileRecord(source=f.name, format=f.format, skipped=heads.EMPTY) for f in empty]
     if fresh:
         get_run_logger().info("read %d files of %d (the others' size and time are as when last read)", len(todo),
                               len(found))
@@ -290,4 +295,5 @@ def corpus_changes(data: Any, root: str) -> dict[str, int]:
     return {"files": len(now), "new": sum(f.key not in old_sha and f.source not in old_names for f in now),
             "changed": changed, "removed": sum(f.key not in new_sha and f.source not in new_names for f in before),
             "reused": len(new_sha & old_sha), "tokenized": data.tokens.files_tokenized or 0,
-            "skipped": len(data.raw_skipped), "duplicates": data.raw_duplicates}
+            "skipped": len(data.raw_skipped), "duplicates": data.raw_duplicates,
+            "empty": sum(s.endswith(f": {heads.EMPTY}") for s in data.raw_skipped)}
