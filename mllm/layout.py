@@ -132,8 +132,12 @@ def config_digest(cfg: Any) -> str:
     return storage.digest([cfg.model.model_dump(), cfg.train.model_dump()])
 
 
-def train_key(splits_key: str, vocab_digest: str, cfg: Any, code_digest: str) -> str:
+def train_key(splits_key: str, vocab_digest: str, cfg: Any, code_digest: str,
+              cpu_env: dict[str, str] | None = None) -> str:
     """The training key from its parts (`lineage` recomputes it from what a run recorded).
-    The model section holds the chosen family's fields only: another family's cannot change it."""
-    return storage.digest(["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(),
-                           code_digest])
+    The model section holds the chosen family's fields only: another family's cannot change it.
+    `cpu_env`: the variables that change what the CPU computes with (mllm.runtime.machine.cpu_env):
+    the precision train.dtype auto and Muon measure follows them, so a training under them is
+    another training; without any, the key is what it always was."""
+    parts = ["train", splits_key, vocab_digest, cfg.model.model_dump(), cfg.train.model_dump(), code_digest]
+    return storage.digest(parts + [{"cpu_env": cpu_env}] if cpu_env else parts)

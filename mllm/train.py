@@ -45,7 +45,7 @@ from mllm.runtime.compiling import Compiler, compile_key
 from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.runtime.events import event_log, print_records
-from mllm.runtime.optim import build_optimizer, lr_factor, newton_schulz_dtype
+from mllm.runtime.optim import build_optimizer, lr_factor
 from mllm.settings import settings
 
 Records = list[dict]
@@ -346,7 +346,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
         peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
         compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s, attention=attention,
-        muon_precision=newton_schulz_dtype(device)[1] if t.optimizer == "muon" else "",
+        muon_precision=optimizer.parts["muon"].ns_reason if t.optimizer == "muon" else "",
     )
 
 

@@ -192,7 +192,8 @@ def _training_link(t: dict[str, str], version: Any) -> dict[str, Any]:
     if layout.config_digest(cfg) != fields["config_digest"]:
         return make_link("training", CHANGED, **fields,
                      detail=f"{config_url} has config digest {layout.config_digest(cfg)}, not the recorded one")
-    again = layout.train_key(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"])
+    again = layout.train_key(t["data.splits_key"], t.get("data.vocab_digest", ""), cfg, fields["code_digest"],
+                             json.loads(t.get("train.cpu_env") or "{}"))
     if again != key:
         return make_link("training", CHANGED, **fields, detail=f"the recorded parts digest to {again}, not to the key")
     return make_link("training", OK, **fields)

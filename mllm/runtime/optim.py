@@ -5,6 +5,7 @@ rate's schedule (`lr_factor`)."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import torch
@@ -12,7 +13,8 @@ import torch.nn as nn
 
 from mllm import UserError
 from mllm.config import TrainConfig
-from mllm.runtime.speed import fast_bf16
+from mllm.runtime import speed
+from mllm.runtime.machine import fast_bf16
 
 
 def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -69,17 +71,43 @@ class Combined(torch.optim.Optimizer):
         self.param_groups = [g for part in self.parts.values() for g in part.param_groups]
 
 
-def newton_schulz_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+def newton_schulz_dtype(device: torch.device, shapes: list[tuple[int, int]] | None = None) -> tuple[torch.dtype, str]:
     """The precision Muon orthogonalises its updates in, and why.
 
     torch.optim.Muon always runs its Newton-Schulz iteration in bf16, which is the fast choice
-    on a GPU and on a CPU with AMX or AVX512-BF16. A CPU without them emulates bf16 matrix
-    multiplies: measured on an AMD EPYC with AVX2 alone, a 512x512 product took 220.6 ms in bf16
-    and 2.46 ms in float32, and a Muon step of the default recipe 1,695 ms against AdamW's 29 ms.
-    There the iteration runs in float32 (more precise, the same update up to rounding)."""
-    if device.type == "cpu" and not fast_bf16():
+    on a GPU. On a CPU it is measured, as the model's precision is (mllm.runtime.speed): a CPU
+    without AMX or AVX512-BF16 emulates bf16 matrix multiplies (measured on an AMD EPYC with AVX2
+    alone, a 512x512 product took 220.6 ms in bf16 and 2.46 ms in float32, and a Muon step of the
+    default recipe 1,695 ms against AdamW's 29 ms), and so does a CPU that has them under
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2. Elsewhere one iteration on a matrix of each of
+    Muon's `shapes` is timed in either precision (cached per machine, shapes and those variables),
+    and bf16 taken where it is at least speed.MARGIN faster. Float32 is more precise, the same
+    update up to rounding."""
+    if device.type != "cpu":
+        return torch.bfloat16, f"bfloat16 ({'CUDA' if device.type == 'cuda' else device.type}, as torch.optim.Muon)"
+    if not fast_bf16():
         return torch.float32, "float32: this CPU has neither AMX nor AVX512-BF16, so bf16 products are emulated"
-    return torch.bfloat16, f"bfloat16 ({'CUDA' if device.type == 'cuda' else device.type}, as torch.optim.Muon)"
+    shapes = sorted({tuple(s) for s in shapes or [(512, 512)]})
+    ms = speed._cached(["newton-schulz", [list(s) for s in shapes]], lambda: _newton_schulz_probe(shapes))
+    bf16 = ms["bfloat16"] <= (1 - speed.MARGIN) * ms["float32"]
+    return (torch.bfloat16 if bf16 else torch.float32,
+            f"{'bfloat16' if bf16 else 'float32'}: bf16 probed {'faster' if bf16 else 'no faster'} "
+            f"(an iteration: bfloat16 {ms['bfloat16']:.1f} ms, float32 {ms['float32']:.1f} ms)")
+
+
+def _newton_schulz_probe(shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """Milliseconds of the fastest Newton-Schulz iteration over one matrix of each shape, in each
+    precision, after a warm-up; the two alternate, so a burst of load slows both."""
+    g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
+    mats = [torch.randn(1, *shape, generator=g) for shape in shapes]
+    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for _ in range(1 + speed.PROBE_REPS):
+        for name in times:
+            start = time.perf_counter()
+            for m in mats:
+                orthogonalise(m, (3.4445, -4.775, 2.0315), 1, 1e-7, speed.DTYPES[name])
+            times[name].append(time.perf_counter() - start)
+    return {name: round(1000 * min(ts[1:]), 2) for name, ts in times.items()}
 
 
 def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -108,9 +136,9 @@ class Muon(torch.optim.Muon):
     iteration takes one matrix at a time: on a GPU a step of shakespeare-gpt (24 matrices of
     four shapes) was launch-bound, 52 ms against AdamW's 19.5; here it is four batched ones."""
 
-    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, **kwargs):
+    def __init__(self, params, ns_dtype: torch.dtype = torch.bfloat16, ns_reason: str = "", **kwargs):
         super().__init__(params, **kwargs)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.ns_reason = ns_dtype, ns_reason  # the reason: what the training reports
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -159,7 +187,8 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
         adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
                                    {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                                   lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
-        muon = Muon(hidden, ns_dtype=newton_schulz_dtype(device)[0], lr=t.muon_lr, momentum=t.muon_momentum,
+        ns_dtype, ns_reason = newton_schulz_dtype(device, [tuple(p.shape) for p in hidden])
+        muon = Muon(hidden, ns_dtype=ns_dtype, ns_reason=ns_reason, lr=t.muon_lr, momentum=t.muon_momentum,
                     weight_decay=t.muon_weight_decay)
         return Combined({"muon": muon, "adamw": adamw})
     own = getattr(model, "optim_groups", None)

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from mllm.runtime.machine import cpu_env, cpu_flags, cpu_model, fast_bf16, matmul_flags  # noqa: F401 (speed's API)
 from mllm.settings import settings
 from mllm.transformer import causal_attention
 
@@ -93,50 +93,13 @@ class Precision:
         return f"{self.dtype} ({self.reason}; a probe step: {times})"
 
 
-# --- the machine ----------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    """The CPU's name with its family and model numbers: a virtual machine may name only the
-    vendor's line ("AMD EPYC"), which tells Zen 4 (family 25) from Zen 5 (26) no more, and the
-    two train this project's models at very different speeds (docs/benchmarks.md)."""
-    info = _cpuinfo()
-    name = info.get("model name") or platform.processor() or platform.machine()
-    if info.get("cpu family") and info.get("model"):
-        name += f", family {info['cpu family']} model {info['model']}"
-    return name
-
-
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo().get("flags", "").split())
-
-
-def fast_bf16(flags: set[str] | None = None) -> bool:
-    """Whether the CPU multiplies bf16 in hardware (Intel AMX, or AVX512-BF16 on Intel and AMD)."""
-    flags = cpu_flags() if flags is None else flags
-    return bool({"amx_bf16", "avx512_bf16"} & flags)
-
+# --- the machine ---------------------------------------------------------------------------
 
 def machine(device: torch.device) -> str:
     """The device in a line, as figures are reported beside it."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{cpu_model()} ({' '.join(matmul_flags()) or 'no AVX2'}), {torch.get_num_threads()} threads"
-
-
-def matmul_flags() -> list[str]:
-    """The CPU flags that decide its matrix-multiply speed, as figures are reported beside them."""
-    return sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
-
-
-def _cpuinfo() -> dict[str, str]:
-    info: dict[str, str] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if not line.strip():
-                break  # the first processor says it for all
-            info.setdefault(key.strip(), value.strip())
-    return info
 
 
 # --- the cache ------------------------------------------------------------------------------
@@ -169,6 +132,8 @@ def _busy() -> bool:
 def _digest(key: list) -> str:
     machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
                    torch.cuda.get_device_name() if torch.cuda.is_available() else None]
+    if env := cpu_env():  # what the CPU computes with, as the environment limits it (machine.CPU_ENV)
+        machine_key.append(env)
     return hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

@@ -35,7 +35,7 @@ from tasks.settings import settings
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
-    return layout.train_key(data.splits.key, data.vocab.digest, cfg, training_code()["digest"])
+    return layout.train_key(data.splits.key, data.vocab.digest, cfg, training_code()["digest"], speed.cpu_env())
 
 
 def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
@@ -47,6 +47,7 @@ def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
             "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
             "data.raw_files": str(data.raw_files),
             **({"data.tokens_corpus": data.tokens.corpus} if data.tokens.corpus else {}),
+            **({"train.cpu_env": json.dumps(speed.cpu_env(), sort_keys=True)} if speed.cpu_env() else {}),
             "data.source": data.source}
 
 
