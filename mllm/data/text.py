@@ -99,8 +99,6 @@ _CHAR_KEPT = " !,-.0123456789;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvw
 _CHAR_DROP = bytes(sorted(set(range(256)) - {ord(c) for c in _CHAR_KEPT + "\n"}))
 _CHAR_NEWLINE_TO_SPACE = bytes.maketrans(b"\n", b" ")
 _CHAR_KEPT_BYTES = _CHAR_KEPT.encode("ascii")
-# take_loss's name for the newlines and spaces that runs of them fold away.
-WHITESPACE = "runs of whitespace"
 # The dictionary of the normalised token arrays: every ASCII character, so that a kept byte is
 # its own index (no lookup per token); readers count only the entries that occur.
 _ASCII = pa.array([chr(i) for i in range(128)], pa.string())
@@ -132,11 +130,9 @@ class CharTokenizer(Tokenizer):
             return None
         dropped = self._dropped
         # A character beyond ASCII is its UTF-8 lead byte (0xC0 and up); all of them are dropped.
-        lost = {chr(i): int(dropped[i]) for i in range(128) if dropped[i] and i != ord("\n")}
-        # Newlines become spaces and each run of them and spaces one space: what is lost is the
-        # whitespace read less the spaces made (a single newline between two words loses nothing).
-        if folded := self._spaces_read + int(dropped[ord("\n")]) - self._spaces_made:
-            lost[WHITESPACE] = folded
+        lost = {chr(i): int(dropped[i]) for i in range(128) if dropped[i]}
+        if (folded := self._spaces_read - self._spaces_made) > 0:  # newlines become spaces too
+            lost[" "] = folded
         if beyond := int(dropped[0xC0:].sum()):
             lost["non-ASCII"] = beyond
         n_read = self._read

@@ -224,13 +224,31 @@ class Loss:
 DROPPED_WARN = 0.02
 
 
+# What lost_by_kind calls the newlines and spaces that normalisation folds away.
+WHITESPACE = "runs of whitespace"
+
+
+def lost_by_kind(tokens: Tokens) -> dict[str, int]:
+    """The characters the tokenizer's normalisation lost, by kind, adding up to what it lost.
+
+    The char tokenizer's counts (Tokenizer.take_loss) hold every newline read under '\\n' and the
+    spaces its runs folded under ' ', but a newline between two words becomes a space and is not
+    lost. The other kinds are exact (characters dropped outright, non-ASCII ones); the
+    whitespace lost is what is left of the total (characters read less tokens made). Derived
+    here rather than counted anew by the tokenizer, whose source is in every tokens key."""
+    kinds = {k: n for k, n in (tokens.lost or {}).items() if k not in ("\n", " ")}
+    if tokens.chars and (folded := tokens.chars - tokens.n_tokens - sum(kinds.values())) > 0:
+        kinds[WHITESPACE] = folded
+    return kinds
+
+
 def dropped_line(tokens: Tokens) -> str | None:
     """One line for a corpus whose tokenizer's normalisation dropped more than DROPPED_WARN of its
     characters: the share and the characters dropped most."""
     share = tokens.dropped_share()
     if share is None or share <= DROPPED_WARN:
         return None
-    top = sorted(tokens.lost.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
+    top = sorted(lost_by_kind(tokens).items(), key=lambda kv: (-kv[1], kv[0]))[:6]
     shown = ", ".join(f"{c if len(c) > 1 else repr(c)} {n / tokens.chars:.1%}" for c, n in top)  # non-ASCII, ...
     return (f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: {shown}): set "
             "data.tokenizer.normalize=false to keep every character, or choose a recipe made for such text")

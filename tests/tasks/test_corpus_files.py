@@ -87,7 +87,7 @@ def test_a_corpus_that_loses_characters_to_the_tokenizer_says_how_many_and_which
     packed = packs.tokenize_pack([("p", str(prose)), ("c", str(code))], tok, str(tmp_path / "pack"), False, 4096)
     by = {p.sha256: p for p in packed}
     assert (by["p"].chars, by["p"].lost) == (len(prose.read_text()), {})
-    assert by["c"].chars == len(code.read_text()) and by["c"].lost["runs of whitespace"] == 160 and by["c"].lost["("] == 40
+    assert by["c"].chars == len(code.read_text()) and by["c"].lost["\n"] == 80 and by["c"].lost["("] == 40
 
     def tokens(files) -> Tokens:
         loss = Loss()
