@@ -297,6 +297,8 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         *([f"| attention | {t.attention} |"] if t.attention else []),
         *([f"| Muon's Newton-Schulz | {t.muon_precision} |"] if t.muon_precision else []),
         f"| MFU | {_mfu(t)} |",
+        *([f"| threads | {t.threads_reason} |"] if t.threads_reason else []),
+        *([f"| busy machine | {t.busy_line()} |"] if t.busy else []),
         f"| train loss | {_f(t.train_loss)} |",
         f"| evaluation | {describe(e, cfg)} |",
         f"| MLflow run | {link or f'`{r.mlflow_run_id}`'} |",

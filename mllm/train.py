@@ -18,7 +18,6 @@ import dataclasses
 import math
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,34 +45,11 @@ from mllm.runtime.devices import resolve_device
 from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_state
 from mllm.runtime.events import event_log, print_records
 from mllm.runtime.optim import build_optimizer, lr_factor
+from mllm.runtime.results import TrainResult
+from mllm.runtime import threads as threading
 from mllm.settings import settings
 
 Records = list[dict]
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    train_loss: float | None
-    val_loss: float | None
-    best_val_loss: float | None
-    checkpoint: str  # last.pt
-    best_checkpoint: str | None
-    tokens_per_s: float
-    elapsed_s: float  # training time over every run of this checkpoint_dir, resumes included
-    stop_reason: str  # max_steps | epochs | max_minutes | early_stopping | pruned
-    resumed_from_step: int
-    dtype_used: str = "float32"  # what train.dtype resolved to (mllm.runtime.speed)
-    dtype_reason: str = ""
-    dtype_probe_ms: dict[str, float] | None = None  # a probe step per precision, when probed
-    mfu: float | None = None  # model FLOPs utilisation over this run's training time
-    peak_flops: float | None = None  # the device's peak in dtype_used, FLOP/s, all ranks together
-    peak_source: str = ""
-    compile_used: bool = False  # what train.compile resolved to (mllm.runtime.speed), and why
-    compile_reason: str = ""
-    compile_s: float | None = None
-    attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
-    muon_precision: str = ""  # train.optimizer muon: its Newton-Schulz precision and why (mllm.runtime.optim)
 
 
 def _samples(batch: tuple) -> int:
@@ -100,10 +76,12 @@ def _val_loss(model, batches: list[tuple], device, autocast, d: Dist) -> float:
 
 def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
           on_progress: Callable[[dict], None] | None = None, resume: bool = True,
-          on_eval: Callable[[int, float], bool] | None = None) -> TrainResult:
+          on_eval: Callable[[int, float], bool] | None = None,
+          on_notice: Callable[[str], None] | None = None) -> TrainResult:
     """Train per `cfg` (its paths section says where inputs and checkpoints are); see module doc.
 
-    on_metrics gets one list of records per log or eval step; on_progress a dict per log step.
+    on_metrics gets one list of records per log or eval step; on_progress a dict per log step;
+    on_notice a line for the terminal (a resume, a change of threads, a busy machine).
     on_eval gets (step, val loss) at each evaluation and answers whether to stop there: the
     training then ends with stop_reason "pruned", its checkpoint written (a search's pruner).
     Under DDP only rank 0 calls them and writes checkpoints.
@@ -111,18 +89,19 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     cfg, vocab, tokenizer, train, val, carry = load_inputs(cfg)
     t = cfg.train
     d, device = join(resolve_device(t.device))
-    signals = Signals()
+    signals, threads_before = Signals(), torch.get_num_threads()
     try:
         return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
-                    on_eval)
+                    on_eval, on_notice if d.master and on_notice else lambda line: None)
     finally:
         signals.restore()
+        torch.set_num_threads(threads_before)  # what runs next in this process (evaluation) starts as it was
         if d.owns_group:
             tdist.destroy_process_group()
 
 
 def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
-         on_eval=None) -> TrainResult:
+         on_eval, notice) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
@@ -166,7 +145,9 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         # Last: building the model and optimizer above drew from the RNG.
         set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
         del state
-    resumed_from = step
+        notice(f"resumed from {last_url}: step {step} of {total_steps or '?'}"
+               + (f" ({elapsed_before / 60:.1f} of {t.max_minutes:g} minutes trained)" if budget_s else ""))
+    resumed_from, tokens_before, eval_before = step, metrics.get("tokens"), metrics.get("eval_s", 0.0)
     if len(set(gather(step, d))) > 1:
         raise UserError(f"the ranks found different checkpoints in {cfg.paths.checkpoint_dir}: "
                         "it must be storage that every rank reads (a shared folder or object storage)")
@@ -186,6 +167,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         model = DDP(compiling.model, device_ids=[d.local_rank] if device.type == "cuda" else None)
     autocast = precision.autocast(device)
     pin = device.type == "cuda"
+    threads = threading.chooser(device, d.world_size)
 
     def limit_reason(step: int, elapsed: float) -> str | None:
         if total_steps is not None and step >= total_steps:
@@ -211,7 +193,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     t0 = time.perf_counter()
     stop = limit_reason(step, elapsed_before)
     loss_sum = torch.zeros((), device=device)
-    loss_count, tokens_run, mark, tokens_mark = 0, 0, t0, 0
+    loss_count, tokens_run, mark, tokens_mark, eval_mark = 0, 0, t0, 0, eval_before
     saved_at = elapsed_before  # training seconds when last.pt was last written
 
     def broken_off(where: tuple | None) -> None:
@@ -227,7 +209,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         signals.deliver(step)
 
     while stop is None:
-        step_start = time.perf_counter()
+        step_start, cpu_start = time.perf_counter(), time.process_time()
         lr = scheduler.get_last_lr()[0]
         where = step_position(batches, device) if d.world_size == 1 else None
         try:
@@ -260,10 +242,13 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if compiling.deciding:
+        if compiling.deciding and not threads.measuring:  # threads first: compile's steps are timed at their count
             now = time.perf_counter()
             model = compiling.after_step(now - step_start, total_steps - step if total_steps is not None else None,
                                          60 * t.max_minutes - (elapsed_before + now - t0) if t.max_minutes else None)
+            threads.total.add(now - step_start, time.process_time() - cpu_start, threads.threads)
+        elif said := threading.follow(threads, time.perf_counter() - step_start, time.process_time() - cpu_start):
+            notice(said)
 
         elapsed = elapsed_before + time.perf_counter() - t0
         # The training seconds up to this step with the evaluations before it left out (a time
@@ -278,7 +263,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             elapsed, signalled = shared[0].item(), bool(shared[1].item())
         stop = limit_reason(step, elapsed)
         records: Records = []
-        step_end = time.perf_counter()  # the tokens' rate leaves the evaluation out
+        step_end, eval_end = time.perf_counter(), metrics.get("eval_s", 0.0)  # the tokens' rate leaves evaluations out
         improved = False
         if step % t.eval_interval == 0 or stop:
             eval_start = time.perf_counter()
@@ -308,14 +293,19 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         # training stops at is logged, whether or not a log interval falls there.
         if step % t.log_interval == 0 or stop:
             metrics["train_loss"] = (loss_sum / loss_count).item()
-            metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(step_end - mark, 1e-9)
+            # Tokens over training seconds, evaluations left out: the result's figure, over the interval.
+            metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(step_end - mark - eval_end + eval_mark, 1e-9)
             metrics["mfu"] = metrics["tokens_per_s"] * flops_per_target / peak
             records.insert(0, {"step": step, "train_loss": metrics["train_loss"], "lr": lr,
                                "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"],
                                "mfu": metrics["mfu"]})
             loss_sum.zero_()
-            loss_count, mark, tokens_mark = 0, step_end, tokens_run
+            loss_count, mark, tokens_mark, eval_mark = 0, step_end, tokens_run, eval_end
         metrics["elapsed_s"] = elapsed
+        # Tokens trained over every run of this training (a checkpoint from before they were
+        # counted: its steps at this run's tokens a step).
+        metrics["tokens"] = (tokens_before if tokens_before is not None
+                             else resumed_from * tokens_run / (step - resumed_from)) + tokens_run
         if records and on_metrics and d.master:
             on_metrics(records)
         if improved:
@@ -325,18 +315,21 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             save(last_url)
             saved_at = elapsed
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
-            # A budget's steps, estimated from the share spent so far (the bar's end).
+            # A budget's steps, estimated from the share spent so far (a log line's); its end is budget_s.
             estimate = round(step * budget_s / elapsed) if budget_s and elapsed > 0 else None
-            on_progress({"step": step, "total_steps": total_steps or estimate, "epoch": batches.epoch,
+            on_progress({"step": step, "total_steps": total_steps or estimate, "budget_s": budget_s, "epoch": batches.epoch,
                          "elapsed_s": elapsed, "train_s": train_s, "train_loss": metrics.get("train_loss"), "lr": lr,
                          "tokens_per_s": metrics.get("tokens_per_s")})
         if signalled:
             signals.deliver(step)
 
-    run_s = time.perf_counter() - t0
     if d.world_size > 1:
         tdist.barrier()  # no rank returns before rank 0 has written the checkpoint it names
-    tokens_per_s = tokens_run / run_s if tokens_run else metrics.get("tokens_per_s", 0.0)
+    # One figure everywhere (the done line, trained.json, MLflow, `runs`): the whole training's
+    # tokens over its training seconds, evaluations left out, every resume included.
+    train_s = metrics.get("elapsed_s", 0.0) - metrics.get("eval_s", 0.0)
+    tokens_per_s = metrics["tokens"] / train_s if metrics.get("tokens") and train_s > 0 \
+        else metrics.get("tokens_per_s", 0.0)
     return TrainResult(
         steps=step, train_loss=metrics.get("train_loss"), val_loss=metrics.get("val_loss"),
         best_val_loss=best if math.isfinite(best) else None, checkpoint=last_url,
@@ -347,6 +340,7 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
         compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s, attention=attention,
         muon_precision=optimizer.parts["muon"].ns_reason if t.optimizer == "muon" else "",
+        **threading.record(threads, step, resumed_from, total_steps),
     )
 
 
@@ -379,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 emit({"metrics": records})
 
             result = train(cfg, on_metrics=on_metrics, on_progress=lambda p: emit({"progress": p}),
-                           resume=not args.no_resume)
+                           resume=not args.no_resume, on_notice=lambda line: print(line, flush=True))
             emit({"result": dataclasses.asdict(result)})
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -389,14 +383,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     if settings().rank == 0:
-        val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
-        best = f"{result.best_val_loss:.4f}" if result.best_val_loss is not None else "-"
-        resumed = f", resumed from step {result.resumed_from_step}" if result.resumed_from_step else ""
-        mfu = f", mfu {result.mfu:.1%}" if result.mfu is not None else ""
-        print(f"done: {result.steps} steps ({result.stop_reason}{resumed}), val loss {val}, best {best}, "
-              f"{result.tokens_per_s:,.0f} tok/s{mfu}, {result.dtype_used}{', compiled' if result.compile_used else ''}, "
-              f"{result.elapsed_s:.1f}s; "
-              f"checkpoint {result.checkpoint}")
+        print(result.done_line())
     return 0
 
 

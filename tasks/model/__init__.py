@@ -58,6 +58,19 @@ class Trained(BaseModel):
     compile_s: float | None = None
     attention: str = ""  # a GPT's attention kernel on a CPU per precision, as measured (mllm.runtime.speed)
     muon_precision: str = ""  # train.optimizer muon: its Newton-Schulz precision and why (mllm.runtime.optim)
+    # Its threads and why, and whether the machine was busy and what that cost (mllm.runtime.threads).
+    threads: int = 1
+    threads_reason: str = ""
+    busy: bool = False
+    cpu_share: float | None = None
+    steps_planned: int | None = None
+    load_average: float | None = None
+    cores: int | None = None
+
+    def busy_line(self) -> str:
+        from mllm.runtime.results import TrainResult
+
+        return TrainResult(**self.model_dump(include=set(TrainResult.__dataclass_fields__))).busy_line()
 
     def precision(self) -> str:
         return speed.Precision(self.dtype_used, self.dtype_reason, self.dtype_probe_ms).describe()

@@ -24,6 +24,7 @@ import mllm.train
 import tasks
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig, TrainPaths
+from mllm.runtime import speed
 from tasks import assets, trials
 from tasks.caching import forget_exception, retry_io_only
 from tasks.model import Prepared, Trained
@@ -131,7 +132,9 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
     last_log = [0.0]
 
     def on_progress(p: dict[str, Any]) -> None:
-        if tasks.progress_hook is not None:
+        if tasks.progress_hook is not None and p.get("budget_s"):  # a time budget's bar: seconds of it
+            tasks.report_progress("train", min(p["elapsed_s"], p["budget_s"]), p["budget_s"], **p)
+        elif tasks.progress_hook is not None:
             tasks.report_progress("train", p["step"], p["total_steps"], **p)
         elif time.monotonic() - last_log[0] > every:  # a line every few seconds in a worker's log
             last_log[0] = time.monotonic()
@@ -141,6 +144,8 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
         with storage.room_on(root):
             result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger,
                             trials.hook_for(train_key(cfg, data)) or (trials.through_storage(run_dir) if search else None))
+        if result.busy:
+            logger.info(result.busy_line(), extra=tasks.NOTICE)
     except BaseException:
         # Nothing written (a full disk at the first checkpoint, a crash before it): no empty
         # checkpoints folder is left to look like a training.
@@ -169,7 +174,8 @@ def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metri
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:
-            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress, on_eval=on_eval)
+            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress, on_eval=on_eval,
+                                      on_notice=lambda line: logger.info(line, extra=tasks.NOTICE))
         if on_metrics is not None:
             on_metrics.flush()
     return result

@@ -351,7 +351,8 @@ def _requirements() -> list[str]:
 def training_params(trained: Any) -> dict[str, Any]:
     """What the training found out about this machine: the precision it chose and why, with the
     probe's step times, whether it ran compiled and why, the attention kernel it measured
-    fastest, the precision Muon orthogonalised in, and the peak its MFU is measured against."""
+    fastest, the precision Muon orthogonalised in, the peak its MFU is measured against, its
+    threads and whether the machine was busy."""
     params = {"train.dtype_used": trained.dtype_used, "train.dtype_reason": trained.dtype_reason,
               **{f"train.dtype_probe_{k}_ms": v for k, v in (trained.dtype_probe_ms or {}).items()},
               "train.compile_used": trained.compile_used, "train.compile_reason": trained.compile_reason}
@@ -361,6 +362,10 @@ def training_params(trained: Any) -> dict[str, Any]:
         params["train.muon_precision"] = trained.muon_precision
     if trained.peak_flops:
         params.update({"train.peak_tflops": f"{trained.peak_flops / 1e12:.4g}", "train.peak_source": trained.peak_source})
+    # The threads it chose and why, and what a busy machine cost it (steps planned against done).
+    params.update({"train.threads": trained.threads, "train.threads_reason": trained.threads_reason,
+                   "train.busy": trained.busy, "train.cpu_share": trained.cpu_share,
+                   "train.steps_planned": trained.steps_planned, "train.load_average": trained.load_average})
     return params
 
 
