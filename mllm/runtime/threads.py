@@ -27,6 +27,9 @@ CLEAR = 2.5
 MARGIN = 0.10  # another count replaces the default only when its median step is this much shorter
 WINDOW = 25  # settled steps whose median is watched for drift
 DRIFT = 1.3  # that median this many times slower or faster than at the choice: measure again
+# ... but no sooner than `gap` settled steps, a gap that doubles (from WINDOW up to RECHECK_STEPS)
+# each time a measurement keeps the count: under a load that comes and goes, each measurement
+# pays for steps at a worse count (a measurement every 30 s cost one run a tenth of its steps).
 RECHECK_STEPS = 1000  # and measure again after this many settled steps, drift or not
 BUSY_SHARE = 0.8  # the threads ran less than this share of their wall time: the machine is busy
 
@@ -68,9 +71,9 @@ class ThreadChooser:
         self.counts = candidates(default)
         self.reference: float | None = None  # the chosen count's median step, seconds
         self.window: deque[float] = deque(maxlen=WINDOW)
-        self.settled_steps = 0
+        self.settled_steps, self.gap = 0, WINDOW
         self.why = "the first steps"  # why the current measurement runs
-        self.said = f"{default} threads" + ("" if self.active else " (nothing to choose from)")
+        self.said = _threads(default) + ("" if self.active else " (nothing to choose from)")
         self.total = Share()  # over the training (`recent`: over the measurement, `_measure`)
         self.busy = False  # as the last choice found it
         self._measure()
@@ -132,7 +135,7 @@ class ThreadChooser:
         self.settled_steps += 1
         if len(self.window) == WINDOW:
             now = statistics.median(self.window)
-            if not self.reference / DRIFT <= now <= self.reference * DRIFT:
+            if self.settled_steps >= self.gap and not self.reference / DRIFT <= now <= self.reference * DRIFT:
                 self.why = f"a step went from {1000 * self.reference:.0f} to {1000 * now:.0f} ms"
                 self._measure()
             elif self.settled_steps >= RECHECK_STEPS:
@@ -146,16 +149,21 @@ class ThreadChooser:
         if self.default in medians and medians[best] > (1 - MARGIN) * medians[self.default]:
             best = self.default
         before, self.chosen, self.threads, self.reference = self.chosen, best, best, medians[best]
+        self.gap = min(2 * self.gap, RECHECK_STEPS) if best == before else WINDOW
         share, was_busy = self.recent.share, self.busy
         self.busy = share is not None and share < BUSY_SHARE
         steps = ", ".join(f"{1000 * medians[n]:.0f} ms on {n}" if n in medians else f"over {CLEAR:g}x on {n}"
                           for n in self.counts)
-        self.said = f"{best} threads of {self.default} (a step {steps}; measured: {self.why})"
+        self.said = f"{_threads(best)} of {self.default} (a step {steps}; measured: {self.why})"
         if self.busy:
             self.said += f"; the machine is busy: the training's threads ran {share:.0%} of the time"
         if best != before or self.busy != was_busy:
             return ("threads: " + self.said + ("" if self.busy or not was_busy else "; the machine is quiet again"))
         return None
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n > 1 else ''}"
 
 
 def chooser(device: torch.device, world_size: int) -> ThreadChooser:

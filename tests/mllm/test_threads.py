@@ -40,7 +40,7 @@ def test_a_busy_machine_gets_the_count_whose_steps_are_shortest_and_is_said_to_b
     assert not chooser.measuring and chooser.threads == 1 and chooser.busy
     # Two threads' first step took three times one thread's: left at once, no second round.
     assert chooser.times == {2: [], 1: [0.180] * 4}
-    assert said == ["threads: 1 threads of 2 (a step over 2.5x on 2, 180 ms on 1; measured: the first steps); the "
+    assert said == ["threads: 1 thread of 2 (a step over 2.5x on 2, 180 ms on 1; measured: the first steps); the "
                     "machine is busy: the training's threads ran 45% of the time"]
     record = th.record(chooser, steps=300, resumed_from=0, total_steps=None)
     assert (record["threads"], record["busy"], record["cpu_share"]) == (1, True, 0.45)
@@ -68,13 +68,15 @@ def test_a_step_time_that_drifts_is_measured_again_and_the_count_follows():
     # A little slower: within DRIFT, nothing measured again.
     feed(chooser, {2: 0.060, 1: 0.090}, steps=th.WINDOW)
     assert not chooser.measuring
-    # Another job arrives: the steps at two threads take three times as long; once they are most
-    # of the window, it measures again.
-    assert until_measuring(chooser, {2: 0.150, 1: 0.090}, th.WINDOW) == th.WINDOW // 2 + 1
+    # Another job arrives: the steps at two threads take three times as long; it measures again,
+    # no sooner than its gap, doubled since the first measurement kept the count.
+    assert chooser.gap == 2 * th.WINDOW
+    assert until_measuring(chooser, {2: 0.150, 1: 0.090}, 2 * th.WINDOW) == th.WINDOW
     assert chooser.why == "a step went from 50 to 150 ms"
     said = feed(chooser, {2: 0.150, 1: 0.100}, share=0.5)
-    assert chooser.threads == 1 and said[0].startswith("threads: 1 threads of 2 (a step 150 ms on 2, 100 ms on 1; "
+    assert chooser.threads == 1 and said[0].startswith("threads: 1 thread of 2 (a step 150 ms on 2, 100 ms on 1; "
                                                        "measured: a step went from 50 to 150 ms)")
+    assert chooser.gap == th.WINDOW  # a new count: watched closely again
     # It leaves: one thread's steps get faster, measured again, back to two, said once.
     assert until_measuring(chooser, {2: 0.050, 1: 0.060}, th.WINDOW) <= th.WINDOW
     said = feed(chooser, {2: 0.050, 1: 0.090})
@@ -89,6 +91,18 @@ def test_steady_steps_are_measured_again_after_recheck_steps_and_one_thread_has_
     assert not chooser.measuring
     feed(chooser, {4: 0.05, 2: 0.08, 1: 0.15}, steps=1)
     assert chooser.measuring and chooser.why == f"{th.RECHECK_STEPS} steps since the last measurement"
+
+    # A load that comes and goes: each measurement that keeps the count doubles the gap before the next.
+    feed(chooser, {4: 0.05, 2: 0.08, 1: 0.15})
+    assert chooser.gap == 4 * th.WINDOW  # kept twice: at the start and at the recheck
+    gaps = []
+    for _ in range(8):
+        feed(chooser, {4: 0.05, 2: 0.08, 1: 0.15}, steps=chooser.gap - 1)
+        assert not chooser.measuring
+        until_measuring(chooser, {4: 0.10, 2: 0.16, 1: 0.30}, chooser.gap)
+        feed(chooser, {4: 0.05, 2: 0.08, 1: 0.15})
+        gaps.append(chooser.gap)
+    assert gaps == [200, 400, 800, 1000, 1000, 1000, 1000, 1000] and chooser.threads == 4
 
     alone = ThreadChooser(1)
     assert not alone.active and not alone.measuring
