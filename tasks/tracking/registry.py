@@ -363,9 +363,10 @@ def training_params(trained: Any) -> dict[str, Any]:
     if trained.peak_flops:
         params.update({"train.peak_tflops": f"{trained.peak_flops / 1e12:.4g}", "train.peak_source": trained.peak_source})
     # The threads it chose and why, and what a busy machine cost it (steps planned against done).
-    params.update({"train.threads": trained.threads, "train.threads_reason": trained.threads_reason,
-                   "train.busy": trained.busy, "train.cpu_share": trained.cpu_share,
-                   "train.steps_planned": trained.steps_planned, "train.load_average": trained.load_average})
+    machine = {"train.threads": trained.threads, "train.threads_reason": trained.threads_reason,
+               "train.busy": trained.busy, "train.cpu_share": trained.cpu_share,
+               "train.steps_planned": trained.steps_planned, "train.load_average": trained.load_average}
+    params.update({k: v for k, v in machine.items() if v is not None})
     return params
 
 

@@ -51,6 +51,9 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     assert float(chosen["train.peak_tflops"]) > 0 and chosen["train.peak_source"].startswith("measured")
     assert all(0 < m.value <= 1 for m in client.get_metric_history(run.info.run_id, "mfu"))
     assert run.data.metrics["final_mfu"] == pytest.approx(r.trained.mfu)
+    # Its threads and whether the machine was busy, as trained.json has them (issue 64, item 2).
+    assert (chosen["train.threads"], chosen["train.busy"]) == (str(r.trained.threads), str(r.trained.busy))
+    assert chosen["train.threads_reason"] == r.trained.threads_reason and "train.cpu_share" in chosen
     text = summary(r)  # the Prefect artifact's text
     assert f"| precision | {r.trained.dtype_used} (" in text and f"| MFU | {r.trained.mfu:.1%} of " in text
     # Batched per-step metrics: every log step and every evaluation, with its step.
