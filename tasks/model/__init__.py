@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from mllm import storage
 from mllm.runtime import speed
+from mllm.runtime.results import TrainResult
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 
 
@@ -68,8 +69,6 @@ class Trained(BaseModel):
     cores: int | None = None
 
     def busy_line(self) -> str:
-        from mllm.runtime.results import TrainResult
-
         return TrainResult(**self.model_dump(include=set(TrainResult.__dataclass_fields__))).busy_line()
 
     def precision(self) -> str:
