@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from benchmarks.common import REPO, corpus, header, load, parse_args, run_config, save, table, token_ids
 
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"

@@ -28,6 +28,7 @@ from mllm.config import RunConfig
 from mllm.families.base import build_model, family_of, load_inputs
 from mllm.resolve import apply_overrides, load_file, validate
 from mllm.runtime import speed
+from mllm.runtime import threads as threading
 from mllm.runtime.checkpoint import (
     BrokenOff,
     Signals,
@@ -46,7 +47,6 @@ from mllm.runtime.distributed import Dist, gather, join, rng_state, set_rng_stat
 from mllm.runtime.events import event_log, print_records
 from mllm.runtime.optim import build_optimizer, lr_factor
 from mllm.runtime.results import TrainResult
-from mllm.runtime import threads as threading
 from mllm.settings import settings
 
 Records = list[dict]
@@ -317,7 +317,8 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
             # A budget's steps, estimated from the share spent so far (a log line's); its end is budget_s.
             estimate = round(step * budget_s / elapsed) if budget_s and elapsed > 0 else None
-            on_progress({"step": step, "total_steps": total_steps or estimate, "budget_s": budget_s, "epoch": batches.epoch,
+            on_progress({"step": step, "total_steps": total_steps or estimate, "budget_s": budget_s,
+                         "epoch": batches.epoch,
                          "elapsed_s": elapsed, "train_s": train_s, "train_loss": metrics.get("train_loss"), "lr": lr,
                          "tokens_per_s": metrics.get("tokens_per_s")})
         if signalled:

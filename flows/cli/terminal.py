@@ -328,7 +328,8 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
             # A time budget's bar runs over its seconds (a known end, its ETA the budget's), so the
             # steps stand alone; else over the steps.
             steps = f"step {f.get('step', int(completed))}" + ("" if f.get("budget_s") else f"/{int(total or 0)}")
-            info = steps + (f" loss {loss:.4f}" if loss is not None else "") + f" {f.get('tokens_per_s') or 0:,.0f} tok/s"
+            info = steps + (f" loss {loss:.4f}" if loss is not None else "") \
+                + f" {f.get('tokens_per_s') or 0:,.0f} tok/s"
         elif stage == "download":
             info = f"{completed / 1e6:.1f} MB"
         elif stage == "tokenize":

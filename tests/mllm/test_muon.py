@@ -96,7 +96,7 @@ def test_muon_orthogonalises_in_float32_where_bf16_is_emulated_and_is_torchs_muo
     monkeypatch.setattr(optim, "fast_bf16", lambda: True)
     monkeypatch.setenv("MLLM_CACHE_DIR", str(tmp_path))
     for bf16_ms, chosen in ((1.0, torch.bfloat16), (2.0, torch.float32)):
-        monkeypatch.setattr(optim, "_newton_schulz_probe", lambda shapes: {"float32": 2.0, "bfloat16": bf16_ms})
+        monkeypatch.setattr(optim, "_newton_schulz_probe", lambda shapes, ms=bf16_ms: {"float32": 2.0, "bfloat16": ms})
         dtype, why = newton_schulz_dtype(torch.device("cpu"), [(int(bf16_ms), 16)])  # a cache entry each
         assert dtype == chosen and f"bfloat16 {bf16_ms:.1f} ms, float32 2.0 ms" in why
     assert newton_schulz_dtype(torch.device("cuda"))[0] == torch.bfloat16

@@ -13,7 +13,7 @@ def feed(chooser: ThreadChooser, step_s: dict[int, float], share: float = 1.0, s
     """Steps at the chooser's count taking step_s[count] seconds, the threads running `share` of
     that time; until the measurement ends (or `steps` steps). The lines it said."""
     said = []
-    for i in range(steps if steps is not None else 1000):
+    for _ in range(steps if steps is not None else 1000):
         if steps is None and not chooser.measuring:
             break
         n = chooser.threads

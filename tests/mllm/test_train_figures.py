@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from textdata import write_char_ids
+
 from mllm.config import RunConfig
 from mllm.train import train
 
