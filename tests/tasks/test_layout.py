@@ -27,17 +27,17 @@ from tasks.data.vocabulary import _vocab_key
 ROOT = Path(__file__).resolve().parents[2]
 
 RECORDED = {
-    "corpus tokens basic_english": "55b84b0c46cfa9db",
-    "corpus tokens bpe": "a860d98fa7a3263e",
-    "corpus tokens char": "b13be39a303bd66c",
-    "corpus tokens word": "e0323167c8e62108",
-    "pairs": "5fc2956088980531",
+    "corpus tokens basic_english": "0ca09f92c35e2a26",
+    "corpus tokens bpe": "00a340e8d1f2bc49",
+    "corpus tokens char": "a53789caaf0b99ac",
+    "corpus tokens word": "ccd9af12cdaea599",
+    "pairs": "6408fd72aaeeb8d0",
     "route": "968ad92f53d1c6ac",
     "split": "9dd68ab4fa45dfc8",
-    "tokens basic_english": "55f4a424e1fa7518",
-    "tokens bpe": "66db1c902b0dc950",
-    "tokens char": "7d9d9ab1dbb97f97",
-    "tokens word": "d20b862447e581c4",
+    "tokens basic_english": "0248b17ba7c4b968",
+    "tokens bpe": "53fe6dbc6c703e9e",
+    "tokens char": "151497f71f7fb498",
+    "tokens word": "cd92d80bf1e8443d",
     "vocab": "b39b39f87e97d5bb",
 }
 
