@@ -9,7 +9,7 @@ SOURCE ?=
 STORAGE ?=
 SET    ?=
 
-.PHONY: run test test-fast install install-dev bench clean docker-setup image
+.PHONY: run test test-fast lint install install-dev bench clean docker-setup image
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ run: $(VENV)/.installed
 # out the modules marked integration (real flows, CLI commands, servers).
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=15 -n 3 --dist loadfile
+
+# ruff's format check and lint (configured in pyproject.toml); `ruff format` and `ruff check --fix` mend most.
+LINTED := mllm tasks flows tests benchmarks
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/ruff check $(LINTED)
 
 test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not integration"

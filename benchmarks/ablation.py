@@ -53,8 +53,13 @@ PIECES["all"] = {k: v for piece in PIECES.values() for k, v in piece.items()}
 # Measured after the rest (the "all" row above is the nine before them).
 PIECES["value embeds"] = {"model.value_embeds": True}
 PIECES["residual scalars"] = {"model.residual_scalars": True}
-FIXED = {"train.compile": False, "train.device": "cpu", "train.checkpoint_interval": 10**6,
-         "train.checkpoint_minutes": None, "train.eval_batches": 20}
+FIXED = {
+    "train.compile": False,
+    "train.device": "cpu",
+    "train.checkpoint_interval": 10**6,
+    "train.checkpoint_minutes": None,
+    "train.eval_batches": 20,
+}
 
 
 def run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> tuple[list[dict], Path]:
@@ -64,8 +69,13 @@ def run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> 
     folder.mkdir(parents=True, exist_ok=True)
     config, events = folder / f"{slug}.yaml", folder / f"{slug}.jsonl"
     config.write_text(cfg.to_yaml(paths=True))
-    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume",
-                          "--events", str(events)], cwd=REPO, env=_env(threads), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume", "--events", str(events)],
+        cwd=REPO,
+        env=_env(threads),
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(f"{name}: mllm.train failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return [json.loads(line) for line in events.read_text().splitlines()], folder / slug
@@ -73,8 +83,13 @@ def run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> 
 
 def probe_steps(paths: dict, folder: Path, minutes: float, threads: int) -> tuple[int, float]:
     """How many of the default's steps fit in `minutes` (past its first ten), and the step time."""
-    events, _ = run(paths, folder / "probe", "probe", {"train.max_steps": 40, "train.log_interval": 10,
-                                                       "train.eval_interval": 10**6}, threads)
+    events, _ = run(
+        paths,
+        folder / "probe",
+        "probe",
+        {"train.max_steps": 40, "train.log_interval": 10, "train.eval_interval": 10**6},
+        threads,
+    )
     progress = [e["progress"] for e in events if "progress" in e]
     step_s = (progress[-1]["train_s"] - progress[0]["train_s"]) / (progress[-1]["step"] - progress[0]["step"])
     return max(100, int(60 * minutes / step_s) // 100 * 100), step_s
@@ -86,18 +101,18 @@ def step_costs(names: list[str], vocab_size: int, rounds: int, threads: int) -> 
     contender alike, which the training runs one after the other cannot promise."""
     import json as _json
 
-    from mllm.runtime import speed
     from mllm.families.base import build_model
+    from mllm.resolve import apply_overrides, recipe_dict, validate
+    from mllm.runtime import speed
     from mllm.runtime.optim import build_optimizer
-    from mllm.resolve import apply_overrides, recipe_dict
-    from mllm.resolve import validate
 
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
     setups = {}
     for name in names:
-        data = apply_overrides(recipe_dict("default"),
-                               [f"{k}={_json.dumps(v)}" for k, v in {**BASE, **PIECES[name]}.items()])
+        data = apply_overrides(
+            recipe_dict("default"), [f"{k}={_json.dumps(v)}" for k, v in {**BASE, **PIECES[name]}.items()]
+        )
         cfg = validate(data, name)
         model = build_model(cfg.model.model_copy(update={"vocab_size": vocab_size}))
         t = cfg.train
@@ -131,29 +146,49 @@ def time_to(points: list[dict], target: float) -> float | None:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--minutes", type=float, default=2.0, help="the default's training time, which sets the steps"),
-        p.add_argument("--steps", type=int, help="steps for every contender (instead of --minutes)"),
-        p.add_argument("--only", nargs="+", choices=list(PIECES), help="run only these (default first anyway)"),
-        p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="train.seed of each run"),
-        p.add_argument("--target", type=float, help="the loss for time-to-target (default: the default's last)"),
-        p.add_argument("--step-times", type=int, metavar="ROUNDS",
-                       help="only time each contender's step, round-robin for ROUNDS turns (no training)"),
-    ))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument(
+                "--minutes", type=float, default=2.0, help="the default's training time, which sets the steps"
+            ),
+            p.add_argument("--steps", type=int, help="steps for every contender (instead of --minutes)"),
+            p.add_argument("--only", nargs="+", choices=list(PIECES), help="run only these (default first anyway)"),
+            p.add_argument("--seeds", nargs="+", type=int, default=[1337], help="train.seed of each run"),
+            p.add_argument("--target", type=float, help="the loss for time-to-target (default: the default's last)"),
+            p.add_argument(
+                "--step-times",
+                type=int,
+                metavar="ROUNDS",
+                help="only time each contender's step, round-robin for ROUNDS turns (no training)",
+            ),
+        ),
+    )
     m = header("ablation", args.quick)
     wp = corpus("warandpeace")
     threads = args.threads or torch.get_num_threads()
     names = ["default", *[n for n in (args.only or PIECES) if n != "default"]]
-    from mllm.runtime.checkpoint import load_checkpoint
     from mllm.lm.evaluate import evaluate
+    from mllm.runtime.checkpoint import load_checkpoint
 
     if args.step_times:
         ms = step_costs(names, 60, args.step_times, threads)
         rows = [{"contender": n, "ms_per_step": v, "step_vs_default": v / ms["default"]} for n, v in ms.items()]
-        print(table(rows, [("contender", "contender"), ("ms_per_step", "median ms a step (bf16)"),
-                           ("step_vs_default", "/ default's")]) + f"\n\nload average now {load()}")
-        save("ablation_steps", {"machine": m, "threads": threads, "rounds": args.step_times, "rows": rows,
-                                "load_after": load()})
+        print(
+            table(
+                rows,
+                [
+                    ("contender", "contender"),
+                    ("ms_per_step", "median ms a step (bf16)"),
+                    ("step_vs_default", "/ default's"),
+                ],
+            )
+            + f"\n\nload average now {load()}"
+        )
+        save(
+            "ablation_steps",
+            {"machine": m, "threads": threads, "rounds": args.step_times, "rows": rows, "load_after": load()},
+        )
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="mllm-bench-ablation-") as tmp:
@@ -163,16 +198,29 @@ def main() -> None:
         steps, probe_s = (args.steps, None) if args.steps else probe_steps(paths, folder, args.minutes, threads)
         every = max(50, steps // 10 // 50 * 50)
         probed = f" (the default's probe: {probe_s:.3f} s a step)" if probe_s else ""
-        print(f"{steps} steps for every contender{probed}, an evaluation of 20 fixed batches every {every}; "
-              f"{threads} threads\n", flush=True)
+        print(
+            f"{steps} steps for every contender{probed}, an evaluation of 20 fixed batches every {every}; "
+            f"{threads} threads\n",
+            flush=True,
+        )
         target = args.target
         for name in names:
             for seed in args.seeds:
                 load_before = load()
                 t0 = time.perf_counter()
-                events, ckpt = run(paths, folder, f"{name}-{seed}", {
-                    **PIECES[name], "train.max_steps": steps, "train.seed": seed, "train.log_interval": 50,
-                    "train.eval_interval": every}, threads)
+                events, ckpt = run(
+                    paths,
+                    folder,
+                    f"{name}-{seed}",
+                    {
+                        **PIECES[name],
+                        "train.max_steps": steps,
+                        "train.seed": seed,
+                        "train.log_interval": 50,
+                        "train.eval_interval": every,
+                    },
+                    threads,
+                )
                 wall = time.perf_counter() - t0
                 result = next(e["result"] for e in events if "result" in e)
                 points = curve(events)
@@ -182,31 +230,70 @@ def main() -> None:
                 score = evaluate(model, val, model.config.block_size, 64)
                 half = next(p for p in points if p["step"] >= steps // 2)
                 train_s = points[-1]["train_s"]
-                row = {"contender": name, "seed": seed, "steps": result["steps"], "train_s": train_s,
-                       "ms_per_step": 1000 * train_s / result["steps"], "tokens_per_s": result["tokens_per_s"],
-                       "dtype": result["dtype_used"], "fixed_val_half": half["val_loss"],
-                       "fixed_val_end": points[-1]["val_loss"], "val_loss": score["loss"],
-                       "time_to_target": time_to(points, target), "curve": points, "wall_s": wall,
-                       "load_before": load_before, "load_after": load()}
+                row = {
+                    "contender": name,
+                    "seed": seed,
+                    "steps": result["steps"],
+                    "train_s": train_s,
+                    "ms_per_step": 1000 * train_s / result["steps"],
+                    "tokens_per_s": result["tokens_per_s"],
+                    "dtype": result["dtype_used"],
+                    "fixed_val_half": half["val_loss"],
+                    "fixed_val_end": points[-1]["val_loss"],
+                    "val_loss": score["loss"],
+                    "time_to_target": time_to(points, target),
+                    "curve": points,
+                    "wall_s": wall,
+                    "load_before": load_before,
+                    "load_after": load(),
+                }
                 rows.append(row)
-                print(f"{name} (seed {seed}): val loss {row['val_loss']:.4f} (whole split), fixed batches "
-                      f"{row['fixed_val_half']:.4f} at step {half['step']}, {row['fixed_val_end']:.4f} at {steps}; "
-                      f"{row['ms_per_step']:.1f} ms a step, {row['tokens_per_s']:,.0f} tok/s, {row['dtype']}; "
-                      f"load {load_before} -> {row['load_after']}", flush=True)
+                print(
+                    f"{name} (seed {seed}): val loss {row['val_loss']:.4f} (whole split), fixed batches "
+                    f"{row['fixed_val_half']:.4f} at step {half['step']}, {row['fixed_val_end']:.4f} at {steps}; "
+                    f"{row['ms_per_step']:.1f} ms a step, {row['tokens_per_s']:,.0f} tok/s, {row['dtype']}; "
+                    f"load {load_before} -> {row['load_after']}",
+                    flush=True,
+                )
     base = [r["val_loss"] for r in rows if r["contender"] == "default"]
     base_ms = [r["ms_per_step"] for r in rows if r["contender"] == "default"]
     for r in rows:
         r["vs_default"] = r["val_loss"] - sum(base) / len(base)
         r["step_vs_default"] = r["ms_per_step"] / (sum(base_ms) / len(base_ms))
     print(f"\ntarget for time-to-target: {target:.4f} (fixed batches)\n")
-    print(table(rows, [("contender", "contender"), ("seed", "seed"), ("steps", "steps"), ("train_s", "training s"),
-                       ("ms_per_step", "ms/step"), ("step_vs_default", "step / default's"),
-                       ("tokens_per_s", "tokens/s"), ("fixed_val_half", "fixed-batch val, half"),
-                       ("fixed_val_end", "fixed-batch val, end"), ("val_loss", "val loss (whole split)"),
-                       ("vs_default", "- default's"), ("time_to_target", "s to target"),
-                       ("load_before", "load before"), ("load_after", "load after")]))
-    save("ablation", {"machine": m, "steps": steps, "eval_every": every, "threads": threads, "target": target,
-                      "val_tokens": len(val), "rows": rows})
+    print(
+        table(
+            rows,
+            [
+                ("contender", "contender"),
+                ("seed", "seed"),
+                ("steps", "steps"),
+                ("train_s", "training s"),
+                ("ms_per_step", "ms/step"),
+                ("step_vs_default", "step / default's"),
+                ("tokens_per_s", "tokens/s"),
+                ("fixed_val_half", "fixed-batch val, half"),
+                ("fixed_val_end", "fixed-batch val, end"),
+                ("val_loss", "val loss (whole split)"),
+                ("vs_default", "- default's"),
+                ("time_to_target", "s to target"),
+                ("load_before", "load before"),
+                ("load_after", "load after"),
+            ],
+        )
+    )
+    save(
+        "ablation",
+        {
+            "machine": m,
+            "steps": steps,
+            "eval_every": every,
+            "threads": threads,
+            "target": target,
+            "val_tokens": len(val),
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ def train_once(paths: dict, folder: Path, minutes: float) -> dict:
     config, events = folder / "config.yaml", folder / "events.jsonl"
     config.write_text(cfg.to_yaml())
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--events", str(events)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60 * minutes + 600)
+    out = subprocess.run(
+        [sys.executable, "-m", "mllm.train", "--config", str(config), "--events", str(events)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60 * minutes + 600,
+    )
     if out.returncode != 0:
         raise SystemExit(f"error: the training failed:\n{out.stderr[-3000:]}")
     result = next(json.loads(line)["result"] for line in events.read_text().splitlines() if '"result"' in line)
@@ -43,9 +48,13 @@ def train_once(paths: dict, folder: Path, minutes: float) -> dict:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--minutes", type=float, default=3.0, help="each training's time budget (default 3)"),
-        p.add_argument("--load", type=int, default=2, help="CPU-bound processes beside the second (default 2)")))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--minutes", type=float, default=3.0, help="each training's time budget (default 3)"),
+            p.add_argument("--load", type=int, default=2, help="CPU-bound processes beside the second (default 2)"),
+        ),
+    )
     minutes = 0.5 if args.quick else args.minutes
     machine = header("busy machine", args.quick)
     wp = corpus("warandpeace")
@@ -57,8 +66,10 @@ def main() -> None:
             folder = tmp / f"run-{spinners}"
             folder.mkdir()
             # Bounded by themselves too: a benchmark killed with SIGKILL leaves nothing spinning for long.
-            spin = [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=60 * minutes + 120)])
-                    for _ in range(spinners)]
+            spin = [
+                subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=60 * minutes + 120)])
+                for _ in range(spinners)
+            ]
             try:
                 started = load()
                 r = train_once(paths, folder, minutes)
@@ -66,21 +77,59 @@ def main() -> None:
                 for p in spin:
                     p.kill()
                     p.wait()
-            rows.append({"run": name, "load_start": started, **{k: r[k] for k in (
-                "steps", "tokens_per_s", "val_loss", "threads", "threads_reason", "busy", "cpu_share",
-                "steps_planned", "load_average", "wall_s", "said")}})
-            print(f"{name}: {r['steps']} steps, busy {r['busy']}, threads {r['threads']} ({r['threads_reason']})",
-                  flush=True)
+            rows.append(
+                {
+                    "run": name,
+                    "load_start": started,
+                    **{
+                        k: r[k]
+                        for k in (
+                            "steps",
+                            "tokens_per_s",
+                            "val_loss",
+                            "threads",
+                            "threads_reason",
+                            "busy",
+                            "cpu_share",
+                            "steps_planned",
+                            "load_average",
+                            "wall_s",
+                            "said",
+                        )
+                    },
+                }
+            )
+            print(
+                f"{name}: {r['steps']} steps, busy {r['busy']}, threads {r['threads']} ({r['threads_reason']})",
+                flush=True,
+            )
     ratio = rows[1]["steps"] / rows[0]["steps"]
     print()
-    print(table(rows, [("run", "machine"), ("load_start", "load at start"), ("steps", "steps"),
-                       ("tokens_per_s", "tok/s"), ("val_loss", "val loss"), ("threads", "threads"),
-                       ("busy", "record: busy"), ("cpu_share", "CPU share"), ("steps_planned", "steps planned"),
-                       ("load_average", "load at end")]))
-    print(f"\nsteps beside the load / steps as it is: {ratio:.2f} (acceptance: at least 0.33); "
-          f"the second's record says busy: {rows[1]['busy']}")
-    save("busy", {"machine": machine, "minutes": minutes, "load_processes": args.load, "rows": rows,
-                  "ratio": round(ratio, 3)})
+    print(
+        table(
+            rows,
+            [
+                ("run", "machine"),
+                ("load_start", "load at start"),
+                ("steps", "steps"),
+                ("tokens_per_s", "tok/s"),
+                ("val_loss", "val loss"),
+                ("threads", "threads"),
+                ("busy", "record: busy"),
+                ("cpu_share", "CPU share"),
+                ("steps_planned", "steps planned"),
+                ("load_average", "load at end"),
+            ],
+        )
+    )
+    print(
+        f"\nsteps beside the load / steps as it is: {ratio:.2f} (acceptance: at least 0.33); "
+        f"the second's record says busy: {rows[1]['busy']}"
+    )
+    save(
+        "busy",
+        {"machine": machine, "minutes": minutes, "load_processes": args.load, "rows": rows, "ratio": round(ratio, 3)},
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ CORPORA = {"warandpeace": DATA / "warandpeace.txt", "tinyshakespeare": DATA / "t
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a shorter pass (fewer steps, smaller inputs)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's own choice, one per core)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice, one per core)"
+    )
     if extra:
         extra(p)
     args = p.parse_args()
@@ -71,21 +72,32 @@ def machine() -> dict[str, Any]:
 
     from mllm.runtime import speed
 
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "machine": platform.machine(), "cpu": speed.cpu_model(),
-            "cpu_flags": speed.matmul_flags(), "loadavg_start": list(os.getloadavg())}
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu": speed.cpu_model(),
+        "cpu_flags": speed.matmul_flags(),
+        "loadavg_start": list(os.getloadavg()),
+    }
 
 
 def header(name: str, quick: bool) -> dict[str, Any]:
     m = machine()
     print(f"# {name}{' (quick)' if quick else ''}\n")
-    print(f"{m['cpu']} ({' '.join(m['cpu_flags']) or 'no AVX2'}), torch {m['torch']}, {m['threads']} torch "
-          f"threads, {m['cpus']} CPUs, python {m['python']}, load average {m['loadavg_start'][0]:.2f}\n", flush=True)
+    print(
+        f"{m['cpu']} ({' '.join(m['cpu_flags']) or 'no AVX2'}), torch {m['torch']}, {m['threads']} torch "
+        f"threads, {m['cpus']} CPUs, python {m['python']}, load average {m['loadavg_start'][0]:.2f}\n",
+        flush=True,
+    )
     return m
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
     """A markdown table of `rows`; columns are (key, title) pairs."""
+
     def cell(v: Any) -> str:
         if isinstance(v, float):
             # Below 10, five significant digits: a loss of 1.1976 read as "1.2" hides what was measured.
@@ -123,15 +135,22 @@ def hms(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bool = True,
-              strip_gutenberg: bool = True, val_fraction: float = 0.1) -> dict[str, Any]:
+def token_ids(
+    corpus_path: Path,
+    folder: Path,
+    kind: str = "char",
+    normalize: bool = True,
+    strip_gutenberg: bool = True,
+    val_fraction: float = 0.1,
+) -> dict[str, Any]:
     """Tokenize a corpus with mllm.data.text and mllm.data.vocab into train/val .npy and vocab.json in
     `folder`: the inputs `mllm.train` reads, without the pipeline around them."""
     import numpy as np
     import pyarrow as pa
 
     from mllm.config import TokenizerConfig
-    from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg as strip
+    from mllm.data.text import build_tokenizer, read_chunks
+    from mllm.data.text import strip_gutenberg as strip
     from mllm.data.vocab import Vocab
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,26 +163,31 @@ def token_ids(corpus_path: Path, folder: Path, kind: str = "char", normalize: bo
     vocab = Vocab.build(counts)
     ids = vocab.encode_array(tokens)
     n_val = int(len(ids) * val_fraction)
-    np.save(folder / "train.npy", ids[:len(ids) - n_val])
-    np.save(folder / "val.npy", ids[len(ids) - n_val:])
+    np.save(folder / "train.npy", ids[: len(ids) - n_val])
+    np.save(folder / "val.npy", ids[len(ids) - n_val :])
     vocab.save(str(folder / "vocab.json"))
-    return {"train_ids": str(folder / "train.npy"), "val_ids": str(folder / "val.npy"),
-            "vocab": str(folder / "vocab.json"), "vocab_size": len(vocab),
-            "n_train": len(ids) - n_val, "n_val": n_val}
+    return {
+        "train_ids": str(folder / "train.npy"),
+        "val_ids": str(folder / "val.npy"),
+        "vocab": str(folder / "vocab.json"),
+        "vocab_size": len(vocab),
+        "n_train": len(ids) - n_val,
+        "n_val": n_val,
+    }
 
 
 def run_config(recipe: str | None, paths: dict[str, Any], checkpoint_dir: Path, overrides: dict[str, Any]):
     """A recipe (or the default tree) with `overrides` ({"train.max_steps": 10}) and paths filled in."""
     from mllm.config import RunConfig, TrainPaths
-    from mllm.resolve import validate
-    from mllm.resolve import apply_overrides, recipe_dict
+    from mllm.resolve import apply_overrides, recipe_dict, validate
 
     data = recipe_dict(recipe) if recipe else RunConfig().to_dict()
     if overrides.get("model.arch", data["model"]["arch"]) != data["model"]["arch"]:
         data["model"] = {}  # another family: none of the recipe's model fields apply
     data = apply_overrides(data, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
-    data["paths"] = TrainPaths(train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"],
-                               checkpoint_dir=str(checkpoint_dir)).model_dump()
+    data["paths"] = TrainPaths(
+        train_ids=paths["train_ids"], val_ids=paths["val_ids"], vocab=paths["vocab"], checkpoint_dir=str(checkpoint_dir)
+    ).model_dump()
     return validate(data, f"benchmark config ({recipe or 'default tree'})")
 
 

@@ -58,8 +58,10 @@ def torch_wheel() -> str:
     import torch
 
     found = sorted(Path("/opt/wheels").glob(f"torch-{torch.__version__}-cp311-*.whl"))
-    folders = os.environ.get("PIP_FIND_LINKS", "").split() + sh(sys.executable, "-m", "pip", "config", "get",
-                                                                  "global.find-links").stdout.split()
+    folders = (
+        os.environ.get("PIP_FIND_LINKS", "").split()
+        + sh(sys.executable, "-m", "pip", "config", "get", "global.find-links").stdout.split()
+    )
     for folder in folders:
         found += sorted(Path(folder).glob(f"torch-{torch.__version__}-cp311-*.whl"))
     if not found:
@@ -105,26 +107,61 @@ def first_step_latency(env: dict[str, str], pool: str, seed: int, cwd: Path) -> 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source",
-                          f"s3://{BUCKET}/corpus.txt", "--storage", f"s3://{BUCKET}/storage", "--train-on", pool,
-                          "--set", "train.device=cpu", "--set", f"train.seed={seed}", "--set", "train.log_interval=1",
-                          "--set", "train.max_steps=20"], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--recipe",
+            "smoke",
+            "--source",
+            f"s3://{BUCKET}/corpus.txt",
+            "--storage",
+            f"s3://{BUCKET}/storage",
+            "--train-on",
+            pool,
+            "--set",
+            "train.device=cpu",
+            "--set",
+            f"train.seed={seed}",
+            "--set",
+            "train.log_interval=1",
+            "--set",
+            "train.max_steps=20",
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"train on {pool} failed:\n{out.stderr[-3000:]}")
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-        run = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])),
-                                    sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
+        run = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])), sort=FlowRunSort.START_TIME_DESC, limit=1
+        )[0]
     mlflow = MlflowClient(env["MLFLOW_TRACKING_URI"])
     run_id = run.parameters["run_id"]  # the pipeline's MLflow run, which the train flow logs into
     first = min(m.timestamp for m in mlflow.get_metric_history(run_id, "train_loss"))
-    return {"pool": pool, "seed": seed, "to_first_step_s": first / 1000 - run.created.timestamp(),
-            "train_flow_run_s": (run.end_time - run.created).total_seconds(), "command_s": wall}
+    return {
+        "pool": pool,
+        "seed": seed,
+        "to_first_step_s": first / 1000 - run.created.timestamp(),
+        "train_flow_run_s": (run.end_time - run.created).total_seconds(),
+        "command_s": wall,
+    }
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--no-cold", action="store_true", help="keep Docker's images and cache: no cold build"))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument(
+            "--no-cold", action="store_true", help="keep Docker's images and cache: no cold build"
+        ),
+    )
     machine = header("containers", args.quick)
     import docker
     from prefect import get_client
@@ -145,35 +182,86 @@ def main() -> None:
         services = []
         try:
             port = free_port()
-            (tmp / "registry.yml").write_text(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp / 'reg'}\n"
-                                              f"http:\n  addr: 127.0.0.1:{port}\n")
-            services.append(start("registry", [registry_bin, "serve", str(tmp / "registry.yml")], tmp, quiet,
-                                  f"http://127.0.0.1:{port}/v2/"))
+            (tmp / "registry.yml").write_text(
+                f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp / 'reg'}\n"
+                f"http:\n  addr: 127.0.0.1:{port}\n"
+            )
+            services.append(
+                start(
+                    "registry",
+                    [registry_bin, "serve", str(tmp / "registry.yml")],
+                    tmp,
+                    quiet,
+                    f"http://127.0.0.1:{port}/v2/",
+                )
+            )
             figures = builds(f"127.0.0.1:{port}", cold=not args.no_cold)
-            print(table([figures], [("base_cold_s", "base, cold (s)"), ("build_cold_s", "build, cold (s)"),
-                                    ("base_cached_s", "base, cached (s)"), ("build_cached_s", "build, cached (s)"),
-                                    ("push_empty_registry_s", "push, empty registry (s)"),
-                                    ("push_again_s", "push again (s)"), ("image_size_gb", "image (GB)"),
-                                    ("base_size_gb", "of which base (GB)")]) + "\n", flush=True)
+            print(
+                table(
+                    [figures],
+                    [
+                        ("base_cold_s", "base, cold (s)"),
+                        ("build_cold_s", "build, cold (s)"),
+                        ("base_cached_s", "base, cached (s)"),
+                        ("build_cached_s", "build, cached (s)"),
+                        ("push_empty_registry_s", "push, empty registry (s)"),
+                        ("push_again_s", "push again (s)"),
+                        ("image_size_gb", "image (GB)"),
+                        ("base_size_gb", "of which base (GB)"),
+                    ],
+                )
+                + "\n",
+                flush=True,
+            )
 
             s3_port = free_port()
             s3 = f"http://127.0.0.1:{s3_port}"
-            services.append(start("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
-                                  tmp, quiet, f"{s3}/moto-api/"))
-            aws = {"AWS_ENDPOINT_URL": s3, "AWS_DEFAULT_REGION": "us-east-1", "AWS_ACCESS_KEY_ID": "bench",
-                   "AWS_SECRET_ACCESS_KEY": SECRET}
+            services.append(
+                start(
+                    "moto",
+                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+                    tmp,
+                    quiet,
+                    f"{s3}/moto-api/",
+                )
+            )
+            aws = {
+                "AWS_ENDPOINT_URL": s3,
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ACCESS_KEY_ID": "bench",
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+            }
             import boto3
 
-            client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id="bench",
-                                  aws_secret_access_key=SECRET)
+            client = boto3.client(
+                "s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key=SECRET
+            )
             client.create_bucket(Bucket=BUCKET)
             sys.path.insert(0, str(REPO / "tests"))
             from conftest import make_text
 
             client.put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
-            up = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "up", "--home", str(tmp / "stack"),
-                                 "--storage", str(tmp / "mlflow-storage"), "--prefect-port", "0", "--mlflow-port", "0"],
-                                capture_output=True, text=True, env={**quiet, **aws, "OMP_NUM_THREADS": "1"}, timeout=300)
+            up = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "stack",
+                    "up",
+                    "--home",
+                    str(tmp / "stack"),
+                    "--storage",
+                    str(tmp / "mlflow-storage"),
+                    "--prefect-port",
+                    "0",
+                    "--mlflow-port",
+                    "0",
+                ],
+                capture_output=True,
+                text=True,
+                env={**quiet, **aws, "OMP_NUM_THREADS": "1"},
+                timeout=300,
+            )
             if up.returncode:
                 raise SystemExit(f"stack up failed:\n{up.stderr[-3000:]}")
             stack_env = dict(e.split("=", 1) for e in re.search(r"export (.*)", up.stdout).group(1).split())
@@ -182,19 +270,31 @@ def main() -> None:
             creds.write_text(f"[default]\naws_access_key_id = bench\naws_secret_access_key = {SECRET}\n")
             os.chown(creds, 1000, 1000) if os.geteuid() == 0 else creds.chmod(0o444)
             template = json.loads((REPO / "infra/pools/docker.json").read_text())
-            defaults = {"image": figures["image"], "image_pull_policy": "Always", "network_mode": "host",
-                        "volumes": [f"{creds}:/home/mllm/.aws/credentials:ro"], "auto_remove": True,
-                        "env": {"OMP_NUM_THREADS": "1"}}
+            defaults = {
+                "image": figures["image"],
+                "image_pull_policy": "Always",
+                "network_mode": "host",
+                "volumes": [f"{creds}:/home/mllm/.aws/credentials:ro"],
+                "auto_remove": True,
+                "env": {"OMP_NUM_THREADS": "1"},
+            }
             for k, v in defaults.items():
                 template["variables"]["properties"][k]["default"] = v
             with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
-                prefect.create_work_pool(WorkPoolCreate(name="bench-docker", type="docker", base_job_template=template),
-                                         overwrite=True)
+                prefect.create_work_pool(
+                    WorkPoolCreate(name="bench-docker", type="docker", base_job_template=template), overwrite=True
+                )
             worker_env = {k: v for k, v in quiet.items() if not k.startswith("AWS_")}
             worker_env.update(PREFECT_API_URL=api, PREFECT_HOME=str(tmp / "docker-worker"))
-            services.append(start("docker-worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool",
-                                                    "bench-docker", "--type", "docker"], tmp, worker_env,
-                                  ready=lambda: _worker_online(api, "bench-docker")))
+            services.append(
+                start(
+                    "docker-worker",
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "bench-docker", "--type", "docker"],
+                    tmp,
+                    worker_env,
+                    ready=lambda: _worker_online(api, "bench-docker"),
+                )
+            )
             env = {**quiet, **aws, **stack_env, "OMP_NUM_THREADS": "1"}
             # The data stages once, on this machine; each measured run then trains only.
             first_step_latency(env, "local", 0, tmp)
@@ -204,17 +304,38 @@ def main() -> None:
                     rows.append(first_step_latency(env, pool, 100 + 2 * i + (pool != "local"), tmp))
                     print(f"  {rows[-1]}", flush=True)
         finally:
-            subprocess.run([sys.executable, "-m", "flows.cli", "stack", "down", "--home", str(tmp / "stack")],
-                           capture_output=True, text=True, env=quiet)
+            subprocess.run(
+                [sys.executable, "-m", "flows.cli", "stack", "down", "--home", str(tmp / "stack")],
+                capture_output=True,
+                text=True,
+                env=quiet,
+            )
             for s in reversed(services):
                 s.stop()
-    summary = [{"pool": pool, "runs": len(rs), "to_first_step_s": median([r["to_first_step_s"] for r in rs]),
-                "train_flow_run_s": median([r["train_flow_run_s"] for r in rs]),
-                "command_s": median([r["command_s"] for r in rs])}
-               for pool in ("local", "bench-docker") for rs in [[r for r in rows if r["pool"] == pool]]]
+    summary = [
+        {
+            "pool": pool,
+            "runs": len(rs),
+            "to_first_step_s": median([r["to_first_step_s"] for r in rs]),
+            "train_flow_run_s": median([r["train_flow_run_s"] for r in rs]),
+            "command_s": median([r["command_s"] for r in rs]),
+        }
+        for pool in ("local", "bench-docker")
+        for rs in [[r for r in rows if r["pool"] == pool]]
+    ]
     print()
-    print(table(summary, [("pool", "pool"), ("runs", "runs"), ("to_first_step_s", "train flow run created to first step (s)"),
-                          ("train_flow_run_s", "train flow run, 20 steps (s)"), ("command_s", "whole command (s)")]))
+    print(
+        table(
+            summary,
+            [
+                ("pool", "pool"),
+                ("runs", "runs"),
+                ("to_first_step_s", "train flow run created to first step (s)"),
+                ("train_flow_run_s", "train flow run, 20 steps (s)"),
+                ("command_s", "whole command (s)"),
+            ],
+        )
+    )
     print(f"\nload average at the end: {load()}")
     save("containers", {"machine": machine, "build": figures, "rows": rows, "summary": summary})
 

@@ -40,8 +40,11 @@ from pathlib import Path
 from benchmarks.common import REPO, corpus, header, load, parse_args, save, table
 
 SCALE_KINDS = {"char": {"kind": "char"}, "word": {"kind": "word"}, "bpe 2000": {"kind": "bpe", "bpe_vocab_size": 2000}}
-KINDS = {"char": [], "word": ["data.tokenizer.kind=word"],
-         "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe_vocab_size=2000"]}
+KINDS = {
+    "char": [],
+    "word": ["data.tokenizer.kind=word"],
+    "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe_vocab_size=2000"],
+}
 STAGES = ("download", "tokenize", "build-vocabulary", "split")
 
 
@@ -123,8 +126,18 @@ class Peaks:
         self.hwm = _status("VmHWM")
 
     def report(self, **more) -> dict:
-        return {"s": self.seconds, "cpu_s": self.cpu_seconds, "peak": self.hwm, "anon": self.anon, "file": self.file, "start": self.start, "start_anon": self.start_anon,
-                "peak_reset": self.reset, "load": load(), **more}
+        return {
+            "s": self.seconds,
+            "cpu_s": self.cpu_seconds,
+            "peak": self.hwm,
+            "anon": self.anon,
+            "file": self.file,
+            "start": self.start,
+            "start_anon": self.start_anon,
+            "peak_reset": self.reset,
+            "load": load(),
+            **more,
+        }
 
 
 # --- 1. the flow in-process ----------------------------------------------------------------
@@ -178,12 +191,22 @@ def in_process(source: Path, tmp: Path) -> tuple[list[dict], float]:
             data = state.result()
             times = stage_times(state.state_details.flow_run_id)
             tok_s = times.get("tokenize")
-            rows.append({"tokenizer": kind, "run": run, **{s: times.get(s) for s in STAGES},
-                         "tokenize_mb_per_s": source.stat().st_size / 1e6 / tok_s if isinstance(tok_s, float) else None,
-                         "flow_s": flow_s, "tokens": data.tokens.n_tokens, "vocab": data.vocab.size,
-                         "load": load()})
-            print(f"  prepare, {kind}, {run}: {flow_s:.1f} s; " +
-                  ", ".join(f"{s} {_fmt(times.get(s))}" for s in STAGES), flush=True)
+            rows.append(
+                {
+                    "tokenizer": kind,
+                    "run": run,
+                    **{s: times.get(s) for s in STAGES},
+                    "tokenize_mb_per_s": source.stat().st_size / 1e6 / tok_s if isinstance(tok_s, float) else None,
+                    "flow_s": flow_s,
+                    "tokens": data.tokens.n_tokens,
+                    "vocab": data.vocab.size,
+                    "load": load(),
+                }
+            )
+            print(
+                f"  prepare, {kind}, {run}: {flow_s:.1f} s; " + ", ".join(f"{s} {_fmt(times.get(s))}" for s in STAGES),
+                flush=True,
+            )
     return rows, server_s
 
 
@@ -199,12 +222,29 @@ def cli_runs(source: Path, tmp: Path) -> list[dict]:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "flows.cli"]
     env = {**prefect_env(tmp / "cli-home"), "COLUMNS": "200"}
     rows = []
-    for what, storage_name in (("first run ever (new Prefect database)", "a"), ("new data", "b"),
-                               ("fully cached re-run", "b")):
+    for what, storage_name in (
+        ("first run ever (new Prefect database)", "a"),
+        ("new data", "b"),
+        ("fully cached re-run", "b"),
+    ):
         t0 = time.perf_counter()
-        out = subprocess.run([*cmd, "prepare", "--recipe", "default", "--source", str(source),
-                              "--storage", str(tmp / "cli-storage" / storage_name)],
-                             env=env, capture_output=True, text=True, cwd=tmp, timeout=600)
+        out = subprocess.run(
+            [
+                *cmd,
+                "prepare",
+                "--recipe",
+                "default",
+                "--source",
+                str(source),
+                "--storage",
+                str(tmp / "cli-storage" / storage_name),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=tmp,
+            timeout=600,
+        )
         wall = time.perf_counter() - t0
         if out.returncode != 0:
             raise RuntimeError(f"mllm-pipeline prepare failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -224,7 +264,7 @@ def write_big_text(body: str, path: Path, size_mb: int) -> tuple[int, str]:
     digest, n, size = hashlib.sha256(), 0, size_mb * 1_000_000
     with open(path, "wb") as f:
         while n < size:
-            part = block if n + len(block) <= size else block[:block.rfind(b"\n", 0, size - n) + 1]
+            part = block if n + len(block) <= size else block[: block.rfind(b"\n", 0, size - n) + 1]
             f.write(part)
             digest.update(part)
             n += len(part)
@@ -279,12 +319,26 @@ def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int, up_to: d
         path = tmp / f"text-{mb}MB.txt"
         n, sha = write_big_text(body, path, mb)
         kinds = [k for k in SCALE_KINDS if mb <= up_to.get(k, mb)]
-        texts.append({"path": str(path), "bytes": n, "sha256": sha, "root": str(tmp / f"scale-{mb}"),
-                      "kinds": kinds, "more": mb <= more_up_to})
+        texts.append(
+            {
+                "path": str(path),
+                "bytes": n,
+                "sha256": sha,
+                "root": str(tmp / f"scale-{mb}"),
+                "kinds": kinds,
+                "more": mb <= more_up_to,
+            }
+        )
         os.sync()  # the text written, not still in flight, when the first stage's clock starts
     env = {**prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
-                         env=env, capture_output=True, text=True, cwd=REPO, timeout=3600)
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=3600,
+    )
     for t in texts:
         os.remove(t["path"])
     if out.returncode != 0:
@@ -295,16 +349,32 @@ def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int, up_to: d
         for stage, st in r.items():
             if stage == "mb":
                 continue
-            rows.append({"stage": stage, "text_mb": r["mb"], "seconds": st["s"], "mb_per_s": r["mb"] / st["s"],
-                         "cpu_s": st["cpu_s"], "mb_per_cpu_s": r["mb"] / st["cpu_s"],
-                         "peak_rss_mb": st["peak"] / 1e6, "peak_anon_mb": st["anon"] / 1e6,
-                         "peak_file_mb": st["file"] / 1e6, "start_rss_mb": st["start"] / 1e6,
-                         "added_anon_mb": (st["anon"] - st["start_anon"]) / 1e6, "tokens": st.get("tokens"), "peak_tracked": st["peak_reset"], "load": st["load"]})
-            print(f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s; "
-                  f"{st['cpu_s']:.1f} CPU s, {r['mb'] / st['cpu_s']:.1f} MB per CPU s), peak RSS "
-                  f"{st['peak'] / 1e6:,.0f} MB (anonymous {st['anon'] / 1e6:,.0f}, file-backed "
-                  f"{st['file'] / 1e6:,.0f}; {st['start'] / 1e6:,.0f} MB at the stage's start), "
-                  f"load {st['load']}", flush=True)
+            rows.append(
+                {
+                    "stage": stage,
+                    "text_mb": r["mb"],
+                    "seconds": st["s"],
+                    "mb_per_s": r["mb"] / st["s"],
+                    "cpu_s": st["cpu_s"],
+                    "mb_per_cpu_s": r["mb"] / st["cpu_s"],
+                    "peak_rss_mb": st["peak"] / 1e6,
+                    "peak_anon_mb": st["anon"] / 1e6,
+                    "peak_file_mb": st["file"] / 1e6,
+                    "start_rss_mb": st["start"] / 1e6,
+                    "added_anon_mb": (st["anon"] - st["start_anon"]) / 1e6,
+                    "tokens": st.get("tokens"),
+                    "peak_tracked": st["peak_reset"],
+                    "load": st["load"],
+                }
+            )
+            print(
+                f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s; "
+                f"{st['cpu_s']:.1f} CPU s, {r['mb'] / st['cpu_s']:.1f} MB per CPU s), peak RSS "
+                f"{st['peak'] / 1e6:,.0f} MB (anonymous {st['anon'] / 1e6:,.0f}, file-backed "
+                f"{st['file'] / 1e6:,.0f}; {st['start'] / 1e6:,.0f} MB at the stage's start), "
+                f"load {st['load']}",
+                flush=True,
+            )
     return rows
 
 
@@ -319,10 +389,15 @@ def peak_growth(rows: list[dict]) -> dict[str, dict]:
         rs = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["text_mb"])
         if len(rs) > 1:
             a, b = rs[0], rs[-1]
-            per = lambda key: (b[key] - a[key]) / (b["text_mb"] - a["text_mb"])  # noqa: E731
-            out[stage] = {"text_from": a["text_mb"], "text_to": b["text_mb"],
-                          "anon_from_mb": a["added_anon_mb"], "anon_to_mb": b["added_anon_mb"],
-                          "anon_mb_per_text_mb": per("added_anon_mb"), "rss_mb_per_text_mb": per("peak_rss_mb")}
+            per = lambda key: (b[key] - a[key]) / (b["text_mb"] - a["text_mb"])  # noqa: E731 (a one-line helper, named where it is used)
+            out[stage] = {
+                "text_from": a["text_mb"],
+                "text_to": b["text_mb"],
+                "anon_from_mb": a["added_anon_mb"],
+                "anon_to_mb": b["added_anon_mb"],
+                "anon_mb_per_text_mb": per("added_anon_mb"),
+                "rss_mb_per_text_mb": per("peak_rss_mb"),
+            }
     return out
 
 
@@ -330,13 +405,17 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         print(json.dumps(worker(json.loads(sys.argv[2]))))
         return
+
     def options(p) -> None:
         p.add_argument("--scale-only", action="store_true", help="only part 3, the tokenizers at scale")
         p.add_argument("--sizes", help="text sizes in MB for part 3, e.g. 10,50,500")
         p.add_argument("--word-up-to", type=int, default=50, help="the word tokenizer only on texts up to this many MB")
         p.add_argument("--bpe-up-to", type=int, default=10, help="BPE only on texts up to this many MB")
-        p.add_argument("--many-files", action="store_true",
-                       help="instead: the stages on a corpus of many files (benchmarks/many_files.py)")
+        p.add_argument(
+            "--many-files",
+            action="store_true",
+            help="instead: the stages on a corpus of many files (benchmarks/many_files.py)",
+        )
         p.add_argument("--mb", type=int, default=1000, help="--many-files: the corpus's size in MB")
         p.add_argument("--files", type=int, default=2000, help="--many-files: how many files")
 
@@ -362,8 +441,11 @@ def main() -> None:
             flow_rows, server_s = in_process(source, tmp)
             print("2. the mllm-pipeline prepare command", flush=True)
             cli_rows = cli_runs(source, tmp)
-        print(f"3. tokenize on {' and '.join(f'{s} MB' for s in sizes)} (word up to {args.word_up_to} MB, BPE up to {args.bpe_up_to} MB; "
-              f"char's vocabulary and split up to {more_up_to} MB)", flush=True)
+        print(
+            f"3. tokenize on {' and '.join(f'{s} MB' for s in sizes)} (word up to {args.word_up_to} MB, BPE up to {args.bpe_up_to} MB; "
+            f"char's vocabulary and split up to {more_up_to} MB)",
+            flush=True,
+        )
         from mllm.data.text import read_chunks, strip_gutenberg
 
         body = "".join(strip_gutenberg(read_chunks(str(source))))
@@ -371,27 +453,68 @@ def main() -> None:
 
     if flow_rows:
         print()
-        print(table(flow_rows, [("tokenizer", "tokenizer"), ("run", "run"), *[(s, f"{s} s") for s in STAGES],
-                                ("tokenize_mb_per_s", "tokenize MB/s"), ("flow_s", "flow s"), ("tokens", "tokens"), ("vocab", "vocab"), ("load", "load avg")]))
-        print(f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
-              f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n")
+        print(
+            table(
+                flow_rows,
+                [
+                    ("tokenizer", "tokenizer"),
+                    ("run", "run"),
+                    *[(s, f"{s} s") for s in STAGES],
+                    ("tokenize_mb_per_s", "tokenize MB/s"),
+                    ("flow_s", "flow s"),
+                    ("tokens", "tokens"),
+                    ("vocab", "vocab"),
+                    ("load", "load avg"),
+                ],
+            )
+        )
+        print(
+            f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
+            f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n"
+        )
         print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
     print()
-    print(table(scale_rows, [("stage", "stage"), ("text_mb", "text MB"), ("seconds", "s"), ("mb_per_s", "MB/s"),
-                             ("cpu_s", "CPU s"), ("mb_per_cpu_s", "MB/CPU s"),
-                             ("peak_rss_mb", "peak RSS MB"), ("peak_anon_mb", "peak anonymous MB"),
-                             ("peak_file_mb", "peak file-backed MB"), ("start_rss_mb", "RSS at start MB"),
-                             ("added_anon_mb", "anonymous added MB"), ("load", "load avg")]))
+    print(
+        table(
+            scale_rows,
+            [
+                ("stage", "stage"),
+                ("text_mb", "text MB"),
+                ("seconds", "s"),
+                ("mb_per_s", "MB/s"),
+                ("cpu_s", "CPU s"),
+                ("mb_per_cpu_s", "MB/CPU s"),
+                ("peak_rss_mb", "peak RSS MB"),
+                ("peak_anon_mb", "peak anonymous MB"),
+                ("peak_file_mb", "peak file-backed MB"),
+                ("start_rss_mb", "RSS at start MB"),
+                ("added_anon_mb", "anonymous added MB"),
+                ("load", "load avg"),
+            ],
+        )
+    )
     growth = peak_growth(scale_rows)
     print()
     for stage, g in growth.items():
         # A stage that holds the ids of the whole text needs at least 4 bytes (int32) per token.
         verdict = "bounded" if g["anon_mb_per_text_mb"] < 1.0 else "NOT BOUNDED: grows with the text"
-        print(f"{stage}: anonymous memory added at its peak {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
-              f"{g['text_from']:.0f} -> {g['text_to']:.0f} MB of text: {g['anon_mb_per_text_mb']:+.2f} MB per MB "
-              f"of text ({verdict}); whole RSS {g['rss_mb_per_text_mb']:+.2f} MB per MB")
-    save("data_stages", {"peak_growth": growth, "machine": m, "quick": args.quick, "flow": flow_rows, "prefect_start_s": server_s, "cli": cli_rows,
-                         "scale": scale_rows})
+        print(
+            f"{stage}: anonymous memory added at its peak {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
+            f"{g['text_from']:.0f} -> {g['text_to']:.0f} MB of text: {g['anon_mb_per_text_mb']:+.2f} MB per MB "
+            f"of text ({verdict}); whole RSS {g['rss_mb_per_text_mb']:+.2f} MB per MB"
+        )
+    save(
+        "data_stages",
+        {
+            "peak_growth": growth,
+            "machine": m,
+            "quick": args.quick,
+            "flow": flow_rows,
+            "prefect_start_s": server_s,
+            "cli": cli_rows,
+            "scale": scale_rows,
+        },
+    )
 
 
 if __name__ == "__main__":

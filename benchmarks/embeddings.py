@@ -28,13 +28,28 @@ import torch
 import yaml
 
 from benchmarks.common import OUT, REPO, corpus, header, load, parse_args, save, table
-from mllm.embeddings.evaluation import pca_picture
-from mllm.embeddings.cbow import CBOW, CbowBatches, CbowConfig, basic_english, paragraph_ids, split_by_paragraph, \
-    split_paragraphs
 from mllm.data.text import read_chunks, strip_gutenberg
 from mllm.data.vocab import Vocab
-from mllm.embeddings.wordsim import (METRICS, WordVectors, evaluate_cbow, evaluate_embeddings, load_analogies, load_pairs,
-                          write_parquet, write_word2vec)
+from mllm.embeddings.cbow import (
+    CBOW,
+    CbowBatches,
+    CbowConfig,
+    basic_english,
+    paragraph_ids,
+    split_by_paragraph,
+    split_paragraphs,
+)
+from mllm.embeddings.evaluation import pca_picture
+from mllm.embeddings.wordsim import (
+    METRICS,
+    WordVectors,
+    evaluate_cbow,
+    evaluate_embeddings,
+    load_analogies,
+    load_pairs,
+    write_parquet,
+    write_word2vec,
+)
 
 PROBES = ["king", "war", "moscow", "mother", "horse", "happy", "said", "natasha", "frenchmen"]
 VAL_FRACTION = 0.1
@@ -63,8 +78,9 @@ def train_cbow(cfg: CbowConfig, batches: CbowBatches, epochs: float, lr: float, 
     return model, per_epoch
 
 
-def softmax_estimate(cfg: CbowConfig, ids, offsets, batch_size: int, epochs: float, per_epoch: int,
-                     steps: int = 3) -> dict:
+def softmax_estimate(
+    cfg: CbowConfig, ids, offsets, batch_size: int, epochs: float, per_epoch: int, steps: int = 3
+) -> dict:
     """What the reference's full softmax would cost here: a few timed Adam steps, scaled up."""
     full = cfg.model_copy(update={"objective": "softmax"})
     batches = CbowBatches.from_config(full, ids, offsets, batch_size, seed=0)
@@ -92,15 +108,16 @@ def paragraphs_of(path: Path) -> list[list[str]]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0],
-                      lambda p: p.add_argument("--recipe", default="cbow", help="mllm/recipes/<name>.yaml"))
+    args = parse_args(
+        __doc__.splitlines()[0], lambda p: p.add_argument("--recipe", default="cbow", help="mllm/recipes/<name>.yaml")
+    )
     path = corpus("warandpeace")
     try:
         import gensim
         from gensim.models import KeyedVectors, Word2Vec
     except ImportError:
         print("skipped: gensim is not installed (pip install 'mllm-pipeline[embeddings]')")
-        raise SystemExit(0)
+        raise SystemExit(0) from None
     machine = header(f"embeddings: recipe {args.recipe} vs gensim {gensim.__version__} Word2Vec", args.quick)
     r = recipe(args.recipe)
     train_cfg, min_freq = r["train"], r["data"]["vocab"]["min_freq"]
@@ -113,8 +130,11 @@ def main() -> None:
     ids, offsets = paragraph_ids(paragraphs, vocab)
     train_ids, train_off, val_ids, val_off = split_by_paragraph(ids, offsets, VAL_FRACTION)
     cfg = CbowConfig(**{**r["model"], "vocab_size": len(vocab)})
-    print(f"{len(paragraphs):,} paragraphs, {len(ids):,} tokens, vocabulary {len(vocab):,} "
-          f"(min count {min_freq}), {cfg.objective} objective, {epochs} epoch(s)\n", flush=True)
+    print(
+        f"{len(paragraphs):,} paragraphs, {len(ids):,} tokens, vocabulary {len(vocab):,} "
+        f"(min count {min_freq}), {cfg.objective} objective, {epochs} epoch(s)\n",
+        flush=True,
+    )
 
     rows = []
     batches = CbowBatches.from_config(cfg, train_ids, train_off, train_cfg["batch_size"], seed=0)
@@ -126,35 +146,68 @@ def main() -> None:
     m = report["metrics"]
     for name in ("context", "centre"):
         prefix = "" if name == "context" else "centre_"
-        rows.append({"model": f"mllm {args.recipe} ({name})", "seconds": seconds, "cpu_seconds": cpu,
-                     "train_loss": per_epoch[-1], "val_loss": m["val_loss"],
-                     **{k: m[prefix + k] for k in METRICS}})
+        rows.append(
+            {
+                "model": f"mllm {args.recipe} ({name})",
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "train_loss": per_epoch[-1],
+                "val_loss": m["val_loss"],
+                **{k: m[prefix + k] for k in METRICS},
+            }
+        )
 
     if cfg.objective == "negative":
-        rows.append(softmax_estimate(cfg, train_ids, train_off, train_cfg["batch_size"], epochs,
-                                     batches.batches_per_epoch))
+        rows.append(
+            softmax_estimate(cfg, train_ids, train_off, train_cfg["batch_size"], epochs, batches.batches_per_epoch)
+        )
 
     t0, c0 = time.perf_counter(), time.process_time()
-    w2v = Word2Vec(sentences=paragraphs[:n_train], vector_size=cfg.n_embd, window=cfg.context,
-                   min_count=min_freq, sg=0, cbow_mean=1, epochs=epochs, workers=os.cpu_count() or 1, seed=0)
+    w2v = Word2Vec(
+        sentences=paragraphs[:n_train],
+        vector_size=cfg.n_embd,
+        window=cfg.context,
+        min_count=min_freq,
+        sg=0,
+        cbow_mean=1,
+        epochs=epochs,
+        workers=os.cpu_count() or 1,
+        seed=0,
+    )
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     kv = w2v.wv
     gensim_vecs = WordVectors(list(kv.index_to_key), kv.vectors)
-    rows.append({"model": "gensim Word2Vec(sg=0, cbow_mean=1)", "seconds": seconds, "cpu_seconds": cpu,
-                 **evaluate_embeddings(gensim_vecs)})
+    rows.append(
+        {
+            "model": "gensim Word2Vec(sg=0, cbow_mean=1)",
+            "seconds": seconds,
+            "cpu_seconds": cpu,
+            **evaluate_embeddings(gensim_vecs),
+        }
+    )
     # gensim's own scorer on its own vectors: our evaluation must agree with it.
     data = Path(gensim.__file__).parent / "test" / "test_data"
     ws_gensim = kv.evaluate_word_pairs(str(data / "wordsim353.tsv"))[1].statistic
     an_gensim = kv.evaluate_word_analogies(str(data / "questions-words.txt"))[0]
 
-    columns = [("model", "model"), ("seconds", "train s"), ("cpu_seconds", "train CPU s"), ("train_loss", "last epoch loss"),
-               ("val_loss", "val loss"), ("wordsim353_spearman", "WS-353 rho"),
-               ("wordsim353_coverage", "WS-353 cov"), ("simlex999_spearman", "SimLex rho"),
-               ("simlex999_coverage", "SimLex cov"), ("analogy_accuracy", "analogy acc"),
-               ("analogy_coverage", "analogy cov")]
+    columns = [
+        ("model", "model"),
+        ("seconds", "train s"),
+        ("cpu_seconds", "train CPU s"),
+        ("train_loss", "last epoch loss"),
+        ("val_loss", "val loss"),
+        ("wordsim353_spearman", "WS-353 rho"),
+        ("wordsim353_coverage", "WS-353 cov"),
+        ("simlex999_spearman", "SimLex rho"),
+        ("simlex999_coverage", "SimLex cov"),
+        ("analogy_accuracy", "analogy acc"),
+        ("analogy_coverage", "analogy cov"),
+    ]
     print("\n" + table(rows, columns))
-    print(f"\ngensim's own evaluate_word_pairs / evaluate_word_analogies on its vectors: "
-          f"WS-353 rho {ws_gensim:.3f}, analogy accuracy {an_gensim:.3f}")
+    print(
+        f"\ngensim's own evaluate_word_pairs / evaluate_word_analogies on its vectors: "
+        f"WS-353 rho {ws_gensim:.3f}, analogy accuracy {an_gensim:.3f}"
+    )
     print(f"load average at the end: {load()}")
 
     neighbours, notes = report["neighbours"], report["notes"]
@@ -173,13 +226,27 @@ def main() -> None:
     loaded = KeyedVectors.load_word2vec_format(str(OUT / "cbow_vectors.txt"), binary=False)
     assert loaded.vectors.shape == vectors.vectors.shape
     pca_picture(vectors, OUT / "cbow_pca.png")
-    save("embeddings", {"machine": machine, "recipe": r, "epochs": epochs, "rows": rows,
-                        "gensim_own_scores": {"wordsim353": ws_gensim, "analogy": an_gensim},
-                        "vocab_size": len(vocab), "tokens": len(ids), "paragraphs": len(paragraphs),
-                        "sets": {"wordsim353": len(load_pairs("wordsim353")),
-                                 "simlex999": len(load_pairs("simlex999")),
-                                 "analogies": len(load_analogies())},
-                        "neighbours": neighbours, "notes": notes, "loadavg_end": load()})
+    save(
+        "embeddings",
+        {
+            "machine": machine,
+            "recipe": r,
+            "epochs": epochs,
+            "rows": rows,
+            "gensim_own_scores": {"wordsim353": ws_gensim, "analogy": an_gensim},
+            "vocab_size": len(vocab),
+            "tokens": len(ids),
+            "paragraphs": len(paragraphs),
+            "sets": {
+                "wordsim353": len(load_pairs("wordsim353")),
+                "simlex999": len(load_pairs("simlex999")),
+                "analogies": len(load_analogies()),
+            },
+            "neighbours": neighbours,
+            "notes": notes,
+            "loadavg_end": load(),
+        },
+    )
 
 
 if __name__ == "__main__":

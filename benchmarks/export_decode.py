@@ -33,9 +33,11 @@ from benchmarks.common import header, median, parse_args, save, table
 
 NEW, PROMPT = 500, [5, 6, 7, 8]
 SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 512, "dropout": 0.0}
-PIECES = {"default (rotary, ReLU², no bias)": {"positions": "rotary", "mlp": "relu2", "bias": False},
-          "rotary, GELU, no bias": {"positions": "rotary", "mlp": "gelu", "bias": False},
-          "nanoGPT (learned, GELU, bias)": {"positions": "learned", "mlp": "gelu", "bias": True}}
+PIECES = {
+    "default (rotary, ReLU², no bias)": {"positions": "rotary", "mlp": "relu2", "bias": False},
+    "rotary, GELU, no bias": {"positions": "rotary", "mlp": "gelu", "bias": False},
+    "nanoGPT (learned, GELU, bias)": {"positions": "learned", "mlp": "gelu", "bias": True},
+}
 
 
 def _loaded(pieces: dict):
@@ -83,8 +85,18 @@ def _onnx(folder: Path, loaded, threads: int) -> list[int]:
 def _llama(folder: Path, threads: int) -> list[int]:
     from llama_cpp import Llama
 
-    llm = Llama(str(folder / "model.gguf"), n_ctx=SHAPE["block_size"], n_threads=threads, n_threads_batch=threads,
-                n_batch=64, logits_all=True, verbose=False, type_k=0, type_v=0, flash_attn=False)  # float32 KV cache
+    llm = Llama(
+        str(folder / "model.gguf"),
+        n_ctx=SHAPE["block_size"],
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=64,
+        logits_all=True,
+        verbose=False,
+        type_k=0,
+        type_v=0,
+        flash_attn=False,
+    )  # float32 KV cache
     llm.eval(PROMPT)
     out = []
     for _ in range(NEW):
@@ -104,13 +116,24 @@ def _logit_gaps(folder: Path, loaded, llama: bool) -> dict[str, float]:
     c = loaded.model.config
     empty = np.zeros((c.n_layer, 1, c.n_head, 0, c.n_embd // c.n_head), np.float32)
     s = ort.InferenceSession(str(folder / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
-    gaps = {"onnx gap": float(np.abs(s.run(None, {"input_ids": ids.numpy(), "past_keys": empty,
-                                                   "past_values": empty})[0][0] - ours).max())}
+    gaps = {
+        "onnx gap": float(
+            np.abs(s.run(None, {"input_ids": ids.numpy(), "past_keys": empty, "past_values": empty})[0][0] - ours).max()
+        )
+    }
     if llama:
         from llama_cpp import Llama
 
-        llm = Llama(str(folder / "gguf" / "model.gguf"), n_ctx=SHAPE["block_size"], n_threads=1, logits_all=True,
-                    verbose=False, type_k=0, type_v=0, flash_attn=False)
+        llm = Llama(
+            str(folder / "gguf" / "model.gguf"),
+            n_ctx=SHAPE["block_size"],
+            n_threads=1,
+            logits_all=True,
+            verbose=False,
+            type_k=0,
+            type_v=0,
+            flash_attn=False,
+        )
         llm.eval(ids[0].tolist())
         gaps["llama gap"] = float(np.abs(np.array(llm.scores[:64]) - ours).max())
     return gaps
@@ -130,9 +153,13 @@ def _same(a: list[int], b: list[int] | None) -> str:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--llama-path", help="a folder holding llama_cpp (pip install --target)"),
-        p.add_argument("--repeats", type=int, default=3)))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--llama-path", help="a folder holding llama_cpp (pip install --target)"),
+            p.add_argument("--repeats", type=int, default=3),
+        ),
+    )
     threads = args.threads or 1
     torch.set_num_threads(threads)
     m = header("export_decode", args.quick)
@@ -157,8 +184,11 @@ def main() -> None:
             runs: dict[str, list[float]] = {"mllm": [], "onnxruntime": [], "llama.cpp": []}
             tokens: dict[str, list[int]] = {}
             for _ in range(1 if args.quick else args.repeats):
-                for who, fn, a in (("mllm", _mllm, (loaded, threads)), ("onnxruntime", _onnx, (Path(tmp) / "onnx", loaded, threads)),
-                                   ("llama.cpp", _llama, (Path(tmp) / "gguf", threads))):
+                for who, fn, a in (
+                    ("mllm", _mllm, (loaded, threads)),
+                    ("onnxruntime", _onnx, (Path(tmp) / "onnx", loaded, threads)),
+                    ("llama.cpp", _llama, (Path(tmp) / "gguf", threads)),
+                ):
                     if who == "llama.cpp" and not llama_note.startswith("llama-cpp"):
                         continue
                     rate, tokens[who] = _timed(fn, *a)
@@ -170,10 +200,21 @@ def main() -> None:
         rows.append(row)
         print(f"{name}: " + ", ".join(f"{who} {median(r):.0f} tok/s" for who, r in runs.items() if r), flush=True)
     print()
-    print(table(rows, [("model", "model"), ("mllm", "mllm tok/s"), ("onnxruntime", "onnxruntime tok/s"),
-                       ("llama.cpp", "llama.cpp tok/s"), ("onnx tokens", "onnxruntime = mllm"),
-                       ("llama.cpp tokens", "llama.cpp = mllm"), ("onnx gap", "onnxruntime max logit gap"),
-                       ("llama gap", "llama.cpp max logit gap")]))
+    print(
+        table(
+            rows,
+            [
+                ("model", "model"),
+                ("mllm", "mllm tok/s"),
+                ("onnxruntime", "onnxruntime tok/s"),
+                ("llama.cpp", "llama.cpp tok/s"),
+                ("onnx tokens", "onnxruntime = mllm"),
+                ("llama.cpp tokens", "llama.cpp = mllm"),
+                ("onnx gap", "onnxruntime max logit gap"),
+                ("llama gap", "llama.cpp max logit gap"),
+            ],
+        )
+    )
     save("export_decode", {"machine": m, "threads": threads, "llama": llama_note, "rows": rows})
 
 

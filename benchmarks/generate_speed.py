@@ -30,24 +30,21 @@ import torch
 
 from benchmarks.common import corpus, header, load, median, parse_args, save, table, threads, token_ids
 from mllm.config import model_config
-from mllm.runtime.epochs import load_ids
-from mllm.lm.windows import windows
 from mllm.families.base import build_model
 from mllm.lm.generate import generate
+from mllm.lm.windows import windows
+from mllm.runtime.epochs import load_ids
 
 MODELS = {
-    "GPT 4x4x128, block 64": dict(arch="gpt", n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0,
-                                  bias=False),
-    "GPT 4x4x128, block 512": dict(arch="gpt", n_layer=4, n_head=4, n_embd=128, block_size=512, dropout=0.0,
-                                   bias=False),
+    "GPT 4x4x128, block 64": dict(arch="gpt", n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False),
+    "GPT 4x4x128, block 512": dict(
+        arch="gpt", n_layer=4, n_head=4, n_embd=128, block_size=512, dropout=0.0, bias=False
+    ),
     "LSTM emb 32, 4x128": dict(arch="lstm", n_embd=32, n_layer=4, hidden_size=128, dropout=0.0),
 }
 
 
-
-
-def brief_training(model: torch.nn.Module, ids: np.ndarray, steps: int, window: int = 64,
-                   batch: int = 16) -> float:
+def brief_training(model: torch.nn.Module, ids: np.ndarray, steps: int, window: int = 64, batch: int = 16) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
     loss = None
@@ -65,8 +62,7 @@ def timed(model, prompt: list[int], n: int, method: str, use_cache: bool, repeat
     times, out = [], []
     while len(times) < repeats and sum(times) < 5.0:
         t0 = time.perf_counter()
-        out = generate(model, prompt, n, method=method, temperature=0.8, top_p=0.9, seed=1,
-                       use_cache=use_cache)
+        out = generate(model, prompt, n, method=method, temperature=0.8, top_p=0.9, seed=1, use_cache=use_cache)
         times.append(time.perf_counter() - t0)
     return median(times), out
 
@@ -79,8 +75,9 @@ MATVEC_SHAPES = [(1152, 384), (384, 384), (1536, 384), (384, 1536), (4096, 4096)
 def matvec(m: dict) -> None:
     """A batch of one, as cached decoding multiplies: one thread against two, and the product
     split in half across two Python threads by hand."""
-    import torch.nn.functional as F
     from concurrent.futures import ThreadPoolExecutor
+
+    import torch.nn.functional as F
 
     def per_call(fn, n: int) -> float:
         for _ in range(5):
@@ -95,7 +92,7 @@ def matvec(m: dict) -> None:
     with torch.inference_mode():
         for shape in MATVEC_SHAPES:
             w, x = torch.randn(*shape), torch.randn(1, shape[1])
-            halves = [w[: shape[0] // 2].contiguous(), w[shape[0] // 2:].contiguous()]
+            halves = [w[: shape[0] // 2].contiguous(), w[shape[0] // 2 :].contiguous()]
             n = 30 if w.numel() > 10**6 * 4 else 300
             row = {"shape": f"{shape[0]}x{shape[1]}", "mb": w.numel() * 4 / 1e6}
             for t in (1, 2):
@@ -105,15 +102,30 @@ def matvec(m: dict) -> None:
                 row["us_split"] = per_call(lambda: torch.cat(list(pool.map(lambda h: F.linear(x, h), halves)), 1), n)
             row["gb_s_1"] = row["mb"] / row["us_1"] * 1e3
             rows.append(row)
-    print(table(rows, [("shape", "weight"), ("mb", "MB"), ("us_1", "1 thread, us"), ("gb_s_1", "GB/s"),
-                       ("us_2", "2 threads, us"), ("us_split", "halves on 2 Python threads, us")]))
+    print(
+        table(
+            rows,
+            [
+                ("shape", "weight"),
+                ("mb", "MB"),
+                ("us_1", "1 thread, us"),
+                ("gb_s_1", "GB/s"),
+                ("us_2", "2 threads, us"),
+                ("us_split", "halves on 2 Python threads, us"),
+            ],
+        )
+    )
     save("generate_matvec", {"machine": m, "rows": rows})
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--new-tokens", type=int, default=500),
-        p.add_argument("--matvec", action="store_true", help="only time the matrix-vector products of decoding")))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--new-tokens", type=int, default=500),
+            p.add_argument("--matvec", action="store_true", help="only time the matrix-vector products of decoding"),
+        ),
+    )
     m = header("generate_speed", args.quick)
     if args.matvec:
         matvec(m)
@@ -136,8 +148,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with threads(1):
             loss = brief_training(model, ids, train_steps)
-        print(f"{name}: {train_steps} training steps in {time.perf_counter() - t0:.1f} s, loss {loss:.2f}",
-              flush=True)
+        print(f"{name}: {train_steps} training steps in {time.perf_counter() - t0:.1f} s, loss {loss:.2f}", flush=True)
         model.eval()
         cache_name = "KV cache" if spec["arch"] == "gpt" else "carried state"
         for n_threads in thread_counts:
@@ -149,19 +160,48 @@ def main() -> None:
                     s_full, full = timed(model, prompt, n, method, False, repeats)
                     same = (cached == full) if method == "greedy" else None
                     for mode, s, ld in ((cache_name, s_cached, load_cached), ("recompute", s_full, load())):
-                        rows.append({"model": name, "threads": n_threads, "method": method, "mode": mode,
-                                     "new_tokens": n, "seconds": s, "tokens_per_s": n / s,
-                                     "speedup": s_full / s, "same_tokens": same, "load": ld})
-                    print(f"  {n_threads} threads, {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, "
-                          f"{n / s_full:,.0f} recomputing ({s_full / s_cached:.1f}x)"
-                          + (f", same tokens: {same}" if same is not None else ""), flush=True)
+                        rows.append(
+                            {
+                                "model": name,
+                                "threads": n_threads,
+                                "method": method,
+                                "mode": mode,
+                                "new_tokens": n,
+                                "seconds": s,
+                                "tokens_per_s": n / s,
+                                "speedup": s_full / s,
+                                "same_tokens": same,
+                                "load": ld,
+                            }
+                        )
+                    print(
+                        f"  {n_threads} threads, {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, "
+                        f"{n / s_full:,.0f} recomputing ({s_full / s_cached:.1f}x)"
+                        + (f", same tokens: {same}" if same is not None else ""),
+                        flush=True,
+                    )
 
     print()
-    print(table(rows, [("model", "model"), ("threads", "threads"), ("method", "method"), ("mode", "context"), ("seconds", f"s / {n} tokens"),
-                       ("tokens_per_s", "tokens/s"), ("speedup", "vs recompute"), ("same_tokens", "greedy same"),
-                       ("load", "load avg")]))
-    save("generate_speed", {"machine": m, "quick": q, "new_tokens": n, "repeats": repeats,
-                            "training_steps": train_steps, "rows": rows})
+    print(
+        table(
+            rows,
+            [
+                ("model", "model"),
+                ("threads", "threads"),
+                ("method", "method"),
+                ("mode", "context"),
+                ("seconds", f"s / {n} tokens"),
+                ("tokens_per_s", "tokens/s"),
+                ("speedup", "vs recompute"),
+                ("same_tokens", "greedy same"),
+                ("load", "load avg"),
+            ],
+        )
+    )
+    save(
+        "generate_speed",
+        {"machine": m, "quick": q, "new_tokens": n, "repeats": repeats, "training_steps": train_steps, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

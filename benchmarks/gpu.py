@@ -52,8 +52,10 @@ TOY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, dropout=
 
 
 def prepare() -> None:
-    for name, folder, normalize, strip in (("tinyshakespeare", "shakespeare", False, False),
-                                          ("warandpeace", "warandpeace", True, True)):
+    for name, folder, normalize, strip in (
+        ("tinyshakespeare", "shakespeare", False, False),
+        ("warandpeace", "warandpeace", True, True),
+    ):
         if not CORPORA[name].is_file():
             sys.exit(f"error: {CORPORA[name]} not found: prepare reads ../shared/data beside the repo")
         paths = token_ids(CORPORA[name], WORK / folder, normalize=normalize, strip_gutenberg=strip)
@@ -63,7 +65,9 @@ def prepare() -> None:
     shutil.rmtree(WORK / "nanoGPT", ignore_errors=True)
     shutil.copytree(ANCHOR, WORK / "nanoGPT", ignore=shutil.ignore_patterns("data", "assets", "*.ipynb"))
     nanogpt_data(paths_of(WORK / "shakespeare"), WORK / "nanoGPT", dataset="shakespeare_char")
-    print(f"written: {WORK.relative_to(REPO)}/ ({sum(p.stat().st_size for p in WORK.rglob('*') if p.is_file()) / 1e6:.1f} MB)")
+    print(
+        f"written: {WORK.relative_to(REPO)}/ ({sum(p.stat().st_size for p in WORK.rglob('*') if p.is_file()) / 1e6:.1f} MB)"
+    )
 
 
 def _env() -> dict[str, str]:
@@ -78,8 +82,9 @@ def _run(cmd: list[str], log: Path, timeout: float, cwd: Path = REPO, env: dict 
         f.write(f"$ {' '.join(cmd)}  (at most {timeout:.0f} s)\n")
         f.flush()
         try:
-            rc = subprocess.run(cmd, cwd=cwd, env=env or _env(), stdout=f, stderr=subprocess.STDOUT,
-                                timeout=max(timeout, 1)).returncode
+            rc = subprocess.run(
+                cmd, cwd=cwd, env=env or _env(), stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1)
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         f.write(f"# exit {rc} after {time.monotonic() - start:.1f} s\n")
@@ -116,8 +121,11 @@ def _config(recipe: str, ids: Path, ckpt: Path, overrides: dict[str, Any]) -> Pa
 def _train(recipe: str, ids: Path, scratch: Path, name: str, overrides: dict, log: Path, timeout: float) -> dict:
     events = scratch / f"{name}.jsonl"
     config = _config(recipe, ids, scratch / name, overrides)
-    run = _run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume", "--events", str(events)],
-               log, timeout)
+    run = _run(
+        [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume", "--events", str(events)],
+        log,
+        timeout,
+    )
     records, result = _events(events)
     return {**run, "records": records, "result": result}
 
@@ -126,14 +134,32 @@ def _flops_per_token(shape: dict, vocab_size: int) -> float:
     from mllm.config import GPTConfig
     from mllm.families.base import build_model
 
-    model = build_model(GPTConfig(vocab_size=vocab_size, bias=False, **{k: v for k, v in shape.items() if k != "batch_size"}))
+    model = build_model(
+        GPTConfig(vocab_size=vocab_size, bias=False, **{k: v for k, v in shape.items() if k != "batch_size"})
+    )
     return float(model.flops_per_token(shape["block_size"]))
 
 
 def tests(out: Path, timeout: float) -> dict:
     log = out / "tests.log"
-    run = _run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/mllm/test_gpu.py", "--noconftest",
-                "-p", "no:cacheprovider", "-rA", "-q", "--durations=0"], log, timeout)
+    run = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "tests/mllm/test_gpu.py",
+            "--noconftest",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "-q",
+            "--durations=0",
+        ],
+        log,
+        timeout,
+    )
     summary = re.findall(r"^[= ]*(\d+ (?:passed|failed|skipped|error).*?)[= ]*$", log.read_text(), re.M)
     return {**run, "summary": summary[-1] if summary else None}
 
@@ -143,16 +169,29 @@ def shakespeare(out: Path, scratch: Path, timeout: float, device: str, toy: bool
     overrides = {"train.max_minutes": round(minutes, 2), "train.device": device, **extra}
     if toy:
         overrides.update({f"model.{k}": v for k, v in TOY.items() if k != "batch_size"})
-        overrides.update({"train.batch_size": TOY["batch_size"], "train.window": TOY["block_size"],
-                          "train.max_steps": 60, "train.eval_interval": 20, "train.eval_batches": 4})
-    got = _train("shakespeare-gpt", WORK / "shakespeare", scratch, "shakespeare-gpt", overrides,
-                 out / "shakespeare.log", timeout)
+        overrides.update(
+            {
+                "train.batch_size": TOY["batch_size"],
+                "train.window": TOY["block_size"],
+                "train.max_steps": 60,
+                "train.eval_interval": 20,
+                "train.eval_batches": 4,
+            }
+        )
+    got = _train(
+        "shakespeare-gpt", WORK / "shakespeare", scratch, "shakespeare-gpt", overrides, out / "shakespeare.log", timeout
+    )
     vals = [(r["step"], r["val_loss"], r.get("elapsed_s")) for r in got.pop("records") if "val_loss" in r]
     reached = next(((s, e) for s, v, e in vals if v <= 1.47), None)
     best = min(vals, key=lambda v: v[1]) if vals else None
-    return {**got, "overrides": extra, "max_minutes": overrides["train.max_minutes"], "val_curve": vals,
-            "best": {"step": best[0], "val_loss": best[1], "elapsed_s": best[2]} if best else None,
-            "reached_1_47": {"step": reached[0], "elapsed_s": reached[1]} if reached else None}
+    return {
+        **got,
+        "overrides": extra,
+        "max_minutes": overrides["train.max_minutes"],
+        "val_curve": vals,
+        "best": {"step": best[0], "val_loss": best[1], "elapsed_s": best[2]} if best else None,
+        "reached_1_47": {"step": reached[0], "elapsed_s": reached[1]} if reached else None,
+    }
 
 
 def nanogpt_recipe(out: Path, scratch: Path, timeout: float, device: str, toy: bool) -> dict:
@@ -160,14 +199,21 @@ def nanogpt_recipe(out: Path, scratch: Path, timeout: float, device: str, toy: b
     seconds since start at which each was printed (compilation included, as in its README's 3 minutes)."""
     flags = [f"--device={device}", f"--out_dir={scratch / 'nanogpt-recipe'}"]
     if toy:
-        flags += ["--compile=False", "--dtype=float32", "--max_iters=40", "--lr_decay_iters=40", "--eval_interval=20",
-                  "--eval_iters=2"] + [f"--{k}={v}" for k, v in TOY.items()]
+        flags += [
+            "--compile=False",
+            "--dtype=float32",
+            "--max_iters=40",
+            "--lr_decay_iters=40",
+            "--eval_interval=20",
+            "--eval_iters=2",
+        ] + [f"--{k}={v}" for k, v in TOY.items()]
     cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *flags]
     start, evals = time.monotonic(), []
     with open(out / "nanogpt_recipe.log", "w") as log:
         log.write(f"$ {' '.join(cmd)}  (at most {timeout:.0f} s)\n")
-        proc = subprocess.Popen(cmd, cwd=WORK / "nanoGPT", env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=WORK / "nanoGPT", env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             for line in proc.stdout:
                 t = time.monotonic() - start
@@ -181,30 +227,55 @@ def nanogpt_recipe(out: Path, scratch: Path, timeout: float, device: str, toy: b
             proc.kill()
     best = min(evals, key=lambda e: e[2]) if evals else None
     reached = next((e for e in evals if e[2] <= 1.47), None)
-    return {"rc": rc, "wall_s": round(time.monotonic() - start, 1), "evals": evals,
-            "best": {"step": best[0], "val_loss": best[2], "at_s": best[3]} if best else None,
-            "reached_1_47": {"step": reached[0], "at_s": reached[3]} if reached else None}
+    return {
+        "rc": rc,
+        "wall_s": round(time.monotonic() - start, 1),
+        "evals": evals,
+        "best": {"step": best[0], "val_loss": best[2], "at_s": best[3]} if best else None,
+        "reached_1_47": {"step": reached[0], "at_s": reached[3]} if reached else None,
+    }
 
 
 def side_by_side(out: Path, scratch: Path, timeout: float, device: str, toy: bool) -> dict:
     shape, steps, skip = (TOY, 30, 10) if toy else (SIDE_BY_SIDE, 300, 50)
     log = out / "side_by_side.log"
     ng = WORK / "nanoGPT"
-    flags = [f"--device={device}", "--eval_iters=2", "--log_interval=1", "--eval_interval=100000",
-             f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--out_dir={scratch / 'nanogpt-out'}"]
+    flags = [
+        f"--device={device}",
+        "--eval_iters=2",
+        "--log_interval=1",
+        "--eval_interval=100000",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        f"--out_dir={scratch / 'nanogpt-out'}",
+    ]
     flags += [f"--{k}={v}" for k, v in shape.items()]
     if device == "cpu":
         flags += ["--compile=False", "--dtype=float32"]
     overrides = {f"model.{k}": v for k, v in shape.items() if k != "batch_size"}
-    overrides.update({"train.batch_size": shape["batch_size"], "train.window": shape["block_size"],
-                      "train.max_steps": steps, "train.log_interval": 1, "train.eval_interval": 100000,
-                      "train.eval_batches": 2, "train.checkpoint_interval": 100000, "train.device": device,
-                      "train.compile": device != "cpu", "train.checkpoint_minutes": None,
-                      "train.optimizer": "adamw"})  # nanoGPT's optimizer: the same work a step
+    overrides.update(
+        {
+            "train.batch_size": shape["batch_size"],
+            "train.window": shape["block_size"],
+            "train.max_steps": steps,
+            "train.log_interval": 1,
+            "train.eval_interval": 100000,
+            "train.eval_batches": 2,
+            "train.checkpoint_interval": 100000,
+            "train.device": device,
+            "train.compile": device != "cpu",
+            "train.checkpoint_minutes": None,
+            "train.optimizer": "adamw",
+        }
+    )  # nanoGPT's optimizer: the same work a step
     # mllm first: its compilation finds step 2's in inductor's cache, nanoGPT's has none to find.
     ours = _train("shakespeare-gpt", WORK / "shakespeare", scratch, "mllm-300", overrides, log, timeout / 2)
-    nano = _run([sys.executable, "train.py", "config/train_shakespeare_char.py", *flags], log,
-                max(timeout - ours["wall_s"], 30), cwd=ng)
+    nano = _run(
+        [sys.executable, "train.py", "config/train_shakespeare_char.py", *flags],
+        log,
+        max(timeout - ours["wall_s"], 30),
+        cwd=ng,
+    )
     rows = re.findall(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", log.read_text(), re.M)
     nano["step_s"] = median([float(t) / 1000 for i, _, t in rows if int(i) >= skip]) if len(rows) > skip else None
     nano["loss_last50"] = float(np.mean([float(x) for _, x, _ in rows[-50:]])) if rows else None
@@ -215,18 +286,26 @@ def side_by_side(out: Path, scratch: Path, timeout: float, device: str, toy: boo
     from mllm.data.vocab import Vocab
 
     fpt = _flops_per_token(shape, len(Vocab.load(str(WORK / "shakespeare" / "vocab.json"))))
-    from mllm.runtime.speed import peak_flops
-
     import torch
+
+    from mllm.runtime.speed import peak_flops
 
     peak, source = peak_flops(torch.device(device), "bfloat16" if device != "cpu" else "float32")
     for row in (nano, ours):
         if row.get("step_s"):
             row["tokens_per_s"] = tokens / row["step_s"]
             row["mfu"] = row["tokens_per_s"] * fpt / peak
-    return {"shape": shape, "steps": steps, "skipped_first": skip, "flops_per_token": fpt, "peak_flops": peak,
-            "peak_source": source, "nanoGPT": nano, "mllm": ours,
-            "mllm_over_nanoGPT": nano["step_s"] / ours["step_s"] if nano.get("step_s") and ours.get("step_s") else None}
+    return {
+        "shape": shape,
+        "steps": steps,
+        "skipped_first": skip,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "peak_source": source,
+        "nanoGPT": nano,
+        "mllm": ours,
+        "mllm_over_nanoGPT": nano["step_s"] / ours["step_s"] if nano.get("step_s") and ours.get("step_s") else None,
+    }
 
 
 def lstm(out: Path, scratch: Path, timeout: float, device: str, toy: bool, cap_minutes: float) -> dict:
@@ -236,13 +315,18 @@ def lstm(out: Path, scratch: Path, timeout: float, device: str, toy: bool, cap_m
     if cap_minutes <= 2:
         overrides["train.eval_interval"] = 250
     if toy:
-        overrides.update({"train.batch_size": 64, "train.epochs": 0.002, "train.eval_interval": 10,
-                          "train.eval_batches": 2})
-    got = _train("warandpeace-lstm", WORK / "warandpeace", scratch, "warandpeace-lstm", overrides,
-                 out / "lstm.log", timeout)
+        overrides.update(
+            {"train.batch_size": 64, "train.epochs": 0.002, "train.eval_interval": 10, "train.eval_batches": 2}
+        )
+    got = _train(
+        "warandpeace-lstm", WORK / "warandpeace", scratch, "warandpeace-lstm", overrides, out / "lstm.log", timeout
+    )
     records = got.pop("records")
-    got["loss_curve"] = [(r["step"], r.get("train_loss"), r.get("val_loss"), r["elapsed_s"]) for r in records
-                         if "val_loss" in r or r["step"] % 100 == 0]
+    got["loss_curve"] = [
+        (r["step"], r.get("train_loss"), r.get("val_loss"), r["elapsed_s"])
+        for r in records
+        if "val_loss" in r or r["step"] % 100 == 0
+    ]
     res = got.get("result")
     if res and res["elapsed_s"]:
         n_train = len(np.load(WORK / "warandpeace" / "train.npy", mmap_mode="r"))
@@ -256,19 +340,29 @@ def lstm(out: Path, scratch: Path, timeout: float, device: str, toy: bool, cap_m
 STEPS = ("tests", "shakespeare_gpt", "side_by_side", "warandpeace_lstm", "nanogpt_recipe")
 
 
-def run(out: Path, budget: float, device: str, toy: bool, steps: list[str], extra: dict,
-        lstm_minutes: float = 1.5) -> None:
+def run(
+    out: Path, budget: float, device: str, toy: bool, steps: list[str], extra: dict, lstm_minutes: float = 1.5
+) -> None:
     import torch
 
     start = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"mllm-gpu-check-{os.getpid()}"
     scratch.mkdir(parents=True)
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                              "torch": torch.__version__, "python": sys.version.split()[0], "budget_s": budget}
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "budget_s": budget,
+    }
     # (step, the most seconds it may take, the seconds kept for it while earlier steps run)
-    plan = [("tests", 100, 40), ("shakespeare_gpt", 240, 90), ("side_by_side", 170, 60), ("warandpeace_lstm", 60 * lstm_minutes + 25, 45),
-            ("nanogpt_recipe", 200, 120)]
+    plan = [
+        ("tests", 100, 40),
+        ("shakespeare_gpt", 240, 90),
+        ("side_by_side", 170, 60),
+        ("warandpeace_lstm", 60 * lstm_minutes + 25, 45),
+        ("nanogpt_recipe", 200, 120),
+    ]
     plan = [p for p in plan if p[0] in steps]
     report["steps"] = [p[0] for p in plan]
 
@@ -276,7 +370,7 @@ def run(out: Path, budget: float, device: str, toy: bool, steps: list[str], extr
         (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
 
     for i, (name, cap, floor) in enumerate(plan):
-        left = budget - (time.monotonic() - start) - sum(f for _, _, f in plan[i + 1:])
+        left = budget - (time.monotonic() - start) - sum(f for _, _, f in plan[i + 1 :])
         allowed = min(cap, left)
         if allowed < floor * 0.5:
             report[name] = {"skipped": f"{allowed:.0f} s left of the budget"}
@@ -308,12 +402,25 @@ def main() -> None:
     r.add_argument("--budget", type=float, default=530, help="seconds for all four steps together")
     r.add_argument("--device", default="cuda", help="cuda, or cpu with --toy to check the script")
     r.add_argument("--toy", action="store_true", help="toy sizes: the same code paths in a minute or two")
-    r.add_argument("--steps", default=",".join(STEPS[:4]),
-                   help=f"which steps, comma-separated, run in this order: {', '.join(STEPS)} (default: the first four)")
-    r.add_argument("--lstm-minutes", type=float, default=1.5,
-                   help="the most minutes of training for warandpeace-lstm (default 1.5; 8 for its whole recipe on an H200)")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field of the shakespeare-gpt step's recipe (repeatable; values are YAML)")
+    r.add_argument(
+        "--steps",
+        default=",".join(STEPS[:4]),
+        help=f"which steps, comma-separated, run in this order: {', '.join(STEPS)} (default: the first four)",
+    )
+    r.add_argument(
+        "--lstm-minutes",
+        type=float,
+        default=1.5,
+        help="the most minutes of training for warandpeace-lstm (default 1.5; 8 for its whole recipe on an H200)",
+    )
+    r.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field of the shakespeare-gpt step's recipe (repeatable; values are YAML)",
+    )
     args = p.parse_args()
     if args.what == "prepare":
         prepare()

@@ -34,14 +34,34 @@ def _spin(until: float) -> None:
 
 
 def once(source: Path, folder: Path) -> dict[str, Any]:
-    env = {**os.environ, "PREFECT_HOME": str(folder / "prefect"), "PREFECT_API_URL": "",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(folder / "prefect"),
+        "PREFECT_API_URL": "",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}",
+    }
     storage = folder / "storage"
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(source),
-           "--storage", str(storage), "--set", "train.max_steps=100000", "--set", "train.checkpoint_interval=20",
-           "--set", "train.eval_interval=100000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(source),
+        "--storage",
+        str(storage),
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "train.checkpoint_interval=20",
+        "--set",
+        "train.eval_interval=100000",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, text=True
+    )
     deadline = time.monotonic() + 600
     while not list(storage.glob("runs/*/checkpoints/last.pt")):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -54,22 +74,31 @@ def once(source: Path, folder: Path) -> dict[str, Any]:
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=600)
     took = time.monotonic() - sent
-    return {"seconds": round(took, 2), "exit": proc.returncode, "load": round(load, 2),
-            "error_line": next((x for x in err.splitlines() if x.startswith("error:")), "")}
+    return {
+        "seconds": round(took, 2),
+        "exit": proc.returncode,
+        "load": round(load, 2),
+        "error_line": next((x for x in err.splitlines() if x.startswith("error:")), ""),
+    }
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--repeats", type=int, default=3),
-        p.add_argument("--busy", default="0,2", help="busy processes beside the run, per setting")))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--repeats", type=int, default=3),
+            p.add_argument("--busy", default="0,2", help="busy processes beside the run, per setting"),
+        ),
+    )
     source = corpus("warandpeace")
     m = header("interrupt", args.quick)
     rows = []
     for busy in [int(b) for b in args.busy.split(",")]:
         times = []
         for _ in range(1 if args.quick else args.repeats):
-            spinners = [multiprocessing.Process(target=_spin, args=(time.monotonic() + 900,), daemon=True)
-                        for _ in range(busy)]
+            spinners = [
+                multiprocessing.Process(target=_spin, args=(time.monotonic() + 900,), daemon=True) for _ in range(busy)
+            ]
             for s in spinners:
                 s.start()
             try:
@@ -82,11 +111,30 @@ def main() -> None:
             print(f"busy {busy}: {r['seconds']} s (exit {r['exit']}, load {r['load']}) {r['error_line']}", flush=True)
             times.append(r)
         secs = sorted(r["seconds"] for r in times)
-        rows.append({"busy": busy, "repeats": len(secs), "median": secs[len(secs) // 2], "worst": secs[-1],
-                     "load": max(r["load"] for r in times), "exits": ",".join(str(r["exit"]) for r in times)})
+        rows.append(
+            {
+                "busy": busy,
+                "repeats": len(secs),
+                "median": secs[len(secs) // 2],
+                "worst": secs[-1],
+                "load": max(r["load"] for r in times),
+                "exits": ",".join(str(r["exit"]) for r in times),
+            }
+        )
     print()
-    print(table(rows, [("busy", "busy processes"), ("repeats", "repeats"), ("median", "median s"),
-                       ("worst", "worst s"), ("load", "load at the signal (max)"), ("exits", "exit statuses")]))
+    print(
+        table(
+            rows,
+            [
+                ("busy", "busy processes"),
+                ("repeats", "repeats"),
+                ("median", "median s"),
+                ("worst", "worst s"),
+                ("load", "load at the signal (max)"),
+                ("exits", "exit statuses"),
+            ],
+        )
+    )
     save("interrupt", {"machine": m, "rows": rows})
 
 

@@ -79,8 +79,11 @@ class TimingProxy:
                 lines = head.split(b"\r\n")
                 upgrade = any(h.lower().startswith(b"upgrade:") for h in lines[1:])
                 if not upgrade:
-                    lines = [lines[0], *(h for h in lines[1:] if not h.lower().startswith((b"connection:", b"keep-alive:"))),
-                             b"Connection: close"]
+                    lines = [
+                        lines[0],
+                        *(h for h in lines[1:] if not h.lower().startswith((b"connection:", b"keep-alive:"))),
+                        b"Connection: close",
+                    ]
                 with socket.create_connection(self.upstream) as server:
                     server.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + rest)
                     up = threading.Thread(target=_pump, args=(client, server), daemon=True)
@@ -107,8 +110,14 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 def _cli(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, text=True, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
 
 
 def one_database(database: str, points: int, pipelines: int, slots: int | None, folder: Path) -> dict[str, Any]:
@@ -122,15 +131,23 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
         (home / "mlflow.db").touch()  # a home with SQLite records stays on SQLite (flows/stack/database.py)
     # As `stack up` does: without --slots, one a GPU, else one per two cores (0: no limit at all).
     slots = stack.default_slots() if slots is None else slots or None
-    state = stack.up(home, str(storage), prefect_port=0, mlflow_port=0, slots=slots,
-                     worker_env={"OMP_NUM_THREADS": "1"})
+    state = stack.up(
+        home, str(storage), prefect_port=0, mlflow_port=0, slots=slots, worker_env={"OMP_NUM_THREADS": "1"}
+    )
     commands: list[subprocess.Popen] = []
     try:
         env = state["env"]
         prefect = TimingProxy(int(env["PREFECT_API_URL"].split(":")[2].split("/")[0]))
         mlflow = TimingProxy(int(env["MLFLOW_TRACKING_URI"].rsplit(":", 1)[1]))
-        cmd_env = {**os.environ, **env, "PREFECT_API_URL": f"{prefect.url}/api", "MLFLOW_TRACKING_URI": mlflow.url,
-                   "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+        cmd_env = {
+            **os.environ,
+            **env,
+            "PREFECT_API_URL": f"{prefect.url}/api",
+            "MLFLOW_TRACKING_URI": mlflow.url,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            "COLUMNS": "200",
+        }
         source = str(corpus("warandpeace"))
         sets = [a for s in STEPS for a in ("--set", s)]
         lrs = ",".join(f"{1e-3 * (1 + i / 4):.6g}" for i in range(points))
@@ -142,10 +159,41 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
 
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.perf_counter()
-        commands.append(sweep := _cli("sweep", "--recipe", "smoke", "--source", source, "--train-on", "local", "--grid",
-                     f"train.lr={lrs}", *sets, env=cmd_env, log=folder / "sweep.log"))
-        commands += (runs := [_cli("run", "--recipe", "smoke", "--source", source, "--train-on", "local", *sets, "--set",
-                     f"train.seed={100 + i}", env=cmd_env, log=folder / f"run-{i}.log") for i in range(pipelines)])
+        commands.append(
+            sweep := _cli(
+                "sweep",
+                "--recipe",
+                "smoke",
+                "--source",
+                source,
+                "--train-on",
+                "local",
+                "--grid",
+                f"train.lr={lrs}",
+                *sets,
+                env=cmd_env,
+                log=folder / "sweep.log",
+            )
+        )
+        commands += (
+            runs := [
+                _cli(
+                    "run",
+                    "--recipe",
+                    "smoke",
+                    "--source",
+                    source,
+                    "--train-on",
+                    "local",
+                    *sets,
+                    "--set",
+                    f"train.seed={100 + i}",
+                    env=cmd_env,
+                    log=folder / f"run-{i}.log",
+                )
+                for i in range(pipelines)
+            ]
+        )
         codes = [p.wait() for p in [sweep, *runs]]
         wall = time.perf_counter() - t0
         done.set()
@@ -158,17 +206,26 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
         prefect.close()
         mlflow.close()
         return {
-            "database": database, "points": points, "pipelines": pipelines, "slots": slots or "no limit",
+            "database": database,
+            "points": points,
+            "pipelines": pipelines,
+            "slots": slots or "no limit",
             "points_finished": sum("FAILED" not in line for line in table_lines),
             "points_failed": points - sum("FAILED" not in line for line in table_lines),
-            "sweep_exit": codes[0], "pipelines_finished": sum(c == 0 for c in codes[1:]),
+            "sweep_exit": codes[0],
+            "pipelines_finished": sum(c == 0 for c in codes[1:]),
             "pipelines_failed": sum(c != 0 for c in codes[1:]),
-            "prefect_5xx": sum(s >= 500 for _, s in prefect.answers), "mlflow_5xx": sum(s >= 500 for _, s in mlflow.answers),
-            "database_locked_lines": locked, "prefect_requests": len(latencies),
+            "prefect_5xx": sum(s >= 500 for _, s in prefect.answers),
+            "mlflow_5xx": sum(s >= 500 for _, s in mlflow.answers),
+            "database_locked_lines": locked,
+            "prefect_requests": len(latencies),
             "prefect_median_ms": 1000 * statistics.median(latencies) if latencies else None,
             "prefect_p95_ms": 1000 * latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
-            "mlflow_runs": len(statuses), "mlflow_left_running": statuses.count("RUNNING"),
-            "mlflow_failed": statuses.count("FAILED"), "wall_s": wall, "peak_load": max(peak),
+            "mlflow_runs": len(statuses),
+            "mlflow_left_running": statuses.count("RUNNING"),
+            "mlflow_failed": statuses.count("FAILED"),
+            "wall_s": wall,
+            "peak_load": max(peak),
         }
     finally:
         _stop(commands)  # left running only when this ends early (Ctrl-C, an error)
@@ -213,8 +270,10 @@ def main() -> None:
         try:
             rows.append(one_database(db, args.points, args.pipelines, args.slots, folder))
         except KeyboardInterrupt:
-            print(f"interrupted: the {db} stack, its sweep and pipelines are stopped; its logs stay in {folder}",
-                  file=sys.stderr)
+            print(
+                f"interrupted: the {db} stack, its sweep and pipelines are stopped; its logs stay in {folder}",
+                file=sys.stderr,
+            )
             sys.exit(130)
         print(table(rows[-1:], COLUMNS), flush=True)
     print()
@@ -222,12 +281,23 @@ def main() -> None:
     save("load", {"machine": m, "args": vars(args), "rows": rows, "load_end": load()})
 
 
-COLUMNS = [("database", "database"), ("slots", "slots"), ("points_finished", "points done"),
-           ("points_failed", "points failed"), ("pipelines_finished", "pipelines done"),
-           ("pipelines_failed", "pipelines failed"), ("prefect_5xx", "Prefect 5xx"), ("mlflow_5xx", "MLflow 5xx"),
-           ("database_locked_lines", "'database is locked'"), ("prefect_median_ms", "Prefect API median ms"),
-           ("prefect_p95_ms", "p95 ms"), ("mlflow_left_running", "MLflow runs RUNNING"),
-           ("mlflow_failed", "MLflow runs FAILED"), ("wall_s", "wall s"), ("peak_load", "peak load")]
+COLUMNS = [
+    ("database", "database"),
+    ("slots", "slots"),
+    ("points_finished", "points done"),
+    ("points_failed", "points failed"),
+    ("pipelines_finished", "pipelines done"),
+    ("pipelines_failed", "pipelines failed"),
+    ("prefect_5xx", "Prefect 5xx"),
+    ("mlflow_5xx", "MLflow 5xx"),
+    ("database_locked_lines", "'database is locked'"),
+    ("prefect_median_ms", "Prefect API median ms"),
+    ("prefect_p95_ms", "p95 ms"),
+    ("mlflow_left_running", "MLflow runs RUNNING"),
+    ("mlflow_failed", "MLflow runs FAILED"),
+    ("wall_s", "wall s"),
+    ("peak_load", "peak load"),
+]
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def make_corpus(folder: Path, total_mb: int, n_files: int, seed: int = 0) -> int
     return written
 
 
-_STAGES = r'''
+_STAGES = r"""
 import json, os, sys, time
 from prefect import flow
 from mllm.resolve import resolve
@@ -98,7 +98,7 @@ def stages():
 
 out = with_results(stages, root, data_runner(cfg.data.task_runner))()
 print("RESULT " + json.dumps({**out, "times": times}))
-'''
+"""
 
 
 def _anon_rss(pid: int) -> tuple[int, int]:
@@ -130,8 +130,9 @@ def run_stages(source: Path, root: Path, home: Path, sets: list[str], cpus: str 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     peak = [0, 0]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=prefect_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=prefect_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
     def sample() -> None:
         while proc.poll() is None:
@@ -148,9 +149,14 @@ def run_stages(source: Path, root: Path, home: Path, sets: list[str], cpus: str 
     line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         raise RuntimeError(f"stages failed ({proc.returncode}):\n{err[-3000:]}")
-    result = json.loads(line[len("RESULT "):])
-    result.update(wall_s=wall, cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
-                  max_rss_one_mb=after.ru_maxrss / 1024, anon_one_mb=peak[0] / 1e6, anon_tree_mb=peak[1] / 1e6)
+    result = json.loads(line[len("RESULT ") :])
+    result.update(
+        wall_s=wall,
+        cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        max_rss_one_mb=after.ru_maxrss / 1024,
+        anon_one_mb=peak[0] / 1e6,
+        anon_tree_mb=peak[1] / 1e6,
+    )
     return result
 
 
@@ -165,23 +171,38 @@ def main(total_mb: int, n_files: int, kinds: list[str]) -> dict:
         for kind in kinds:
             for procs, cpus in ((1, "0"), (2, None)):
                 root = tmp_path / f"storage-{kind.split()[0]}-{procs}"
-                r = run_stages(tmp_path / "corpus", root, tmp_path / f"home-{kind.split()[0]}-{procs}",
-                               KINDS[kind], cpus)
+                r = run_stages(
+                    tmp_path / "corpus", root, tmp_path / f"home-{kind.split()[0]}-{procs}", KINDS[kind], cpus
+                )
                 rows.append(_row(kind, procs, "first run", size, r))
                 print(rows[-1])
                 if procs == 2:
                     extra = tmp_path / "corpus" / "part-new.txt"
                     make_corpus(tmp_path / "one", total_mb // n_files or 1, 1, seed=7)
                     shutil.move(str(tmp_path / "one" / "part-00000.txt"), extra)
-                    r = run_stages(tmp_path / "corpus", root, tmp_path / f"home-{kind.split()[0]}-{procs}",
-                                   KINDS[kind], cpus)
+                    r = run_stages(
+                        tmp_path / "corpus", root, tmp_path / f"home-{kind.split()[0]}-{procs}", KINDS[kind], cpus
+                    )
                     rows.append(_row(kind, procs, "one file added", size, r))
                     print(rows[-1])
                     extra.unlink()
                 shutil.rmtree(root, ignore_errors=True)
-    cols = ["tokenizer", "processes", "run", "files tokenized", "download+tokenize s", "MB/s", "tokenize MB/s",
-            "train tokenizer s", "split s", "all stages s",
-            "CPU s", "peak RSS one MB", "peak anon one MB", "peak anon all MB"]
+    cols = [
+        "tokenizer",
+        "processes",
+        "run",
+        "files tokenized",
+        "download+tokenize s",
+        "MB/s",
+        "tokenize MB/s",
+        "train tokenizer s",
+        "split s",
+        "all stages s",
+        "CPU s",
+        "peak RSS one MB",
+        "peak anon one MB",
+        "peak anon all MB",
+    ]
     print(table(rows, [(c, c) for c in cols]))
     result = {"machine": m, "rows": rows, "mb": total_mb, "files": n_files}
     save("many_files", result)
@@ -191,14 +212,24 @@ def main(total_mb: int, n_files: int, kinds: list[str]) -> dict:
 def _row(kind: str, procs: int, what: str, size: int, r: dict) -> dict:
     t = r["times"]
     dt = t["download"] + t.get("train tokenizer", 0) + t["tokenize"]
-    return {"tokenizer": kind, "processes": procs, "run": what, "files tokenized": r["tokenized"],
-            "download+tokenize s": round(dt, 1), "MB/s": round(size / 1e6 / dt, 1),
-            "tokenize MB/s": round(size / 1e6 / t["tokenize"], 1), "split s": round(t["split"], 1),
-            "train tokenizer s": round(t.get("train tokenizer", 0), 1),
-            "all stages s": round(sum(t.values()), 1), "CPU s": round(r["cpu_s"], 1),
-            "peak RSS one MB": round(r["max_rss_one_mb"]), "peak anon one MB": round(r["anon_one_mb"]),
-            "peak anon all MB": round(r["anon_tree_mb"]),
-            "wall s": round(r["wall_s"], 1), "times": {k: round(v, 2) for k, v in t.items()}}
+    return {
+        "tokenizer": kind,
+        "processes": procs,
+        "run": what,
+        "files tokenized": r["tokenized"],
+        "download+tokenize s": round(dt, 1),
+        "MB/s": round(size / 1e6 / dt, 1),
+        "tokenize MB/s": round(size / 1e6 / t["tokenize"], 1),
+        "split s": round(t["split"], 1),
+        "train tokenizer s": round(t.get("train tokenizer", 0), 1),
+        "all stages s": round(sum(t.values()), 1),
+        "CPU s": round(r["cpu_s"], 1),
+        "peak RSS one MB": round(r["max_rss_one_mb"]),
+        "peak anon one MB": round(r["anon_one_mb"]),
+        "peak anon all MB": round(r["anon_tree_mb"]),
+        "wall s": round(r["wall_s"], 1),
+        "times": {k: round(v, 2) for k, v in t.items()},
+    }
 
 
 if __name__ == "__main__":

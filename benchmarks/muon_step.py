@@ -40,10 +40,19 @@ def step_ms(make, shapes: list[tuple[int, int]], device: str) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__.split("\n\n")[0], lambda p: (
-        p.add_argument("--device", default="cpu", help="cpu or cuda"),
-        p.add_argument("--shape", action="append", default=None, metavar="LAYERS,WIDTH",
-                       help="a GPT's layers and width (repeatable; default 4,128 and 6,384)")))
+    args = parse_args(
+        __doc__.split("\n\n")[0],
+        lambda p: (
+            p.add_argument("--device", default="cpu", help="cpu or cuda"),
+            p.add_argument(
+                "--shape",
+                action="append",
+                default=None,
+                metavar="LAYERS,WIDTH",
+                help="a GPT's layers and width (repeatable; default 4,128 and 6,384)",
+            ),
+        ),
+    )
     m = header("muon_step", args.quick)
     dtype, why = newton_schulz_dtype(torch.device(args.device))
     print(f"device {args.device}; mllm's Newton-Schulz in {why}\n")
@@ -55,12 +64,23 @@ def main() -> None:
         if dtype == torch.bfloat16:
             row["torch"] = step_ms(lambda ps: torch.optim.Muon(ps, **HYPER), shapes, args.device)
         # One parameter group per matrix: the same code, one matrix a stack.
-        row["one"] = step_ms(lambda ps: Muon([{"params": [p]} for p in ps], ns_dtype=dtype, **HYPER),
-                             shapes, args.device)
+        row["one"] = step_ms(
+            lambda ps: Muon([{"params": [p]} for p in ps], ns_dtype=dtype, **HYPER), shapes, args.device
+        )
         row["stacked"] = step_ms(lambda ps: Muon(ps, ns_dtype=dtype, **HYPER), shapes, args.device)
         rows.append(row)
-    print(table(rows, [("shape", "layers x width"), ("matrices", "matrices"), ("torch", "torch.optim.Muon, ms"),
-                       ("one", "mllm, one matrix at a time, ms"), ("stacked", "mllm, stacked by shape, ms")]))
+    print(
+        table(
+            rows,
+            [
+                ("shape", "layers x width"),
+                ("matrices", "matrices"),
+                ("torch", "torch.optim.Muon, ms"),
+                ("one", "mllm, one matrix at a time, ms"),
+                ("stacked", "mllm, stacked by shape, ms"),
+            ],
+        )
+    )
     save("muon_step", {"machine": m, "device": args.device, "ns_dtype": str(dtype), "rows": rows})
 
 

@@ -45,9 +45,25 @@ EVENTS = {  # the log line (a regex) that closes each part: the first after the 
 def run(source: Path, storage: Path, env: dict[str, str]) -> dict[str, float]:
     started = dt.datetime.now()
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke", "--source", str(source),
-                          "--storage", str(storage)], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, **env, "PREFECT_LOGGING_LEVEL": "INFO"}, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--recipe",
+            "smoke",
+            "--source",
+            str(source),
+            "--storage",
+            str(storage),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **env, "PREFECT_LOGGING_LEVEL": "INFO"},
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"the smoke run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
@@ -80,15 +96,36 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="mllm-bench-orch-") as tmp:
         tmp = Path(tmp)
-        temporary = {"PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": "",
-                     "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
+        temporary = {
+            "PREFECT_HOME": str(tmp / "prefect"),
+            "PREFECT_API_URL": "",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}",
+        }
         for label in ("new storage", "reused"):
             rows.append({"prefect": "temporary server", "run": label, **run(source, tmp / "storage-temp", temporary)})
         if not args.quick:
             home = tmp / "stack"
-            up = subprocess.run([sys.executable, "-m", "flows.cli", "stack", "up", "--home", str(home),
-                                 "--storage", str(tmp / "stack-storage"), "--prefect-port", "0", "--mlflow-port", "0"],
-                                capture_output=True, text=True, cwd=REPO, timeout=600)
+            up = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "flows.cli",
+                    "stack",
+                    "up",
+                    "--home",
+                    str(home),
+                    "--storage",
+                    str(tmp / "stack-storage"),
+                    "--prefect-port",
+                    "0",
+                    "--mlflow-port",
+                    "0",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                timeout=600,
+            )
             try:
                 if up.returncode:
                     raise SystemExit(f"stack up failed:\n{up.stderr[-3000:]}")
@@ -97,10 +134,19 @@ def main() -> None:
                 for label in ("new storage", "reused"):
                     rows.append({"prefect": "stack", "run": label, **run(source, tmp / "storage-stack", stack_env)})
             finally:
-                subprocess.run([sys.executable, "-m", "flows.cli", "stack", "down", "--home", str(home)],
-                               capture_output=True, cwd=REPO, timeout=300)
-    columns = [("prefect", "Prefect"), ("run", "run"), *[(p, p) for p in EVENTS], ("shutdown", "shutdown"),
-               ("total", "total s")]
+                subprocess.run(
+                    [sys.executable, "-m", "flows.cli", "stack", "down", "--home", str(home)],
+                    capture_output=True,
+                    cwd=REPO,
+                    timeout=300,
+                )
+    columns = [
+        ("prefect", "Prefect"),
+        ("run", "run"),
+        *[(p, p) for p in EVENTS],
+        ("shutdown", "shutdown"),
+        ("total", "total s"),
+    ]
     for row in rows:
         for key in (*EVENTS, "shutdown", "total"):
             row[key] = round(row[key], 1)

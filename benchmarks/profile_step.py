@@ -21,17 +21,23 @@ from mllm.runtime.speed import Precision, choose_attention
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16"),
-        p.add_argument("--shape", default="6/6/384", help="layers/heads/width"),
-        p.add_argument("--block", type=int, default=256),
-        p.add_argument("--batch", type=int, default=8),
-        p.add_argument("--steps", type=int, default=3),
-    ))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16"),
+            p.add_argument("--shape", default="6/6/384", help="layers/heads/width"),
+            p.add_argument("--block", type=int, default=256),
+            p.add_argument("--batch", type=int, default=8),
+            p.add_argument("--steps", type=int, default=3),
+        ),
+    )
     m = header("profile_step", args.quick)
     n_layer, n_head, n_embd = (int(x) for x in args.shape.split("/"))
-    model = build_model(GPTConfig(vocab_size=80, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                                  block_size=args.block, dropout=0.0, bias=False))
+    model = build_model(
+        GPTConfig(
+            vocab_size=80, n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=args.block, dropout=0.0, bias=False
+        )
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x, y = (torch.randint(0, 80, (args.batch, args.block)) for _ in range(2))
     attention = choose_attention(model, torch.device("cpu"), (x, y))  # as the training chooses it
@@ -51,14 +57,42 @@ def main() -> None:
             step()
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
-    rows = [{"op": e.key, "share": f"{e.self_cpu_time_total / total:.1%}", "calls": e.count,
-             "ms_per_step": e.self_cpu_time_total / 1000 / args.steps} for e in events[:12]]
-    print(f"GPT {args.shape}, block {args.block}, batch {args.batch}, {args.dtype}: "
-          f"{total / 1000 / args.steps:,.0f} ms a step (CPU time)\nattention: {attention}\n")
-    print(table(rows, [("op", "operator"), ("share", "share of CPU time"), ("ms_per_step", "ms a step"),
-                       ("calls", f"calls ({args.steps} steps)")]))
-    save("profile_step", {"machine": m, "shape": args.shape, "block": args.block, "batch": args.batch,
-                          "dtype": args.dtype, "attention": attention, "rows": rows})
+    rows = [
+        {
+            "op": e.key,
+            "share": f"{e.self_cpu_time_total / total:.1%}",
+            "calls": e.count,
+            "ms_per_step": e.self_cpu_time_total / 1000 / args.steps,
+        }
+        for e in events[:12]
+    ]
+    print(
+        f"GPT {args.shape}, block {args.block}, batch {args.batch}, {args.dtype}: "
+        f"{total / 1000 / args.steps:,.0f} ms a step (CPU time)\nattention: {attention}\n"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("op", "operator"),
+                ("share", "share of CPU time"),
+                ("ms_per_step", "ms a step"),
+                ("calls", f"calls ({args.steps} steps)"),
+            ],
+        )
+    )
+    save(
+        "profile_step",
+        {
+            "machine": m,
+            "shape": args.shape,
+            "block": args.block,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "attention": attention,
+            "rows": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

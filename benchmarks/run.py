@@ -32,11 +32,15 @@ def main() -> int:
         t0 = time.perf_counter()
         print(f"\n{'=' * 20} benchmarks.{name} {' '.join(passed)}", flush=True)
         rc = subprocess.call([sys.executable, "-m", f"benchmarks.{name}", *passed], cwd=REPO)
-        print(f"{'=' * 20} {name}: {'done' if rc == 0 else f'FAILED (exit {rc})'} in {hms(time.perf_counter() - t0)}",
-              flush=True)
+        print(
+            f"{'=' * 20} {name}: {'done' if rc == 0 else f'FAILED (exit {rc})'} in {hms(time.perf_counter() - t0)}",
+            flush=True,
+        )
         if rc:
             failed.append(name)
-    print(f"\nall benchmarks: {hms(time.perf_counter() - t_all)}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"\nall benchmarks: {hms(time.perf_counter() - t_all)}" + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -53,14 +53,26 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def _cli(args: list[str], cwd: Path, threads: int) -> tuple[str, float]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO), PREFECT_HOME=str(cwd / "prefect"),
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        PYTHONPATH=str(REPO),
+        PREFECT_HOME=str(cwd / "prefect"),
+        PYTHONUNBUFFERED="1",
+    )
     for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "MLLM_STORAGE", "MLLM_STUDY_DATABASE"):
         env.pop(name, None)  # a root, an MLflow store and a study of the benchmark's own
     started = time.perf_counter()
     # A group of its own, so that a stop reaches the command's temporary Prefect server too.
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate()
     except BaseException:
@@ -97,21 +109,31 @@ def _sizes(args, quick: bool) -> tuple[int, int, int, int]:
     per_axis = args.grid_points or (2 if quick else 4)
     if per_axis < 2 or args.fields not in (1, 2):
         raise SystemExit("--grid-points takes 2 or more; --fields takes 1 (lr) or 2 (lr and beta2)")
-    trials_n = args.trials or max(2, round(0.75 * per_axis ** args.fields))
+    trials_n = args.trials or max(2, round(0.75 * per_axis**args.fields))
     startup = args.startup_trials if args.startup_trials is not None else max(2, round(trials_n / 4))
     return per_axis, args.fields, trials_n, startup
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--grid-points", type=int, default=None, help="values per field in the grid [4; quick 2]"),
-        p.add_argument("--fields", type=int, default=2, help="1: the learning rate; 2: and beta2 [2]"),
-        p.add_argument("--steps", type=int, default=None, help="training steps of each point and trial [1000; quick 150]"),
-        p.add_argument("--trials", type=int, default=None, help="the search's trials [3/4 of the grid's points]"),
-        p.add_argument("--startup-trials", type=int, default=None, help="TPE's random trials; the median pruner waits "
-                                                                        "for as many [a quarter of the trials, at least 2]"),
-        p.add_argument("--pruners", default="median,halving", help="a search per pruner [median,halving]"),
-        p.add_argument("--source", default=None, help="the corpus [../shared/data/warandpeace.txt]")))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--grid-points", type=int, default=None, help="values per field in the grid [4; quick 2]"),
+            p.add_argument("--fields", type=int, default=2, help="1: the learning rate; 2: and beta2 [2]"),
+            p.add_argument(
+                "--steps", type=int, default=None, help="training steps of each point and trial [1000; quick 150]"
+            ),
+            p.add_argument("--trials", type=int, default=None, help="the search's trials [3/4 of the grid's points]"),
+            p.add_argument(
+                "--startup-trials",
+                type=int,
+                default=None,
+                help="TPE's random trials; the median pruner waits for as many [a quarter of the trials, at least 2]",
+            ),
+            p.add_argument("--pruners", default="median,halving", help="a search per pruner [median,halving]"),
+            p.add_argument("--source", default=None, help="the corpus [../shared/data/warandpeace.txt]"),
+        ),
+    )
     signal.signal(signal.SIGTERM, _stop)
     wp = Path(args.source).resolve() if args.source else corpus("warandpeace")
     m = header("search", args.quick)
@@ -120,13 +142,22 @@ def main() -> int:
     steps = args.steps or (150 if args.quick else 1000)
     threads = args.threads or 2
     every = max(1, steps // 10)
-    fixed = [f"train.max_steps={steps}", f"train.eval_interval={every}", f"train.checkpoint_interval={steps}",
-             f"train.log_interval={every}", "train.dtype=bfloat16", "train.compile=false", "sample.max_new_tokens=20"]
+    fixed = [
+        f"train.max_steps={steps}",
+        f"train.eval_interval={every}",
+        f"train.checkpoint_interval={steps}",
+        f"train.log_interval={every}",
+        "train.dtype=bfloat16",
+        "train.compile=false",
+        "sample.max_new_tokens=20",
+    ]
     if recipe == "default":  # the default as the figures in docs/search.md were measured: AdamW alone (54c4b00)
         fixed += ["train.optimizer=adamw", "model.positions=learned", "model.mlp=gelu"]
     sets = [a for s in fixed for a in ("--set", s)]
-    axes = {"train.lr": [f"{LR[0] * (LR[1] / LR[0]) ** (i / (per_axis - 1)):.3g}" for i in range(per_axis)],
-            "train.beta2": [f"{BETA2[0] + (BETA2[1] - BETA2[0]) * i / (per_axis - 1):.4g}" for i in range(per_axis)]}
+    axes = {
+        "train.lr": [f"{LR[0] * (LR[1] / LR[0]) ** (i / (per_axis - 1)):.3g}" for i in range(per_axis)],
+        "train.beta2": [f"{BETA2[0] + (BETA2[1] - BETA2[0]) * i / (per_axis - 1):.4g}" for i in range(per_axis)],
+    }
     axes = dict(list(axes.items())[:fields])
     space = [f"train.lr=log:{LR[0]}..{LR[1]}", f"train.beta2={BETA2[0]}..{BETA2[1]}"][:fields]
     size = f"{' x '.join([str(per_axis)] * fields)} grid"
@@ -135,49 +166,125 @@ def main() -> int:
         tmp = Path(tmp_name)
         (tmp / "grid").mkdir()
         load_before = load()
-        _, grid_s = _cli(["sweep", "--recipe", recipe, "--source", str(wp), "--storage", str(tmp / "grid" / "storage"),
-                          *[a for f, vs in axes.items() for a in ("--grid", f"{f}={','.join(vs)}")], *sets],
-                         tmp / "grid", threads)
+        _, grid_s = _cli(
+            [
+                "sweep",
+                "--recipe",
+                recipe,
+                "--source",
+                str(wp),
+                "--storage",
+                str(tmp / "grid" / "storage"),
+                *[a for f, vs in axes.items() for a in ("--grid", f"{f}={','.join(vs)}")],
+                *sets,
+            ],
+            tmp / "grid",
+            threads,
+        )
         grid_rows = json.loads(next((tmp / "grid" / "storage" / "sweeps").glob("*/sweep.json")).read_text())
         done = [r for r in grid_rows if r["status"] == "ok"]
         best = min(done, key=lambda r: r["val_loss"])
-        rows.append({"how": f"grid, {len(grid_rows)} points", **_best(best, axes), "steps": len(done) * steps,
-                     "wall_s": grid_s, "load": f"{load_before:.1f}-{load():.1f}"})
+        rows.append(
+            {
+                "how": f"grid, {len(grid_rows)} points",
+                **_best(best, axes),
+                "steps": len(done) * steps,
+                "wall_s": grid_s,
+                "load": f"{load_before:.1f}-{load():.1f}",
+            }
+        )
         for pruner in args.pruners.split(","):
             folder = tmp / f"search-{pruner}"
             folder.mkdir()
             load_before = load()
-            _, search_s = _cli(["search", "--recipe", recipe, "--source", str(wp), "--storage", str(folder / "storage"),
-                                *[a for sp in space for a in ("--space", sp)], "--trials", str(trials_n),
-                                "--sampler", "tpe", "--pruner", pruner, "--startup-trials", str(startup),
-                                "--study", "bench", *sets], folder, threads)
+            _, search_s = _cli(
+                [
+                    "search",
+                    "--recipe",
+                    recipe,
+                    "--source",
+                    str(wp),
+                    "--storage",
+                    str(folder / "storage"),
+                    *[a for sp in space for a in ("--space", sp)],
+                    "--trials",
+                    str(trials_n),
+                    "--sampler",
+                    "tpe",
+                    "--pruner",
+                    pruner,
+                    "--startup-trials",
+                    str(startup),
+                    "--study",
+                    "bench",
+                    *sets,
+                ],
+                folder,
+                threads,
+            )
             trials = json.loads((folder / "storage" / "searches" / "bench" / "search.json").read_text())
             finished = [t for t in trials if t["state"] == "complete"]
-            rows.append({"how": f"TPE + {pruner} pruner, {trials_n} trials",
-                         **_best(min(finished, key=lambda t: t["val_loss"]), axes),
-                         "steps": sum(t["step"] or 0 for t in trials), "wall_s": search_s,
-                         "load": f"{load_before:.1f}-{load():.1f}", "pruned": sum(t["state"] == "pruned" for t in trials)})
+            rows.append(
+                {
+                    "how": f"TPE + {pruner} pruner, {trials_n} trials",
+                    **_best(min(finished, key=lambda t: t["val_loss"]), axes),
+                    "steps": sum(t["step"] or 0 for t in trials),
+                    "wall_s": search_s,
+                    "load": f"{load_before:.1f}-{load():.1f}",
+                    "pruned": sum(t["state"] == "pruned" for t in trials),
+                }
+            )
     grid = rows[0]
     for r in rows:
         r["bpc"] = r["best"] / math.log(2)
         r["share"] = f"{r['steps'] / grid['steps']:.0%}"
-    print(table(rows, [("how", "run"), ("best", "best val loss"), ("bpc", "bits/char"),
-                       *[(f, f"its {f.split('.')[1]}") for f in axes], ("steps", "training steps"),
-                       ("share", "of the grid's"), ("pruned", "pruned"), ("wall_s", "wall s"), ("load", "load avg")]))
+    print(
+        table(
+            rows,
+            [
+                ("how", "run"),
+                ("best", "best val loss"),
+                ("bpc", "bits/char"),
+                *[(f, f"its {f.split('.')[1]}") for f in axes],
+                ("steps", "training steps"),
+                ("share", "of the grid's"),
+                ("pruned", "pruned"),
+                ("wall_s", "wall s"),
+                ("load", "load avg"),
+            ],
+        )
+    )
     for search in rows[1:]:
-        print(f"\n{size}, {search['how']}: its best is {search['best'] - grid['best']:+.4f} from the grid's, in "
-              f"{search['share']} of its training steps")
+        print(
+            f"\n{size}, {search['how']}: its best is {search['best'] - grid['best']:+.4f} from the grid's, in "
+            f"{search['share']} of its training steps"
+        )
     name = f"search{'-quick' if args.quick else ''}-{'x'.join([str(per_axis)] * fields)}"
-    save(name, {"machine": m, "recipe": recipe, "steps": steps, "threads": threads, "space": space, "grid": axes,
-                "trials": trials_n, "startup_trials": startup, "pruners": args.pruners, "rows": rows,
-                "command": " ".join(["python -m benchmarks.search", *sys.argv[1:]])})
+    save(
+        name,
+        {
+            "machine": m,
+            "recipe": recipe,
+            "steps": steps,
+            "threads": threads,
+            "space": space,
+            "grid": axes,
+            "trials": trials_n,
+            "startup_trials": startup,
+            "pruners": args.pruners,
+            "rows": rows,
+            "command": " ".join(["python -m benchmarks.search", *sys.argv[1:]]),
+        },
+    )
     return 0
 
 
 def _best(row: dict, axes: dict[str, list[str]]) -> dict:
     """A table row's best val loss and the values it was found at."""
-    return {"best": row["val_loss"], **{f: f"{float(row[f]):.3g}" if f == "train.lr" else f"{float(row[f]):.4g}"
-                                        for f in axes}}
+    return {
+        "best": row["val_loss"],
+        **{f: f"{float(row[f]):.3g}" if f == "train.lr" else f"{float(row[f]):.4g}" for f in axes},
+    }
 
 
 if __name__ == "__main__":

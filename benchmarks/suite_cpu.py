@@ -55,21 +55,25 @@ def pytest_configure(config) -> None:
     if found is None:
         import pytest
 
-        config.issue_config_time_warning(pytest.PytestConfigWarning(
-            "benchmarks.suite_cpu: no control group could be made (it needs root, and cgroup v1 cpuacct or v2 "
-            "cpu): nothing recorded"), stacklevel=2)
+        config.issue_config_time_warning(
+            pytest.PytestConfigWarning(
+                "benchmarks.suite_cpu: no control group could be made (it needs root, and cgroup v1 cpuacct or v2 "
+                "cpu): nothing recorded"
+            ),
+            stacklevel=2,
+        )
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    _state.update(group=found, last=_used_s(*found),
-                  out=open(OUT / f"suite-cpu-{worker}.jsonl", "w"))  # noqa: SIM115 (open until the worker ends)
+    _state.update(group=found, last=_used_s(*found), out=open(OUT / f"suite-cpu-{worker}.jsonl", "w"))
 
 
 def pytest_runtest_logreport(report) -> None:
     if report.when != "teardown" or "group" not in _state:
         return
     now = _used_s(*_state["group"])
-    _state["out"].write(json.dumps({"test": report.nodeid, "cpu_s": round(now - _state["last"], 3),
-                                    "at": round(time.time(), 1)}) + "\n")
+    _state["out"].write(
+        json.dumps({"test": report.nodeid, "cpu_s": round(now - _state["last"], 3), "at": round(time.time(), 1)}) + "\n"
+    )
     _state["out"].flush()
     _state["last"] = now
 

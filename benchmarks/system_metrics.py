@@ -25,10 +25,21 @@ from benchmarks.common import header, load, median, parse_args, run_config, save
 
 SMOKE = {
     "recipe": "bench-system-metrics",
-    "model.arch": "lstm", "model.n_embd": 16, "model.n_layer": 1, "model.hidden_size": 64, "model.dropout": 0.0,
-    "train.batch_size": 32, "train.window": 32, "train.sampling": "random", "train.optimizer": "adam",
-    "train.lr": 3e-3, "train.log_interval": 10, "train.eval_interval": 100, "train.eval_batches": 4,
-    "train.checkpoint_interval": 10**9, "train.seed": 1337,
+    "model.arch": "lstm",
+    "model.n_embd": 16,
+    "model.n_layer": 1,
+    "model.hidden_size": 64,
+    "model.dropout": 0.0,
+    "train.batch_size": 32,
+    "train.window": 32,
+    "train.sampling": "random",
+    "train.optimizer": "adam",
+    "train.lr": 3e-3,
+    "train.log_interval": 10,
+    "train.eval_interval": 100,
+    "train.eval_batches": 4,
+    "train.checkpoint_interval": 10**9,
+    "train.seed": 1337,
 }
 MODES = {"no monitor": None, "monitor, 10 s": "10", "monitor, 1 s": "1"}
 
@@ -70,8 +81,15 @@ def main() -> None:
             samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
             # On the training's path: starting the monitor, and stopping it (the join, the
             # last flush, and the one sample a training shorter than an interval gets).
-            return {"mode": mode, "train_s": train_s, "loop_s": loop_s, "on_path_s": start_s + stop_s,
-                    "samples": samples, "loss": result.train_loss, "load": load()}
+            return {
+                "mode": mode,
+                "train_s": train_s,
+                "loop_s": loop_s,
+                "on_path_s": start_s + stop_s,
+                "samples": samples,
+                "loss": result.train_loss,
+                "load": load(),
+            }
 
         for mode in MODES:
             once(mode, 20)
@@ -80,28 +98,60 @@ def main() -> None:
             for mode in MODES:
                 r = once(mode, steps)
                 got[mode].append(r)
-                print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples "
-                      f"(load {r['load']})", flush=True)
+                print(
+                    f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples (load {r['load']})",
+                    flush=True,
+                )
 
     base = median([r["train_s"] for r in got["no monitor"]])
     rows = []
     for mode, rs in got.items():
-        row = {"mode": mode, "steps": steps, "runs": len(rs), "train_s": median([r["train_s"] for r in rs]),
-               "all_train_s": [round(r["train_s"], 3) for r in rs], "samples": median([r["samples"] for r in rs]),
-               "loss": rs[0]["loss"], "load": max(r["load"] for r in rs)}
+        row = {
+            "mode": mode,
+            "steps": steps,
+            "runs": len(rs),
+            "train_s": median([r["train_s"] for r in rs]),
+            "all_train_s": [round(r["train_s"], 3) for r in rs],
+            "samples": median([r["samples"] for r in rs]),
+            "loss": rs[0]["loss"],
+            "load": max(r["load"] for r in rs),
+        }
         row["overhead_pct"] = 100 * (row["train_s"] - base) / base
         row["on_path_s"] = median([r["on_path_s"] for r in rs])
         row["on_path_pct"] = median([100 * r["on_path_s"] / r["loop_s"] for r in rs])
         rows.append(row)
     print()
-    print(table(rows, [("mode", "run"), ("steps", "steps"), ("runs", "runs"), ("train_s", "train s (median)"),
-                       ("overhead_pct", "overhead % (wall)"), ("on_path_s", "start+stop s"),
-                       ("on_path_pct", "start+stop % of training"), ("samples", "system samples"),
-                       ("load", "load avg")]))
+    print(
+        table(
+            rows,
+            [
+                ("mode", "run"),
+                ("steps", "steps"),
+                ("runs", "runs"),
+                ("train_s", "train s (median)"),
+                ("overhead_pct", "overhead % (wall)"),
+                ("on_path_s", "start+stop s"),
+                ("on_path_pct", "start+stop % of training"),
+                ("samples", "system samples"),
+                ("load", "load avg"),
+            ],
+        )
+    )
     same_loss = len({round(r["loss"], 6) for r in rows}) == 1
     print(f"\nsame final train loss in every mode (same seed, same work): {same_loss}")
-    save("system_metrics", {"machine": m, "quick": args.quick, "steps": steps, "repeats": repeats,
-                            "config": SMOKE, "rows": rows, "same_loss": same_loss, "samples": got})
+    save(
+        "system_metrics",
+        {
+            "machine": m,
+            "quick": args.quick,
+            "steps": steps,
+            "repeats": repeats,
+            "config": SMOKE,
+            "rows": rows,
+            "same_loss": same_loss,
+            "samples": got,
+        },
+    )
 
 
 if __name__ == "__main__":

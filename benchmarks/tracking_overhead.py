@@ -34,11 +34,24 @@ from benchmarks.common import header, load, median, parse_args, run_config, save
 
 GPT = {
     "recipe": "bench-tracking",
-    "model.arch": "gpt", "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128,
-    "model.block_size": 64, "model.dropout": 0.0, "model.bias": False,
-    "train.batch_size": 12, "train.window": 64, "train.sampling": "random", "train.optimizer": "adamw",
-    "train.lr": 1e-3, "train.grad_clip": 1.0, "train.log_interval": 10, "train.eval_interval": 100,
-    "train.eval_batches": 4, "train.checkpoint_interval": 10**9, "train.seed": 1337,
+    "model.arch": "gpt",
+    "model.n_layer": 4,
+    "model.n_head": 4,
+    "model.n_embd": 128,
+    "model.block_size": 64,
+    "model.dropout": 0.0,
+    "model.bias": False,
+    "train.batch_size": 12,
+    "train.window": 64,
+    "train.sampling": "random",
+    "train.optimizer": "adamw",
+    "train.lr": 1e-3,
+    "train.grad_clip": 1.0,
+    "train.log_interval": 10,
+    "train.eval_interval": 100,
+    "train.eval_batches": 4,
+    "train.checkpoint_interval": 10**9,
+    "train.seed": 1337,
 }
 
 
@@ -78,8 +91,7 @@ def main() -> None:
             if mode == "untracked":
                 t = time.perf_counter()
                 result = train(cfg, resume=False)
-                return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss,
-                        "load": load()}
+                return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss, "load": load()}
             t = time.perf_counter()
             with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
                 setup_s = time.perf_counter() - t
@@ -105,10 +117,18 @@ def main() -> None:
                 train_s = time.perf_counter() - t
                 t = time.perf_counter()
             logged = run.client.get_metric_history(run.run_id, "train_loss")
-            return {"mode": mode, "train_s": train_s, "setup_s": setup_s, "close_s": time.perf_counter() - t,
-                    "calls": len(calls), "call_ms": 1000 * median(calls), "logging_s": sum(calls),
-                    "logged": len(logged),
-                    "loss": result.train_loss, "load": load()}
+            return {
+                "mode": mode,
+                "train_s": train_s,
+                "setup_s": setup_s,
+                "close_s": time.perf_counter() - t,
+                "calls": len(calls),
+                "call_ms": 1000 * median(calls),
+                "logging_s": sum(calls),
+                "logged": len(logged),
+                "loss": result.train_loss,
+                "load": load(),
+            }
 
         modes = ("untracked", "tracked", "tracked, every log step", "tracked, async")
         for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
@@ -124,30 +144,65 @@ def main() -> None:
     rows = []
     for mode in modes:
         rs = samples[mode]
-        row = {"mode": mode, "steps": steps, "runs": len(rs), "train_s": median([r["train_s"] for r in rs]),
-               "all_train_s": [round(r["train_s"], 3) for r in rs], "loss": rs[0]["loss"],
-               "load": max(r["load"] for r in rs)}
+        row = {
+            "mode": mode,
+            "steps": steps,
+            "runs": len(rs),
+            "train_s": median([r["train_s"] for r in rs]),
+            "all_train_s": [round(r["train_s"], 3) for r in rs],
+            "loss": rs[0]["loss"],
+            "load": max(r["load"] for r in rs),
+        }
         row["overhead_pct"] = 100 * (row["train_s"] - base) / base
         if mode != "untracked":
             # The time on_metrics itself took: the overhead measured directly, free of the noise
             # between two runs' wall times.
             logging_pct = median([100 * r["logging_s"] / (r["train_s"] - r["logging_s"]) for r in rs])
-            row.update(calls=rs[0]["calls"], call_ms=median([r["call_ms"] for r in rs]), logging_pct=logging_pct,
-                       logged=rs[0]["logged"], setup_s=median([r["setup_s"] for r in rs]),
-                       close_s=median([r["close_s"] for r in rs]))
+            row.update(
+                calls=rs[0]["calls"],
+                call_ms=median([r["call_ms"] for r in rs]),
+                logging_pct=logging_pct,
+                logged=rs[0]["logged"],
+                setup_s=median([r["setup_s"] for r in rs]),
+                close_s=median([r["close_s"] for r in rs]),
+            )
         rows.append(row)
     same_loss = len({round(r["loss"], 6) for r in rows}) == 1
 
     print()
-    print(table(rows, [("mode", "run"), ("steps", "steps"), ("runs", "runs"), ("train_s", "train s (median)"),
-                       ("overhead_pct", "overhead % (wall)"), ("logging_pct", "overhead % (in on_metrics)"),
-                       ("calls", "log calls"), ("call_ms", "ms/call"),
-                       ("logged", "train_loss points on server"), ("setup_s", "run start s"),
-                       ("close_s", "run end s"), ("load", "load avg")]))
+    print(
+        table(
+            rows,
+            [
+                ("mode", "run"),
+                ("steps", "steps"),
+                ("runs", "runs"),
+                ("train_s", "train s (median)"),
+                ("overhead_pct", "overhead % (wall)"),
+                ("logging_pct", "overhead % (in on_metrics)"),
+                ("calls", "log calls"),
+                ("call_ms", "ms/call"),
+                ("logged", "train_loss points on server"),
+                ("setup_s", "run start s"),
+                ("close_s", "run end s"),
+                ("load", "load avg"),
+            ],
+        )
+    )
     print(f"\nsame final train loss in every mode (same seed, same work): {same_loss}")
-    save("tracking_overhead", {"machine": m, "quick": args.quick, "steps": steps, "repeats": repeats,
-                               "config": GPT, "rows": rows, "same_loss": same_loss,
-                               "samples": samples})
+    save(
+        "tracking_overhead",
+        {
+            "machine": m,
+            "quick": args.quick,
+            "steps": steps,
+            "repeats": repeats,
+            "config": GPT,
+            "rows": rows,
+            "same_loss": same_loss,
+            "samples": samples,
+        },
+    )
 
 
 if __name__ == "__main__":

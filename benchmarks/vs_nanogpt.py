@@ -41,8 +41,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import (REPO, corpus, header, load, median, parse_args, run_config, save, table, threads,
-                               token_ids)
+from benchmarks.common import (
+    REPO,
+    corpus,
+    header,
+    load,
+    median,
+    parse_args,
+    run_config,
+    save,
+    table,
+    threads,
+    token_ids,
+)
 
 ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
 
@@ -51,8 +62,10 @@ TRAIN_SHAPES = {
     "nanogpt-cpu": (dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12), 300, 120, 20),
     "shakespeare-gpt": (dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch_size=16), 40, 25, 5),
 }
-GENERATE_SHAPES = {"4/4/128 block 64": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
-                   "6/6/384 block 256": dict(n_layer=6, n_head=6, n_embd=384, block_size=256)}
+GENERATE_SHAPES = {
+    "4/4/128 block 64": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+    "6/6/384 block 256": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
+}
 
 
 def anchor_or_exit() -> Path:
@@ -72,28 +85,48 @@ def nanogpt_data(paths: dict, folder: Path, dataset: str = "wp") -> Path:
         np.load(paths[f"{split}_ids"]).astype(np.uint16).tofile(data / f"{split}.bin")
     itos = Vocab.load(paths["vocab"]).itos
     with open(data / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": len(itos), "itos": dict(enumerate(itos)),
-                     "stoi": {s: i for i, s in enumerate(itos)}}, f)
+        pickle.dump(
+            {"vocab_size": len(itos), "itos": dict(enumerate(itos)), "stoi": {s: i for i, s in enumerate(itos)}}, f
+        )
     # train.py exec()s configurator.py from its working directory.
     shutil.copy(ANCHOR / "configurator.py", folder / "configurator.py")
     return folder
 
 
 def _env(threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("WORLD_SIZE", None)
     return env
 
 
 def train_nanogpt(workdir: Path, shape: dict, steps: int, threads: int) -> tuple[list[float], list[float], str]:
     """Per-step seconds and losses of nanoGPT's own train.py (its README's CPU command), and its precision."""
-    cmd = [sys.executable, str(ANCHOR / "train.py"), str(ANCHOR / "config" / "train_shakespeare_char.py"),
-           "--device=cpu", "--compile=False", "--eval_iters=2", "--log_interval=1", "--dataset=wp",
-           f"--block_size={shape['block_size']}", f"--batch_size={shape['batch_size']}",
-           f"--n_layer={shape['n_layer']}", f"--n_head={shape['n_head']}", f"--n_embd={shape['n_embd']}",
-           f"--max_iters={steps}", f"--lr_decay_iters={steps}", "--dropout=0.0",
-           f"--eval_interval={10 * steps}", f"--out_dir={workdir / 'out'}"]
+    cmd = [
+        sys.executable,
+        str(ANCHOR / "train.py"),
+        str(ANCHOR / "config" / "train_shakespeare_char.py"),
+        "--device=cpu",
+        "--compile=False",
+        "--eval_iters=2",
+        "--log_interval=1",
+        "--dataset=wp",
+        f"--block_size={shape['block_size']}",
+        f"--batch_size={shape['batch_size']}",
+        f"--n_layer={shape['n_layer']}",
+        f"--n_head={shape['n_head']}",
+        f"--n_embd={shape['n_embd']}",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        "--dropout=0.0",
+        f"--eval_interval={10 * steps}",
+        f"--out_dir={workdir / 'out'}",
+    ]
     out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"nanoGPT train.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
@@ -104,28 +137,56 @@ def train_nanogpt(workdir: Path, shape: dict, steps: int, threads: int) -> tuple
 def run_mllm_train(cfg, config: Path, threads: int, what: str = "mllm.train") -> str:
     """`python -m mllm.train` on `cfg` (saved to `config`) from scratch with `threads`: its stdout."""
     config.write_text(cfg.to_yaml(paths=True))
-    out = subprocess.run([sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
-                         cwd=REPO, env=_env(threads), capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
+        cwd=REPO,
+        env=_env(threads),
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(f"{what} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     return out.stdout
 
 
-def train_mllm(paths: dict, folder: Path, shape: dict, steps: int, threads: int,
-               extra: dict) -> tuple[list[float], list[float], str]:
+def train_mllm(
+    paths: dict, folder: Path, shape: dict, steps: int, threads: int, extra: dict
+) -> tuple[list[float], list[float], str]:
     """Per-step seconds and losses of `python -m mllm.train` at the same shape and schedule, and
     the precision it trained in."""
     n = len(list(folder.glob("mllm-*")))
-    cfg = run_config(None, paths, folder / f"mllm-{n}", {
-        "model.arch": "gpt", "model.n_layer": shape["n_layer"], "model.n_head": shape["n_head"],
-        "model.n_embd": shape["n_embd"], "model.block_size": shape["block_size"], "model.dropout": 0.0,
-        "model.bias": False, "train.batch_size": shape["batch_size"], "train.window": shape["block_size"],
-        "train.sampling": "random", "train.optimizer": "adamw", "train.lr": 1e-3, "train.min_lr": 1e-4,
-        "train.lr_schedule": "cosine", "train.warmup_steps": 100, "train.weight_decay": 0.1,
-        "train.beta2": 0.99, "train.grad_clip": 1.0, "train.max_steps": steps, "train.log_interval": 1,
-        "train.eval_interval": 10 * steps, "train.checkpoint_interval": 10 * steps, "train.eval_batches": 2,
-        "train.device": "cpu", **extra,
-    })
+    cfg = run_config(
+        None,
+        paths,
+        folder / f"mllm-{n}",
+        {
+            "model.arch": "gpt",
+            "model.n_layer": shape["n_layer"],
+            "model.n_head": shape["n_head"],
+            "model.n_embd": shape["n_embd"],
+            "model.block_size": shape["block_size"],
+            "model.dropout": 0.0,
+            "model.bias": False,
+            "train.batch_size": shape["batch_size"],
+            "train.window": shape["block_size"],
+            "train.sampling": "random",
+            "train.optimizer": "adamw",
+            "train.lr": 1e-3,
+            "train.min_lr": 1e-4,
+            "train.lr_schedule": "cosine",
+            "train.warmup_steps": 100,
+            "train.weight_decay": 0.1,
+            "train.beta2": 0.99,
+            "train.grad_clip": 1.0,
+            "train.max_steps": steps,
+            "train.log_interval": 1,
+            "train.eval_interval": 10 * steps,
+            "train.checkpoint_interval": 10 * steps,
+            "train.eval_batches": 2,
+            "train.device": "cpu",
+            **extra,
+        },
+    )
     stdout = run_mllm_train(cfg, folder / f"mllm-{n}.yaml", threads)
     rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", stdout, re.M)
     tokens = shape["batch_size"] * shape["block_size"]
@@ -134,19 +195,33 @@ def train_mllm(paths: dict, folder: Path, shape: dict, steps: int, threads: int,
 
 
 # Options of mllm's trainer measured as contenders of their own (--variants).
-VARIANTS = {"float32": {"train.dtype": "float32"}, "bf16": {"train.dtype": "bfloat16"},
-            "compile": {"train.compile": True}, "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"}}
+VARIANTS = {
+    "float32": {"train.dtype": "float32"},
+    "bf16": {"train.dtype": "bfloat16"},
+    "compile": {"train.compile": True},
+    "compile+bf16": {"train.compile": True, "train.dtype": "bfloat16"},
+}
 
 
-def bench_train(paths: dict, folder: Path, threads_list: list[int], shapes: list[str], quick: bool,
-                steps: int | None, repeats: int, variants: list[str]) -> list[dict]:
+def bench_train(
+    paths: dict,
+    folder: Path,
+    threads_list: list[int],
+    shapes: list[str],
+    quick: bool,
+    steps: int | None,
+    repeats: int,
+    variants: list[str],
+) -> list[dict]:
     workdir = nanogpt_data(paths, folder / "nanogpt")
     rows = []
     for shape_name in shapes:
         shape, full, short, warmup = TRAIN_SHAPES[shape_name]
         n_steps = steps or (short if quick else full)
-        contenders = {"nanoGPT": lambda n: train_nanogpt(workdir, shape, n_steps, n),
-                      "mllm": lambda n: train_mllm(paths, folder, shape, n_steps, n, {})}
+        contenders = {
+            "nanoGPT": lambda n: train_nanogpt(workdir, shape, n_steps, n),
+            "mllm": lambda n: train_mllm(paths, folder, shape, n_steps, n, {}),
+        }
         for v in variants:
             contenders[f"mllm {v}"] = lambda n, v=v: train_mllm(paths, folder, shape, n_steps, n, VARIANTS[v])
         for n_threads in threads_list:
@@ -154,11 +229,14 @@ def bench_train(paths: dict, folder: Path, threads_list: list[int], shapes: list
     return rows
 
 
-def _train_rounds(shape_name: str, shape: dict, contenders: dict, n_threads: int, warmup: int,
-                  repeats: int) -> list[dict]:
+def _train_rounds(
+    shape_name: str, shape: dict, contenders: dict, n_threads: int, warmup: int, repeats: int
+) -> list[dict]:
     tokens = shape["batch_size"] * shape["block_size"]
-    shape_name = (f"{shape_name} ({shape['n_layer']}/{shape['n_head']}/{shape['n_embd']}, block "
-                  f"{shape['block_size']}, batch {shape['batch_size']})")
+    shape_name = (
+        f"{shape_name} ({shape['n_layer']}/{shape['n_head']}/{shape['n_embd']}, block "
+        f"{shape['block_size']}, batch {shape['batch_size']})"
+    )
     got = {name: {"step_s": [], "loss": [], "first_s": [], "load": [], "precision": set()} for name in contenders}
     for rep in range(repeats):
         for name, run in contenders.items():  # A B A B: a burst of load hits both
@@ -169,9 +247,12 @@ def _train_rounds(shape_name: str, shape: dict, contenders: dict, n_threads: int
             g["loss"].append(float(np.mean(losses[-50:])))
             g["load"].append(load())
             g["precision"].add(precision)
-            print(f"  train {shape_name}, {n_threads} threads, {name} ({precision}, run {rep + 1}): "
-                  f"{tokens / g['step_s'][-1]:,.0f} tokens/s, loss (last steps) {g['loss'][-1]:.3f}, "
-                  f"load {g['load'][-1]}", flush=True)
+            print(
+                f"  train {shape_name}, {n_threads} threads, {name} ({precision}, run {rep + 1}): "
+                f"{tokens / g['step_s'][-1]:,.0f} tokens/s, loss (last steps) {g['loss'][-1]:.3f}, "
+                f"load {g['load'][-1]}",
+                flush=True,
+            )
     rows = []
     for name, g in got.items():
         s = median(g["step_s"])
@@ -179,24 +260,36 @@ def _train_rounds(shape_name: str, shape: dict, contenders: dict, n_threads: int
         # than within one, so pooling the rounds first would mix loads into the ratio.
         ratios = [a / b for a, b in zip(got["nanoGPT"]["step_s"], g["step_s"])]
         precision = "/".join(sorted(g["precision"]))
-        rows.append({"what": f"train {shape_name}", "contender": name, "threads": n_threads,
-                     "precision": precision, "s_per_step": s, "tokens_per_s": tokens / s,
-                     "mfu": _mfu(shape, tokens / s, precision, n_threads),
-                     "ratio": median(ratios), "ratios": ratios, "warmup_s": median(g["first_s"]),
-                     "loss_last50": median(g["loss"]), "load": max(g["load"])})
+        rows.append(
+            {
+                "what": f"train {shape_name}",
+                "contender": name,
+                "threads": n_threads,
+                "precision": precision,
+                "s_per_step": s,
+                "tokens_per_s": tokens / s,
+                "mfu": _mfu(shape, tokens / s, precision, n_threads),
+                "ratio": median(ratios),
+                "ratios": ratios,
+                "warmup_s": median(g["first_s"]),
+                "loss_last50": median(g["loss"]),
+                "load": max(g["load"]),
+            }
+        )
     return rows
 
 
 def _mfu(shape: dict, tokens_per_s: float, precision: str, n_threads: int) -> float | None:
     """nanoGPT's FLOPs per token at `shape` times tokens/s, over this CPU's measured peak."""
-    from mllm.runtime import speed
     from mllm.config import GPTConfig
     from mllm.families.base import build_model
+    from mllm.runtime import speed
 
     if "/" in precision:
         return None  # the rounds trained in different precisions
-    model = build_model(GPTConfig(vocab_size=80, dropout=0.0, bias=False,
-                                  **{k: v for k, v in shape.items() if k != "batch_size"}))
+    model = build_model(
+        GPTConfig(vocab_size=80, dropout=0.0, bias=False, **{k: v for k, v in shape.items() if k != "batch_size"})
+    )
     with threads(n_threads):
         peak, _ = speed.peak_flops(torch.device("cpu"), precision)
     return tokens_per_s * model.flops_per_token(shape["block_size"]) / peak
@@ -209,10 +302,9 @@ def _nanogpt_model_module():
     return module
 
 
-
-
-def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int,
-                   repeats: int) -> list[dict]:
+def bench_generate(
+    vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int, repeats: int
+) -> list[dict]:
     from mllm.config import GPTConfig
     from mllm.families.base import build_model
     from mllm.lm.decode import decode_precision
@@ -254,26 +346,54 @@ def bench_generate(vocab_size: int, prompt: list[int], threads_list: list[int], 
             base = median(times["nanoGPT"])
             ratio = median([a / b for a, b in zip(times["nanoGPT"], times["mllm"])])  # per round, as in training
             for name, ts in times.items():
-                rows.append({"what": f"generate {shape_name}", "contender": name, "threads": n_threads,
-                             "precision": "float32" if name == "nanoGPT" else precision, "tokens_per_s": new_tokens / median(ts), "ratio": 1.0 if name == "nanoGPT" else ratio,
-                             "load": max(loads)})
-            print(f"  generate {shape_name}, {n_threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
-                  f"mllm {new_tokens / median(times['mllm']):,.0f} in {precision} ({ratio:.1f}x), load {max(loads)}", flush=True)
+                rows.append(
+                    {
+                        "what": f"generate {shape_name}",
+                        "contender": name,
+                        "threads": n_threads,
+                        "precision": "float32" if name == "nanoGPT" else precision,
+                        "tokens_per_s": new_tokens / median(ts),
+                        "ratio": 1.0 if name == "nanoGPT" else ratio,
+                        "load": max(loads),
+                    }
+                )
+            print(
+                f"  generate {shape_name}, {n_threads} threads: nanoGPT {new_tokens / base:,.0f} tokens/s, "
+                f"mllm {new_tokens / median(times['mllm']):,.0f} in {precision} ({ratio:.1f}x), load {max(loads)}",
+                flush=True,
+            )
     return rows
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: (
-        p.add_argument("--only", choices=("train", "generate")),
-        p.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
-                       help="also train mllm with these options (float32/bf16: train.dtype forced, "
-                            "compile: train.compile=true)"),
-        p.add_argument("--shapes", nargs="*", default=list(TRAIN_SHAPES), choices=list(TRAIN_SHAPES),
-                       metavar="SHAPE", help=f"training shapes (default all: {', '.join(TRAIN_SHAPES)})"),
-        p.add_argument("--steps", type=int, help="training steps per run (default 300 for nanogpt-cpu, 40 for "
-                                                 "shakespeare-gpt; quick 120 and 25)"),
-        p.add_argument("--repeats", type=int, help="runs of each contender (default 2, quick 1)"),
-    ))
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--only", choices=("train", "generate")),
+            p.add_argument(
+                "--variants",
+                nargs="*",
+                default=[],
+                choices=list(VARIANTS),
+                help="also train mllm with these options (float32/bf16: train.dtype forced, "
+                "compile: train.compile=true)",
+            ),
+            p.add_argument(
+                "--shapes",
+                nargs="*",
+                default=list(TRAIN_SHAPES),
+                choices=list(TRAIN_SHAPES),
+                metavar="SHAPE",
+                help=f"training shapes (default all: {', '.join(TRAIN_SHAPES)})",
+            ),
+            p.add_argument(
+                "--steps",
+                type=int,
+                help="training steps per run (default 300 for nanogpt-cpu, 40 for shakespeare-gpt; quick 120 and 25)",
+            ),
+            p.add_argument("--repeats", type=int, help="runs of each contender (default 2, quick 1)"),
+        ),
+    )
     m = header("vs_nanogpt", args.quick)
     anchor_or_exit()
     wp = corpus("warandpeace")
@@ -291,10 +411,23 @@ def main() -> None:
             prompt = [int(i) for i in ids[1000:1004]]
             rows += bench_generate(paths["vocab_size"], prompt, threads_list, 200 if q else 500, repeats)
     print()
-    print(table(rows, [("what", "what"), ("contender", "contender"), ("threads", "threads"),
-                       ("precision", "precision"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"),
-                       ("ratio", "x nanoGPT"), ("warmup_s", "warm-up s"), ("loss_last50", "loss, last steps"),
-                       ("load", "load avg (max)")]))
+    print(
+        table(
+            rows,
+            [
+                ("what", "what"),
+                ("contender", "contender"),
+                ("threads", "threads"),
+                ("precision", "precision"),
+                ("tokens_per_s", "tokens/s"),
+                ("mfu", "MFU"),
+                ("ratio", "x nanoGPT"),
+                ("warmup_s", "warm-up s"),
+                ("loss_last50", "loss, last steps"),
+                ("load", "load avg (max)"),
+            ],
+        )
+    )
     save("vs_nanogpt", {"machine": m, "quick": q, "rows": rows})
 
 

@@ -26,23 +26,22 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefect import get_client, get_run_logger
-from prefect.exceptions import MissingContextError
-from prefect.logging import get_logger
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.client.schemas.sorting import LogSort
 from prefect.deployments import run_deployment
-from prefect.exceptions import ObjectNotFound
+from prefect.exceptions import MissingContextError, ObjectNotFound
+from prefect.logging import get_logger
 from prefect.states import Cancelling, Crashed
 from prefect.utilities.callables import parameter_schema
 
 import tasks
+from flows.settings import settings
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from tasks.tracking import store as tracking
 from tasks.model import Prepared, Trained
 from tasks.model.train import parse_progress, train_job, training_code
-from flows.settings import settings
+from tasks.tracking import store as tracking
 
 ENTRYPOINT = "flows.training:train"
 
@@ -62,16 +61,21 @@ def ensure_deployment(train: Any, pool: str) -> tuple[str, set[str]]:
         try:
             wp = client.read_work_pool(pool)
         except ObjectNotFound:
-            raise UserError(f"work pool {pool!r} not found on {_api_url()}: start one with "
-                            f"`mllm-pipeline stack up` (pool 'local') or create it with "
-                            f"`prefect work-pool create {pool} --type process`") from None
+            raise UserError(
+                f"work pool {pool!r} not found on {_api_url()}: start one with "
+                f"`mllm-pipeline stack up` (pool 'local') or create it with "
+                f"`prefect work-pool create {pool} --type process`"
+            ) from None
         refuse_waiting_on_itself(client, wp)
         flow_id = client.create_flow_from_name(train.name)
         client.create_deployment(
-            flow_id=flow_id, name=deployment_name(pool), work_pool_name=wp.name, entrypoint=ENTRYPOINT,
+            flow_id=flow_id,
+            name=deployment_name(pool),
+            work_pool_name=wp.name,
+            entrypoint=ENTRYPOINT,
             parameter_openapi_schema=parameter_schema(train).model_dump_for_openapi(),
             description="The pipeline's training stage, run by a worker of this pool. Started by "
-                        "`mllm-pipeline run --train-on POOL`; its parameters come from the pipeline.",
+            "`mllm-pipeline run --train-on POOL`; its parameters come from the pipeline.",
             tags=["mllm-pipeline", "train"],
         )
     variables = set(wp.base_job_template.get("variables", {}).get("properties", {}))
@@ -79,9 +83,11 @@ def ensure_deployment(train: Any, pool: str) -> tuple[str, set[str]]:
 
 
 def one_slot(pool: str) -> str:
-    return (f"pool {pool!r} has one slot, which the pipeline's own flow run takes: its training, handed to the same "
-            f"pool, would wait for that slot for ever. Give the pool two or more (`mllm-pipeline stack up --slots 2`, "
-            f"or `prefect work-pool set-concurrency-limit {pool} 2`), or train on another pool (--train-on)")
+    return (
+        f"pool {pool!r} has one slot, which the pipeline's own flow run takes: its training, handed to the same "
+        f"pool, would wait for that slot for ever. Give the pool two or more (`mllm-pipeline stack up --slots 2`, "
+        f"or `prefect work-pool set-concurrency-limit {pool} 2`), or train on another pool (--train-on)"
+    )
 
 
 def refuse_waiting_on_itself(client: Any, wp: Any) -> None:
@@ -125,27 +131,37 @@ def gpu_variables(cfg: RunConfig, variables: set[str]) -> dict[str, Any]:
 _NO_GPU_RUNTIME = "could not select device driver"
 
 
-def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str,
-                  search: bool = False) -> Trained:
+def train_on_pool(
+    train: Any, cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str, search: bool = False
+) -> Trained:
     """Run the `train` flow on a worker of `pool`, follow it, and return what it trained."""
     logger = _logger()
     name, variables = ensure_deployment(train, pool)
     _, run_dir = train_job(cfg, data, root)
     job_variables: dict[str, Any] = {"env": job_env(root), **gpu_variables(cfg, variables)}
-    params = {"cfg": cfg.model_dump(mode="json"), "data": data.model_dump(mode="json"), "root": root,
-              "run_id": run_id, "code": training_code(), **({"search": True} if search else {})}
+    params = {
+        "cfg": cfg.model_dump(mode="json"),
+        "data": data.model_dump(mode="json"),
+        "root": root,
+        "run_id": run_id,
+        "code": training_code(),
+        **({"search": True} if search else {}),
+    }
     restarts, lost_after = settings().train_restarts, settings().lost_after_s
     for attempt in range(restarts + 1):
-        flow_run = run_deployment(name, parameters=params, timeout=0, job_variables=job_variables,
-                                  tags=["mllm-pipeline"])
-        logger.info("training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id,
-                    extra=tasks.NOTICE)
+        flow_run = run_deployment(
+            name, parameters=params, timeout=0, job_variables=job_variables, tags=["mllm-pipeline"]
+        )
+        logger.info(
+            "training handed to pool %r as flow run %r (%s)", pool, flow_run.name, flow_run.id, extra=tasks.NOTICE
+        )
         try:
             final = _follow(flow_run, pool, lost_after)
         except KeyboardInterrupt:  # Ctrl-C stops the training it started, on the worker too
             with contextlib.suppress(Exception), get_client(sync_client=True) as client:
-                client.set_flow_run_state(flow_run.id, Cancelling(message="interrupted from the terminal (Ctrl-C)"),
-                                          force=True)
+                client.set_flow_run_state(
+                    flow_run.id, Cancelling(message="interrupted from the terminal (Ctrl-C)"), force=True
+                )
             raise
         if final.state_type == StateType.COMPLETED:
             return Trained.model_validate(storage.read_json(storage.join(run_dir, "trained.json")))
@@ -154,16 +170,24 @@ def train_on_pool(train: Any, cfg: RunConfig, data: Prepared, root: str, run_id:
             raise RemoteTrainingFailed(
                 f"the Docker host of pool {pool!r} has no GPU runtime (the NVIDIA Container Toolkit) for the "
                 f"GPUs this training asks for (Docker: {_docker_error(message)}): install the toolkit there, "
-                "or train on CPU with --set train.device=cpu")
+                "or train on CPU with --set train.device=cpu"
+            )
         if final.state_type != StateType.CRASHED:
-            raise RemoteTrainingFailed(f"training flow run {flow_run.name!r} on pool {pool!r} ended "
-                                       f"{final.state_name}: {_one_line(message)} (its log: {_run_url(flow_run)})")
-        logger.warning("training flow run %r crashed (%s); %s", flow_run.name, _one_line(message),
-                       "submitting it again: it resumes from its last checkpoint" if attempt < restarts
-                       else "no restarts left")
-    raise RemoteTrainingFailed(f"training on pool {pool!r} crashed {restarts + 1} times; the last: "
-                               f"{_one_line(message)}. Check the pool's workers, then run again (training "
-                               "resumes from its last checkpoint)")
+            raise RemoteTrainingFailed(
+                f"training flow run {flow_run.name!r} on pool {pool!r} ended "
+                f"{final.state_name}: {_one_line(message)} (its log: {_run_url(flow_run)})"
+            )
+        logger.warning(
+            "training flow run %r crashed (%s); %s",
+            flow_run.name,
+            _one_line(message),
+            "submitting it again: it resumes from its last checkpoint" if attempt < restarts else "no restarts left",
+        )
+    raise RemoteTrainingFailed(
+        f"training on pool {pool!r} crashed {restarts + 1} times; the last: "
+        f"{_one_line(message)}. Check the pool's workers, then run again (training "
+        "resumes from its last checkpoint)"
+    )
 
 
 def _follow(flow_run: FlowRun, pool: str, lost_after: float) -> FlowRun:
@@ -175,9 +199,13 @@ def _follow(flow_run: FlowRun, pool: str, lost_after: float) -> FlowRun:
         while True:
             run = client.read_flow_run(flow_run.id)
             logs = client.read_logs(
-                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]),
-                          timestamp=LogFilterTimestamp(after_=last_ts) if last_ts else None),
-                sort=LogSort.TIMESTAMP_ASC, limit=200)
+                LogFilter(
+                    flow_run_id=LogFilterFlowRunId(any_=[flow_run.id]),
+                    timestamp=LogFilterTimestamp(after_=last_ts) if last_ts else None,
+                ),
+                sort=LogSort.TIMESTAMP_ASC,
+                limit=200,
+            )
             logs = [entry for entry in logs if last_ts is None or entry.timestamp > last_ts]
             for entry in logs:
                 _relay(entry.message, logger)
@@ -191,8 +219,10 @@ def _follow(flow_run: FlowRun, pool: str, lost_after: float) -> FlowRun:
                 logger.info("waiting for a worker of pool %r to pick up %r", pool, run.name, extra=tasks.NOTICE)
                 waiting_said = True
             if run.state_type == StateType.RUNNING and time.monotonic() - seen_at > lost_after:
-                message = (f"no log from the training run for {lost_after:.0f} s: its worker or machine "
-                           "is gone (set MLLM_LOST_AFTER_S to wait longer)")
+                message = (
+                    f"no log from the training run for {lost_after:.0f} s: its worker or machine "
+                    "is gone (set MLLM_LOST_AFTER_S to wait longer)"
+                )
                 client.set_flow_run_state(flow_run.id, Crashed(message=message), force=True)
                 return client.read_flow_run(flow_run.id)
             time.sleep(1.0)
@@ -219,7 +249,7 @@ def _relay(message: str, logger: Any) -> None:
 
 def _docker_error(message: str) -> str:
     """Docker's words, without the brackets of `[[gpu]]` (the terminal would take them for markup)."""
-    found = re.search(_NO_GPU_RUNTIME + r'[^\]]*\]*', message.replace('\\"', '"'))
+    found = re.search(_NO_GPU_RUNTIME + r"[^\]]*\]*", message.replace('\\"', '"'))
     return re.sub(r"[\[\]]", "", found.group(0)) if found else _NO_GPU_RUNTIME
 
 

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
-from mllm import UserError
 from flows.settings import settings
+from mllm import UserError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _locks() -> Path:
 def _try_claim(devices: list[str], n: int) -> list[tuple[str, IO]] | None:
     held: list[tuple[str, IO]] = []
     for device in devices:
-        f = open(_locks() / f"gpu-{device}.lock", "a+")  # noqa: SIM115 (held until released)
+        f = open(_locks() / f"gpu-{device}.lock", "a+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -71,18 +71,26 @@ def own_devices(n: int, device: str, logger: logging.Logger | None = None) -> It
         yield []
         return
     if n > len(devices):
-        raise UserError(f"the training asks for {n} GPUs (train.nproc_per_node); this worker has {len(devices)} "
-                        f"({','.join(devices)}): lower train.nproc_per_node, or train on a worker with more")
+        raise UserError(
+            f"the training asks for {n} GPUs (train.nproc_per_node); this worker has {len(devices)} "
+            f"({','.join(devices)}): lower train.nproc_per_node, or train on a worker with more"
+        )
     said = False
     while (held := _try_claim(devices, n)) is None:
         if not said:
-            logger.info("every GPU of this worker (%s) is taken by another training: waiting for one", ",".join(devices))
+            logger.info(
+                "every GPU of this worker (%s) is taken by another training: waiting for one", ",".join(devices)
+            )
             said = True
         time.sleep(1.0)
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d for d, _ in held)
-    logger.info("training on GPU %s of this worker's %s (CUDA_VISIBLE_DEVICES=%s)", os.environ["CUDA_VISIBLE_DEVICES"],
-                ",".join(devices), os.environ["CUDA_VISIBLE_DEVICES"])
+    logger.info(
+        "training on GPU %s of this worker's %s (CUDA_VISIBLE_DEVICES=%s)",
+        os.environ["CUDA_VISIBLE_DEVICES"],
+        ",".join(devices),
+        os.environ["CUDA_VISIBLE_DEVICES"],
+    )
     try:
         yield [d for d, _ in held]
     finally:

@@ -15,10 +15,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from mllm import UserError, storage
-from mllm.resolve import LAUNCH_SECTION, recipe_dict, resolve
-from mllm.redact import strip_userinfo
 from flows.settings import settings
+from mllm import UserError, storage
+from mllm.redact import strip_userinfo
+from mllm.resolve import LAUNCH_SECTION, recipe_dict, resolve
 
 
 def storage_root(storage_url: str | None = None) -> str:
@@ -39,8 +39,13 @@ def with_results(fl: Any, root: str, task_runner: Any = None) -> Any:
     # The flows themselves persist no result; their tasks take this storage for their results
     # and cache records. Prefect also writes a failed run's exception there: the hooks remove it.
     options: dict[str, Any] = {"task_runner": task_runner} if task_runner is not None else {}
-    return fl.with_options(result_storage=result_storage(root), persist_result=False,
-                           on_failure=[forget_exception], on_crashed=[forget_exception], **options)
+    return fl.with_options(
+        result_storage=result_storage(root),
+        persist_result=False,
+        on_failure=[forget_exception],
+        on_crashed=[forget_exception],
+        **options,
+    )
 
 
 def data_runner(name: str) -> Any:
@@ -55,7 +60,9 @@ def data_runner(name: str) -> Any:
         try:
             from prefect_dask import DaskTaskRunner
         except ImportError:
-            raise UserError("data.task_runner dask://... needs prefect-dask: pip install 'mllm-pipeline\\[dask]'") from None
+            raise UserError(
+                "data.task_runner dask://... needs prefect-dask: pip install 'mllm-pipeline\\[dask]'"
+            ) from None
         return DaskTaskRunner(address="tcp://" + name.removeprefix("dask://"))
     from prefect.task_runners import ProcessPoolTaskRunner
 
@@ -130,11 +137,13 @@ def check_tracked(root: str) -> None:
         return
     from tasks.tracking.store import local_store
 
-    path = uri[len("sqlite:///"):] if uri else local_store(root)
+    path = uri[len("sqlite:///") :] if uri else local_store(root)
     if not os.path.exists(path):
         where = "MLFLOW_TRACKING_URI names it" if uri else "beside the storage root"
-        raise UserError(f"no runs are tracked here: the MLflow store {path} ({where}) does not exist; "
-                        "give the --storage root (or MLFLOW_TRACKING_URI) that `run` used")
+        raise UserError(
+            f"no runs are tracked here: the MLflow store {path} ({where}) does not exist; "
+            "give the --storage root (or MLFLOW_TRACKING_URI) that `run` used"
+        )
 
 
 def check_tracking_server(timeout: float = 5.0) -> None:
@@ -160,9 +169,11 @@ def check_tracking_server(timeout: float = 5.0) -> None:
         if why:
             raise UserError(tls_line(True, why)) from None
         reason = getattr(e, "reason", None) or e
-        raise UserError(f"the MLflow tracking server {clean} does not answer ({reason}): start it "
-                        "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "
-                        "runs (unset, runs are tracked in an SQLite file beside the storage root)") from None
+        raise UserError(
+            f"the MLflow tracking server {clean} does not answer ({reason}): start it "
+            "(`mllm-pipeline stack up` starts one) or point MLFLOW_TRACKING_URI at one that "
+            "runs (unset, runs are tracked in an SQLite file beside the storage root)"
+        ) from None
 
 
 def check_prefect_server(timeout: float = 5.0) -> None:
@@ -182,7 +193,10 @@ def check_prefect_server(timeout: float = 5.0) -> None:
     ca = s.prefect_api_ssl_cert_file
     ctx = ssl.create_default_context(cafile=ca or None) if api.startswith("https") else None
     if ctx and s.prefect_api_tls_insecure_skip_verify:
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # the user's own choice, as Prefect's client takes it
+        ctx.check_hostname, ctx.verify_mode = (
+            False,
+            ssl.CERT_NONE,
+        )  # the user's own choice, as Prefect's client takes it
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
             server = json.loads(r.read())
@@ -206,12 +220,20 @@ MODEL_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 
 def check_model_name(name: str) -> None:
     if not re.fullmatch(MODEL_NAME, name):
-        raise UserError(f"--model {name!r} is not a model name: use letters, digits, '.', '_' and '-' (at most 128, "
-                        "the first a letter or digit), e.g. --model stdlib-smoke")
+        raise UserError(
+            f"--model {name!r} is not a model name: use letters, digits, '.', '_' and '-' (at most 128, "
+            "the first a letter or digit), e.g. --model stdlib-smoke"
+        )
 
 
-def checked_config(recipe: str, sets: list[str] | None, source: str | list[str] | None, storage: str | None,
-             train_here: bool = True, trains: bool = True):
+def checked_config(
+    recipe: str,
+    sets: list[str] | None,
+    source: str | list[str] | None,
+    storage: str | None,
+    train_here: bool = True,
+    trains: bool = True,
+):
     """The config, checked before Prefect starts: a bad recipe, --set, storage root or tracking
     server, a source that is missing, unreachable, or (a local file) not usable text, a local
     corpus's file whose head is not, and a device this machine lacks, all fail at once in one line."""

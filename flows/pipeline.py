@@ -18,8 +18,8 @@ from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from flows import dispatch
-from flows.stack import orphans
 from flows.launch import check_model_name, data_runner, preflight, storage_root, training_pool, with_results
+from flows.stack import orphans
 from flows.training import run_training, train
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig
@@ -32,17 +32,25 @@ from tasks.data.pairs import numbers_corpus, prepare_pairs
 from tasks.data.split import split_source
 from tasks.data.tokenize import dropped_line, tokenize_source
 from tasks.data.vocabulary import build_vocabulary
-from tasks.tracking import outage
 from tasks.model import Evaluation, Prepared, Trained
 from tasks.model import evaluate as evaluation_stage
 from tasks.model import generate as sample_stage
 from tasks.model.evaluate import describe
 from tasks.model.train import lineage_tags, train_key
-from tasks.tracking.registry import (Champion, Outcome, current_champion, log_outcome, log_skipped,
-                                     shares_files, skip_reason, version_trained_on)
-from tasks.tracking.tracker import RunTracker, log_data
-from tasks.tracking.store import run_url
+from tasks.tracking import outage
+from tasks.tracking.registry import (
+    Champion,
+    Outcome,
+    current_champion,
+    log_outcome,
+    log_skipped,
+    shares_files,
+    skip_reason,
+    version_trained_on,
+)
 from tasks.tracking.store import client as tracking_client
+from tasks.tracking.store import run_url
+from tasks.tracking.tracker import RunTracker, log_data
 
 
 @flow(name="prepare", log_prints=True, flow_run_name=lambda: f"{_run_name()}-prepare")
@@ -53,24 +61,49 @@ def prepare(cfg: RunConfig, root: str) -> Prepared:
     d, kind = cfg.data, family_of(cfg).data
     if kind == "generated":
         made = generate_data(d, family_of(cfg).name, root)
-        return Prepared(raw_sha256=made.sha256, raw_url=made.splits.url, raw_bytes=made.bytes, source=made.source,
-                        tokens=made.tokens, vocab=made.vocab, splits=made.splits)
+        return Prepared(
+            raw_sha256=made.sha256,
+            raw_url=made.splits.url,
+            raw_bytes=made.bytes,
+            source=made.source,
+            tokens=made.tokens,
+            vocab=made.vocab,
+            splits=made.splits,
+        )
     if kind == "pairs":
         source = d.source or numbers_corpus(d.pairs.numbers, root)
         raw = download(source, d.sha256, root)
         pairs = prepare_pairs(raw, d, cfg.model.max_src_len, cfg.model.max_tgt_len, root)
-        return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
-                        tokens=pairs.tokens, vocab=pairs.vocab, splits=pairs.splits, source_side=pairs.source_side)
+        return Prepared(
+            raw_sha256=raw.sha256,
+            raw_url=raw.url,
+            raw_bytes=raw.bytes,
+            source=raw.source,
+            tokens=pairs.tokens,
+            vocab=pairs.vocab,
+            splits=pairs.splits,
+            source_side=pairs.source_side,
+        )
     raw = download_source(d, root)  # one file, or many: listed, then file by file
     tokens = tokenize_source(raw, d, root)  # each file once per tokenizer
     if line := dropped_line(tokens):
         get_run_logger().warning(line)
     vocab = build_vocabulary(tokens, d.vocab, root)
     splits = split_source(tokens, vocab, d, root)  # one file contiguous; many span by span, pack by pack
-    return Prepared(raw_sha256=raw.sha256, raw_url=raw.url, raw_bytes=raw.bytes, source=raw.source,
-                    tokens=tokens, vocab=vocab, splits=splits, raw_files=raw.files, raw_manifest=raw.manifest,
-                    raw_skipped=raw.skipped, raw_previous=raw.previous,
-                    raw_duplicates=raw.duplicates)
+    return Prepared(
+        raw_sha256=raw.sha256,
+        raw_url=raw.url,
+        raw_bytes=raw.bytes,
+        source=raw.source,
+        tokens=tokens,
+        vocab=vocab,
+        splits=splits,
+        raw_files=raw.files,
+        raw_manifest=raw.manifest,
+        raw_skipped=raw.skipped,
+        raw_previous=raw.previous,
+        raw_duplicates=raw.duplicates,
+    )
 
 
 @flow(name="evaluate", flow_run_name=lambda: f"{_run_name()}-evaluate")
@@ -111,8 +144,16 @@ def _run_name() -> str:
 
 
 # The pipeline's parameters as the Prefect UI's Run form names them, for the CLI options of the same.
-FORM_FIELDS = {"--set": "overrides", "--storage": "storage_url", "--source": "source", "--train-on": "train_on",
-               "--recipe": "recipe", "--tag": "tags", "--force": "force", "--model": "model"}
+FORM_FIELDS = {
+    "--set": "overrides",
+    "--storage": "storage_url",
+    "--source": "source",
+    "--train-on": "train_on",
+    "--recipe": "recipe",
+    "--tag": "tags",
+    "--force": "force",
+    "--model": "model",
+}
 
 
 def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,10 +177,17 @@ def _form_fields(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @flow(name="pipeline", on_failure=[forget_exception], on_crashed=[forget_exception], flow_run_name=_run_name)
 @_form_fields
-def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = None, storage_url: str | None = None,
-             overrides: list[str] = [], tags: dict[str, str] = {},  # noqa: B006
-             train_on: str | None = None, force: bool = False, reproduces: str | None = None,
-             model: str | None = None) -> PipelineResult:
+def pipeline(
+    recipe: RecipeName = "default",
+    source: str | list[str] | None = None,
+    storage_url: str | None = None,
+    overrides: list[str] = [],
+    tags: dict[str, str] = {},
+    train_on: str | None = None,
+    force: bool = False,
+    reproduces: str | None = None,
+    model: str | None = None,
+) -> PipelineResult:
     """Download, tokenize, build the vocabulary, split, train, evaluate and sample one recipe.
 
     The source is always read again. When a version of the recipe's model was trained on the same
@@ -180,8 +228,11 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
         # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
         # run skips only when this root holds the finished training, so a new --storage trains.
         trained_here = storage.exists(layout.folder(root, layout.RUNS, key, "trained.json"))
-        skip = None if force or reproduces or not trained_here else skip_reason(
-            champion, version_trained_on(registry, model_name, key), data.raw_sha256, key)
+        skip = (
+            None
+            if force or reproduces or not trained_here
+            else skip_reason(champion, version_trained_on(registry, model_name, key), data.raw_sha256, key)
+        )
         trained = evaluation = None
         samples: dict[str, list[str]] = {}
         where = {"train.pool": pool} if pool else {}
@@ -207,17 +258,38 @@ def pipeline(recipe: RecipeName = "default", source: str | list[str] | None = No
                 trained = run_training(cfg, data, root, run.run_id, pool)
                 evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
                 outage.check_back(trained.run_dir)
-                outcome = judge(run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces, model_name)
-    result = PipelineResult(recipe=cfg.recipe, storage=root, data=data, decision=outcome.decision,
-                            reason=outcome.reason, trained=trained, evaluation=evaluation, samples=samples,
-                            mlflow_run_id=run.run_id, champion=outcome, corpus_changes=changes)
+                outcome = judge(
+                    run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces, model_name
+                )
+    result = PipelineResult(
+        recipe=cfg.recipe,
+        storage=root,
+        data=data,
+        decision=outcome.decision,
+        reason=outcome.reason,
+        trained=trained,
+        evaluation=evaluation,
+        samples=samples,
+        mlflow_run_id=run.run_id,
+        champion=outcome,
+        corpus_changes=changes,
+    )
     publish(result)
     return result
 
 
-def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: Evaluation,
-          samples: dict[str, list[str]], data: Prepared, champion: Champion | None,
-          reproduces: str | None = None, model: str | None = None) -> Outcome:
+def judge(
+    run_id: str,
+    cfg: RunConfig,
+    root: str,
+    trained: Trained,
+    evaluation: Evaluation,
+    samples: dict[str, list[str]],
+    data: Prepared,
+    champion: Champion | None,
+    reproduces: str | None = None,
+    model: str | None = None,
+) -> Outcome:
     """Register the challenger under `model` (default: the recipe); it becomes champion only if it
     beats the champion on the same validation split (the champion's checkpoint is scored on this
     run's split when its own differs), and is not judged at all against a champion whose corpus
@@ -229,19 +301,32 @@ def judge(run_id: str, cfg: RunConfig, root: str, trained: Trained, evaluation: 
     if rival and champion.checkpoint and champion.splits_key != data.splits.key and storage.exists(champion.checkpoint):
         scorer = evaluation_stage.score_champion.with_options(result_storage=result_storage(root))
         score = scorer(champion.checkpoint, quote(cfg), quote(data))
-    return log_outcome(run_id, quote(cfg), root, quote(trained), quote(evaluation), quote(samples), quote(data), score,
-                       reproduces, model, quote(files))
+    return log_outcome(
+        run_id,
+        quote(cfg),
+        root,
+        quote(trained),
+        quote(evaluation),
+        quote(samples),
+        quote(data),
+        score,
+        reproduces,
+        model,
+        quote(files),
+    )
 
 
 def publish(result: PipelineResult) -> None:
     """The decision, and for a trained model a summary, as Prefect markdown artifacts."""
     slug = "".join(c if c.isalnum() else "-" for c in result.recipe.lower())
     link = _mlflow_link(result.storage, result.mlflow_run_id)
-    create_markdown_artifact(decision_table(result, link), key=f"decision-{slug}",
-                             description=f"{result.recipe}: {result.decision}")
+    create_markdown_artifact(
+        decision_table(result, link), key=f"decision-{slug}", description=f"{result.recipe}: {result.decision}"
+    )
     if result.trained is not None:
-        create_markdown_artifact(summary(result, link), key=f"pipeline-{slug}",
-                                 description=f"{result.recipe}: data, training and samples")
+        create_markdown_artifact(
+            summary(result, link), key=f"pipeline-{slug}", description=f"{result.recipe}: data, training and samples"
+        )
 
 
 def _mlflow_link(root: str, run_id: str) -> str:
@@ -270,11 +355,24 @@ def decision_table(r: PipelineResult, link: str | None = None) -> str:
         rows.append(("evaluation", describe(r.evaluation, cfg)))
         if c.previous:
             cs = c.champion_score
-            measured = (f"{c.previous.headline} {_f(c.previous.score)} on the same split" if cs is None
-                        else f"{cs.headline} {cs.value:.4f} on this split")
+            measured = (
+                f"{c.previous.headline} {_f(c.previous.score)} on the same split"
+                if cs is None
+                else f"{cs.headline} {cs.value:.4f} on this split"
+            )
             rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
-    return "\n".join([f"# {r.recipe}: {r.decision}", "", f"| decision | **{r.decision}** |", "|---|---|",
-                      *[f"| {k} | {v} |" for k, v in rows], "", f"**Why:** {r.reason}", ""])
+    return "\n".join(
+        [
+            f"# {r.recipe}: {r.decision}",
+            "",
+            f"| decision | **{r.decision}** |",
+            "|---|---|",
+            *[f"| {k} | {v} |" for k, v in rows],
+            "",
+            f"**Why:** {r.reason}",
+            "",
+        ]
+    )
 
 
 def summary(r: PipelineResult, link: str | None = None) -> str:
@@ -290,7 +388,8 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
         f"| tokens | {d.tokens.n_tokens:,} |",
         f"| vocabulary | {d.vocab.size} entries |",
         f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
-        + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "") + " tokens |",
+        + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "")
+        + " tokens |",
         f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
         f"| precision | {t.precision()} |",
         f"| compiled | {'yes' if t.compile_used else 'no'} ({t.compile_reason}) |",
@@ -318,11 +417,16 @@ def summary(r: PipelineResult, link: str | None = None) -> str:
 
 def files_line(c: dict[str, int]) -> str:
     """A corpus's files against the last read of its sources: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
-    line = (f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
-            f"{c['tokenized']} tokenized")
-    return (line + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
-            + (f"; {c['skipped']} left out" if c.get("skipped") else "")
-            + (f" ({c['empty']} empty)" if c.get("empty") else ""))
+    line = (
+        f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
+        f"{c['tokenized']} tokenized"
+    )
+    return (
+        line
+        + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
+        + (f"; {c['skipped']} left out" if c.get("skipped") else "")
+        + (f" ({c['empty']} empty)" if c.get("empty") else "")
+    )
 
 
 def _mfu(t: Any) -> str:

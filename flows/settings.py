@@ -11,49 +11,97 @@ from mllm.settings import Settings, seconds
 
 
 class FlowSettings(Settings):
-    storage: str | None = Field(None, validation_alias="MLLM_STORAGE",
-                                description="the storage root, a folder or URL [./storage]")
-    sweep_retry_delay_s: float = seconds("MLLM_SWEEP_RETRY_DELAY_S", 10.0,
-                                         "the seconds before a failed point runs again")
-    search_grace_s: float = seconds("MLLM_SEARCH_GRACE_S", 90.0, "the seconds a search trial's heartbeat may be "
-                                    "late before another search takes the trial over")
-    train_restarts: int = Field(3, ge=0, validation_alias="MLLM_TRAIN_RESTARTS",
-                                description="how often a training whose worker was lost is handed out again")
-    lost_after_s: float = seconds("MLLM_LOST_AFTER_S", 300.0, "the seconds a pool's training may stay unclaimed "
-                                  "or silent before it counts as lost", zero_ok=False)
-    gpus: str | None = Field(None, validation_alias="MLLM_GPUS",
-                             description="the GPUs a worker hands out, one per training [CUDA_VISIBLE_DEVICES, "
-                                         "else every GPU torch sees]")
-    cuda_visible_devices: str | None = Field(None, validation_alias="CUDA_VISIBLE_DEVICES",
-                                             description="the GPUs CUDA shows this process")
-    gpu_locks: str | None = Field(None, validation_alias="MLLM_GPU_LOCKS",
-                                  description="the folder of a worker's GPU locks [$TMPDIR/mllm-gpus-UID]")
-    progress: bool = Field(False, validation_alias="MLLM_PROGRESS",
-                           description="progress bars where standard error is not a terminal")
-    stack_home: str | None = Field(None, validation_alias="MLLM_STACK_HOME",
-                                   description="the stack's folder [./.mllm-stack]")
-    stack_login_tries: int = Field(10, ge=1, validation_alias="MLLM_STACK_LOGIN_TRIES",
-                                   description="failed logins a minute, per user and per address, before a "
-                                               "secured stack's gate locks them out for 300 s")
-    postgres_bin: str | None = Field(None, validation_alias="MLLM_POSTGRES_BIN",
-                                     description="the folder of PostgreSQL's programs [the newest installed]")
-    postgres_user: str = Field("postgres", validation_alias="MLLM_POSTGRES_USER",
-                               description="the user the stack runs PostgreSQL as when started by root")
-    study_database: str | None = Field(None, validation_alias="MLLM_STUDY_DATABASE",
-                                       description="where a search keeps its Optuna study [the stack's PostgreSQL, "
-                                                   "else optuna.db beside the storage root]")
-    mlflow_tracking_uri: str = Field("", validation_alias="MLFLOW_TRACKING_URI",
-                                     description="the MLflow store or server [mlflow.db beside the storage root]")
-    prefect_api_url: str = Field("", validation_alias="PREFECT_API_URL",
-                                 description="the Prefect server [a temporary one per command]")
-    prefect_api_auth_string: str | None = Field(None, validation_alias="PREFECT_API_AUTH_STRING",
-                                                description="the credential Prefect's client sends (user:password)")
-    prefect_api_ssl_cert_file: str | None = Field(None, validation_alias="PREFECT_API_SSL_CERT_FILE",
-                                                  description="the CA file Prefect's server is checked with")
-    prefect_api_tls_insecure_skip_verify: bool = Field(False, validation_alias="PREFECT_API_TLS_INSECURE_SKIP_VERIFY",
-                                                       description="Prefect's client trusts any certificate")
-    flow_run_id: str | None = Field(None, validation_alias="PREFECT__FLOW_RUN_ID",
-                                    description="the flow run a worker runs (set by Prefect's worker)")
+    storage: str | None = Field(
+        None, validation_alias="MLLM_STORAGE", description="the storage root, a folder or URL [./storage]"
+    )
+    sweep_retry_delay_s: float = seconds(
+        "MLLM_SWEEP_RETRY_DELAY_S", 10.0, "the seconds before a failed point runs again"
+    )
+    search_grace_s: float = seconds(
+        "MLLM_SEARCH_GRACE_S",
+        90.0,
+        "the seconds a search trial's heartbeat may be late before another search takes the trial over",
+    )
+    train_restarts: int = Field(
+        3,
+        ge=0,
+        validation_alias="MLLM_TRAIN_RESTARTS",
+        description="how often a training whose worker was lost is handed out again",
+    )
+    lost_after_s: float = seconds(
+        "MLLM_LOST_AFTER_S",
+        300.0,
+        "the seconds a pool's training may stay unclaimed or silent before it counts as lost",
+        zero_ok=False,
+    )
+    gpus: str | None = Field(
+        None,
+        validation_alias="MLLM_GPUS",
+        description="the GPUs a worker hands out, one per training [CUDA_VISIBLE_DEVICES, else every GPU torch sees]",
+    )
+    cuda_visible_devices: str | None = Field(
+        None, validation_alias="CUDA_VISIBLE_DEVICES", description="the GPUs CUDA shows this process"
+    )
+    gpu_locks: str | None = Field(
+        None,
+        validation_alias="MLLM_GPU_LOCKS",
+        description="the folder of a worker's GPU locks [$TMPDIR/mllm-gpus-UID]",
+    )
+    progress: bool = Field(
+        False, validation_alias="MLLM_PROGRESS", description="progress bars where standard error is not a terminal"
+    )
+    stack_home: str | None = Field(
+        None, validation_alias="MLLM_STACK_HOME", description="the stack's folder [./.mllm-stack]"
+    )
+    stack_login_tries: int = Field(
+        10,
+        ge=1,
+        validation_alias="MLLM_STACK_LOGIN_TRIES",
+        description="failed logins a minute, per user and per address, before a "
+        "secured stack's gate locks them out for 300 s",
+    )
+    postgres_bin: str | None = Field(
+        None,
+        validation_alias="MLLM_POSTGRES_BIN",
+        description="the folder of PostgreSQL's programs [the newest installed]",
+    )
+    postgres_user: str = Field(
+        "postgres",
+        validation_alias="MLLM_POSTGRES_USER",
+        description="the user the stack runs PostgreSQL as when started by root",
+    )
+    study_database: str | None = Field(
+        None,
+        validation_alias="MLLM_STUDY_DATABASE",
+        description="where a search keeps its Optuna study [the stack's PostgreSQL, "
+        "else optuna.db beside the storage root]",
+    )
+    mlflow_tracking_uri: str = Field(
+        "",
+        validation_alias="MLFLOW_TRACKING_URI",
+        description="the MLflow store or server [mlflow.db beside the storage root]",
+    )
+    prefect_api_url: str = Field(
+        "", validation_alias="PREFECT_API_URL", description="the Prefect server [a temporary one per command]"
+    )
+    prefect_api_auth_string: str | None = Field(
+        None,
+        validation_alias="PREFECT_API_AUTH_STRING",
+        description="the credential Prefect's client sends (user:password)",
+    )
+    prefect_api_ssl_cert_file: str | None = Field(
+        None, validation_alias="PREFECT_API_SSL_CERT_FILE", description="the CA file Prefect's server is checked with"
+    )
+    prefect_api_tls_insecure_skip_verify: bool = Field(
+        False,
+        validation_alias="PREFECT_API_TLS_INSECURE_SKIP_VERIFY",
+        description="Prefect's client trusts any certificate",
+    )
+    flow_run_id: str | None = Field(
+        None,
+        validation_alias="PREFECT__FLOW_RUN_ID",
+        description="the flow run a worker runs (set by Prefect's worker)",
+    )
 
 
 def settings() -> FlowSettings:
@@ -67,8 +115,11 @@ def markdown() -> str:
     from tasks.settings import TaskSettings
 
     out = []
-    for title, cls in (("mllm (the model package)", MllmSettings), ("tasks (the stages, MLflow)", TaskSettings),
-                       ("flows (the flows, the CLI, the stack)", FlowSettings)):
+    for title, cls in (
+        ("mllm (the model package)", MllmSettings),
+        ("tasks (the stages, MLflow)", TaskSettings),
+        ("flows (the flows, the CLI, the stack)", FlowSettings),
+    ):
         out += [f"### {title}", "", "| variable | default | what it sets |", "|---|---|---|"]
         out += [f"| `{name}` | {f'`{default}`' if default else ''} | {what} |" for name, default, what in cls.table()]
         out.append("")

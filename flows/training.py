@@ -8,8 +8,8 @@ from prefect import flow, get_run_logger
 from flows import dispatch, gpus
 from flows.launch import with_results
 from mllm.config import RunConfig
-from tasks.model import train as training_stage
 from tasks.model import Prepared, Trained
+from tasks.model import train as training_stage
 
 
 def _run_name() -> str:
@@ -23,8 +23,14 @@ def _run_name() -> str:
 
 
 @flow(name="train", flow_run_name=_run_name)
-def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
-          code: dict[str, str] | None = None, search: bool = False) -> Trained:
+def train(
+    cfg: RunConfig,
+    data: Prepared,
+    root: str,
+    run_id: str | None = None,
+    code: dict[str, str] | None = None,
+    search: bool = False,
+) -> Trained:
     """Train (or resume) a model on prepared data, writing checkpoints under the storage root.
 
     Started by the pipeline, here or on a work pool's worker; its parameters come from there.
@@ -45,8 +51,9 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None,
         return stage(cfg, data, root, run_id, search)
 
 
-def run_training(cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None,
-                 search: bool = False) -> Trained:
+def run_training(
+    cfg: RunConfig, data: Prepared, root: str, run_id: str | None, pool: str | None, search: bool = False
+) -> Trained:
     """Train here, or hand the `train` flow to a worker of `pool` and follow it (`search`: the
     worker's training asks a search's pruner, tasks/trials.py)."""
     if pool:

@@ -15,7 +15,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 
-
 class _Section(BaseModel):
     # An unknown field is a typo the user wants to hear about, not silently ignore.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -114,8 +113,10 @@ class SequencesConfig(_Section):
     @model_validator(mode="after")
     def _room(self) -> "SequencesConfig":
         if self.task != "remember-first-random" and self.length >= self.numbers:
-            raise ValueError(f"length {self.length} leaves no sequence of consecutive numbers below {self.numbers}: "
-                             "lower length or raise numbers")
+            raise ValueError(
+                f"length {self.length} leaves no sequence of consecutive numbers below {self.numbers}: "
+                "lower length or raise numbers"
+            )
         return self
 
 
@@ -142,7 +143,7 @@ class DataConfig(_Section):
     @model_validator(mode="after")
     def _runner(self) -> "DataConfig":
         r = self.task_runner
-        if r not in ("processes", "threads") and not (r.startswith("dask://") and ":" in r[len("dask://"):]):
+        if r not in ("processes", "threads") and not (r.startswith("dask://") and ":" in r[len("dask://") :]):
             raise ValueError(f"task_runner {r!r} is none of processes, threads or dask://HOST:PORT")
         return self
 
@@ -276,8 +277,13 @@ class SequenceModelConfig(_Section):
 # The model sections, told apart by `arch` (and `family` where two share an arch name): a
 # section holds its own fields only, so a field of another section is refused and the training
 # key digests only what the model uses. mllm.families.base maps each section to its family.
-SECTIONS: dict[str, type[_Section]] = {"recurrent": RecurrentConfig, "gpt": GPTConfig, "word embeddings": CbowConfig,
-                                       "sequence-to-sequence": Seq2SeqConfig, "sequences": SequenceModelConfig}
+SECTIONS: dict[str, type[_Section]] = {
+    "recurrent": RecurrentConfig,
+    "gpt": GPTConfig,
+    "word embeddings": CbowConfig,
+    "sequence-to-sequence": Seq2SeqConfig,
+    "sequences": SequenceModelConfig,
+}
 
 
 DEFAULT_ARCH = "lstm"  # a model section that names no arch
@@ -288,12 +294,19 @@ def _section_tag(value: Any) -> str | None:
     if get("family") is not None:
         return str(get("family"))
     arch = get("arch", DEFAULT_ARCH)
-    return next((tag for tag, section in SECTIONS.items() if tag != "sequences"
-                 and arch in typing.get_args(section.model_fields["arch"].annotation)), str(arch))
+    return next(
+        (
+            tag
+            for tag, section in SECTIONS.items()
+            if tag != "sequences" and arch in typing.get_args(section.model_fields["arch"].annotation)
+        ),
+        str(arch),
+    )
 
 
-ModelConfig = Annotated[Union[tuple(Annotated[section, Tag(tag)] for tag, section in SECTIONS.items())],
-                        Discriminator(_section_tag)]
+ModelConfig = Annotated[
+    Union[tuple(Annotated[section, Tag(tag)] for tag, section in SECTIONS.items())], Discriminator(_section_tag)
+]
 
 
 _MODEL = TypeAdapter(ModelConfig)
@@ -309,8 +322,11 @@ def section_of(tag: str) -> type[_Section] | None:
 
 
 def archs() -> list[str]:
-    return list(dict.fromkeys(a for section in SECTIONS.values()
-                              for a in typing.get_args(section.model_fields["arch"].annotation)))
+    return list(
+        dict.fromkeys(
+            a for section in SECTIONS.values() for a in typing.get_args(section.model_fields["arch"].annotation)
+        )
+    )
 
 
 class TrainConfig(_Section):

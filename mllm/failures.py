@@ -29,9 +29,20 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 # Exceptions (by class name: botocore and aiohttp are optional here) that mean the storage
 # endpoint could not be reached or dropped the connection.
-_UNREACHABLE = {"EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
-                "ClientConnectorError", "ServerDisconnectedError", "ClientOSError", "ConnectionRefusedError",
-                "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError", "FSTimeoutError"}
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ConnectionRefusedError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
+    "BrokenPipeError",
+    "FSTimeoutError",
+}
 
 
 def unreachable(exc: BaseException) -> str | None:
@@ -45,8 +56,10 @@ def unreachable(exc: BaseException) -> str | None:
             endpoint = settings().s3_endpoint
             where = f"the store at {endpoint}" if endpoint else "the storage endpoint"
             detail = " ".join(str(e).split())[:200] or "no answer in time"
-            return (f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "
-                    "reachable, then run the same command again (finished stages are reused)")
+            return (
+                f"storage unreachable ({type(e).__name__}: {detail}): check that {where} is up and "
+                "reachable, then run the same command again (finished stages are reused)"
+            )
     return None
 
 
@@ -76,14 +89,27 @@ def io_failure(exc: BaseException) -> bool:
 
 # Exceptions that mean nothing answered (urllib3's, requests', the stdlib's), by name: MLflow
 # wraps them in an MlflowException whose message names the server.
-_NO_ANSWER = {"ConnectionError", "MaxRetryError", "NewConnectionError", "ConnectTimeout", "ReadTimeout",
-              "ConnectionRefusedError", "RemoteDisconnected", "ProtocolError", "TimeoutError"}
+_NO_ANSWER = {
+    "ConnectionError",
+    "MaxRetryError",
+    "NewConnectionError",
+    "ConnectTimeout",
+    "ReadTimeout",
+    "ConnectionRefusedError",
+    "RemoteDisconnected",
+    "ProtocolError",
+    "TimeoutError",
+}
 _NO_ANSWER_TEXT = ("Max retries exceeded", "Connection refused", "Connection aborted", "timed out")
 
 
 # A server's own failure, as Prefect's client (httpx) and MLflow's (its retries of 5xx) report it.
-_SERVER_ERROR_TEXT = ("500 Internal Server Error", "503 Service Unavailable", "500 error responses",
-                      "503 error responses")
+_SERVER_ERROR_TEXT = (
+    "500 Internal Server Error",
+    "503 Service Unavailable",
+    "500 error responses",
+    "503 error responses",
+)
 
 
 def server_error(exc: BaseException | None) -> bool:
@@ -100,10 +126,25 @@ def server_error(exc: BaseException | None) -> bool:
 # refused, dropped or timed out. Not a 500 (a bug; a database that is down, on a server not
 # the stack's: flows/stack/database.py says so in one line) and not a 4xx (the request is wrong).
 _TRANSIENT_STATUS = {408, 429, 502, 503, 504}
-_TRANSIENT_TEXT = ("502 Bad Gateway", "503 Service Unavailable", "504 Gateway Timeout", "429 Too Many Requests",
-                   "502 error responses", "503 error responses", "504 error responses", "429 error responses")
-_DROPPED = _NO_ANSWER | {"ConnectError", "ReadError", "WriteError", "RemoteProtocolError", "PoolTimeout",
-                         "ConnectionResetError", "BrokenPipeError"}
+_TRANSIENT_TEXT = (
+    "502 Bad Gateway",
+    "503 Service Unavailable",
+    "504 Gateway Timeout",
+    "429 Too Many Requests",
+    "502 error responses",
+    "503 error responses",
+    "504 error responses",
+    "429 error responses",
+)
+_DROPPED = _NO_ANSWER | {
+    "ConnectError",
+    "ReadError",
+    "WriteError",
+    "RemoteProtocolError",
+    "PoolTimeout",
+    "ConnectionResetError",
+    "BrokenPipeError",
+}
 
 
 def transient(exc: BaseException | None) -> bool:

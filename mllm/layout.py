@@ -132,8 +132,9 @@ def config_digest(cfg: Any) -> str:
     return storage.digest([cfg.model.model_dump(), cfg.train.model_dump()])
 
 
-def train_key(splits_key: str, vocab_digest: str, cfg: Any, code_digest: str,
-              cpu_env: dict[str, str] | None = None) -> str:
+def train_key(
+    splits_key: str, vocab_digest: str, cfg: Any, code_digest: str, cpu_env: dict[str, str] | None = None
+) -> str:
     """The training key from its parts (`lineage` recomputes it from what a run recorded).
     The model section holds the chosen family's fields only: another family's cannot change it.
     `cpu_env`: the variables that change what the CPU computes with (mllm.runtime.machine.cpu_env):

@@ -40,9 +40,11 @@ def _secret_name(name: str) -> bool:
 
 
 def _secret_values() -> list[str]:
-    values = {v for k, v in environment().items()
-              if any(s in k.upper() for s in _SECRET_ENV)
-              and len(v) >= 4 and v.lower() not in _NOT_SECRETS}
+    values = {
+        v
+        for k, v in environment().items()
+        if any(s in k.upper() for s in _SECRET_ENV) and len(v) >= 4 and v.lower() not in _NOT_SECRETS
+    }
     return sorted(values, key=len, reverse=True)  # longest first: one secret may contain another
 
 
@@ -67,8 +69,9 @@ def scrub(obj: Any, _secrets: list[str] | None = None) -> Any:
     if isinstance(obj, str):
         return _scrub_text(obj, secrets)
     if isinstance(obj, dict):
-        return {k: REDACTED if _secret_name(k) and obj[k] not in (None, "")
-                else scrub(v, secrets) for k, v in obj.items()}
+        return {
+            k: REDACTED if _secret_name(k) and obj[k] not in (None, "") else scrub(v, secrets) for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [scrub(v, secrets) for v in obj]
     return obj
@@ -88,5 +91,7 @@ def strip_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
     parts = urlsplit(url)
     if not (parts.username or parts.password) or "://" not in url:
         return url, None
-    return (urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])),
-            (parts.username or "", parts.password or ""))
+    return (
+        urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])),
+        (parts.username or "", parts.password or ""),
+    )

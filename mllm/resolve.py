@@ -98,8 +98,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def resolve(recipe: str | None = None, config_file: str | None = None,
-            overrides: list[str] = (), source: str | list[str] | None = None) -> RunConfig:
+def resolve(
+    recipe: str | None = None,
+    config_file: str | None = None,
+    overrides: list[str] = (),
+    source: str | list[str] | None = None,
+) -> RunConfig:
     """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
     if config_file:
         data, where = load_file(config_file), str(config_file)
@@ -118,8 +122,11 @@ def resolve(recipe: str | None = None, config_file: str | None = None,
     # A password in the source URL stays in this process's memory, out of the config that is
     # logged, stored with every checkpoint and sent to MLflow.
     src = cfg.data.source
-    cfg.data.source = (absolute_source(storage.hide_credentials(src)) if isinstance(src, str)
-                       else [absolute_source(storage.hide_credentials(x)) for x in src])
+    cfg.data.source = (
+        absolute_source(storage.hide_credentials(src))
+        if isinstance(src, str)
+        else [absolute_source(storage.hide_credentials(x)) for x in src]
+    )
     return cfg
 
 
@@ -152,8 +159,9 @@ def validate(data: dict[str, Any], where: str) -> RunConfig:
             others = [name for name, s in SECTIONS.items() if loc[-1] in s.model_fields]
             fields = ", ".join(f for f in section.model_fields if f not in ("arch", "family"))
             kinds = f"{' and '.join(others)} famil{'ies' if len(others) > 1 else 'y'}"
-            msg = (f"a field of the {kinds}, not of arch {arch}" if others
-                   else f"unknown field for arch {arch}") + f" (the {family} family's fields: {fields})"
+            msg = (
+                f"a field of the {kinds}, not of arch {arch}" if others else f"unknown field for arch {arch}"
+            ) + f" (the {family} family's fields: {fields})"
         elif first["type"] == "extra_forbidden":
             msg = "unknown field (check its spelling against a recipe)"
         elif first["type"] in ("union_tag_invalid", "union_tag_not_found"):
@@ -199,10 +207,14 @@ def recipe_file_overrides(recipe: str, sets: list[str]) -> tuple[str, list[str]]
     data = load_file(recipe)
     name = data.get("recipe")
     if name not in recipe_names():
-        raise UserError(f"recipe file {recipe} names recipe {name!r}, not a shipped one: set its `recipe:` to one of "
-                        f"{', '.join(recipe_names())}")
+        raise UserError(
+            f"recipe file {recipe} names recipe {name!r}, not a shipped one: set its `recipe:` to one of "
+            f"{', '.join(recipe_names())}"
+        )
     data.pop("recipe")
     base = flat_fields(resolve(name).to_dict())
     fixed = {s.partition("=")[0].strip() for s in sets}
-    diff = [f"{k}={json.dumps(v)}" for k, v in flat_fields(data).items() if base.get(k, object()) != v and k not in fixed]
+    diff = [
+        f"{k}={json.dumps(v)}" for k, v in flat_fields(data).items() if base.get(k, object()) != v and k not in fixed
+    ]
     return name, [*diff, *sets]

@@ -20,13 +20,17 @@ from mllm.config import METHODS
 from mllm.families.base import family_of
 from mllm.runtime.checkpoint import load_checkpoint
 
-OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed", "neighbours",
-           "use_cache")
+OPTIONS = ("method", "max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed", "neighbours", "use_cache")
 
 
 # The options each method reads (the others it would ignore without a word).
-TUNING = {"greedy": (), "temperature": ("temperature",), "top-k": ("top_k", "temperature"),
-          "top-p": ("top_p", "temperature"), "beam": ("beam_width",)}
+TUNING = {
+    "greedy": (),
+    "temperature": ("temperature",),
+    "top-k": ("top_k", "temperature"),
+    "top-p": ("top_p", "temperature"),
+    "beam": ("beam_width",),
+}
 
 
 def check_method_options(given: dict[str, Any]) -> None:
@@ -39,8 +43,10 @@ def check_method_options(given: dict[str, Any]) -> None:
         if name not in TUNING[method]:
             takers = [m for m, names in TUNING.items() if name in names]
             flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} does not apply to --method {method} (it tunes {' and '.join(takers)}): "
-                            f"drop it, or choose --method {takers[0]}")
+            raise UserError(
+                f"{flag} does not apply to --method {method} (it tunes {' and '.join(takers)}): "
+                f"drop it, or choose --method {takers[0]}"
+            )
 
 
 def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> list[str]:
@@ -50,12 +56,16 @@ def answer(loaded: Any, prompts: list[str] | None = None, **options: Any) -> lis
     if unknown := sorted(set(options) - set(OPTIONS)):
         raise UserError(f"unknown sample option {', '.join(unknown)}: the options are {', '.join(OPTIONS)}")
     method = options.get("method")
-    given = [k for k in ("method", "temperature", "top_k", "top_p", "beam_width", "max_new_tokens")
-             if options.get(k) is not None]
+    given = [
+        k
+        for k in ("method", "temperature", "top_k", "top_p", "beam_width", "max_new_tokens")
+        if options.get(k) is not None
+    ]
     if not family.methods and given:  # a model with no sampling methods (CBOW: nearest neighbours)
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
-        raise UserError(f"{family.a_model} answers with nearest neighbours: {flags} do not apply "
-                        "(--neighbours sets how many)")
+        raise UserError(
+            f"{family.a_model} answers with nearest neighbours: {flags} do not apply (--neighbours sets how many)"
+        )
     if method is not None and family.methods and method not in family.methods:
         raise UserError(f"{family.a_model} samples with {', '.join(family.methods)}, not {method!r}")
     return family.sample(loaded, prompts, {k: v for k, v in options.items() if v is not None})
@@ -70,18 +80,25 @@ def prompt_losses(loaded: Any, prompts: list[str] | None) -> list[str]:
         if lost := tokenizer.dropped(prompt):
             shown = " ".join(repr(c) for c in lost[:20]) + (" ..." if len(lost) > 20 else "")
             left = tokenizer.detokenize(tokenizer.split(prompt))
-            lines.append(f"the prompt {prompt!r} loses {shown} to the normalisation its model's corpus had "
-                         f"(the model reads {left!r})")
+            lines.append(
+                f"the prompt {prompt!r} loses {shown} to the normalisation its model's corpus had "
+                f"(the model reads {left!r})"
+            )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mllm.sample",
-                                description="Sample from a trained checkpoint of any family: continue a prompt, "
-                                            "list a word's neighbours, translate, or predict the next element.")
+    p = argparse.ArgumentParser(
+        prog="python -m mllm.sample",
+        description="Sample from a trained checkpoint of any family: continue a prompt, "
+        "list a word's neighbours, translate, or predict the next element.",
+    )
     p.add_argument("--checkpoint", required=True, help="URL or path of a checkpoint (best.pt / last.pt)")
-    p.add_argument("--prompt", action="append",
-                   help="text to continue, words, a sentence or numbers (repeatable; default: the run's own prompts)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue, words, a sentence or numbers (repeatable; default: the run's own prompts)",
+    )
     p.add_argument("--method", choices=METHODS, help="default: the run's first sample method")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float)

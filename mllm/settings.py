@@ -32,31 +32,48 @@ class Settings(BaseSettings):
     @classmethod
     def table(cls) -> list[tuple[str, str, str]]:
         """(variable, default, meaning) of every field, for docs/settings.md."""
-        return [(f.validation_alias, "" if f.default is None else str(f.default), f.description or "")
-                for f in cls.model_fields.values()]
+        return [
+            (f.validation_alias, "" if f.default is None else str(f.default), f.description or "")
+            for f in cls.model_fields.values()
+        ]
 
 
 class MllmSettings(Settings):
-    cache_dir: str | None = Field(None, validation_alias="MLLM_CACHE_DIR",
-                                  description="where measured speeds are kept [$XDG_CACHE_HOME/mllm or ~/.cache/mllm]")
-    xdg_cache_home: str | None = Field(None, validation_alias="XDG_CACHE_HOME",
-                                       description="the user's cache folder (freedesktop.org)")
-    s3_connect_timeout: float = Field(5.0, gt=0, validation_alias="MLLM_S3_CONNECT_TIMEOUT",
-                                      description="seconds an S3 request waits for a connection")
-    s3_read_timeout: float = Field(10.0, gt=0, validation_alias="MLLM_S3_READ_TIMEOUT",
-                                   description="seconds an S3 request waits for a byte")
-    aws_endpoint_url_s3: str | None = Field(None, validation_alias="AWS_ENDPOINT_URL_S3",
-                                            description="an S3-compatible store's URL (MinIO, moto)")
-    aws_endpoint_url: str | None = Field(None, validation_alias="AWS_ENDPOINT_URL",
-                                         description="as AWS_ENDPOINT_URL_S3, for every AWS service")
-    aws_max_attempts: int | None = Field(None, ge=1, validation_alias="AWS_MAX_ATTEMPTS",
-                                         description="botocore's tries of a request, when set [3]")
-    aws_retry_mode: str | None = Field(None, validation_alias="AWS_RETRY_MODE",
-                                       description="botocore's retry mode, when set [standard]")
+    cache_dir: str | None = Field(
+        None,
+        validation_alias="MLLM_CACHE_DIR",
+        description="where measured speeds are kept [$XDG_CACHE_HOME/mllm or ~/.cache/mllm]",
+    )
+    xdg_cache_home: str | None = Field(
+        None, validation_alias="XDG_CACHE_HOME", description="the user's cache folder (freedesktop.org)"
+    )
+    s3_connect_timeout: float = Field(
+        5.0,
+        gt=0,
+        validation_alias="MLLM_S3_CONNECT_TIMEOUT",
+        description="seconds an S3 request waits for a connection",
+    )
+    s3_read_timeout: float = Field(
+        10.0, gt=0, validation_alias="MLLM_S3_READ_TIMEOUT", description="seconds an S3 request waits for a byte"
+    )
+    aws_endpoint_url_s3: str | None = Field(
+        None, validation_alias="AWS_ENDPOINT_URL_S3", description="an S3-compatible store's URL (MinIO, moto)"
+    )
+    aws_endpoint_url: str | None = Field(
+        None, validation_alias="AWS_ENDPOINT_URL", description="as AWS_ENDPOINT_URL_S3, for every AWS service"
+    )
+    aws_max_attempts: int | None = Field(
+        None, ge=1, validation_alias="AWS_MAX_ATTEMPTS", description="botocore's tries of a request, when set [3]"
+    )
+    aws_retry_mode: str | None = Field(
+        None, validation_alias="AWS_RETRY_MODE", description="botocore's retry mode, when set [standard]"
+    )
     rank: int = Field(0, ge=0, validation_alias="RANK", description="this process's rank (set by torchrun)")
     local_rank: int = Field(0, ge=0, validation_alias="LOCAL_RANK", description="its rank on this machine (torchrun)")
     world_size: int = Field(1, ge=1, validation_alias="WORLD_SIZE", description="how many processes train (torchrun)")
-    cxx: str = Field("g++", validation_alias="CXX", description="the C++ compiler torch.compile's CPU code is built with")
+    cxx: str = Field(
+        "g++", validation_alias="CXX", description="the C++ compiler torch.compile's CPU code is built with"
+    )
 
     @property
     def s3_endpoint(self) -> str | None:
@@ -67,8 +84,14 @@ def seconds(name: str, default: float, description: str, zero_ok: bool = True):
     """A field of seconds read from `name`: 0 or more (more than 0 unless `zero_ok`), else the one
     line that says what to give."""
     bound = "0 or more" if zero_ok else "more than 0"
-    return Field(default, ge=0, gt=None if zero_ok else 0, validation_alias=name, description=description,
-                 json_schema_extra={"fix": f"give {description}, {bound}"})
+    return Field(
+        default,
+        ge=0,
+        gt=None if zero_ok else 0,
+        validation_alias=name,
+        description=description,
+        json_schema_extra={"fix": f"give {description}, {bound}"},
+    )
 
 
 def settings() -> MllmSettings:

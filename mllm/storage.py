@@ -49,8 +49,9 @@ def storage_options(url: str) -> dict[str, Any]:
     any S3-compatible store) needs passing on.
     """
     protocol = fsspec.utils.get_protocol(url)
-    auth = _CREDENTIALS.get(url) or next((a for prefix, a in _CREDENTIALS.items()
-                                          if url.startswith(prefix.rstrip("/") + "/")), None)
+    auth = _CREDENTIALS.get(url) or next(
+        (a for prefix, a in _CREDENTIALS.items() if url.startswith(prefix.rstrip("/") + "/")), None
+    )
     if protocol in ("s3", "s3a"):
         endpoint = settings().s3_endpoint
         options: dict[str, Any] = {"config_kwargs": s3_timeouts()}
@@ -103,8 +104,9 @@ def s3_timeouts() -> dict[str, Any]:
     # "100 Continue" with no timeout at all (its read timeout starts once the body is sent): a
     # store that hangs would hold any upload, Prefect's results included, for ever. Without
     # it the body goes at once and the read timeout applies. (Set before the first S3 client.)
-    botocore.handlers.BUILTIN_HANDLERS[:] = [h for h in botocore.handlers.BUILTIN_HANDLERS
-                                             if h[1] is not botocore.handlers.add_expect_header]
+    botocore.handlers.BUILTIN_HANDLERS[:] = [
+        h for h in botocore.handlers.BUILTIN_HANDLERS if h[1] is not botocore.handlers.add_expect_header
+    ]
     s = settings()
     config: dict[str, Any] = {"connect_timeout": s.s3_connect_timeout, "read_timeout": s.s3_read_timeout}
     if not (s.aws_max_attempts or s.aws_retry_mode):
@@ -237,12 +239,16 @@ def credentials_problem(exc: BaseException, url: str) -> str | None:
     allowed there, one line saying so and where they were read from; else None."""
     for e in exception_chain(exc):
         if type(e).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
-            return (f"no credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
-                    "naming a profile of ~/.aws/credentials (botocore reads them from there)")
+            return (
+                f"no credentials for {url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
+                "naming a profile of ~/.aws/credentials (botocore reads them from there)"
+            )
         if (code := _code(e)) in _REFUSED | _DENIED:
             what = "were refused" if code in _REFUSED else "may not do this"
-            return (f"the credentials for {url} {what} ({code}: {_detail(e)}): they were read from "
-                    f"{_credentials_source(url)}; fix them there, or give ones allowed to use {url}")
+            return (
+                f"the credentials for {url} {what} ({code}: {_detail(e)}): they were read from "
+                f"{_credentials_source(url)}; fix them there, or give ones allowed to use {url}"
+            )
     return None
 
 
@@ -257,9 +263,11 @@ def _credentials_source(url: str) -> str:
     import botocore.session
 
     method = getattr(botocore.session.Session().get_credentials(), "method", None)
-    return {"env": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
-            "shared-credentials-file": "~/.aws/credentials (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE)",
-            "config-file": "~/.aws/config (AWS_CONFIG_FILE, AWS_PROFILE)"}.get(method, f"botocore's {method} provider")
+    return {
+        "env": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+        "shared-credentials-file": "~/.aws/credentials (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE)",
+        "config-file": "~/.aws/config (AWS_CONFIG_FILE, AWS_PROFILE)",
+    }.get(method, f"botocore's {method} provider")
 
 
 def check_writable(root: str, fix: str) -> None:
@@ -272,7 +280,7 @@ def check_writable(root: str, fix: str) -> None:
     try:
         fs.pipe_file(probe, b"", timeout=transfer_deadline(0))
         fs.rm_file(probe)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (whatever the store raised is judged below)
         message = credentials_problem(e, root) or unreachable(e)
         if message is None and any(_code(x) == "NoSuchBucket" for x in exception_chain(e)):
             message = f"bucket {path.split('/')[0]} does not exist: create it or {fix}"
@@ -373,8 +381,10 @@ def full_disk_message(root: str) -> str:
         folder = next((p for p in [path, *map(str, Path(path).parents)] if os.path.isdir(p)), "/")
         usage = shutil.disk_usage(folder)
         space = f" ({usage.free / 1e6:,.1f} MB free of {usage.total / 1e6:,.0f} MB)"
-    return (f"storage root {root} is on a full disk{space}: free space there or give another --storage (or "
-            "MLLM_STORAGE); finished stages and checkpoints are kept, and the same command goes on from them")
+    return (
+        f"storage root {root} is on a full disk{space}: free space there or give another --storage (or "
+        "MLLM_STORAGE); finished stages and checkpoints are kept, and the same command goes on from them"
+    )
 
 
 @contextlib.contextmanager

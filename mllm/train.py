@@ -63,7 +63,7 @@ def _val_loss(model, batches: list[tuple], device, autocast, d: Dist) -> float:
     """Mean loss over the fixed validation batches, each rank scoring its share."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches[d.rank::d.world_size]:
+    for batch in batches[d.rank :: d.world_size]:
         with autocast():
             _, loss, _ = model(*(x.to(device) for x in batch))
         total[0] += loss.double() * _samples(batch)
@@ -74,10 +74,14 @@ def _val_loss(model, batches: list[tuple], device, autocast, d: Dist) -> float:
     return (total[0] / total[1]).item()
 
 
-def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
-          on_progress: Callable[[dict], None] | None = None, resume: bool = True,
-          on_eval: Callable[[int, float], bool] | None = None,
-          on_notice: Callable[[str], None] | None = None) -> TrainResult:
+def train(
+    cfg: RunConfig,
+    on_metrics: Callable[[Records], None] | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+    resume: bool = True,
+    on_eval: Callable[[int, float], bool] | None = None,
+    on_notice: Callable[[str], None] | None = None,
+) -> TrainResult:
     """Train per `cfg` (its paths section says where inputs and checkpoints are); see module doc.
 
     on_metrics gets one list of records per log or eval step; on_progress a dict per log step;
@@ -91,8 +95,22 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
     d, device = join(resolve_device(t.device))
     signals, threads_before = Signals(), torch.get_num_threads()
     try:
-        return _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
-                    on_eval, on_notice if d.master and on_notice else lambda line: None)
+        return _run(
+            cfg,
+            vocab,
+            tokenizer,
+            train,
+            val,
+            carry,
+            d,
+            device,
+            on_metrics,
+            on_progress,
+            resume,
+            signals,
+            on_eval,
+            on_notice if d.master and on_notice else lambda line: None,
+        )
     finally:
         signals.restore()
         torch.set_num_threads(threads_before)  # what runs next in this process (evaluation) starts as it was
@@ -100,8 +118,9 @@ def train(cfg: RunConfig, on_metrics: Callable[[Records], None] | None = None,
             tdist.destroy_process_group()
 
 
-def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals,
-         on_eval, notice) -> TrainResult:
+def _run(
+    cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_progress, resume, signals, on_eval, notice
+) -> TrainResult:
     t = cfg.train
     last_url = storage.join(cfg.paths.checkpoint_dir, "last.pt")
     best_url = storage.join(cfg.paths.checkpoint_dir, "best.pt")
@@ -133,9 +152,11 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         check_model(state["config"], cfg, last_url)
         saved_optimizer = state["config"].get("train", {}).get("optimizer", "adamw")
         if (saved_optimizer == "muon") != (t.optimizer == "muon"):
-            raise UserError(f"checkpoint {last_url} was trained with train.optimizer {saved_optimizer}, this config "
-                            f"{t.optimizer}: its optimizer state does not carry over; use another checkpoint_dir "
-                            "or --no-resume")
+            raise UserError(
+                f"checkpoint {last_url} was trained with train.optimizer {saved_optimizer}, this config "
+                f"{t.optimizer}: its optimizer state does not carry over; use another checkpoint_dir "
+                "or --no-resume"
+            )
         raw.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -145,12 +166,16 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         # Last: building the model and optimizer above drew from the RNG.
         set_rng_state(state.get("rng", {}), batches, state.get("data_state", {}), device, d)
         del state
-        notice(f"resumed from {last_url}: step {step} of {total_steps or '?'}"
-               + (f" ({elapsed_before / 60:.1f} of {t.max_minutes:g} minutes trained)" if budget_s else ""))
+        notice(
+            f"resumed from {last_url}: step {step} of {total_steps or '?'}"
+            + (f" ({elapsed_before / 60:.1f} of {t.max_minutes:g} minutes trained)" if budget_s else "")
+        )
     resumed_from, tokens_before, eval_before = step, metrics.get("tokens"), metrics.get("eval_s", 0.0)
     if len(set(gather(step, d))) > 1:
-        raise UserError(f"the ranks found different checkpoints in {cfg.paths.checkpoint_dir}: "
-                        "it must be storage that every rank reads (a shared folder or object storage)")
+        raise UserError(
+            f"the ranks found different checkpoints in {cfg.paths.checkpoint_dir}: "
+            "it must be storage that every rank reads (a shared folder or object storage)"
+        )
     best = metrics.get("best_val_loss", math.inf)
     evals_since_best = int(metrics.get("evals_since_best", 0))
 
@@ -182,13 +207,23 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         rng = rng_state(batches, device, d)  # a collective: every rank takes part
         if not d.master:
             return
-        save_checkpoint(url, {
-            "model": raw.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "step": step, "rng": rng,
-            "config": cfg.to_dict(), "vocab": vocab.to_json(), "vocab_digest": vocab.digest,
-            "tokenizer": tokenizer.to_json(), "metrics": {k: float(v) for k, v in metrics.items()},
-            "data_state": batches.state_dict(), **carry,
-        })
+        save_checkpoint(
+            url,
+            {
+                "model": raw.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "step": step,
+                "rng": rng,
+                "config": cfg.to_dict(),
+                "vocab": vocab.to_json(),
+                "vocab_digest": vocab.digest,
+                "tokenizer": tokenizer.to_json(),
+                "metrics": {k: float(v) for k, v in metrics.items()},
+                "data_state": batches.state_dict(),
+                **carry,
+            },
+        )
 
     t0 = time.perf_counter()
     stop = limit_reason(step, elapsed_before)
@@ -244,8 +279,11 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         step += 1
         if compiling.deciding and not threads.measuring:  # threads first: compile's steps are timed at their count
             now = time.perf_counter()
-            model = compiling.after_step(now - step_start, total_steps - step if total_steps is not None else None,
-                                         60 * t.max_minutes - (elapsed_before + now - t0) if t.max_minutes else None)
+            model = compiling.after_step(
+                now - step_start,
+                total_steps - step if total_steps is not None else None,
+                60 * t.max_minutes - (elapsed_before + now - t0) if t.max_minutes else None,
+            )
             threads.total.add(now - step_start, time.process_time() - cpu_start, threads.threads)
         elif said := threading.follow(threads, time.perf_counter() - step_start, time.process_time() - cpu_start):
             notice(said)
@@ -281,8 +319,14 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             improved = val < best
             best, evals_since_best = (val, 0) if improved else (best, evals_since_best + 1)
             metrics.update(val_loss=val, best_val_loss=best, evals_since_best=evals_since_best)
-            records.append({"step": step, "val_loss": val, "val_perplexity": math.exp(min(val, 700.0)),
-                            "val_bits_per_token": val / math.log(2)})
+            records.append(
+                {
+                    "step": step,
+                    "val_loss": val,
+                    "val_perplexity": math.exp(min(val, 700.0)),
+                    "val_bits_per_token": val / math.log(2),
+                }
+            )
             stop = stop or limit_reason(step, elapsed)
             if on_eval is not None and not stop:
                 # Rank 0 asks; every rank stops at the same step, or the collectives part ways.
@@ -296,16 +340,25 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
             # Tokens over training seconds, evaluations left out: the result's figure, over the interval.
             metrics["tokens_per_s"] = (tokens_run - tokens_mark) / max(step_end - mark - eval_end + eval_mark, 1e-9)
             metrics["mfu"] = metrics["tokens_per_s"] * flops_per_target / peak
-            records.insert(0, {"step": step, "train_loss": metrics["train_loss"], "lr": lr,
-                               "grad_norm": grad_norm.item(), "tokens_per_s": metrics["tokens_per_s"],
-                               "mfu": metrics["mfu"]})
+            records.insert(
+                0,
+                {
+                    "step": step,
+                    "train_loss": metrics["train_loss"],
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": metrics["tokens_per_s"],
+                    "mfu": metrics["mfu"],
+                },
+            )
             loss_sum.zero_()
             loss_count, mark, tokens_mark, eval_mark = 0, step_end, tokens_run, eval_end
         metrics["elapsed_s"] = elapsed
         # Tokens trained over every run of this training (a checkpoint from before they were
         # counted: its steps at this run's tokens a step).
-        metrics["tokens"] = (tokens_before if tokens_before is not None
-                             else resumed_from * tokens_run / (step - resumed_from)) + tokens_run
+        metrics["tokens"] = (
+            tokens_before if tokens_before is not None else resumed_from * tokens_run / (step - resumed_from)
+        ) + tokens_run
         if records and on_metrics and d.master:
             on_metrics(records)
         if improved:
@@ -317,10 +370,19 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
         if (step % t.log_interval == 0 or stop) and on_progress and d.master:
             # A budget's steps, estimated from the share spent so far (a log line's); its end is budget_s.
             estimate = round(step * budget_s / elapsed) if budget_s and elapsed > 0 else None
-            on_progress({"step": step, "total_steps": total_steps or estimate, "budget_s": budget_s,
-                         "epoch": batches.epoch,
-                         "elapsed_s": elapsed, "train_s": train_s, "train_loss": metrics.get("train_loss"), "lr": lr,
-                         "tokens_per_s": metrics.get("tokens_per_s")})
+            on_progress(
+                {
+                    "step": step,
+                    "total_steps": total_steps or estimate,
+                    "budget_s": budget_s,
+                    "epoch": batches.epoch,
+                    "elapsed_s": elapsed,
+                    "train_s": train_s,
+                    "train_loss": metrics.get("train_loss"),
+                    "lr": lr,
+                    "tokens_per_s": metrics.get("tokens_per_s"),
+                }
+            )
         if signalled:
             signals.deliver(step)
 
@@ -329,17 +391,30 @@ def _run(cfg, vocab, tokenizer, train, val, carry, d, device, on_metrics, on_pro
     # One figure everywhere (the done line, trained.json, MLflow, `runs`): the whole training's
     # tokens over its training seconds, evaluations left out, every resume included.
     train_s = metrics.get("elapsed_s", 0.0) - metrics.get("eval_s", 0.0)
-    tokens_per_s = metrics["tokens"] / train_s if metrics.get("tokens") and train_s > 0 \
-        else metrics.get("tokens_per_s", 0.0)
+    tokens_per_s = (
+        metrics["tokens"] / train_s if metrics.get("tokens") and train_s > 0 else metrics.get("tokens_per_s", 0.0)
+    )
     return TrainResult(
-        steps=step, train_loss=metrics.get("train_loss"), val_loss=metrics.get("val_loss"),
-        best_val_loss=best if math.isfinite(best) else None, checkpoint=last_url,
+        steps=step,
+        train_loss=metrics.get("train_loss"),
+        val_loss=metrics.get("val_loss"),
+        best_val_loss=best if math.isfinite(best) else None,
+        checkpoint=last_url,
         best_checkpoint=best_url if math.isfinite(best) else None,
-        tokens_per_s=tokens_per_s, elapsed_s=metrics.get("elapsed_s", elapsed_before), stop_reason=stop,
-        resumed_from_step=resumed_from, dtype_used=precision.dtype, dtype_reason=precision.reason,
-        dtype_probe_ms=precision.probe_ms, mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
-        peak_flops=peak, peak_source=peak_source, compile_used=compiling.choice.used,
-        compile_reason=compiling.choice.reason, compile_s=compiling.choice.compile_s, attention=attention,
+        tokens_per_s=tokens_per_s,
+        elapsed_s=metrics.get("elapsed_s", elapsed_before),
+        stop_reason=stop,
+        resumed_from_step=resumed_from,
+        dtype_used=precision.dtype,
+        dtype_reason=precision.reason,
+        dtype_probe_ms=precision.probe_ms,
+        mfu=tokens_per_s * flops_per_target / peak if tokens_per_s else None,
+        peak_flops=peak,
+        peak_source=peak_source,
+        compile_used=compiling.choice.used,
+        compile_reason=compiling.choice.reason,
+        compile_s=compiling.choice.compile_s,
+        attention=attention,
         muon_precision=optimizer.parts["muon"].ns_reason if t.optimizer == "muon" else "",
         **threading.record(threads, step, resumed_from, total_steps),
     )
@@ -349,39 +424,63 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mllm.train",
         description="Train a model of any family from its data on disk (no Prefect, no MLflow). Writes "
-                    "{paths.checkpoint_dir}/last.pt (full state, resumable) and best.pt (best validation loss).",
+        "{paths.checkpoint_dir}/last.pt (full state, resumable) and best.pt (best validation loss).",
     )
-    parser.add_argument("--config", required=True, metavar="FILE.yaml",
-                        help="a RunConfig as YAML (a recipe's sections plus a paths section: train_ids, "
-                             "val_ids, vocab, optional tokenizer, checkpoint_dir)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one field, e.g. --set train.lr=3e-4 (repeatable; values are YAML)")
-    parser.add_argument("--no-resume", action="store_true",
-                        help="start from scratch even if checkpoint_dir holds a last.pt (it is overwritten)")
-    parser.add_argument("--events", metavar="FILE.jsonl",
-                        help="also append metrics, progress and the result to this local file, one JSON "
-                             "object a line (how the pipeline follows a torchrun job)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE.yaml",
+        help="a RunConfig as YAML (a recipe's sections plus a paths section: train_ids, "
+        "val_ids, vocab, optional tokenizer, checkpoint_dir)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field, e.g. --set train.lr=3e-4 (repeatable; values are YAML)",
+    )
+    parser.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start from scratch even if checkpoint_dir holds a last.pt (it is overwritten)",
+    )
+    parser.add_argument(
+        "--events",
+        metavar="FILE.jsonl",
+        help="also append metrics, progress and the result to this local file, one JSON "
+        "object a line (how the pipeline follows a torchrun job)",
+    )
     args = parser.parse_args(argv)
     try:
         data = apply_overrides(load_file(args.config), args.overrides)
         cfg = validate(data, args.config if not args.overrides else f"{args.config} with --set")
         if cfg.paths is None:
-            raise UserError(f"{args.config} has no paths section: add paths with train_ids, val_ids, "
-                            "vocab and checkpoint_dir")
+            raise UserError(
+                f"{args.config} has no paths section: add paths with train_ids, val_ids, vocab and checkpoint_dir"
+            )
         with event_log(args.events) as emit:
+
             def on_metrics(records: Records) -> None:
                 print_records(records)
                 emit({"metrics": records})
 
-            result = train(cfg, on_metrics=on_metrics, on_progress=lambda p: emit({"progress": p}),
-                           resume=not args.no_resume, on_notice=lambda line: print(line, flush=True))
+            result = train(
+                cfg,
+                on_metrics=on_metrics,
+                on_progress=lambda p: emit({"progress": p}),
+                resume=not args.no_resume,
+                on_notice=lambda line: print(line, flush=True),
+            )
             emit({"result": dataclasses.asdict(result)})
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted: last.pt holds the last finished step; run the same command to resume",
-              file=sys.stderr)
+        print(
+            "error: interrupted: last.pt holds the last finished step; run the same command to resume", file=sys.stderr
+        )
         return 130
     if settings().rank == 0:
         print(result.done_line())

@@ -91,6 +91,10 @@ def causal_attention(q, k, v, dropout_p: float = 0.0):
     T = q.size(2)
     mask = causal_mask(T, q.device)
     cuts = [0, T // 2, T] if T >= 128 else [0, T]
-    parts = [explicit_attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask[start:end, :end],
-                                dropout_p=dropout_p)[0] for start, end in zip(cuts, cuts[1:])]
+    parts = [
+        explicit_attention(
+            q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask[start:end, :end], dropout_p=dropout_p
+        )[0]
+        for start, end in zip(cuts, cuts[1:])
+    ]
     return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

@@ -73,8 +73,12 @@ def materializes(url: str, reads: Iterable[str | None] = (), name: str | None = 
 
         # Debug, not a warning: a storage root with a space would repeat it for every stage of every
         # run, and the lineage through MLflow does not depend on it.
-        get_run_logger().debug("%s cannot be a Prefect asset key (it holds a space or another character Prefect "
-                               "refuses, or is over %d characters): not recorded as an asset", scrub(url), _MAX_KEY)
+        get_run_logger().debug(
+            "%s cannot be a Prefect asset key (it holds a space or another character Prefect "
+            "refuses, or is over %d characters): not recorded as an asset",
+            scrub(url),
+            _MAX_KEY,
+        )
         return None
     from prefect.assets import Asset, AssetProperties
 
@@ -99,6 +103,5 @@ def describe(url: str, **metadata: Any) -> None:
     key = asset_key(url)
     if ctx is None or key is None or key not in {a.key for a in ctx.downstream_assets}:
         return
-    facts = {k: v for k, v in metadata.items()
-             if v is not None and not (isinstance(v, float) and not math.isfinite(v))}
+    facts = {k: v for k, v in metadata.items() if v is not None and not (isinstance(v, float) and not math.isfinite(v))}
     ctx.add_asset_metadata(key, scrub(facts))

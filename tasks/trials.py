@@ -51,6 +51,7 @@ def folder(run_dir: str) -> str:
 
 def through_storage(run_dir: str, wait_s: float = 120.0) -> EvalHook:
     """On a worker: the hook that asks the search over storage, and waits up to `wait_s` for it."""
+
     def ask(step: int, val_loss: float) -> bool:
         storage.write_json(storage.join(folder(run_dir), f"eval-{step}.json"), {"step": step, "val_loss": val_loss})
         verdict = storage.join(folder(run_dir), f"verdict-{step}.json")
@@ -60,6 +61,7 @@ def through_storage(run_dir: str, wait_s: float = 120.0) -> EvalHook:
                 return bool(storage.read_json(verdict)["prune"])
             time.sleep(0.5)
         return False
+
     return ask
 
 
@@ -78,7 +80,7 @@ def answering(run_dir: str, hook: EvalHook, every_s: float = 0.5) -> Iterator[No
                 fs, path = storage.filesystem(folder(run_dir))
                 fs.invalidate_cache(path)
                 names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)) if fs.exists(path) else []
-            except Exception:  # noqa: BLE001, S112 (storage unreachable a moment: the next round answers)
+            except Exception:  # noqa: BLE001 (storage unreachable a moment: the next round answers)
                 continue
             for name in names:
                 if not name.startswith("eval-") or name in answered:
@@ -89,8 +91,9 @@ def answering(run_dir: str, hook: EvalHook, every_s: float = 0.5) -> Iterator[No
                         prune = bool(hook(int(asked["step"]), float(asked["val_loss"])))  # numpy's bool too
                     except Exception:  # noqa: BLE001 (a pruner that cannot answer stops no training)
                         prune = False
-                    storage.write_json(storage.join(folder(run_dir), name.replace("eval-", "verdict-")),
-                                       {"prune": prune})
+                    storage.write_json(
+                        storage.join(folder(run_dir), name.replace("eval-", "verdict-")), {"prune": prune}
+                    )
                     answered.add(name)
 
     thread = threading.Thread(target=answer, daemon=True, name=f"answering {run_dir}")

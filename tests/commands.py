@@ -28,8 +28,14 @@ PASSWORD = "s3cr3t-Passw0rd-xyzzy"
 TOKEN = "tok-9f8e7d6c5b4a-secret"
 
 
-def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 600,
-        fresh: bool = False, **env_vars: str) -> subprocess.CompletedProcess:
+def cli(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: int = 600,
+    fresh: bool = False,
+    **env_vars: str,
+) -> subprocess.CompletedProcess:
     """`mllm-pipeline ARGS` in a process of its own, as a user runs it: its exit status, stdout
     and stderr. The process is forked from one that has imported the large libraries already
     (tests/prewarmed.py); `fresh=True` starts a new interpreter, for a test about start-up, as
@@ -41,8 +47,12 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, 
 
 def files_holding(needle: str, *folders: Path) -> list[str]:
     """The files under `folders` whose bytes contain `needle` (a secret that must be nowhere)."""
-    return [str(path) for folder in folders for path in folder.rglob("*")
-            if path.is_file() and needle.encode() in path.read_bytes()]
+    return [
+        str(path)
+        for folder in folders
+        for path in folder.rglob("*")
+        if path.is_file() and needle.encode() in path.read_bytes()
+    ]
 
 
 def one_line_error(out: subprocess.CompletedProcess, *needles: str) -> str:

@@ -32,21 +32,23 @@ tempfile.tempdir = os.environ.setdefault("MLLM_TESTS_OUTER_TMPDIR", tempfile.get
 _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
 (_HOME / "tmp").mkdir()
 atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
-os.environ.update({
-    "TMPDIR": str(_HOME / "tmp"),
-    **QUIET_ENV,
-    "PREFECT_HOME": str(_HOME / "prefect"),
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
-    "XDG_CONFIG_HOME": str(_HOME / "config"),
-    "XDG_CACHE_HOME": str(_HOME / "cache"),
-    "MPLCONFIGDIR": str(_HOME / "matplotlib"),
-    "MPLBACKEND": "Agg",
-    "HF_HOME": str(_HOME / "hf"),
-    "TORCHINDUCTOR_CACHE_DIR": str(_HOME / "inductor"),
-    # Tiny test models run 30x slower when two threads contend for two busy cores.
-    "OMP_NUM_THREADS": "1",
-})
+os.environ.update(
+    {
+        "TMPDIR": str(_HOME / "tmp"),
+        **QUIET_ENV,
+        "PREFECT_HOME": str(_HOME / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{_HOME / 'mlflow.db'}",
+        "XDG_CONFIG_HOME": str(_HOME / "config"),
+        "XDG_CACHE_HOME": str(_HOME / "cache"),
+        "MPLCONFIGDIR": str(_HOME / "matplotlib"),
+        "MPLBACKEND": "Agg",
+        "HF_HOME": str(_HOME / "hf"),
+        "TORCHINDUCTOR_CACHE_DIR": str(_HOME / "inductor"),
+        # Tiny test models run 30x slower when two threads contend for two busy cores.
+        "OMP_NUM_THREADS": "1",
+    }
+)
 # No storage root and no Prefect server named by the environment the tests were started in: the
 # session's own server (the `prefect_server` fixture) is named once it runs.
 for _name in ("MLLM_STORAGE", "PREFECT_API_URL"):
@@ -60,11 +62,29 @@ pytest_plugins = ("servers",)
 # sent to the workers first, so that none is left with one of them at the end while the others
 # idle. xdist's own reordering is turned off below (--no-loadscope-reorder, for any invocation):
 # with it, xdist sends the modules with the most tests first, and these, which have few, went last.
-HEAVY_FIRST = ("test_stack.py", "test_stack_postgres.py", "test_faults_training.py", "test_docker.py", "test_search.py",
-               "test_faults.py", "test_stack_auth.py", "test_transient.py", "test_stack_netns.py",
-               "test_object_storage.py", "test_cli.py", "test_corpora.py", "test_pipeline.py",
-               "test_pipeline_tracking.py", "test_lineage.py", "test_sweep.py", "test_tracking.py", "test_train.py",
-               "test_families.py", "test_speed.py", "test_seq2seq_pipeline.py")
+HEAVY_FIRST = (
+    "test_stack.py",
+    "test_stack_postgres.py",
+    "test_faults_training.py",
+    "test_docker.py",
+    "test_search.py",
+    "test_faults.py",
+    "test_stack_auth.py",
+    "test_transient.py",
+    "test_stack_netns.py",
+    "test_object_storage.py",
+    "test_cli.py",
+    "test_corpora.py",
+    "test_pipeline.py",
+    "test_pipeline_tracking.py",
+    "test_lineage.py",
+    "test_sweep.py",
+    "test_tracking.py",
+    "test_train.py",
+    "test_families.py",
+    "test_speed.py",
+    "test_seq2seq_pipeline.py",
+)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -85,8 +105,8 @@ def pytest_configure(config) -> None:
         os.setpgid(0, 0)
         reap(os.getpid(), remove=[_HOME])
 
-TESTS = Path(__file__).resolve().parent
 
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -94,9 +114,6 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_bytes(make_text().encode("utf-8"))
     return path
-
-
-
 
 
 @pytest.fixture(scope="session")
@@ -107,16 +124,23 @@ def prefect_server(tmp_path_factory):
     about that temporary server, or reads Prefect's own database, sets PREFECT_API_URL="" for its
     command (an empty value names no server) and gives it a PREFECT_HOME of its own."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
+    from servers import background, quiet_env
 
     from flows.stack.processes import free_port
-    from servers import background, quiet_env
 
     folder = tmp_path_factory.mktemp("prefect-server")
     SESSION_PREFECT_SERVER.append(folder)
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1",
-           "--port", str(port)]
+    cmd = [
+        str(Path(sys.executable).with_name("prefect")),
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     server = background(cmd, f"{api}/health", folder / "prefect-server.log", quiet_env(folder / "home"))
     before = os.environ.get("PREFECT_API_URL")
     try:
@@ -184,15 +208,18 @@ def own_stores(tmp_path: Path) -> tuple[dict[str, str], Path, Path, Path]:
     (a temporary server of its own, in `prefect`)."""
     prefect, mlflow, storage = tmp_path / "prefect", tmp_path / "mlflow", tmp_path / "storage"
     mlflow.mkdir()
-    env = {"PREFECT_HOME": str(prefect), "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow / 'mlflow.db'}",
-           "MLLM_STORAGE": str(storage)}
+    env = {
+        "PREFECT_HOME": str(prefect),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{mlflow / 'mlflow.db'}",
+        "MLLM_STORAGE": str(storage),
+    }
     return env, prefect, mlflow, storage
 
 
 class _BasicAuth(http.server.SimpleHTTPRequestHandler):
     expected = ""
 
-    def do_GET(self):  # noqa: N802 (the stdlib's name)
+    def do_GET(self):
         if self.headers.get("Authorization") != self.expected:
             self.send_response(401)
             self.send_header("WWW-Authenticate", 'Basic realm="corpus"')
@@ -211,8 +238,9 @@ def basic_auth_server(tmp_path: Path):
     """A real HTTP server on loopback that serves a folder only to reader:PASSWORD."""
     folder = tmp_path / "www"
     folder.mkdir()
-    handler = type("Handler", (_BasicAuth,), {
-        "expected": "Basic " + base64.b64encode(f"reader:{PASSWORD}".encode()).decode()})
+    handler = type(
+        "Handler", (_BasicAuth,), {"expected": "Basic " + base64.b64encode(f"reader:{PASSWORD}".encode()).decode()}
+    )
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield folder, server.server_address[1]
@@ -223,7 +251,7 @@ def basic_auth_server(tmp_path: Path):
 class _Failing(http.server.BaseHTTPRequestHandler):
     hits: list[str]
 
-    def do_GET(self):  # noqa: N802 (the stdlib's name)
+    def do_GET(self):
         self.hits.append(self.path)
         self.send_response(500)
         self.send_header("Content-Length", "0")
@@ -247,5 +275,3 @@ def failing_server():
     finally:
         server.shutdown()
         server.server_close()
-
-

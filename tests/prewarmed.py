@@ -38,22 +38,54 @@ import time
 from pathlib import Path
 
 # Imported once, ahead of every command: large, and indifferent to the command's environment.
-AHEAD = ("torch", "numpy", "pandas", "pyarrow", "pyarrow.parquet", "mlflow", "mlflow.tracking", "fsspec",
-         "s3fs", "httpx", "fastapi", "sqlalchemy", "pydantic", "pydantic.v1", "typer", "rich.console", "rich.progress",
-         "yaml", "mlflow.pyfunc")
+AHEAD = (
+    "torch",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "pyarrow.parquet",
+    "mlflow",
+    "mlflow.tracking",
+    "fsspec",
+    "s3fs",
+    "httpx",
+    "fastapi",
+    "sqlalchemy",
+    "pydantic",
+    "pydantic.v1",
+    "typer",
+    "rich.console",
+    "rich.progress",
+    "yaml",
+    "mlflow.pyfunc",
+)
 
 # Prefect reads its settings (PREFECT_HOME, the API URL, logging) when it is imported. It is imported
 # ahead all the same, for about 0.7 s of CPU a command, and each child builds its settings and logging
 # again from its own environment (`_own_prefect`), as a fresh import would. A command of this project
 # that names no Prefect server (Prefect's temporary-server path) starts a new interpreter instead:
 # forked from here, its events client failed against the temporary server on every event.
-AHEAD_PREFECT = ("prefect.main", "prefect.flows", "prefect.tasks", "prefect.client.orchestration", "prefect.deployments",
-                 "prefect.flow_engine", "prefect.task_engine", "prefect.runtime", "prefect.artifacts",
-                 "prefect.logging.formatters", "prefect.variables", "prefect.exceptions", "prefect.states",
-                 "prefect.futures", "prefect.results")
+AHEAD_PREFECT = (
+    "prefect.main",
+    "prefect.flows",
+    "prefect.tasks",
+    "prefect.client.orchestration",
+    "prefect.deployments",
+    "prefect.flow_engine",
+    "prefect.task_engine",
+    "prefect.runtime",
+    "prefect.artifacts",
+    "prefect.logging.formatters",
+    "prefect.variables",
+    "prefect.exceptions",
+    "prefect.states",
+    "prefect.futures",
+    "prefect.results",
+)
 
 
 # --- the fork server ----------------------------------------------------------------------------
+
 
 def _read_line(conn: socket.socket) -> bytes:
     data = b""
@@ -102,7 +134,7 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
             code = 1
     except KeyboardInterrupt:
         code = -signal.SIGINT
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (the command's failure, printed as its interpreter would)
         sys.excepthook(*sys.exc_info())
         code = 1
     try:
@@ -171,7 +203,7 @@ def serve(path: str) -> None:
             while len(payload) < size:
                 payload += conn.recv(size - len(payload))
             request = json.loads(payload)
-        except Exception:  # a caller that went away mid-request
+        except Exception:  # noqa: BLE001 (a caller that went away mid-request)
             conn.close()
             continue
         if os.fork() == 0:
@@ -196,8 +228,13 @@ def _socket_path() -> str:
     folder = tempfile.mkdtemp(prefix="mllm-prewarmed-", dir=os.environ.get("TMPDIR"))  # in the suite: its home
     path = os.path.join(folder, "socket")
     log = open(os.path.join(folder, "server.log"), "wb")
-    proc = subprocess.Popen([sys.executable, __file__, path], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                            cwd=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        [sys.executable, __file__, path],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        cwd=str(Path(__file__).resolve().parents[1]),
+    )
     atexit.register(shutil.rmtree, folder, ignore_errors=True)  # after the kill below (atexit: last in, first run)
     atexit.register(proc.kill)
     deadline = time.monotonic() + 180
@@ -215,8 +252,14 @@ class Command:
     stdout=PIPE, stderr=PIPE)` is: `pid`, `returncode`, `stdout` and `stderr` (text, universal
     newlines), `poll()`, `wait()`, `communicate()`, `send_signal()`, `terminate()`, `kill()`."""
 
-    def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
-                 new_session: bool = False):
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        env: dict[str, str],
+        cwd: str | os.PathLike | None = None,
+        new_session: bool = False,
+    ):
         self.args = [sys.executable, "-m", module, *args]
         self.returncode: int | None = None
         out_r, out_w = os.pipe()
@@ -224,8 +267,15 @@ class Command:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._conn.connect(_socket_path())
-            payload = json.dumps({"module": module, "args": list(args), "env": env, "new_session": new_session,
-                                  "cwd": str(cwd or os.getcwd())}).encode()
+            payload = json.dumps(
+                {
+                    "module": module,
+                    "args": list(args),
+                    "env": env,
+                    "new_session": new_session,
+                    "cwd": str(cwd or os.getcwd()),
+                }
+            ).encode()
             socket.send_fds(self._conn, [len(payload).to_bytes(8, "big")], [out_w, err_w])
             self._conn.sendall(payload)
         finally:
@@ -273,8 +323,9 @@ class Command:
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise subprocess.TimeoutExpired(self.args, timeout, _text(b"".join(texts[self.stdout])),
-                                                    _text(b"".join(texts[self.stderr])))
+                    raise subprocess.TimeoutExpired(
+                        self.args, timeout, _text(b"".join(texts[self.stdout])), _text(b"".join(texts[self.stderr]))
+                    )
                 for key, _ in sel.select(left):
                     data = os.read(key.fd, 65536)
                     if data:
@@ -308,16 +359,30 @@ def _fresh(module: str, env: dict[str, str]) -> bool:
     return temporary_server or os.environ.get("MLLM_TESTS_FRESH") == "1"
 
 
-def run(module: str, args: list[str], env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
-        timeout: float | None = None, fresh: bool = False, check: bool = False) -> subprocess.CompletedProcess:
+def run(
+    module: str,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float | None = None,
+    fresh: bool = False,
+    check: bool = False,
+) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` run to its end: what `subprocess.run(..., capture_output=True,
     text=True, timeout=..., check=...)` gives (env None: this process's environment). `fresh=True`,
     or MLLM_TESTS_FRESH=1 in the environment, starts a new interpreter instead (to tell whether a
     failure is the fork's)."""
     env = dict(os.environ) if env is None else env
     if fresh or _fresh(module, env):
-        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                              cwd=cwd, env=env, check=check)
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            env=env,
+            check=check,
+        )
     command = Command(module, args, env, cwd)
     try:
         out, err = command.communicate(timeout)
@@ -330,13 +395,21 @@ def run(module: str, args: list[str], env: dict[str, str] | None = None, cwd: st
     return done
 
 
-def start(module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None,
-          new_session: bool = False) -> Command | subprocess.Popen:
+def start(
+    module: str, args: list[str], env: dict[str, str], cwd: str | os.PathLike | None = None, new_session: bool = False
+) -> Command | subprocess.Popen:
     """`python -m MODULE ARGS` started in the background, as `subprocess.Popen(..., text=True,
     stdout=PIPE, stderr=PIPE, start_new_session=new_session)` starts it."""
     if _fresh(module, env):
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=cwd, env=env, start_new_session=new_session)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=cwd,
+            env=env,
+            start_new_session=new_session,
+        )
     return Command(module, args, env, cwd, new_session)
 
 

@@ -49,8 +49,9 @@ def quiet_env(home: Path) -> dict[str, str]:
 def background(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None) -> Service:
     """A server command started in the background (a process group of its own), which ends with
     this process however this process ends (tests/reaper.py)."""
-    service = Service(Path(cmd[2] if cmd[1:2] == ["-m"] else cmd[0]).name, cmd, str(log), health_url,
-                      env=env or {}).start()
+    service = Service(
+        Path(cmd[2] if cmd[1:2] == ["-m"] else cmd[0]).name, cmd, str(log), health_url, env=env or {}
+    ).start()
     reap(service.pid)
     return service
 
@@ -58,15 +59,19 @@ def background(cmd: list[str], health_url: str, log: Path, env: dict[str, str] |
 def reap(pgid: int, remove: Iterable[Path] = ()) -> None:
     """End process group `pgid` when this process ends, even by SIGKILL, then remove the folders
     `remove`."""
-    subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid()), str(pgid),
-                      *map(str, remove)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
+    subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid()), str(pgid), *map(str, remove)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None,
-            timeout: float = 120.0) -> Iterator[Service]:
+def serving(
+    cmd: list[str], health_url: str, log: Path, env: dict[str, str] | None = None, timeout: float = 120.0
+) -> Iterator[Service]:
     """Run `cmd` until `health_url` answers 200, yield it, then stop it."""
     proc = background(cmd, health_url, log, env)
     try:
@@ -167,9 +172,13 @@ class S3Server:
     def client(self, direct: bool = True):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.direct_url if direct else self.url,
-                            aws_access_key_id="testing", aws_secret_access_key="testing",
-                            region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.direct_url if direct else self.url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
 
 
 @contextlib.contextmanager
@@ -179,12 +188,18 @@ def run_s3_server(folder: Path, env: dict[str, str] | None = None) -> Iterator[S
     port = free_port()
     direct = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-    with serving(cmd, f"{direct}/moto-api/", folder / "moto.log", {**quiet_env(folder / "home"), **(env or {})}) as moto:
+    with serving(
+        cmd, f"{direct}/moto-api/", folder / "moto.log", {**quiet_env(folder / "home"), **(env or {})}
+    ) as moto:
         proxy = TcpProxy(port).start()
         try:
-            env = {"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "testing",
-                   "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                   "MLFLOW_S3_ENDPOINT_URL": proxy.url}
+            env = {
+                "AWS_ENDPOINT_URL": proxy.url,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "MLFLOW_S3_ENDPOINT_URL": proxy.url,
+            }
             yield S3Server(proxy.url, direct, proxy, env, moto)
         finally:
             proxy.stop()
@@ -215,11 +230,25 @@ def run_mlflow_server(folder: Path, wait: bool = True, port: int | None = None) 
     backend = f"sqlite:///{folder / 'mlflow.db'}"
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend,
-           "--artifacts-destination", str(folder / "artifacts"), "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]
-    server = MlflowServer(url, backend, folder / "artifacts",
-                          background(cmd, f"{url}/health", folder / "mlflow-server.log", env))
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        backend,
+        "--artifacts-destination",
+        str(folder / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
+    server = MlflowServer(
+        url, backend, folder / "artifacts", background(cmd, f"{url}/health", folder / "mlflow-server.log", env)
+    )
     try:
         if wait:
             server.wait_ready()
@@ -298,10 +327,17 @@ def registry(docker_engine, tmp_path_factory) -> Iterator[Registry]:
     data = Path(os.environ.get("MLLM_TEST_REGISTRY_CACHE", "/var/tmp/mllm-pipeline-tests/registry"))
     port = free_port()
     config = folder / "config.yml"
-    config.write_text(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {data}\n"
-                      f"http:\n  addr: 127.0.0.1:{port}\n")
-    with serving([binary, "serve", str(config)], f"http://127.0.0.1:{port}/v2/", folder / "registry.log",
-                 quiet_env(folder / "home"), timeout=60) as proc:
+    config.write_text(
+        f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {data}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
+    with serving(
+        [binary, "serve", str(config)],
+        f"http://127.0.0.1:{port}/v2/",
+        folder / "registry.log",
+        quiet_env(folder / "home"),
+        timeout=60,
+    ) as proc:
         yield Registry(f"127.0.0.1:{port}", proc)
 
 
@@ -313,8 +349,9 @@ def local_torch_wheel() -> Path | None:
     import torch
 
     folders = os.environ.get("PIP_FIND_LINKS", "").split()
-    out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.find-links"], capture_output=True, text=True
+    )
     folders += out.stdout.split() if out.returncode == 0 else []
     for folder in folders:
         path = Path(folder.removeprefix("file://"))
@@ -338,8 +375,10 @@ def build_image(context: Path, registry: Registry, log: Path) -> BuiltImage:
 
     wheel = local_torch_wheel()
     if wheel is None:
-        skip_docker("Docker tests: no local wheel of this torch in pip's find-links; the image would pull "
-                    "PyPI's CUDA build (several GB)")
+        skip_docker(
+            "Docker tests: no local wheel of this torch in pip's find-links; the image would pull "
+            "PyPI's CUDA build (several GB)"
+        )
     import shutil
 
     start = time.monotonic()
@@ -349,12 +388,25 @@ def build_image(context: Path, registry: Registry, log: Path) -> BuiltImage:
             skip_docker(f"Docker tests: no local base image, and making one needs root and debootstrap; {SETUP_HINT}")
         raise AssertionError(f"infra/docker/base-image.sh failed:\n{base.stderr[-3000:]}")
     with open(log, "ab") as out:
-        proc = subprocess.run([str(REPO / "infra/docker/build-image.sh"), "--local-base", "--torch-wheel", str(wheel),
-                               "--push", registry.host, str(context)], stdout=subprocess.PIPE, stderr=out, text=True)
+        proc = subprocess.run(
+            [
+                str(REPO / "infra/docker/build-image.sh"),
+                "--local-base",
+                "--torch-wheel",
+                str(wheel),
+                "--push",
+                registry.host,
+                str(context),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=out,
+            text=True,
+        )
     if proc.returncode != 0:
         raise AssertionError(f"image build failed ({proc.returncode}):\n{tail(log, 40)}")
-    commit = subprocess.run(["git", "-C", str(context), "rev-parse", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(context), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     return BuiltImage(proc.stdout.strip().splitlines()[-1], commit, time.monotonic() - start)
 
 
@@ -420,18 +472,25 @@ class FaultProxy(TcpProxy):
             lines = head.split(b"\r\n")
             upgrade = any(line.lower().startswith(b"upgrade:") for line in lines[1:])
             now = time.monotonic()
-            window = now < self._unavailable_until or (self.answered_503 == self._window_met and now < self._open_until_met)
+            window = now < self._unavailable_until or (
+                self.answered_503 == self._window_met and now < self._open_until_met
+            )
             if window and (self._only is None or lines[0].startswith(self._only)):
                 with self._lock:
                     self.answered_503 += 1
                 body = b'{"detail": "Service Unavailable (test proxy)"}'
-                client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                client.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+                )
                 client.close()
                 return
             if not upgrade:
-                lines = [lines[0], *(h for h in lines[1:] if not h.lower().startswith((b"connection:", b"keep-alive:"))),
-                         b"Connection: close"]
+                lines = [
+                    lines[0],
+                    *(h for h in lines[1:] if not h.lower().startswith((b"connection:", b"keep-alive:"))),
+                    b"Connection: close",
+                ]
             server = socket.create_connection(self.upstream)
             with self._lock:
                 self.forwarded += 1

@@ -28,14 +28,22 @@ def _prose(path: Path) -> str:
     text = path.read_text()
     if path.suffix != ".py":
         return text
-    kept = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
-            if t.type == tokenize.COMMENT or (t.type == tokenize.STRING and t.string.lstrip("rbfu").startswith('"""'))]
+    kept = [
+        t.string
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type == tokenize.COMMENT or (t.type == tokenize.STRING and t.string.lstrip("rbfu").startswith('"""'))
+    ]
     return "\n".join(kept)
 
 
 def _texts() -> list[tuple[str, str]]:
-    files = [ROOT / "README.md", ROOT / "pyproject.toml", ROOT / "Makefile", *sorted((ROOT / "docs").rglob("*.md")),
-             *sorted((ROOT / "infra").rglob("*.md"))]
+    files = [
+        ROOT / "README.md",
+        ROOT / "pyproject.toml",
+        ROOT / "Makefile",
+        *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "infra").rglob("*.md")),
+    ]
     for room in (*PACKAGES, "benchmarks"):
         files += sorted((ROOT / room).rglob("*.py"))
     return [(str(f.relative_to(ROOT)), _prose(f)) for f in files]
@@ -43,8 +51,14 @@ def _texts() -> list[tuple[str, str]]:
 
 def _defines(module: Path, name: str) -> bool:
     text = module.read_text()
-    return re.search(rf"^\s*(?:async\s+def|def|class)\s+{name}\b|^\s*{name}\s*[:=]|^\s*(?:from\s+\S+\s+)?import\b.*\b{name}\b",
-                     text, re.M) is not None
+    return (
+        re.search(
+            rf"^\s*(?:async\s+def|def|class)\s+{name}\b|^\s*{name}\s*[:=]|^\s*(?:from\s+\S+\s+)?import\b.*\b{name}\b",
+            text,
+            re.M,
+        )
+        is not None
+    )
 
 
 def _module_file(parts: list[str]) -> Path | None:
@@ -86,7 +100,7 @@ def test_every_module_and_file_named_in_the_docs_and_the_code_exists() -> None:
             if _dotted_missing(m.group(1), m.group(2)):
                 missing.append(f"{where}: {m.group(0)}")
         for m in PATH.finditer(text):
-            if re.match(r"[\w.-]*[*{<]", text[m.end():]):
+            if re.match(r"[\w.-]*[*{<]", text[m.end() :]):
                 continue  # a pattern (mllm/recipes/seq2seq-numbers-*.yaml)
             if _path_missing(m.group(1), m.group(2)):
                 missing.append(f"{where}: {m.group(0)}")

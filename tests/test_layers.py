@@ -15,7 +15,7 @@ PACKAGES = ("mllm", "tasks", "flows")
 # Everywhere else an import is at the top of its module.
 LAZY = {
     "flows/cli/pipeline.py": "its commands import Prefect's flows and mllm's models (torch) when they run: "
-                             "--help answers in under a second instead of 2.5 s",
+    "--help answers in under a second instead of 2.5 s",
     "flows/cli/runs.py": "MLflow (1.5 s) only for the command that reads runs",
     "flows/cli/exporting.py": "MLflow, torch and the export libraries only when an export runs",
     "flows/cli/servers.py": "Prefect's client only for the command that drives a server",
@@ -47,6 +47,7 @@ def _modules() -> dict[str, Path]:
 
 def _edges(modules: dict[str, Path]) -> dict[str, set[str]]:
     """Module -> the project modules it imports (at the top or inside a function)."""
+
     def resolve(target: str) -> str | None:
         while target and target not in modules:
             target = target.rpartition(".")[0]
@@ -125,8 +126,12 @@ def _under(folder: str) -> dict[str, set[str]]:
 
 
 def _breaking(imports: dict[str, set[str]], banned: tuple[str, ...]) -> list[str]:
-    return sorted(f"{path}: {m}" for path, mods in imports.items() for m in mods
-                  if any(m == b or m.startswith(b + ".") for b in banned))
+    return sorted(
+        f"{path}: {m}"
+        for path, mods in imports.items()
+        for m in mods
+        if any(m == b or m.startswith(b + ".") for b in banned)
+    )
 
 
 def test_imports_point_down_only() -> None:
@@ -144,9 +149,11 @@ def test_the_tracking_layer_imports_no_stage() -> None:
 
 def test_importing_every_mllm_module_loads_neither_prefect_nor_mlflow() -> None:
     modules = sorted(m for m in _modules() if m.startswith("mllm.") and not m.endswith("__main__"))
-    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'tasks', 'flows'))\n"
-            "print(','.join(bad))")
+    code = (
+        f"import sys\nfor m in {modules!r}: __import__(m)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'tasks', 'flows'))\n"
+        "print(','.join(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
@@ -154,13 +161,18 @@ def test_importing_every_mllm_module_loads_neither_prefect_nor_mlflow() -> None:
 
 def test_imports_inside_functions_only_where_a_reason_is_written() -> None:
     found = set()
-    for name, path in _modules().items():
+    for path in _modules().values():
         for fn in ast.walk(ast.parse(path.read_text())):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             for node in ast.walk(fn):
-                mod = (node.module if isinstance(node, ast.ImportFrom) else
-                       node.names[0].name if isinstance(node, ast.Import) else None)
+                mod = (
+                    node.module
+                    if isinstance(node, ast.ImportFrom)
+                    else node.names[0].name
+                    if isinstance(node, ast.Import)
+                    else None
+                )
                 if mod and mod.split(".")[0] in PACKAGES:
                     found.add(str(path.relative_to(ROOT)))
     assert found - set(LAZY) == set(), "import these at the top, or say why not in LAZY"
@@ -172,7 +184,9 @@ def test_the_data_tasks_hold_no_tokenizer_parquet_or_split_logic() -> None:
     for path in (ROOT / "tasks" / "data").glob("*.py"):
         tree = ast.parse(path.read_text())
         imported = _imported(path)
-        assert not {m for m in imported if m.split(".")[0] in ("pyarrow", "numpy", "tokenizers", "codecs", "tempfile")}, path
+        assert not {
+            m for m in imported if m.split(".")[0] in ("pyarrow", "numpy", "tokenizers", "codecs", "tempfile")
+        }, path
         assert not {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & {"np", "pa", "pq", "pc"}, path
 
 
@@ -185,8 +199,17 @@ def test_a_built_distribution_holds_every_package() -> None:
 
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     shipped = set(find_packages(str(ROOT), include=include))
-    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for top in PACKAGES
-               for p in (ROOT / top).rglob("__init__.py")}
+    on_disk = {
+        ".".join(p.parent.relative_to(ROOT).parts) for top in PACKAGES for p in (ROOT / top).rglob("__init__.py")
+    }
     assert on_disk and on_disk <= shipped, on_disk - shipped
-    assert {"mllm.lm", "mllm.data", "mllm.runtime", "tasks.data", "tasks.tracking", "flows.cli", "flows.stack",
-            "flows.history"} <= shipped
+    assert {
+        "mllm.lm",
+        "mllm.data",
+        "mllm.runtime",
+        "tasks.data",
+        "tasks.tracking",
+        "flows.cli",
+        "flows.stack",
+        "flows.history",
+    } <= shipped

@@ -16,24 +16,43 @@ from mllm import UserError
 ROOT = Path(__file__).resolve().parents[1]
 # Where the environment is handed on (to a child process, to torch, to MLflow's client), or set
 # before a library reads it: the only reads of os.environ outside the settings modules.
-HANDS_ON = {"flows/dispatch.py", "flows/history/runs.py", "flows/__init__.py", "flows/gpus.py",
-            "flows/stack/servers.py", "flows/stack/processes.py", "flows/cli/stack_auth.py",
-            "flows/stack/routes.py",  # MLflow's auth app, made only to list its routes, reads its settings there
-            "tasks/tracking/outage.py", "tasks/tracking/store.py", "mllm/settings.py",
-            # not yet through the settings (docs/settings.md says which variables)
-            "flows/stack/users.py", "flows/stack/auth_errors.py", "tasks/tracking/served_model.py"}
+HANDS_ON = {
+    "flows/dispatch.py",
+    "flows/history/runs.py",
+    "flows/__init__.py",
+    "flows/gpus.py",
+    "flows/stack/servers.py",
+    "flows/stack/processes.py",
+    "flows/cli/stack_auth.py",
+    "flows/stack/routes.py",  # MLflow's auth app, made only to list its routes, reads its settings there
+    "tasks/tracking/outage.py",
+    "tasks/tracking/store.py",
+    "mllm/settings.py",
+    # not yet through the settings (docs/settings.md says which variables)
+    "flows/stack/users.py",
+    "flows/stack/auth_errors.py",
+    "tasks/tracking/served_model.py",
+}
 
 
 def test_the_docs_table_is_the_settings_classes() -> None:
-    out = subprocess.run([sys.executable, "-m", "flows.settings"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.settings"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     doc = (ROOT / "docs" / "settings.md").read_text()
-    assert doc.endswith(out.stdout), "docs/settings.md's tables differ from `python -m flows.settings`: paste its output"
+    assert doc.endswith(out.stdout), (
+        "docs/settings.md's tables differ from `python -m flows.settings`: paste its output"
+    )
 
 
 def test_only_the_settings_modules_read_the_environment() -> None:
-    readers = {str(p.relative_to(ROOT)) for room in ("mllm", "tasks", "flows") for p in (ROOT / room).rglob("*.py")
-               if re.search(r"os\.environ|getenv", p.read_text())}
+    readers = {
+        str(p.relative_to(ROOT))
+        for room in ("mllm", "tasks", "flows")
+        for p in (ROOT / room).rglob("*.py")
+        if re.search(r"os\.environ|getenv", p.read_text())
+    }
     assert readers <= HANDS_ON, f"read the environment outside the settings modules: {sorted(readers - HANDS_ON)}"
 
 
@@ -46,7 +65,9 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch) -> None:
     with pytest.raises(UserError, match=r"^MLLM_S3_READ_TIMEOUT='soon': give seconds an S3 request waits for a byte"):
         mllm_settings()
     monkeypatch.setenv("MLLM_METRICS_RETRY_S", "0")
-    with pytest.raises(UserError, match=r"^MLLM_METRICS_RETRY_S='0': give the seconds between two looks .* more than 0$"):
+    with pytest.raises(
+        UserError, match=r"^MLLM_METRICS_RETRY_S='0': give the seconds between two looks .* more than 0$"
+    ):
         task_settings()
     monkeypatch.setenv("MLLM_TRAIN_RESTARTS", "-1")
     with pytest.raises(UserError, match=r"^MLLM_TRAIN_RESTARTS='-1': give how often a training"):

@@ -33,18 +33,24 @@ def _killed_after(tmp_path: Path, body: str) -> int:
     """Run `body` in a process that then kills itself with SIGKILL (no finaliser, no atexit);
     the pid it printed."""
     script = tmp_path / "dies.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, signal, subprocess, sys
         sys.path.insert(0, {str(TESTS)!r})
         sys.path.insert(0, {str(TESTS.parent)!r})
-    """) + textwrap.dedent(body) + "\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    """)
+        + textwrap.dedent(body)
+        + "\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == -9, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
 
 def test_a_server_a_test_started_ends_when_the_test_process_is_killed(tmp_path: Path) -> None:
-    pid = _killed_after(tmp_path, """
+    pid = _killed_after(
+        tmp_path,
+        """
         from flows.stack.processes import free_port
         from servers import background
         port = free_port()
@@ -52,7 +58,8 @@ def test_a_server_a_test_started_ends_when_the_test_process_is_killed(tmp_path: 
                             f"http://127.0.0.1:{port}/", "server.log")
         server.wait_ready(60)
         print(server.pid, flush=True)
-    """)
+    """,
+    )
     assert _gone(pid), "the server outlived the process that started it"
 
 
@@ -61,13 +68,16 @@ def test_a_workers_leftover_processes_end_with_the_worker_and_its_home_goes(tmp_
     # home (the Prefect and MLflow folders, its commands' temporary files) removed after.
     home = tmp_path / "home"
     (home / "tmp").mkdir(parents=True)
-    pid = _killed_after(tmp_path, f"""
+    pid = _killed_after(
+        tmp_path,
+        f"""
         from servers import reap
         os.setpgid(0, 0)
         reap(os.getpid(), remove=[{str(home)!r}])
         left = subprocess.Popen(["sleep", "600"])  # in the worker's group, as a command a test ran
         print(left.pid, flush=True)
-    """)
+    """,
+    )
     assert _gone(pid), "a process the worker started outlived it"
     deadline = time.monotonic() + 20
     while home.exists() and time.monotonic() < deadline:

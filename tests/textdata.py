@@ -12,9 +12,11 @@ from pathlib import Path
 # War and Peace and tiny shakespeare, beside the checkout (tests that read them skip without them).
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
-WORDS = ("the a of and to in was he she it his her that with had for not on at as but they said "
-         "prince princess count natasha pierre andrew moscow war peace army emperor house night "
-         "day old young little great love life time man woman soldier french russian room door").split()
+WORDS = (
+    "the a of and to in was he she it his her that with had for not on at as but they said "
+    "prince princess count natasha pierre andrew moscow war peace army emperor house night "
+    "day old young little great love life time man woman soldier french russian room door"
+).split()
 
 
 def make_text(n_words: int = 4000, seed: int = 0, gutenberg: bool = True) -> str:
@@ -26,12 +28,15 @@ def make_text(n_words: int = 4000, seed: int = 0, gutenberg: bool = True) -> str
         s = " ".join(rng.choice(WORDS) for _ in range(k))
         sentences.append(s[0].upper() + s[1:] + rng.choice([".", ".", ".", "!", "?", ";"]))
         words += k
-    paras = [" ".join(sentences[i:i + 5]) for i in range(0, len(sentences), 5)]
+    paras = [" ".join(sentences[i : i + 5]) for i in range(0, len(sentences), 5)]
     body = "\r\n\r\n".join(paras) + "\r\n"
     if not gutenberg:
         return body
-    return ("The Project Gutenberg eBook of a Test\r\n\r\n*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\r\n"
-            + body + "*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\r\nLicense text that must not be read.\r\n")
+    return (
+        "The Project Gutenberg eBook of a Test\r\n\r\n*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\r\n"
+        + body
+        + "*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\r\nLicense text that must not be read.\r\n"
+    )
 
 
 def write_char_ids(folder: Path, n_words: int):

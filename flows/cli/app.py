@@ -20,8 +20,9 @@ typer.core.TyperArgument.display_type_rich = lambda self, ctx: None
 # ... and a required argument in braces (`reproduce {run_id}`), which reads as a literal or a
 # template: the usage line names it as click does, `RUN_ID`, an optional one `[RUN_ID]`.
 _usage_name = typer.core.TyperArgument._usage_display_name
-typer.core.TyperArgument._usage_display_name = (
-    lambda self: _usage_name(self).replace("{", "", 1).replace("}", "", 1) if self.required else _usage_name(self))
+typer.core.TyperArgument._usage_display_name = lambda self: (
+    _usage_name(self).replace("{", "", 1).replace("}", "", 1) if self.required else _usage_name(self)
+)
 
 # An unknown option's suggestions: click's parser compares the whole `--name` with difflib's
 # cutoff of 0.6, so the `--` every option shares lifts a stranger over it (`--nosuch` suggested
@@ -32,16 +33,26 @@ _no_such_option = typer._click.exceptions.NoSuchOption.__init__
 
 def _suggest(self, option_name, message=None, possibilities=None, ctx=None) -> None:
     if possibilities and option_name.startswith("--") and ctx is not None:
-        names = [o[2:] for p in ctx.command.params if not getattr(p, "hidden", False)
-                 for o in [*p.opts, *p.secondary_opts] if o.startswith("--")]
+        names = [
+            o[2:]
+            for p in ctx.command.params
+            if not getattr(p, "hidden", False)
+            for o in [*p.opts, *p.secondary_opts]
+            if o.startswith("--")
+        ]
         possibilities = ["--" + n for n in difflib.get_close_matches(option_name[2:], names)]
     _no_such_option(self, option_name, message, possibilities, ctx)
 
 
 typer._click.exceptions.NoSuchOption.__init__ = _suggest
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown",
-                  help="A reproducible training pipeline for small language models.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    help="A reproducible training pipeline for small language models.",
+)
 
 
 def _version(asked: bool) -> None:
@@ -56,27 +67,58 @@ def _version(asked: bool) -> None:
 
 
 @app.callback()
-def _options(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
-                                                   help="Print the version and exit.")] = False) -> None:
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """A reproducible training pipeline for small language models."""
 
-Recipe = Annotated[str, typer.Option("--recipe", "-r", metavar="NAME|FILE", help="Recipe name (see `mllm-pipeline recipes`).")]
-Source = Annotated[Optional[list[str]], typer.Option(
-    "--source", "-s", metavar="URL", help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
-    "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.")]
-TaskRunner = Annotated[Optional[str], typer.Option(
-    "--task-runner", metavar="RUNNER",
-    help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
-         "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.")]
-Storage = Annotated[Optional[str], typer.Option("--storage", metavar="URL",
-                                                help="Storage root URL (default: $MLLM_STORAGE or ./storage).")]
+
+Recipe = Annotated[
+    str, typer.Option("--recipe", "-r", metavar="NAME|FILE", help="Recipe name (see `mllm-pipeline recipes`).")
+]
+Source = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--source",
+        "-s",
+        metavar="URL",
+        help="Corpus: a file, a folder or s3:// prefix (every file below it), or a glob (`**` included); "
+        "a path, file://, s3:// or https:// URL; text, JSONL or Parquet. Repeatable.",
+    ),
+]
+TaskRunner = Annotated[
+    Optional[str],
+    typer.Option(
+        "--task-runner",
+        metavar="RUNNER",
+        help="Where the per-file work of a many-file source runs: processes (default, one per core), threads, or "
+        "dask://HOST:PORT (a running Dask scheduler). The same as --set data.task_runner=RUNNER.",
+    ),
+]
+Storage = Annotated[
+    Optional[str],
+    typer.Option("--storage", metavar="URL", help="Storage root URL (default: $MLLM_STORAGE or ./storage)."),
+]
 # The commands that train: what a root means for skipping a training.
-TrainingStorage = Annotated[Optional[str], typer.Option("--storage", metavar="URL", help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.")]
-Sets = Annotated[Optional[list[str]], typer.Option("--set", metavar="FIELD=VALUE", help="Override a config field: --set train.lr=3e-4 (repeatable).")]
+TrainingStorage = Annotated[
+    Optional[str],
+    typer.Option(
+        "--storage",
+        metavar="URL",
+        help="Storage root URL (default: $MLLM_STORAGE or ./storage). Roots may share a tracking store (mlflow.db beside them, or MLFLOW_TRACKING_URI): a run skips training only when this root holds the finished training of the same key; a new root trains.",
+    ),
+]
+Sets = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", metavar="FIELD=VALUE", help="Override a config field: --set train.lr=3e-4 (repeatable)."),
+]
 
 
-def without_credentials(source: list[str] | None, sets: list[str] | None,
-                         task_runner: str | None = None) -> tuple[str | list[str] | None, list[str]]:
+def without_credentials(
+    source: list[str] | None, sets: list[str] | None, task_runner: str | None = None
+) -> tuple[str | list[str] | None, list[str]]:
     """The source (one, several, or none) and overrides with any user:password taken out of URLs
     (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
     A local path is made absolute. --task-runner joins the overrides."""
@@ -89,15 +131,35 @@ def without_credentials(source: list[str] | None, sets: list[str] | None,
     return (sources[0] if len(sources) == 1 else sources or None), sets
 
 
-Tags = Annotated[Optional[list[str]], typer.Option("--tag", metavar="KEY=VALUE", help="An extra MLflow run tag: --tag key=value (repeatable).")]
-TrainOn = Annotated[Optional[str], typer.Option(
-    "--train-on", metavar="POOL",
-    help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).")]
+Tags = Annotated[
+    Optional[list[str]],
+    typer.Option("--tag", metavar="KEY=VALUE", help="An extra MLflow run tag: --tag key=value (repeatable)."),
+]
+TrainOn = Annotated[
+    Optional[str],
+    typer.Option(
+        "--train-on",
+        metavar="POOL",
+        help="Train on a worker of this Prefect work pool (default: the recipe's pipeline.pool, else this process).",
+    ),
+]
 
 
 # Set by `reproduce` (hidden: a reproduction is asked for with that command).
-ModelName = Annotated[Optional[str], typer.Option(
-    "--model", metavar="NAME", help="The registered model that the trained model joins, and whose champion it is "
-                                    "judged against (default: the recipe's name).")]
+ModelName = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model",
+        metavar="NAME",
+        help="The registered model that the trained model joins, and whose champion it is "
+        "judged against (default: the recipe's name).",
+    ),
+]
 Reproduces = Annotated[Optional[str], typer.Option("--reproduces", hidden=True, metavar="RUN_ID")]
-Force = Annotated[bool, typer.Option("--force", help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).")]
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Do not skip when the champion was trained on the same data, config and code: evaluate, register and judge again (a finished training of the same key in storage is reused, not repeated).",
+    ),
+]

@@ -13,13 +13,21 @@ from mllm import UserError
 
 
 @app.command("export")
-def export_model(model: Annotated[str, typer.Argument(metavar="MODEL",
-                     help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)],
-                 format_: Annotated[str, typer.Option("--format", metavar="FORMAT",
-                     help="hf (a transformers folder), onnx (onnxruntime) or gguf (llama.cpp).")],
-                 out: Annotated[str, typer.Option("--out", metavar="DIR|URL",
-                     help="A new or empty folder, local or in object storage.")],
-                 storage: Storage = None) -> None:
+def export_model(
+    model: Annotated[
+        str, typer.Argument(metavar="MODEL", help="MODEL@ALIAS, MODEL/VERSION or an MLflow run id.", show_default=False)
+    ],
+    format_: Annotated[
+        str,
+        typer.Option(
+            "--format", metavar="FORMAT", help="hf (a transformers folder), onnx (onnxruntime) or gguf (llama.cpp)."
+        ),
+    ],
+    out: Annotated[
+        str, typer.Option("--out", metavar="DIR|URL", help="A new or empty folder, local or in object storage.")
+    ],
+    storage: Storage = None,
+) -> None:
     """Export a model for another runtime, each format proven equal to the model (docs/export.md).
 
     The export is kept with the model in MLflow (its run's artifacts exports/FORMAT, tags naming
@@ -42,5 +50,8 @@ def export_model(model: Annotated[str, typer.Argument(metavar="MODEL",
         manifest = export(load_checkpoint(src["checkpoint"]), format_, out, src["card"])
         artifact = exports.record(root, src, manifest, out)
         typer.echo(f"exported {model} as {format_} to {hide_credentials(out)}: {', '.join(manifest['files'])}")
-        typer.echo(f"recorded on run {src['run_id']}" + (f" as {artifact}" if artifact else "")
-                   + (f" and model {src['card']['model']}" if src["card"]["model"] else ""))
+        typer.echo(
+            f"recorded on run {src['run_id']}"
+            + (f" as {artifact}" if artifact else "")
+            + (f" and model {src['card']['model']}" if src["card"]["model"] else "")
+        )

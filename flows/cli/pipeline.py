@@ -7,20 +7,43 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from flows.cli.app import Force, ModelName, Recipe, Reproduces, Sets, Source, Storage, TrainingStorage, Tags, TaskRunner, TrainOn, without_credentials, app
+from flows.cli.app import (
+    Force,
+    ModelName,
+    Recipe,
+    Reproduces,
+    Sets,
+    Source,
+    Storage,
+    Tags,
+    TaskRunner,
+    TrainingStorage,
+    TrainOn,
+    app,
+    without_credentials,
+)
 from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
 from flows.launch import check_model_name, checked_config
 from mllm import UserError
 from mllm.config import METHODS
-from mllm.resolve import recipe_file_overrides, recipe_names, resolve
 from mllm.redact import scrub
+from mllm.resolve import recipe_file_overrides, recipe_names, resolve
 from mllm.storage import hide_credentials
 
 
 @app.command()
-def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
-        set_: Sets = None, tag: Tags = None, train_on: TrainOn = None, force: Force = False,
-        task_runner: TaskRunner = None, model: ModelName = None, reproduces: Reproduces = None) -> None:
+def run(
+    recipe: Recipe = "default",
+    source: Source = None,
+    storage: TrainingStorage = None,
+    set_: Sets = None,
+    tag: Tags = None,
+    train_on: TrainOn = None,
+    force: Force = False,
+    task_runner: TaskRunner = None,
+    model: ModelName = None,
+    reproduces: Reproduces = None,
+) -> None:
     """Run the whole pipeline: download, tokenize, vocabulary, split, train, evaluate, sample.
 
     --recipe takes a recipe file too (a search's best.yaml): the recipe it names, with its fields."""
@@ -35,9 +58,17 @@ def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStor
         # Scrubbed here, before Prefect stores the flow run's parameters.
         tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
         with flow_session() as fl, progress():
-            result = fl.pipeline(recipe=recipe, source=source, storage_url=fl.storage_root(storage),
-                                 overrides=set_ or [], tags=tags, train_on=train_on, force=force,
-                                 reproduces=reproduces, model=model)
+            result = fl.pipeline(
+                recipe=recipe,
+                source=source,
+                storage_url=fl.storage_root(storage),
+                overrides=set_ or [],
+                tags=tags,
+                train_on=train_on,
+                force=force,
+                reproduces=reproduces,
+                model=model,
+            )
         c = result.champion
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
@@ -52,8 +83,10 @@ def run(recipe: Recipe = "default", source: Source = None, storage: TrainingStor
         if result.decision == "reproduction":
             typer.echo(f"model: not registered ({c.reason})")
         else:
-            typer.echo(f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: "
-                       f"{c.reason})")
+            typer.echo(
+                f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: "
+                f"{c.reason})"
+            )
         _echo_mlflow_run(fl, result)
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
@@ -95,8 +128,13 @@ def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) ->
 
 
 @app.command()
-def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage = None,
-            set_: Sets = None, task_runner: TaskRunner = None) -> None:
+def prepare(
+    recipe: Recipe = "default",
+    source: Source = None,
+    storage: Storage = None,
+    set_: Sets = None,
+    task_runner: TaskRunner = None,
+) -> None:
     """Run the data stages only: download, tokenize, vocabulary, split."""
     with user_errors():
         from mllm.families.base import family_of
@@ -109,25 +147,40 @@ def prepare(recipe: Recipe = "default", source: Source = None, storage: Storage 
 
 
 @app.command()
-def train(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
-          set_: Sets = None, train_on: TrainOn = None, task_runner: TaskRunner = None) -> None:
+def train(
+    recipe: Recipe = "default",
+    source: Source = None,
+    storage: TrainingStorage = None,
+    set_: Sets = None,
+    train_on: TrainOn = None,
+    task_runner: TaskRunner = None,
+) -> None:
     """Prepare the data (reused when unchanged) and train; resumes an interrupted training."""
     with user_errors():
         from flows.launch import training_pool
 
         source, set_ = without_credentials(source, set_, task_runner)
         pool = training_pool(recipe, train_on)
-        trained = _run_stages(checked_config(recipe, set_, source, storage, train_here=not pool), storage, "train", pool)
-        typer.echo(f"{trained.steps} steps ({trained.stop_reason}), val loss "
-                   f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}")
+        trained = _run_stages(
+            checked_config(recipe, set_, source, storage, train_here=not pool), storage, "train", pool
+        )
+        typer.echo(
+            f"{trained.steps} steps ({trained.stop_reason}), val loss "
+            f"{'n/a' if trained.val_loss is None else f'{trained.val_loss:.4f}'}"
+        )
         mfu = "" if trained.mfu is None else f", MFU {trained.mfu:.1%}"
         typer.echo(f"precision: {trained.precision()}{mfu}")
         typer.echo(f"checkpoint: {trained.checkpoint}")
 
 
 @app.command()
-def evaluate(recipe: Recipe = "default", source: Source = None, storage: TrainingStorage = None,
-             set_: Sets = None, task_runner: TaskRunner = None) -> None:
+def evaluate(
+    recipe: Recipe = "default",
+    source: Source = None,
+    storage: TrainingStorage = None,
+    set_: Sets = None,
+    task_runner: TaskRunner = None,
+) -> None:
     """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
     this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
@@ -138,30 +191,56 @@ def evaluate(recipe: Recipe = "default", source: Source = None, storage: Trainin
 
 
 @app.command()
-def sample(checkpoint: Annotated[Optional[str], typer.Option(metavar="URL", help="A checkpoint URL (a run's checkpoints/best.pt).")] = None,
-           run: Annotated[Optional[str], typer.Option("--run", metavar="RUN_ID", help="An MLflow run id: its logged model.")] = None,
-           model: Annotated[Optional[str], typer.Option("--model", metavar="MODEL", help="A registered model: NAME@champion or NAME/VERSION.")] = None,
-           prompt: Annotated[Optional[str], typer.Option(
-               metavar="TEXT", help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
-                    "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
-                    "own prompts.")] = None,
-           prompt_file: Annotated[Optional[str], typer.Option(
-               metavar="FILE", help="A text file of prompts, one a line: an answer a line.")] = None,
-           method: Annotated[Optional[str], typer.Option(
-               metavar="METHOD", help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
-                    "first sample method.")] = None,
-           max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
-           temperature: Annotated[Optional[float], typer.Option(metavar="T", help="Default: the run's own.")] = None,
-           top_k: Annotated[Optional[int], typer.Option(metavar="K", help="Default: the run's own.")] = None,
-           top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Default: the run's own.")] = None,
-           beam_width: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
-           seed: Annotated[Optional[int], typer.Option(metavar="SEED", help="Default: the run's own.")] = None,
-           neighbours: Annotated[Optional[int], typer.Option(
-               metavar="N", help="Word embeddings: neighbours per word. Default: the run's own.")] = None,
-           device: Annotated[Optional[str], typer.Option(
-               metavar="DEVICE", help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
-                    "for --run/--model a GPU when there is one.")] = None,
-           storage: Storage = None) -> None:
+def sample(
+    checkpoint: Annotated[
+        Optional[str], typer.Option(metavar="URL", help="A checkpoint URL (a run's checkpoints/best.pt).")
+    ] = None,
+    run: Annotated[
+        Optional[str], typer.Option("--run", metavar="RUN_ID", help="An MLflow run id: its logged model.")
+    ] = None,
+    model: Annotated[
+        Optional[str],
+        typer.Option("--model", metavar="MODEL", help="A registered model: NAME@champion or NAME/VERSION."),
+    ] = None,
+    prompt: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="TEXT",
+            help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
+            "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
+            "own prompts.",
+        ),
+    ] = None,
+    prompt_file: Annotated[
+        Optional[str], typer.Option(metavar="FILE", help="A text file of prompts, one a line: an answer a line.")
+    ] = None,
+    method: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="METHOD",
+            help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
+            "first sample method.",
+        ),
+    ] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
+    temperature: Annotated[Optional[float], typer.Option(metavar="T", help="Default: the run's own.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(metavar="K", help="Default: the run's own.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Default: the run's own.")] = None,
+    beam_width: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
+    seed: Annotated[Optional[int], typer.Option(metavar="SEED", help="Default: the run's own.")] = None,
+    neighbours: Annotated[
+        Optional[int], typer.Option(metavar="N", help="Word embeddings: neighbours per word. Default: the run's own.")
+    ] = None,
+    device: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="DEVICE",
+            help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
+            "for --run/--model a GPU when there is one.",
+        ),
+    ] = None,
+    storage: Storage = None,
+) -> None:
     """Sample from a checkpoint, an MLflow run's model or a registered model.
 
     As its family samples: continue a prompt, list neighbours, translate, or predict the next
@@ -174,8 +253,16 @@ def sample(checkpoint: Annotated[Optional[str], typer.Option(metavar="URL", help
         if prompt is not None and prompt_file is not None:
             raise UserError("give --prompt or --prompt-file, not both")
         prompts = _prompt_lines(prompt_file) if prompt_file else None if prompt is None else [prompt]
-        options = dict(method=method, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                       top_p=top_p, beam_width=beam_width, seed=seed, neighbours=neighbours)
+        options = dict(
+            method=method,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            beam_width=beam_width,
+            seed=seed,
+            neighbours=neighbours,
+        )
         from mllm.sample import check_method_options
 
         check_method_options(options)
@@ -217,8 +304,9 @@ def _prompt_lines(path: str) -> list[str]:
     return lines
 
 
-def _print_answers(answer: Callable[[list[str] | None], list[str]], prompts: list[str] | None,
-                   path: str | None) -> None:
+def _print_answers(
+    answer: Callable[[list[str] | None], list[str]], prompts: list[str] | None, path: str | None
+) -> None:
     """The answers, a line each. From a prompt file, a blank line stays blank, and a line the
     model cannot take is named (with why) while every other line is answered; then the command
     fails."""
@@ -240,8 +328,11 @@ def _print_answers(answer: Callable[[list[str] | None], list[str]], prompts: lis
     typer.echo("\n".join(out))
     if failed:
         more = f" (and {len(failed) - 3} more)" if len(failed) > 3 else ""
-        raise UserError(f"{len(failed)} of {len(wanted)} lines of {path} were not answered (left blank): "
-                        + "; ".join(failed[:3]) + more)
+        raise UserError(
+            f"{len(failed)} of {len(wanted)} lines of {path} were not answered (left blank): "
+            + "; ".join(failed[:3])
+            + more
+        )
 
 
 @app.command()
@@ -254,7 +345,9 @@ def recipes() -> None:
         cfg = resolve(name)
         m, t, family = cfg.model, cfg.train, family_of(cfg)
         size, tokens = family.size(m), family.tokens(cfg.data)
-        length = f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
+        length = (
+            f"{t.epochs:g} epochs" if t.epochs else f"{t.max_steps} steps" if t.max_steps else f"{t.max_minutes:g} min"
+        )
         needs = f"pip install 'mllm-pipeline[{family.extra}]'" if family.extra else ""
         rows.append((name, m.arch, tokens, size, length, needs))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -263,14 +356,26 @@ def recipes() -> None:
 
 
 @app.command()
-def sweep(recipe: Recipe = "default",
-          grid: Annotated[Optional[list[str]], typer.Option(
-              "--grid", metavar="FIELD=V1,V2,...",
-              help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).")] = None,
-          source: Source = None, storage: TrainingStorage = None, set_: Sets = None, train_on: TrainOn = None,
-          parallel: Annotated[Optional[int], typer.Option(
-              metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take].")] = None,
-          model: ModelName = None) -> None:
+def sweep(
+    recipe: Recipe = "default",
+    grid: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--grid",
+            metavar="FIELD=V1,V2,...",
+            help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).",
+        ),
+    ] = None,
+    source: Source = None,
+    storage: TrainingStorage = None,
+    set_: Sets = None,
+    train_on: TrainOn = None,
+    parallel: Annotated[
+        Optional[int],
+        typer.Option(metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take]."),
+    ] = None,
+    model: ModelName = None,
+) -> None:
     """Run the pipeline at every point of a grid and compare the points' headline metrics. Exit status 1 when
     a point failed, after the table, with a line saying how many and where their logs are; as `search` exits 1
     when a trial failed."""
@@ -286,8 +391,10 @@ def sweep(recipe: Recipe = "default",
 
         source, set_ = without_credentials(source, set_)
         # A URL among the values (several sources, say) keeps its password in memory only, as --source's.
-        grid = [f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
-                for k, sep, values in (g.partition("=") for g in grid or [])]
+        grid = [
+            f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
+            for k, sep, values in (g.partition("=") for g in grid or [])
+        ]
         resolve_points(recipe, parse_grid(grid), set_, source)  # every point, before anything runs
         checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
         # At a terminal: a bar of the points, then a line for each that failed, then the table;
@@ -297,14 +404,24 @@ def sweep(recipe: Recipe = "default",
 
             failure = ""
             try:
-                result = sweep_flow(recipe=recipe, grid=grid, source=source,
-                                    storage_url=fl.storage_root(storage), overrides=set_, train_on=train_on,
-                                    parallel=parallel, model=model)
+                result = sweep_flow(
+                    recipe=recipe,
+                    grid=grid,
+                    source=source,
+                    storage_url=fl.storage_root(storage),
+                    overrides=set_,
+                    train_on=train_on,
+                    parallel=parallel,
+                    model=model,
+                )
             except PointsFailed as e:  # the others ran: their table first, then the one line
                 result, failure = e.result, str(e)
         for o in result.failed:
-            console.print(f"[bold red]failed:[/] {escape(scrub(o.label))}: {escape(scrub(o.error or ''))}",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]failed:[/] {escape(scrub(o.label))}: {escape(scrub(o.error or ''))}",
+                highlight=False,
+                soft_wrap=True,
+            )
         typer.echo(text_table(result.outcomes))
         typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
         typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")

@@ -9,12 +9,18 @@ import typer
 
 from flows.cli.servers import StackHome, stack_app
 from flows.cli.terminal import user_errors
-from flows.stack import audit as stack_audit, auth as stack_auth, servers as stack
+from flows.stack import audit as stack_audit
+from flows.stack import auth as stack_auth
+from flows.stack import servers as stack
 from mllm import UserError
 
-user_app = typer.Typer(no_args_is_help=True, help=(
-    "The secured stack's users: each person and worker has a secret of its own, and a role: admin, worker "
-    "(runs flows, logs runs, registers models, moves aliases) or viewer (reads only)."))
+user_app = typer.Typer(
+    no_args_is_help=True,
+    help=(
+        "The secured stack's users: each person and worker has a secret of its own, and a role: admin, worker "
+        "(runs flows, logs runs, registers models, moves aliases) or viewer (reads only)."
+    ),
+)
 stack_app.add_typer(user_app, name="user")
 
 Role = Annotated[str, typer.Option("--role", metavar="ROLE", help="admin, worker or viewer.")]
@@ -35,8 +41,10 @@ def user_add(name: UserName, role: Role = "worker", home: StackHome = None) -> N
     with user_errors():
         folder = stack.stack_home(home)
         stack_auth.add_user(folder, name, role)
-        typer.echo(f"user {name} ({role}) added; {_apply(folder)}. Its settings: "
-                   f"`mllm-pipeline stack worker-env --user {name}`")
+        typer.echo(
+            f"user {name} ({role}) added; {_apply(folder)}. Its settings: "
+            f"`mllm-pipeline stack worker-env --user {name}`"
+        )
 
 
 @user_app.command("remove")
@@ -54,8 +62,10 @@ def user_rotate(name: UserName, home: StackHome = None) -> None:
     with user_errors():
         folder = stack.stack_home(home)
         stack_auth.rotate_user(folder, name)
-        typer.echo(f"user {name} has a new secret; {_apply(folder)}. Hand it its new settings: "
-                   f"`mllm-pipeline stack worker-env --user {name}`")
+        typer.echo(
+            f"user {name} has a new secret; {_apply(folder)}. Hand it its new settings: "
+            f"`mllm-pipeline stack worker-env --user {name}`"
+        )
 
 
 @user_app.command("list")
@@ -63,20 +73,27 @@ def user_list(home: StackHome = None) -> None:
     """The users and their roles (never their secrets)."""
     users = stack_auth.read_users(stack.stack_home(home))["users"]
     if not users:
-        typer.echo("no users: `mllm-pipeline stack up --auth` (or --listen ADDRESS) makes the stack's own, "
-                   "`stack user add NAME --role worker` adds one")
+        typer.echo(
+            "no users: `mllm-pipeline stack up --auth` (or --listen ADDRESS) makes the stack's own, "
+            "`stack user add NAME --role worker` adds one"
+        )
     for name, u in sorted(users.items()):
         own = "  (the stack's own)" if name in stack_auth.BUILT_IN else ""
         typer.echo(f"{name:24} {u['role']}{own}")
 
 
 @stack_app.command("worker-env")
-def worker_env(home: StackHome = None,
-               user: Annotated[str, typer.Option(metavar="NAME", help="Whose credential.")] = "stack-worker",
-               ca_path: Annotated[Optional[str], typer.Option(
-                   metavar="PATH", help="Where the CA file will be on the worker [the stack home's copy].")] = None,
-               with_storage_credentials: Annotated[bool, typer.Option(
-                   "--with-storage-credentials", help="Add this shell's AWS_* credentials for the bucket.")] = False) -> None:
+def worker_env(
+    home: StackHome = None,
+    user: Annotated[str, typer.Option(metavar="NAME", help="Whose credential.")] = "stack-worker",
+    ca_path: Annotated[
+        Optional[str],
+        typer.Option(metavar="PATH", help="Where the CA file will be on the worker [the stack home's copy]."),
+    ] = None,
+    with_storage_credentials: Annotated[
+        bool, typer.Option("--with-storage-credentials", help="Add this shell's AWS_* credentials for the bucket.")
+    ] = False,
+) -> None:
     """Print what a remote worker needs in docker --env-file form (KEY=VALUE lines): the servers'
     URLs, the user's credential, the CA file, the pool and the storage. Holds a secret: write it
     to a file only its owner reads."""
@@ -86,8 +103,10 @@ def worker_env(home: StackHome = None,
         folder = stack.stack_home(home)
         state = stack.load(folder)
         if stack_auth.secured(folder) is None:
-            raise UserError(f"the stack in {folder} is not secured: start it with `mllm-pipeline stack up --listen "
-                            "ADDRESS` (or --auth), whose workers then reach it with credentials of their own")
+            raise UserError(
+                f"the stack in {folder} is not secured: start it with `mllm-pipeline stack up --listen "
+                "ADDRESS` (or --auth), whose workers then reach it with credentials of their own"
+            )
         env = stack_auth.client_env(folder, user, ca_path)
         env["PREFECT_WORK_POOL"] = state.get("pool", "local")
         if state.get("storage"):
@@ -106,10 +125,12 @@ def worker_env(home: StackHome = None,
 
 
 @stack_app.command("audit")
-def audit(user: Annotated[Optional[str], typer.Option("--user", help="Only this user's entries.")] = None,
-          since: Annotated[Optional[str], typer.Option("--since", help="An ISO time, or an age: 30m, 2h, 1d.")] = None,
-          failed: Annotated[bool, typer.Option("--failed", help="Only refused credentials and lockouts.")] = False,
-          home: StackHome = None) -> None:
+def audit(
+    user: Annotated[Optional[str], typer.Option("--user", help="Only this user's entries.")] = None,
+    since: Annotated[Optional[str], typer.Option("--since", help="An ISO time, or an age: 30m, 2h, 1d.")] = None,
+    failed: Annotated[bool, typer.Option("--failed", help="Only refused credentials and lockouts.")] = False,
+    home: StackHome = None,
+) -> None:
     """The secured stack's audit: every write, websocket and refused credential, oldest first."""
     with user_errors():
         folder = stack.stack_home(home)

@@ -35,7 +35,7 @@ def start_temporary_server() -> Callable[[], None] | None:
     def start() -> None:
         try:
             server.start()
-        except BaseException as e:  # handed to the caller's thread
+        except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
             failure.append(e)
 
     thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)

@@ -20,11 +20,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 import tasks
 from flows.cli.temporary_start import servers, start_temporary_server
 from flows.launch import remove_empty_roots
+from flows.settings import settings
 from flows.stack.auth_errors import auth_line
 from flows.stack.database import DOWN, down_line
 from flows.stack.orphans import leave_in_flight
 from flows.stack.state import stack_home
-from flows.settings import settings
 from mllm import UserError
 from mllm.failures import disk_full, unreachable
 from mllm.redact import scrub
@@ -67,8 +67,12 @@ def user_errors() -> Iterator[None]:
             drop_unsent_to_prefect()
         fail(message)
     except KeyboardInterrupt:
-        console.print("[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
-                      "same command to continue from them", highlight=False, soft_wrap=True)
+        console.print(
+            "[bold red]error:[/] interrupted: finished stages and the last checkpoint are kept; run the "
+            "same command to continue from them",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(128 + (interrupted_by[0] if interrupted_by else signal.SIGINT)) from None
 
 
@@ -136,9 +140,17 @@ class _QuietAfterUserError(logging.Filter):
         if "aborted by a termination signal" in message:  # SIGTERM: our one line says it
             self.failed = True
             return False
-        if (exc is not None and (isinstance(exc, UserError) or unreachable(exc) or tracking_down(exc)
-                                 or prefect_down(exc) or disk_full(exc) or down_line(exc))) or any(
-                f"{n}:" in message or f"{n}(" in message for n in names):
+        if (
+            exc is not None
+            and (
+                isinstance(exc, UserError)
+                or unreachable(exc)
+                or tracking_down(exc)
+                or prefect_down(exc)
+                or disk_full(exc)
+                or down_line(exc)
+            )
+        ) or any(f"{n}:" in message or f"{n}(" in message for n in names):
             self.failed = True
             return False
         if self.terse and record.levelno < logging.WARNING:
@@ -151,8 +163,13 @@ def _plain_retry(record: logging.LogRecord) -> None:
     down, a driver's error with its SQL and a link (`RestException('BAD_REQUEST: (psycopg...`),
     which the line's own words then replace."""
     args = record.args
-    if (isinstance(args, tuple) and len(args) == 5 and isinstance(args[1], BaseException)
-            and "%r" in str(record.msg) and down_line(args[1])):
+    if (
+        isinstance(args, tuple)
+        and len(args) == 5
+        and isinstance(args[1], BaseException)
+        and "%r" in str(record.msg)
+        and down_line(args[1])
+    ):
         record.msg, record.args = str(record.msg).replace("%r", "%s"), (args[0], DOWN, *args[2:])
 
 
@@ -164,8 +181,12 @@ def _console_handlers() -> set[logging.Handler]:
     from prefect.logging.handlers import APILogHandler
 
     names = ["", *(n for n in logging.root.manager.loggerDict if n.startswith("prefect"))]
-    return {h for n in names for h in logging.getLogger(n).handlers
-            if type(h).__module__.startswith("prefect.") and not isinstance(h, APILogHandler)}
+    return {
+        h
+        for n in names
+        for h in logging.getLogger(n).handlers
+        if type(h).__module__.startswith("prefect.") and not isinstance(h, APILogHandler)
+    }
 
 
 class _AboveTheBars:
@@ -263,8 +284,11 @@ def _ctrl_c() -> Iterator[None]:
     # writes its checkpoint first (mllm.train), the runs are marked, the exit status says which.
     # SIGHUP (the terminal closed) too, unless ignored (nohup): the temporary server, in a process
     # group of its own, does not get the terminal's hang-up and must be stopped by this process.
-    wanted = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-              if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN]
+    wanted = [
+        s
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN
+    ]
     previous = {s: signal.signal(s, first) for s in wanted}
     try:
         yield
@@ -287,14 +311,18 @@ def _cancel_interrupted_runs(since: datetime.datetime) -> None:
         from prefect.states import Cancelled
 
         # Seconds at most, not a client's minutes of retries: the user asked to stop.
-        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}), \
-                get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since}))
+        with (
+            temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: 5.0}),
+            get_client(sync_client=True) as client,
+        ):
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(state={"type": {"any_": ["CRASHED"]}}, start_time={"after_": since})
+            )
             for run in runs:
                 if any(w in (run.state.message or "") for w in ("interrupt signal", "termination signal")):
-                    client.set_flow_run_state(run.id, Cancelled(message="interrupted from the terminal (Ctrl-C)"),
-                                              force=True)
+                    client.set_flow_run_state(
+                        run.id, Cancelled(message="interrupted from the terminal (Ctrl-C)"), force=True
+                    )
 
 
 @contextlib.contextmanager
@@ -307,8 +335,14 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
         yield
         return
     bars: dict[str, Any] = {}
-    progress = Progress(TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, transient=False)
+    progress = Progress(
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
 
     lock = threading.Lock()  # a sweep's points end in threads of their own
 
@@ -328,15 +362,19 @@ def progress(stages: tuple[str, ...] | None = None, silent: bool = False) -> Ite
             # A time budget's bar runs over its seconds (a known end, its ETA the budget's), so the
             # steps stand alone; else over the steps.
             steps = f"step {f.get('step', int(completed))}" + ("" if f.get("budget_s") else f"/{int(total or 0)}")
-            info = steps + (f" loss {loss:.4f}" if loss is not None else "") \
-                + f" {f.get('tokens_per_s') or 0:,.0f} tok/s"
+            info = (
+                steps + (f" loss {loss:.4f}" if loss is not None else "") + f" {f.get('tokens_per_s') or 0:,.0f} tok/s"
+            )
         elif stage == "download":
             info = f"{completed / 1e6:.1f} MB"
         elif stage == "tokenize":
             info = f"{int(completed):,} tokens"
         elif stage in ("points", "trials"):
-            info = f"{int(completed)}/{int(total or 0)} ended" + (f", {f['failed']} failed" if f.get("failed") else "") \
+            info = (
+                f"{int(completed)}/{int(total or 0)} ended"
+                + (f", {f['failed']} failed" if f.get("failed") else "")
                 + (f"; last: {f['last']}" if f.get("last") else "")
+            )
         progress.update(bars[stage], completed=completed, total=total, info=info)
 
     from prefect.logging.handlers import PrefectConsoleHandler

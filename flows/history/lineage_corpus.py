@@ -32,8 +32,13 @@ def manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
     stored copy, there and of the size it had."""
 
     sha, url = t.get("data.raw_sha256"), t.get("data.raw_url")
-    fields: dict[str, Any] = {"sha256": sha, "uri": url, "source": t.get("data.source"),
-                              "bytes": as_int(t.get("data.raw_bytes")), "files": as_int(t.get("data.raw_files"))}
+    fields: dict[str, Any] = {
+        "sha256": sha,
+        "uri": url,
+        "source": t.get("data.source"),
+        "bytes": as_int(t.get("data.raw_bytes")),
+        "files": as_int(t.get("data.raw_files")),
+    }
     if not storage.exists(url):
         return make_link("corpus", MISSING, **fields, detail=f"the corpus manifest {url} is gone")
     doc = storage.read_json(url)
@@ -48,7 +53,9 @@ def manifest_link(t: dict[str, str], files: bool) -> dict[str, Any]:
             return make_link("corpus", MISSING, **fields, detail=f"the stored copy {f['url']} of {f['source']} is gone")
         size = storage.filesystem(f["url"])[0].size(storage.filesystem(f["url"])[1])
         if f.get("stored_bytes") is not None and size != f["stored_bytes"]:
-            return make_link("corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size")
+            return make_link(
+                "corpus", CHANGED, **fields, detail=f"the stored copy {f['url']} of {f['source']} changed size"
+            )
     return make_link("corpus", OK, **fields)
 
 
@@ -57,22 +64,31 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
     first, with the model version each made and its headline metric."""
     prefix = prefix.strip().lower()
     if re.fullmatch(r"[0-9a-f]{65,}", prefix):
-        raise UserError(f"{prefix!r} has {len(prefix)} hex characters, a sha256 has 64: give the corpus's sha256 "
-                        "or its first characters (at least 4)")
+        raise UserError(
+            f"{prefix!r} has {len(prefix)} hex characters, a sha256 has 64: give the corpus's sha256 "
+            "or its first characters (at least 4)"
+        )
     if not re.fullmatch(r"[0-9a-f]{4,64}", prefix):
         raise UserError(f"{prefix!r} is no sha256 prefix: give at least 4 hex characters of the corpus's sha256")
     client = tracking.client(root)
     experiments = {e.experiment_id: e.name for e in client.search_experiments()}
     if not experiments:
         return []
-    runs = client.search_runs(list(experiments), f"tags.`data.raw_sha256` LIKE '{prefix}%'",
-                              order_by=["attributes.start_time DESC"], max_results=1000)
+    runs = client.search_runs(
+        list(experiments),
+        f"tags.`data.raw_sha256` LIKE '{prefix}%'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1000,
+    )
     # A file of a many-file corpus: the corpora (manifests under the storage root) that hold it.
     holding = _corpora_holding(root, prefix)
     seen = {r.info.run_id for r in runs}
     for digest in holding:
-        runs += [r for r in client.search_runs(list(experiments), f"tags.`data.raw_sha256` = '{digest}'",
-                                               max_results=1000) if r.info.run_id not in seen]
+        runs += [
+            r
+            for r in client.search_runs(list(experiments), f"tags.`data.raw_sha256` = '{digest}'", max_results=1000)
+            if r.info.run_id not in seen
+        ]
     runs.sort(key=lambda r: -r.info.start_time)
     rows = []
     for r in runs:
@@ -82,19 +98,29 @@ def by_corpus(root: str, prefix: str) -> list[dict[str, Any]]:
             name, _, number = t["model_version"].rpartition("/")
             version = get_or_none(client.get_model_version, name, number)
         vt = version.tags if version is not None else {}
-        rows.append({
-            "sha256": t["data.raw_sha256"], "source": t.get("data.source"), "run_id": r.info.run_id,
-            "run_name": r.info.run_name, "recipe": experiments.get(r.info.experiment_id),
-            "status": r.info.status, "decision": t.get("decision"),
-            "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
-            "model_version": t.get("model_version") or (f"{experiments.get(r.info.experiment_id)}/"
-                                                        f"{t['champion.version']} (champion, not retrained)"
-                                                        if t.get("champion.version") else None),
-            "aliases": list(version.aliases or []) if version is not None else [],
-            "model_id": model_id(version) if version is not None else None,
-            "headline": vt.get("headline"), "headline_value": as_float(vt.get("headline.value")),
-            "holds_file": holding.get(t["data.raw_sha256"]),
-        })
+        rows.append(
+            {
+                "sha256": t["data.raw_sha256"],
+                "source": t.get("data.source"),
+                "run_id": r.info.run_id,
+                "run_name": r.info.run_name,
+                "recipe": experiments.get(r.info.experiment_id),
+                "status": r.info.status,
+                "decision": t.get("decision"),
+                "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
+                "model_version": t.get("model_version")
+                or (
+                    f"{experiments.get(r.info.experiment_id)}/{t['champion.version']} (champion, not retrained)"
+                    if t.get("champion.version")
+                    else None
+                ),
+                "aliases": list(version.aliases or []) if version is not None else [],
+                "model_id": model_id(version) if version is not None else None,
+                "headline": vt.get("headline"),
+                "headline_value": as_float(vt.get("headline.value")),
+                "holds_file": holding.get(t["data.raw_sha256"]),
+            }
+        )
     return clean(rows)
 
 
@@ -121,14 +147,19 @@ def render_corpus(prefix: str, rows: list[dict[str, Any]]) -> str:
     out = []
     for sha in dict.fromkeys(r["sha256"] for r in rows):
         mine = [r for r in rows if r["sha256"] == sha]
-        out.append(f"corpus sha256 {sha}" + (f"  {mine[0]['source']}" if mine[0].get("source") else "")
-                   + (f"\n  holds {mine[0]['holds_file']}" if mine[0].get("holds_file") else ""))
+        out.append(
+            f"corpus sha256 {sha}"
+            + (f"  {mine[0]['source']}" if mine[0].get("source") else "")
+            + (f"\n  holds {mine[0]['holds_file']}" if mine[0].get("holds_file") else "")
+        )
         for r in mine:
             metric = f"{r['headline']} {r['headline_value']:.4f}" if r.get("headline_value") is not None else "-"
             model = r.get("model_version") or "-"
             if r.get("aliases"):
                 model += " @" + ", @".join(r["aliases"])
-            out.append(f"  {r['started']}  run {r['run_id']}  {r['recipe']:16} {r['status']:9} "
-                       f"{r.get('decision') or '-':9} {model}  {metric}"
-                       + (f"  logged model {r['model_id']}" if r.get("model_id") else ""))
+            out.append(
+                f"  {r['started']}  run {r['run_id']}  {r['recipe']:16} {r['status']:9} "
+                f"{r.get('decision') or '-':9} {model}  {metric}"
+                + (f"  logged model {r['model_id']}" if r.get("model_id") else "")
+            )
     return "\n".join(out)

@@ -29,7 +29,9 @@ def make_link(link: str, status: str, /, **fields: Any) -> dict[str, Any]:
 def model_id(version: Any) -> str | None:
     """The LoggedModel a registered version was made from (its source is models:/<model id>)."""
     source = version.source or ""
-    return getattr(version, "model_id", None) or (source[len("models:/"):] if source.startswith("models:/m-") else None)
+    return getattr(version, "model_id", None) or (
+        source[len("models:/") :] if source.startswith("models:/m-") else None
+    )
 
 
 def as_int(x: str | None) -> int | None:

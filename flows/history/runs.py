@@ -19,9 +19,9 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, layout
 from mllm.resolve import flat_fields
+from tasks.tracking import store as tracking
 from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
 from tasks.tracking.served_model import DROP
-from tasks.tracking import store as tracking
 from tasks.tracking.store import tracking_uri
 
 # The metrics a reproduction is compared on, in the order they are printed.
@@ -39,27 +39,33 @@ def list_runs(root: str, limit: int = 20, recipe: str | None = None) -> list[dic
         experiments = [e for e in experiments if e.name == recipe]
     if not experiments:
         return []
-    runs = c.search_runs([e.experiment_id for e in experiments], order_by=["attributes.start_time DESC"],
-                         max_results=limit)
+    runs = c.search_runs(
+        [e.experiment_id for e in experiments], order_by=["attributes.start_time DESC"], max_results=limit
+    )
     names = {e.experiment_id: e.name for e in experiments}
-    return [{
-        "run_id": r.info.run_id,
-        "recipe": names.get(r.info.experiment_id, "?"),
-        "commit": (r.data.tags.get("git.commit") or "")[:10] + ("+dirty" if r.data.tags.get("git.dirty") == "true" else ""),
-        "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
-        "mfu": r.data.metrics.get("final_mfu", r.data.metrics.get("mfu")),
-        "dtype": r.data.params.get("train.dtype_used"),
-        # A run whose process died without a word (kill -9, a machine that went down) is RUNNING
-        # in MLflow for ever: it is shown as what it is.
-        "status": "KILLED" if r.info.status == "RUNNING" and process_gone(r.data.tags.get(PROCESS_TAG))
-        else r.info.status,
-        "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
-        "reproduces": r.data.tags.get("reproduces"),
-        "decision": r.data.tags.get("decision"),
-        "decision_reason": r.data.tags.get("decision.reason"),
-        "model_id": r.data.tags.get("model_id"),  # the best checkpoint's LoggedModel
-        "last_model_id": r.data.tags.get("model_id.last"),
-    } for r in runs]
+    return [
+        {
+            "run_id": r.info.run_id,
+            "recipe": names.get(r.info.experiment_id, "?"),
+            "commit": (r.data.tags.get("git.commit") or "")[:10]
+            + ("+dirty" if r.data.tags.get("git.dirty") == "true" else ""),
+            "val_loss": r.data.metrics.get("final_val_loss", r.data.metrics.get("val_loss")),
+            "mfu": r.data.metrics.get("final_mfu", r.data.metrics.get("mfu")),
+            "dtype": r.data.params.get("train.dtype_used"),
+            # A run whose process died without a word (kill -9, a machine that went down) is RUNNING
+            # in MLflow for ever: it is shown as what it is.
+            "status": "KILLED"
+            if r.info.status == "RUNNING" and process_gone(r.data.tags.get(PROCESS_TAG))
+            else r.info.status,
+            "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(r.info.start_time / 1000)),
+            "reproduces": r.data.tags.get("reproduces"),
+            "decision": r.data.tags.get("decision"),
+            "decision_reason": r.data.tags.get("decision.reason"),
+            "model_id": r.data.tags.get("model_id"),  # the best checkpoint's LoggedModel
+            "last_model_id": r.data.tags.get("model_id.last"),
+        }
+        for r in runs
+    ]
 
 
 def get_run(root: str, run_id: str):
@@ -142,17 +148,25 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     if not commit:
         raise UserError(f"run {run_id} recorded no git commit (it was not started from a git checkout)")
     if tags.get("git.dirty") == "true":
-        print(f"warning: run {run_id} was made with uncommitted changes (see its git.diff artifact); "
-              "reproducing the commit without them", file=sys.stderr)
+        print(
+            f"warning: run {run_id} was made with uncommitted changes (see its git.diff artifact); "
+            "reproducing the commit without them",
+            file=sys.stderr,
+        )
     changed = version_changes(tags)
     if changed:
-        print(f"warning: run {run_id} was made with other package versions than these (recorded -> "
-              f"running): {', '.join(f'{p} {a} -> {b}' for p, (a, b) in changed.items())}; its metrics may "
-              "differ for that reason alone", file=sys.stderr)
+        print(
+            f"warning: run {run_id} was made with other package versions than these (recorded -> "
+            f"running): {', '.join(f'{p} {a} -> {b}' for p, (a, b) in changed.items())}; its metrics may "
+            "differ for that reason alone",
+            file=sys.stderr,
+        )
     repo = repo or _repo_root()
     if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
-        raise UserError(f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
-                        "or run reproduce from a clone that has it")
+        raise UserError(
+            f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
+            "or run reproduce from a clone that has it"
+        )
     cfg = _recorded_config(root, run_id)
     recorded_source(cfg, tags, run_id)
     sha = tags.get("data.raw_sha256")
@@ -176,19 +190,25 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     out = Path(tempfile.mkdtemp(prefix=f"mllm-reproduce-{run_id[:8]}-"))
     worktree = out / "src"
     storage = _reproduction_storage(root, run_id)
-    subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", str(worktree), commit],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-C", repo, "worktree", "add", "--detach", str(worktree), commit], check=True, capture_output=True
+    )
     try:
         # Code from before `--reproduces` registers its model and judges it against the champion:
         # it gets a registry of its own, thrown away after, so the real one is never touched.
-        env = dict(os.environ, PYTHONPATH=str(worktree), MLFLOW_TRACKING_URI=tracking_uri(root),
-                   MLFLOW_REGISTRY_URI=f"sqlite:///{out / 'throwaway-registry.db'}")
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(worktree),
+            MLFLOW_TRACKING_URI=tracking_uri(root),
+            MLFLOW_REGISTRY_URI=f"sqlite:///{out / 'throwaway-registry.db'}",
+        )
         cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage]
         for o in overrides:
             cmd += ["--set", o]
         # The CLI's options: in flows/cli/ before the layout of November 2026, flows/cli/app.py since.
-        cli = "".join(p.read_text() for p in (worktree / "flows" / "cli.py", worktree / "flows" / "cli" / "app.py")
-                      if p.exists())
+        cli = "".join(
+            p.read_text() for p in (worktree / "flows" / "cli.py", worktree / "flows" / "cli" / "app.py") if p.exists()
+        )
         old_code = '"--reproduces"' not in cli
         if not old_code:
             cmd += ["--reproduces", run_id]
@@ -199,7 +219,9 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
                 cmd.append("--force")
         proc = subprocess.run(cmd, cwd=worktree, env=env)
         if proc.returncode:
-            raise UserError(f"the reproduction of {run_id} at {commit[:12]} failed (exit {proc.returncode}): see its output above")
+            raise UserError(
+                f"the reproduction of {run_id} at {commit[:12]} failed (exit {proc.returncode}): see its output above"
+            )
     finally:
         subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", str(worktree)], capture_output=True)
         shutil.rmtree(out, ignore_errors=True)
@@ -211,9 +233,15 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
                 c.delete_tag(new.info.run_id, tag)
         c.set_tag(new.info.run_id, "decision", "reproduction")
         c.set_tag(new.info.run_id, "decision.reason", f"reproduces run {run_id}: registered nothing, no alias moved")
-    return {"original": run_id, "reproduction": new.info.run_id, "commit": commit, "storage": storage,
-            "versions": changed, "compared_with": baseline.info.run_id,
-            "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED}}
+    return {
+        "original": run_id,
+        "reproduction": new.info.run_id,
+        "commit": commit,
+        "storage": storage,
+        "versions": changed,
+        "compared_with": baseline.info.run_id,
+        "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED},
+    }
 
 
 def recorded_source(cfg: dict[str, Any], tags: dict[str, str], run_id: str) -> None:
@@ -229,9 +257,11 @@ def recorded_source(cfg: dict[str, Any], tags: dict[str, str], run_id: str) -> N
     if isinstance(source, str) and os.path.isabs(where):
         data["source"] = where
         return
-    raise UserError(f"run {run_id} recorded its source only as a path relative to the folder it ran in "
-                    f"({', '.join(named)}), which a reproduction cannot find: run its recipe again with --source "
-                    f"ABSOLUTE-PATH --set data.sha256={tags.get('data.raw_sha256', 'SHA256')} (the digest pins the data)")
+    raise UserError(
+        f"run {run_id} recorded its source only as a path relative to the folder it ran in "
+        f"({', '.join(named)}), which a reproduction cannot find: run its recipe again with --source "
+        f"ABSOLUTE-PATH --set data.sha256={tags.get('data.raw_sha256', 'SHA256')} (the digest pins the data)"
+    )
 
 
 def _trained_by(root: str, run: Any) -> Any:
@@ -242,8 +272,10 @@ def _trained_by(root: str, run: Any) -> Any:
     if tags.get("decision") != "skipped" or not key:
         return run
     found = client(root).search_runs(
-        [run.info.experiment_id], filter_string=f"tags.`train.key` = '{key}' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time ASC"])
+        [run.info.experiment_id],
+        filter_string=f"tags.`train.key` = '{key}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"],
+    )
     trained = [r for r in found if "final_val_loss" in r.data.metrics and "reproduces" not in r.data.tags]
     return trained[0] if trained else run
 
@@ -275,7 +307,10 @@ def _reproduction_storage(root: str, run_id: str) -> str:
 def _latest_reproduction(root: str, run_id: str):
     runs = client(root).search_runs(
         [e.experiment_id for e in client(root).search_experiments()],
-        filter_string=f"tags.reproduces = '{run_id}'", order_by=["attributes.start_time DESC"], max_results=1)
+        filter_string=f"tags.reproduces = '{run_id}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     if not runs:
         raise UserError(f"the reproduction of {run_id} finished but logged no MLflow run")
     return runs[0]

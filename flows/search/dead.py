@@ -13,8 +13,10 @@ import socket
 from typing import Any
 
 PROCESS_ATTR = "search.process"
-CRASHED_BY_SEARCH = ("its search's process died (SIGKILL, a crash, the machine); marked by the search that took over "
-                     "trial {number}, which resumes it from its checkpoint")
+CRASHED_BY_SEARCH = (
+    "its search's process died (SIGKILL, a crash, the machine); marked by the search that took over "
+    "trial {number}, which resumes it from its checkpoint"
+)
 
 
 def this_process() -> dict[str, Any]:
@@ -22,8 +24,12 @@ def this_process() -> dict[str, Any]:
     import psutil
     from prefect.runtime import flow_run
 
-    return {"flow_run": str(flow_run.get_id() or ""), "host": socket.gethostname(), "pid": os.getpid(),
-            "started": psutil.Process().create_time()}
+    return {
+        "flow_run": str(flow_run.get_id() or ""),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": psutil.Process().create_time(),
+    }
 
 
 def _gone(process: dict[str, Any]) -> bool:
@@ -48,13 +54,16 @@ def crash_flow_runs(trial: Any, known_dead: bool) -> list[str]:
     from prefect.runtime import flow_run
 
     process = trial.user_attrs.get(PROCESS_ATTR) or {}
-    if not process.get("flow_run") or process["flow_run"] == str(flow_run.get_id()) \
-            or not (known_dead or _gone(process)):
+    if (
+        not process.get("flow_run")
+        or process["flow_run"] == str(flow_run.get_id())
+        or not (known_dead or _gone(process))
+    ):
         return []
     marked: list[str] = []
     try:
         _crash_under(process["flow_run"], trial.number, marked)
-    except Exception:  # noqa: BLE001, S110 (a server that does not answer: `stack down --force` is left)
+    except Exception:  # noqa: BLE001 (a server that does not answer: `stack down --force` is left)
         pass
     return marked
 
@@ -74,10 +83,10 @@ def _crash_under(run_id: str, number: int, marked: list[str]) -> None:
             run = runs.pop()
             if run.state is None or run.state.is_final() or run.work_pool_name:
                 continue  # (under a run that ended, every run of its process ended too)
-            client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_SEARCH.format(number=number)),
-                                      force=True)
+            client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_SEARCH.format(number=number)), force=True)
             marked.append(run.name)
-            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]))
+            )
             runs += [c for c in children if str(c.id) not in seen]
             seen |= {str(c.id) for c in children}

@@ -32,7 +32,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 import tasks
 from flows import dispatch
-from flows.stack import database, orphans
 from flows.launch import (
     check_model_name,
     preflight,
@@ -42,11 +41,22 @@ from flows.launch import (
 from flows.search.dead import PROCESS_ATTR, crash_flow_runs, this_process
 from flows.search.record import SearchResult, TrialsFailed, record
 from flows.search.report import TrialOutcome
-from flows.search.trial import STUDY_TAG, mark_failed, run_one
-from flows.search.study import (Heartbeats, check_options, check_study, make_pruner, make_sampler,
-                                one_at_a_time, open_storage, optuna_module, resumed_number, study_lock,
-                                study_store)
 from flows.search.space import Dim, check_space, parse_space, space_text, study_name
+from flows.search.study import (
+    Heartbeats,
+    check_options,
+    check_study,
+    make_pruner,
+    make_sampler,
+    one_at_a_time,
+    open_storage,
+    optuna_module,
+    resumed_number,
+    study_lock,
+    study_store,
+)
+from flows.search.trial import STUDY_TAG, mark_failed, run_one
+from flows.stack import database, orphans
 from flows.sweep.parent import ParentRun
 from flows.training import train
 from mllm import UserError, storage
@@ -61,30 +71,49 @@ from tasks.tracking.tracker import (
     RunTracker,
 )
 
-
 # --- the study -----------------------------------------------------------------------------
+
 
 class StudyRun(ParentRun):
     """The study's MLflow run, one for the study however many times the search is run: a rerun
     finds it by its tag and opens it again."""
 
-    def __init__(self, cfg: RunConfig, root: str, study: str, space: dict[str, Dim], overrides: list[str],
-                 options: dict[str, str]):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        root: str,
+        study: str,
+        space: dict[str, Dim],
+        overrides: list[str],
+        options: dict[str, str],
+    ):
         super().__init__(cfg, root, {}, overrides)
         self.study, self.space, self.options = study, space, options
 
     def __enter__(self) -> StudyRun:
         self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
-        found = self.client.search_runs([self.experiment_id], f"tags.`{STUDY_TAG}` = '{self.study}' and "
-                                        f"tags.`search.parent` = 'true'", max_results=1)
+        found = self.client.search_runs(
+            [self.experiment_id],
+            f"tags.`{STUDY_TAG}` = '{self.study}' and tags.`search.parent` = 'true'",
+            max_results=1,
+        )
         if found:
             run = found[0]
             self.client.update_run(run.info.run_id, status="RUNNING")
         else:
-            tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), STUDY_TAG: self.study,
-                          "search.parent": "true", "search.space": space_text(self.space)})
-            run = self.client.create_run(self.experiment_id, run_name=f"search-{self.study}",
-                                         tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
+            tags = scrub(
+                {
+                    **run_tags(self.cfg, self.root, code_git_info()),
+                    STUDY_TAG: self.study,
+                    "search.parent": "true",
+                    "search.space": space_text(self.space),
+                }
+            )
+            run = self.client.create_run(
+                self.experiment_id,
+                run_name=f"search-{self.study}",
+                tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()},
+            )
             params = {f"space.{f}": d.spec for f, d in self.space.items()} | self.options
             if self.overrides:
                 params["overrides"] = " ".join(self.overrides)
@@ -129,6 +158,7 @@ def on_stale(root: str, parent: dict[str, str]) -> Any:
         if parent.get("id"):
             mark_failed(root, parent["id"], study.study_name, frozen.number, _resumed_by(study, frozen.number))
         crash_flow_runs(frozen, known_dead=False)  # where its process is known gone
+
     return failed
 
 
@@ -141,8 +171,9 @@ def claim(st: Any, trials_n: int) -> Any | None:
         optuna_module().storages.fail_stale_trials(st)
         outcomes = outcomes_of(st)
         queued = any(o.state == "waiting" for o in outcomes)
-        counted = sum(o.state in ("complete", "pruned", "failed", "running", "waiting") and o.resumed_by is None
-                      for o in outcomes)
+        counted = sum(
+            o.state in ("complete", "pruned", "failed", "running", "waiting") and o.resumed_by is None for o in outcomes
+        )
         return st.ask() if queued or counted < trials_n else None
 
 
@@ -153,13 +184,22 @@ def outcomes_of(study: Any) -> list[TrialOutcome]:
     for t in study.trials:
         state = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed"}.get(t.state.name, t.state.name.lower())
         a = t.user_attrs
-        out.append(TrialOutcome(
-            number=t.number, params={k: str(v) for k, v in t.params.items()}, state=state,
-            value=t.value if state == "complete" else None, step=a.get("step"), val_loss=a.get("val_loss"),
-            mlflow_run_id=a.get("mlflow_run_id"), resumes=resumed_number(t), resumed_by=resumed_by.get(t.number),
-            resumed_from_step=a.get("resumed_from_step"),
-            error=a.get("error") or (f"its process died; resumed by trial {resumed_by[t.number]}"
-                                     if t.number in resumed_by else None)))
+        out.append(
+            TrialOutcome(
+                number=t.number,
+                params={k: str(v) for k, v in t.params.items()},
+                state=state,
+                value=t.value if state == "complete" else None,
+                step=a.get("step"),
+                val_loss=a.get("val_loss"),
+                mlflow_run_id=a.get("mlflow_run_id"),
+                resumes=resumed_number(t),
+                resumed_by=resumed_by.get(t.number),
+                resumed_from_step=a.get("resumed_from_step"),
+                error=a.get("error")
+                or (f"its process died; resumed by trial {resumed_by[t.number]}" if t.number in resumed_by else None),
+            )
+        )
     return out
 
 
@@ -191,8 +231,9 @@ class TrialsEnded:
             if o.value is not None and (self.best is None or (o.value > self.best) == self.higher):
                 self.best = o.value
             best = "" if self.best is None else f", best {self.best:.4f}"
-            tasks.report_progress("trials", self.ended, self.total, failed=self.failed,
-                                  last=f"trial {o.number} {o.state}{best}")
+            tasks.report_progress(
+                "trials", self.ended, self.total, failed=self.failed, last=f"trial {o.number} {o.state}{best}"
+            )
 
 
 def _run_name() -> str:
@@ -203,13 +244,30 @@ def _run_name() -> str:
     return f"search-{flow_run.parameters.get('recipe')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-@flow(name="search", flow_run_name=_run_name, persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
-      on_failure=[forget_exception], on_crashed=[forget_exception])
-def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  # noqa: B006
-           sampler: str = "tpe", pruner: str = "median", study: str | None = None,
-           source: str | list[str] | None = None, storage_url: str | None = None,
-           overrides: list[str] = [], train_on: str | None = None,  # noqa: B006
-           parallel: int | None = None, startup_trials: int = 5, model: str | None = None) -> SearchResult:
+@flow(
+    name="search",
+    flow_run_name=_run_name,
+    persist_result=False,
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=32),
+    on_failure=[forget_exception],
+    on_crashed=[forget_exception],
+)
+def search(
+    recipe: str = "default",
+    space: list[str] = [],
+    trials_n: int = 20,
+    sampler: str = "tpe",
+    pruner: str = "median",
+    study: str | None = None,
+    source: str | list[str] | None = None,
+    storage_url: str | None = None,
+    overrides: list[str] = [],
+    train_on: str | None = None,
+    parallel: int | None = None,
+    startup_trials: int = 5,
+    model: str | None = None,
+) -> SearchResult:
     """Search a space of config fields with Optuna; each trial is a pipeline run, stopped at an
     evaluation when the pruner says so. Running it again continues the study.
 
@@ -251,19 +309,31 @@ def search(recipe: str = "default", space: list[str] = [], trials_n: int = 20,  
     rdb = open_storage(store, on_stale(root, parent_id))
     with study_lock(store, name), Heartbeats(rdb, store) as beats:
         with one_at_a_time(rdb, store, name):
-            st = beats.study = optuna.create_study(study_name=name, storage=rdb, direction=direction,
-                                                   load_if_exists=True)
+            st = beats.study = optuna.create_study(
+                study_name=name, storage=rdb, direction=direction, load_if_exists=True
+            )
             st.set_user_attr("space", space_text(dims))
             st.set_user_attr("recipe", recipe)
             # A seed per start (and per process where searches share the study): a rerun, or the
             # search beside it, must not draw the same values again.
-            st.sampler = make_sampler(sampler, int(storage.digest([name, len(st.trials),
-                                                                   *([os.getpid(), socket.gethostname()]
-                                                                     if store.shared else [])])[:8], 16),
-                                      startup_trials)
+            st.sampler = make_sampler(
+                sampler,
+                int(
+                    storage.digest(
+                        [name, len(st.trials), *([os.getpid(), socket.gethostname()] if store.shared else [])]
+                    )[:8],
+                    16,
+                ),
+                startup_trials,
+            )
             st.pruner = make_pruner(pruner, base, startup_trials)
-            options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name,
-                       "study_file": store.shown}
+            options = {
+                "sampler": sampler,
+                "pruner": pruner,
+                "trials": str(trials_n),
+                "study": name,
+                "study_file": store.shown,
+            }
             parent = StudyRun(base, root, name, dims, overrides, options).__enter__()
         parent_id["id"] = parent.run_id
         with contextlib.ExitStack() as stack:

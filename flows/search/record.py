@@ -52,14 +52,24 @@ class TrialsFailed(UserError):
         failed = "; ".join(f"trial {o.number} ({o.error})" for o in result.failed)
         logs = ", ".join(f"{result.study}-trial-{o.number}" for o in result.failed[:3])
         more = f" and {len(result.failed) - 3} more" if len(result.failed) > 3 else ""
-        super().__init__(f"{len(result.failed)} of {len(counted)} trials failed: {failed}; their logs: the Prefect "
-                         f"flow runs {logs}{more}")
+        super().__init__(
+            f"{len(result.failed)} of {len(counted)} trials failed: {failed}; their logs: the Prefect "
+            f"flow runs {logs}{more}"
+        )
 
 
-
-def record(parent: Any, st: Any, recipe: str, space: dict[str, Dim], overrides: list[str],
-           source: str | list[str] | None, outcomes: list[TrialOutcome], fam: Any, path: str,
-           revived: list[int]) -> SearchResult:
+def record(
+    parent: Any,
+    st: Any,
+    recipe: str,
+    space: dict[str, Dim],
+    overrides: list[str],
+    source: str | list[str] | None,
+    outcomes: list[TrialOutcome],
+    fam: Any,
+    path: str,
+    revived: list[int],
+) -> SearchResult:
     """The table (markdown, CSV, JSON), the history and parameter plots and the best trial's
     recipe, under `searches/<study>/` in storage and as the study run's artifacts (`parent`:
     flows.search.flow.StudyRun)."""
@@ -70,8 +80,9 @@ def record(parent: Any, st: Any, recipe: str, space: dict[str, Dim], overrides: 
         pick = max if fam.higher_is_better else min
         best = pick(complete, key=lambda o: o.value)
     rows = search_report.table_rows(space, outcomes)
-    md = search_report.markdown_table(recipe, parent.study, fam.headline, fam.higher_is_better, space, outcomes,
-                                      best, parent.run_id)
+    md = search_report.markdown_table(
+        recipe, parent.study, fam.headline, fam.higher_is_better, space, outcomes, best, parent.run_id
+    )
     texts = {"search.md": md, "search.csv": csv_text(rows), "search.json": json.dumps(rows, indent=2) + "\n"}
     best_recipe = None
     if best is not None:
@@ -81,9 +92,10 @@ def record(parent: Any, st: Any, recipe: str, space: dict[str, Dim], overrides: 
     for name_, text in texts.items():
         storage.write_text(storage.join(folder, name_), text)
         parent.client.log_text(parent.run_id, text, name_)
-    for name_, fig in (("history.png", search_report.history_figure(recipe, fam.headline, fam.higher_is_better,
-                                                                    outcomes)),
-                       ("params.png", search_report.params_figure(fam.headline, space, outcomes))):
+    for name_, fig in (
+        ("history.png", search_report.history_figure(recipe, fam.headline, fam.higher_is_better, outcomes)),
+        ("params.png", search_report.params_figure(fam.headline, space, outcomes)),
+    ):
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=100)
         storage.write_bytes(storage.join(folder, name_), png.getvalue())
@@ -102,9 +114,20 @@ def record(parent: Any, st: Any, recipe: str, space: dict[str, Dim], overrides: 
         client.log_metric(run_id, f"importance.{f}", value)
     slug = "".join(c if c.isalnum() else "-" for c in parent.study.lower())
     create_markdown_artifact(md, key=f"search-{slug}", description=f"{recipe}: search of {', '.join(space)}")
-    return SearchResult(recipe=recipe, study=parent.study, study_file=path, headline=fam.headline,
-                        higher_is_better=fam.higher_is_better, mlflow_run_id=run_id, outcomes=outcomes, best=best,
-                        best_recipe=best_recipe, outputs=folder, artifact_uri=parent.artifact_uri, revived=revived)
+    return SearchResult(
+        recipe=recipe,
+        study=parent.study,
+        study_file=path,
+        headline=fam.headline,
+        higher_is_better=fam.higher_is_better,
+        mlflow_run_id=run_id,
+        outcomes=outcomes,
+        best=best,
+        best_recipe=best_recipe,
+        outputs=folder,
+        artifact_uri=parent.artifact_uri,
+        revived=revived,
+    )
 
 
 def importances(st: Any) -> dict[str, float]:

@@ -36,43 +36,97 @@ def _state(o: TrialOutcome) -> str:
 
 
 def table_rows(space: dict[str, Dim], outcomes: list[TrialOutcome]) -> list[dict[str, Any]]:
-    return [{"trial": o.number, **{f: o.params.get(f) for f in space}, "state": _state(o), "value": o.value,
-             "step": o.step, "val_loss": o.val_loss, "resumes": o.resumes, "resumed_from_step": o.resumed_from_step,
-             "mlflow_run_id": o.mlflow_run_id, "error": o.error} for o in outcomes]
+    return [
+        {
+            "trial": o.number,
+            **{f: o.params.get(f) for f in space},
+            "state": _state(o),
+            "value": o.value,
+            "step": o.step,
+            "val_loss": o.val_loss,
+            "resumes": o.resumes,
+            "resumed_from_step": o.resumed_from_step,
+            "mlflow_run_id": o.mlflow_run_id,
+            "error": o.error,
+        }
+        for o in outcomes
+    ]
 
 
-def markdown_table(recipe: str, study: str, headline: str, higher: bool, space: dict[str, Dim],
-                   outcomes: list[TrialOutcome], best: TrialOutcome | None, parent_id: str) -> str:
-    lines = [f"# Search of {recipe}: {headline} ({direction(higher)})", "",
-             f"Study `{study}`; parent MLflow run `{parent_id}`; plots `history.png`, `params.png`.", "",
-             "Space: " + ", ".join(f"`{f}={d.spec}`" for f, d in space.items()), ""]
+def markdown_table(
+    recipe: str,
+    study: str,
+    headline: str,
+    higher: bool,
+    space: dict[str, Dim],
+    outcomes: list[TrialOutcome],
+    best: TrialOutcome | None,
+    parent_id: str,
+) -> str:
+    lines = [
+        f"# Search of {recipe}: {headline} ({direction(higher)})",
+        "",
+        f"Study `{study}`; parent MLflow run `{parent_id}`; plots `history.png`, `params.png`.",
+        "",
+        "Space: " + ", ".join(f"`{f}={d.spec}`" for f, d in space.items()),
+        "",
+    ]
     if best is not None:
-        lines += [f"Best: trial {best.number}, {headline} {best.value:.4f} ("
-                  + ", ".join(f"{f}={v}" for f, v in best.params.items()) + "); its recipe: `best.yaml`.", ""]
-    lines += ["| trial | " + " | ".join([*space, "state", headline, "step", "val loss", "MLflow run"]) + " |",
-              "|" + "---|" * (len(space) + 6)]
+        lines += [
+            f"Best: trial {best.number}, {headline} {best.value:.4f} ("
+            + ", ".join(f"{f}={v}" for f, v in best.params.items())
+            + "); its recipe: `best.yaml`.",
+            "",
+        ]
+    lines += [
+        "| trial | " + " | ".join([*space, "state", headline, "step", "val loss", "MLflow run"]) + " |",
+        "|" + "---|" * (len(space) + 6),
+    ]
     for o in outcomes:
         state = _state(o) if o.state != "failed" or o.resumed_by is not None else f"**failed**: {o.error}"
-        lines.append("| " + " | ".join([str(o.number), *(o.params.get(f, "-") for f in space), state.replace("|", "/"),
-                                        _num(o.value), "-" if o.step is None else str(o.step), _num(o.val_loss),
-                                        f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(o.number),
+                    *(o.params.get(f, "-") for f in space),
+                    state.replace("|", "/"),
+                    _num(o.value),
+                    "-" if o.step is None else str(o.step),
+                    _num(o.val_loss),
+                    f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def text_table(headline: str, outcomes: list[TrialOutcome]) -> str:
     """For a terminal: trial, its values, state, headline, the step reached, MLflow run."""
     rows = [("trial", "values", "state", headline, "step", "mlflow run")]
-    rows += [(str(o.number), " ".join(f"{f}={v}" for f, v in o.params.items()), _state(o), _num(o.value),
-              "-" if o.step is None else str(o.step), o.mlflow_run_id or "-") for o in outcomes]
+    rows += [
+        (
+            str(o.number),
+            " ".join(f"{f}={v}" for f, v in o.params.items()),
+            _state(o),
+            _num(o.value),
+            "-" if o.step is None else str(o.step),
+            o.mlflow_run_id or "-",
+        )
+        for o in outcomes
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
 def best_recipe(cfg: RunConfig, study: str, best: TrialOutcome, headline: str) -> str:
     """The best trial's whole config as a recipe file: `mllm-pipeline run --recipe best.yaml`."""
-    head = (f"# The best trial ({best.number}) of study {study}: {headline} {best.value:.4f}.\n"
-            f"# Its values: {', '.join(f'{f}={v}' for f, v in best.params.items())}.\n"
-            "# Train it again: mllm-pipeline run --recipe best.yaml\n")
+    head = (
+        f"# The best trial ({best.number}) of study {study}: {headline} {best.value:.4f}.\n"
+        f"# Its values: {', '.join(f'{f}={v}' for f, v in best.params.items())}.\n"
+        "# Train it again: mllm-pipeline run --recipe best.yaml\n"
+    )
     return head + cfg.to_yaml(paths=False)
 
 
@@ -100,8 +154,14 @@ def history_figure(recipe: str, headline: str, higher: bool, outcomes: list[Tria
     for state, marker in (("pruned", "x"), ("failed", "v")):
         stopped = [o.number for o in outcomes if o.state == state and o.resumed_by is None]
         if stopped:
-            ax.plot(stopped, [0] * len(stopped), marker, transform=ax.get_xaxis_transform(), clip_on=False,
-                    label=f"{state} (no {headline})")
+            ax.plot(
+                stopped,
+                [0] * len(stopped),
+                marker,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+                label=f"{state} (no {headline})",
+            )
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -127,8 +187,9 @@ def params_figure(headline: str, space: dict[str, Dim], outcomes: list[TrialOutc
         numeric = not dim.choices or all(_number(v) is not None for v in dim.choices)
         order = {v: i for i, v in enumerate(dim.choices)}
 
-        def x(trials: list[TrialOutcome], field: str = field, numeric: bool = numeric,
-              order: dict[str, int] = order) -> list[float]:
+        def x(
+            trials: list[TrialOutcome], field: str = field, numeric: bool = numeric, order: dict[str, int] = order
+        ) -> list[float]:
             values = [o.params.get(field, "") for o in trials]
             return [_number(v) if numeric else float(order.get(v, -1)) for v in values]
 
@@ -136,10 +197,15 @@ def params_figure(headline: str, space: dict[str, Dim], outcomes: list[TrialOutc
         ax.plot(x(done), [o.value for o in done], "o", label="complete")
         pruned = [o for o in outcomes if o.state == "pruned" and field in o.params]
         if pruned:
-            ax.plot(x(pruned), [0] * len(pruned), "x", transform=ax.get_xaxis_transform(),
-                    clip_on=False, label="pruned")
-        if dim.log or (numeric and dim.choices and min(_number(v) for v in dim.choices) > 0
-                       and max(_number(v) for v in dim.choices) / min(_number(v) for v in dim.choices) >= 10):
+            ax.plot(
+                x(pruned), [0] * len(pruned), "x", transform=ax.get_xaxis_transform(), clip_on=False, label="pruned"
+            )
+        if dim.log or (
+            numeric
+            and dim.choices
+            and min(_number(v) for v in dim.choices) > 0
+            and max(_number(v) for v in dim.choices) / min(_number(v) for v in dim.choices) >= 10
+        ):
             from matplotlib.ticker import NullFormatter
 
             ax.set_xscale("log")

@@ -80,8 +80,10 @@ def parse_spec(field: str, text: str) -> Dim:
         if repeated:
             raise UserError(f"{where} lists {repeated[0]!r} twice: give each value once")
         if len(values) == 1:  # every trial would be the same: one training, counted --trials times
-            raise UserError(f"{where} has one value: nothing to search; give two or more ({field}={text},...) or a "
-                            f"range (LOW..HIGH), or fix the field with --set {field}={text}")
+            raise UserError(
+                f"{where} has one value: nothing to search; give two or more ({field}={text},...) or a "
+                f"range (LOW..HIGH), or fix the field with --set {field}={text}"
+            )
         return Dim(field, choices=tuple(values))
     kinds, _, bounds = text.rpartition(":")
     words = [w.strip() for w in kinds.split(":")] if kinds else []
@@ -95,8 +97,10 @@ def parse_spec(field: str, text: str) -> Dim:
         low, high = number(low_text), number(high_text)
     except ValueError:
         kind = "integers" if integer else "numbers"
-        raise UserError(f"{where}: the ends of a range must be {kind}: write LOW..HIGH, e.g. "
-                        f"{'int:64..512' if integer else '1e-4..1e-2'}") from None
+        raise UserError(
+            f"{where}: the ends of a range must be {kind}: write LOW..HIGH, e.g. "
+            f"{'int:64..512' if integer else '1e-4..1e-2'}"
+        ) from None
     if not (math.isfinite(low) and math.isfinite(high)):
         raise UserError(f"{where}: the ends of a range must be finite numbers")
     if low >= high:
@@ -106,8 +110,9 @@ def parse_spec(field: str, text: str) -> Dim:
     return Dim(field, low=low, high=high, log=log, integer=integer)
 
 
-def check_space(recipe: str, space: dict[str, Dim], overrides: list[str] = (),
-                source: str | list[str] | None = None) -> RunConfig:
+def check_space(
+    recipe: str, space: dict[str, Dim], overrides: list[str] = (), source: str | list[str] | None = None
+) -> RunConfig:
     """The recipe's config with the fixed overrides, after checking every choice and both ends of
     every range against it: an unknown field, a value of the wrong type, a field of another
     family, a field fixed by --set too: one line naming it."""
@@ -127,8 +132,9 @@ def check_space(recipe: str, space: dict[str, Dim], overrides: list[str] = (),
 def study_name(recipe: str, space: dict[str, Dim], overrides: list[str], base: RunConfig) -> str:
     """Named by what it searches: the recipe, the space, the fixed fields and the data (the base
     config's data section names the source). The same command names the same study."""
-    digest = storage.digest([recipe, {f: d.spec for f, d in space.items()}, sorted(overrides),
-                             base.data.model_dump(mode="json")])
+    digest = storage.digest(
+        [recipe, {f: d.spec for f, d in space.items()}, sorted(overrides), base.data.model_dump(mode="json")]
+    )
     return f"{recipe}-{digest[:10]}"
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flows.search.space import Dim, space_text
-from flows.stack import database
 from flows.settings import settings
+from flows.stack import database
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from tasks.tracking.store import local_store
@@ -94,10 +94,13 @@ def open_storage(store: StudyStore, on_stale: Callable[[Any, Any], None] | None 
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # heartbeats are "experimental" in Optuna 5
-                    return optuna.storages.RDBStorage(store.url, engine_kwargs={"pool_pre_ping": True},
-                                                      heartbeat_interval=max(1, round(heartbeat_s())),
-                                                      grace_period=max(1, round(grace_s())),
-                                                      heartbeat_stale_trial_callback=on_stale)
+                    return optuna.storages.RDBStorage(
+                        store.url,
+                        engine_kwargs={"pool_pre_ping": True},
+                        heartbeat_interval=max(1, round(heartbeat_s())),
+                        grace_period=max(1, round(grace_s())),
+                        heartbeat_stale_trial_callback=on_stale,
+                    )
             finally:
                 conn.execute(text("SELECT pg_advisory_unlock(hashtext('mllm-search:schema'))"))
                 conn.commit()
@@ -118,9 +121,11 @@ def check_study(store: StudyStore, name: str, space: dict[str, Dim], recipe: str
     finally:
         st.engine.dispose()
     if (attrs.get("space"), attrs.get("recipe")) != (space_text(space), recipe):
-        raise UserError(f"study {name} in {store.shown} searches recipe {attrs.get('recipe')} over "
-                        f"{attrs.get('space')!r}, not {recipe} over {space_text(space)!r}: give another --study "
-                        "name, or leave --study out (the name then follows the recipe and the space)")
+        raise UserError(
+            f"study {name} in {store.shown} searches recipe {attrs.get('recipe')} over "
+            f"{attrs.get('space')!r}, not {recipe} over {space_text(space)!r}: give another --study "
+            "name, or leave --study out (the name then follows the recipe and the space)"
+        )
 
 
 @contextlib.contextmanager
@@ -158,7 +163,9 @@ class Heartbeats:
     def __init__(self, rdb: Any, store: StudyStore):
         self.rdb, self.ids, self.lock, self.stop = rdb, set(), threading.Lock(), threading.Event()
         self.study: Any = None  # set once the study is open: a search stopped by an error queues its trials again
-        self.thread = threading.Thread(target=self._beat, daemon=True, name="search-heartbeats") if store.shared else None
+        self.thread = (
+            threading.Thread(target=self._beat, daemon=True, name="search-heartbeats") if store.shared else None
+        )
 
     def __enter__(self) -> Heartbeats:
         if self.thread:
@@ -175,8 +182,10 @@ class Heartbeats:
             callback = self.rdb.get_heartbeat_stale_trial_callback()
             for trial_id in list(self.ids):
                 with contextlib.suppress(Exception):
-                    if self.rdb.set_trial_state_values(trial_id, state=optuna_module().trial.TrialState.FAIL) \
-                            and callback:
+                    if (
+                        self.rdb.set_trial_state_values(trial_id, state=optuna_module().trial.TrialState.FAIL)
+                        and callback
+                    ):
                         callback(self.study, self.rdb.get_trial(trial_id))
 
     def add(self, trial_id: int) -> None:
@@ -221,8 +230,7 @@ def make_pruner(name: str, cfg: RunConfig, startup: int) -> Any:
     if name == "halving":
         return pruners.SuccessiveHalvingPruner(min_resource=cfg.train.eval_interval)
     if name == "hyperband":
-        return pruners.HyperbandPruner(min_resource=cfg.train.eval_interval,
-                                       max_resource=cfg.train.max_steps or "auto")
+        return pruners.HyperbandPruner(min_resource=cfg.train.eval_interval, max_resource=cfg.train.max_steps or "auto")
     return pruners.NopPruner()
 
 

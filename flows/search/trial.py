@@ -3,7 +3,6 @@ an evaluation, run once more after a server's passing failure, and recorded in t
 
 from __future__ import annotations
 
-
 import contextlib
 import threading
 import time
@@ -15,42 +14,49 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
-from flows.stack import database
 from flows.launch import (
     data_runner,
     with_results,
 )
 from flows.pipeline import evaluate, judge, prepare
 from flows.search.report import TrialOutcome
-from flows.search.study import (optuna_module, resumed_number)
 from flows.search.space import Dim
+from flows.search.study import optuna_module, resumed_number
+from flows.stack import database
 from flows.sweep.parent import PARENT_TAG, passing, retry_delay_s, supersede
 from flows.training import run_training
 from mllm import UserError
 from mllm.config import RunConfig
 from mllm.redact import scrub
 from mllm.resolve import resolve
-from tasks.model import train as training_stage
 from tasks import trials
-from tasks.tracking import outage
-from tasks.tracking import servers as tracking_servers
 from tasks.caching import forget_exception
 from tasks.model import Prepared
+from tasks.model import train as training_stage
+from tasks.tracking import outage
+from tasks.tracking import servers as tracking_servers
 from tasks.tracking.registry import current_champion
+from tasks.tracking.store import client as tracking_client
 from tasks.tracking.tracker import (
     RunTracker,
     log_data,
 )
-from tasks.tracking.store import client as tracking_client
 
 STUDY_TAG, TRIAL_TAG, STATE_TAG = "search.study", "search.trial", "trial_state"
 _preparing = threading.Lock()
 
 
-
 @flow(name="search-trial", on_failure=[forget_exception], on_crashed=[forget_exception])
-def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int, tags: dict[str, str],
-              pool: str | None = None, model: str | None = None) -> dict[str, Any]:
+def trial_run(
+    cfg: RunConfig,
+    data: Prepared,
+    root: str,
+    study: str,
+    number: int,
+    tags: dict[str, str],
+    pool: str | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
     """One trial: the pipeline's training, evaluation and judgement in a run nested under the
     study's; a pruned training ends the trial without an evaluation."""
     key = training_stage.train_key(cfg, data)
@@ -58,8 +64,13 @@ def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int
         log_data(run.run_id, quote(cfg), root, quote(data))
         run.set_tags(training_stage.lineage_tags(cfg, data))
         trained = run_training(cfg, data, root, run.run_id, pool, search=pool is not None)
-        found = {"mlflow_run_id": run.run_id, "step": trained.steps, "val_loss": trained.val_loss,
-                 "resumed_from_step": trained.resumed_from_step, "key": key}
+        found = {
+            "mlflow_run_id": run.run_id,
+            "step": trained.steps,
+            "val_loss": trained.val_loss,
+            "resumed_from_step": trained.resumed_from_step,
+            "key": key,
+        }
         if trained.stop_reason == "pruned":
             with contextlib.suppress(Exception):  # a picture is no reason to fail the trial
                 run.log_loss_curve()
@@ -67,22 +78,46 @@ def trial_run(cfg: RunConfig, data: Prepared, root: str, study: str, number: int
             return {**found, "state": "pruned"}
         evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
         outage.check_back(trained.run_dir)
-        judge(run.run_id, cfg, root, trained, evaluation, samples, data,
-              current_champion(tracking_client(root), model or cfg.recipe), None, model)
+        judge(
+            run.run_id,
+            cfg,
+            root,
+            trained,
+            evaluation,
+            samples,
+            data,
+            current_champion(tracking_client(root), model or cfg.recipe),
+            None,
+            model,
+        )
         run.set_tags({STATE_TAG: "complete", "trial.step": str(trained.steps)})
         return {**found, "state": "complete", "value": evaluation.score, "headline": evaluation.headline}
 
 
 @task(name="search-trial", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
-def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: str | list[str] | None, root: str,
-            overrides: list[str], parent_id: str, pool: str | None, sign: float,
-            model: str | None = None) -> TrialOutcome:
+def run_one(
+    study: Any,
+    trial: Any,
+    space: dict[str, Dim],
+    recipe: str,
+    source: str | list[str] | None,
+    root: str,
+    overrides: list[str],
+    parent_id: str,
+    pool: str | None,
+    sign: float,
+    model: str | None = None,
+) -> TrialOutcome:
     """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
     params = {field: dim.suggest(trial) for field, dim in space.items()}
     resumes = resumed_number(study.trials[trial.number])
     outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
-    tags = {PARENT_TAG: parent_id, STUDY_TAG: study.study_name, TRIAL_TAG: str(trial.number),
-            **({"train.pool": pool} if pool else {})}
+    tags = {
+        PARENT_TAG: parent_id,
+        STUDY_TAG: study.study_name,
+        TRIAL_TAG: str(trial.number),
+        **({"train.pool": pool} if pool else {}),
+    }
     if resumes is not None:
         tags["search.resumes"] = str(resumes)
         # What the dead trial reported, so the pruner sees the whole curve of the resumed one.
@@ -100,13 +135,26 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
             return trial.should_prune()
 
         # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
-        asking = (trials.asking(training_stage.train_key(cfg, data), ask_pruner) if pool is None
-                  else trials.answering(training_stage.train_job(cfg, data, root)[1], ask_pruner))
+        asking = (
+            trials.asking(training_stage.train_key(cfg, data), ask_pruner)
+            if pool is None
+            else trials.answering(training_stage.train_job(cfg, data, root)[1], ask_pruner)
+        )
         with asking:
-            found = once_more_if_passing(lambda: trial_run.with_options(
-                flow_run_name=f"{study.study_name}-trial-{trial.number}")(
-                cfg=cfg, data=data, root=root, study=study.study_name, number=trial.number, tags=tags, pool=pool,
-                model=model), root, tags)
+            found = once_more_if_passing(
+                lambda: trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
+                    cfg=cfg,
+                    data=data,
+                    root=root,
+                    study=study.study_name,
+                    number=trial.number,
+                    tags=tags,
+                    pool=pool,
+                    model=model,
+                ),
+                root,
+                tags,
+            )
     except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
@@ -118,8 +166,10 @@ def run_one(study: Any, trial: Any, space: dict[str, Dim], recipe: str, source: 
         return outcome
     for name in ("mlflow_run_id", "step", "val_loss", "resumed_from_step"):
         trial.set_user_attr(name, found[name])
-    outcome = outcome.model_copy(update={k: found[k] for k in ("mlflow_run_id", "step", "val_loss",
-                                                                "resumed_from_step")} | {"state": found["state"]})
+    outcome = outcome.model_copy(
+        update={k: found[k] for k in ("mlflow_run_id", "step", "val_loss", "resumed_from_step")}
+        | {"state": found["state"]}
+    )
     if found["state"] == "pruned":
         study.tell(trial, state=optuna_module().trial.TrialState.PRUNED)
     else:
@@ -143,8 +193,9 @@ def once_more_if_passing(attempt: Callable[[], dict[str, Any]], root: str, tags:
         with contextlib.suppress(Exception):  # outside a flow run (a test): nothing to log to
             from prefect import get_run_logger
 
-            get_run_logger().warning("%s: the trial runs once more once the servers answer",
-                                     scrub(str(e).splitlines()[0]))
+            get_run_logger().warning(
+                "%s: the trial runs once more once the servers answer", scrub(str(e).splitlines()[0])
+            )
     time.sleep(retry_delay_s())
     tracking_servers.wait_for_servers()  # bounded: a server still away fails the trial, as it would
     found = attempt()

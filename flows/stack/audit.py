@@ -97,8 +97,9 @@ def since_time(text: str | None) -> datetime.datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=datetime.UTC)
 
 
-def entries(home: Path, user: str | None = None, since: datetime.datetime | None = None,
-            failed: bool = False) -> list[dict]:
+def entries(
+    home: Path, user: str | None = None, since: datetime.datetime | None = None, failed: bool = False
+) -> list[dict]:
     """The audit's entries, oldest first, those of `user`, at or after `since`, refused ones only
     with `failed` (a refused credential or a lockout)."""
     files = [audit_file(home).with_name(f"audit.jsonl.{i}") for i in range(KEEP, 0, -1)] + [audit_file(home)]
@@ -126,6 +127,8 @@ def entries(home: Path, user: str | None = None, since: datetime.datetime | None
 def line(entry: dict) -> str:
     what = entry.get("event", "request")
     detail = f" ({entry['detail']})" if entry.get("detail") else ""
-    return (f"{entry['time']}  {entry.get('user') or '-':<14} {entry.get('role') or '-':<7} "
-            f"{entry.get('source') or '-':<16} {entry.get('status', ''):<4} {what:<12} "
-            f"{entry.get('method', '')} {entry.get('path', '')}{detail}")
+    return (
+        f"{entry['time']}  {entry.get('user') or '-':<14} {entry.get('role') or '-':<7} "
+        f"{entry.get('source') or '-':<16} {entry.get('status', ''):<4} {what:<12} "
+        f"{entry.get('method', '')} {entry.get('path', '')}{detail}"
+    )

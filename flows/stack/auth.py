@@ -28,12 +28,21 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from flows.stack.certs import Certs, certificates, hosts_for
 from flows.stack.processes import _DIRECT, Service, unix_request, unix_url
 from flows.stack.state import load
-from flows.stack.certs import Certs, certificates, hosts_for  # noqa: F401 (the stack's API)
-from flows.stack.users import (BUILT_IN, INSTALL, MLFLOW_ADMIN, ROLES, STACK_ADMIN, STACK_WORKER,  # noqa: F401
-                               _write_users, add_user, caddy_binary, credential, ensure_built_in, folder,
-                               private, read_users, remove_user, rotate_user)
+from flows.stack.users import (
+    MLFLOW_ADMIN,
+    STACK_ADMIN,
+    STACK_WORKER,  # noqa: F401 (re-exported: the modules that import it from here)
+    _write_users,
+    caddy_binary,
+    credential,
+    ensure_built_in,
+    folder,
+    private,
+    read_users,
+)
 from mllm import UserError
 
 
@@ -43,6 +52,7 @@ def secured(home: Path) -> dict | None:
         return json.loads((folder(home) / "endpoints.json").read_text())
     except (OSError, ValueError):
         return None
+
 
 # -- the proxy's configuration -------------------------------------------------------------------
 
@@ -61,18 +71,36 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> s
     # HTTP/1.1 and 2 over TCP only: no HTTP/3 listener on UDP beside them.
     # A client that sends no server name (one that connects to an IP address) gets the stack's
     # certificate, which then names that address or is refused by the client as for another one.
-    head = ["{", "\tadmin unix/" + str(log / "admin.sock"), "\tauto_https off", f"\tdefault_sni {listen}",
-            "\tservers {", "\t\tprotocols h1 h2", "\t}",
-            f"\tstorage file_system {log / 'data'}", "}"]
+    head = [
+        "{",
+        "\tadmin unix/" + str(log / "admin.sock"),
+        "\tauto_https off",
+        f"\tdefault_sni {listen}",
+        "\tservers {",
+        "\t\tprotocols h1 h2",
+        "\t}",
+        f"\tstorage file_system {log / 'data'}",
+        "}",
+    ]
     sites = []
     for server in ("prefect", "mlflow"):
-        sites.append("\n".join([
-            f"https://:{ports[server]} {{", f"\tbind {listen}", f"\ttls {certs.cert} {certs.key}",
-            f"\t@foreign not host {hosts}",
-            '\trespond @foreign "misdirected request: this is the mllm stack at one of its own names" 421',
-            f"\treverse_proxy unix/{gate_socket(home)} {{",
-            f"\t\theader_up X-Stack-Server {server}", "\t\theader_up X-Stack-Client {remote_host}",
-            "\t\tflush_interval -1", "\t}", "}"]))
+        sites.append(
+            "\n".join(
+                [
+                    f"https://:{ports[server]} {{",
+                    f"\tbind {listen}",
+                    f"\ttls {certs.cert} {certs.key}",
+                    f"\t@foreign not host {hosts}",
+                    '\trespond @foreign "misdirected request: this is the mllm stack at one of its own names" 421',
+                    f"\treverse_proxy unix/{gate_socket(home)} {{",
+                    f"\t\theader_up X-Stack-Server {server}",
+                    "\t\theader_up X-Stack-Client {remote_host}",
+                    "\t\tflush_interval -1",
+                    "\t}",
+                    "}",
+                ]
+            )
+        )
     return "\n".join(head) + "\n\n" + "\n\n".join(sites) + "\n"
 
 
@@ -85,14 +113,24 @@ def write_caddyfile(home: Path) -> Path:
 def proxy_service(home: Path):
     caddy = caddy_binary()
     data = folder(home) / "caddy"
-    return Service("proxy", [caddy, "run", "--config", str(folder(home) / "Caddyfile"), "--adapter", "caddyfile"],
-                   str(home / "logs" / "proxy.log"), None, secured(home)["listen_url"],
-                   env={"HOME": str(data), "XDG_DATA_HOME": str(data / "data"), "XDG_CONFIG_HOME": str(data / "config")})
+    return Service(
+        "proxy",
+        [caddy, "run", "--config", str(folder(home) / "Caddyfile"), "--adapter", "caddyfile"],
+        str(home / "logs" / "proxy.log"),
+        None,
+        secured(home)["listen_url"],
+        env={"HOME": str(data), "XDG_DATA_HOME": str(data / "data"), "XDG_CONFIG_HOME": str(data / "config")},
+    )
 
 
 def gate_service(home: Path) -> Service:
-    return Service("gate", [sys.executable, "-m", "flows.stack.gate", str(home), str(gate_socket(home))],
-                   str(home / "logs" / "gate.log"), None, f"unix:{gate_socket(home)}")
+    return Service(
+        "gate",
+        [sys.executable, "-m", "flows.stack.gate", str(home), str(gate_socket(home))],
+        str(home / "logs" / "gate.log"),
+        None,
+        f"unix:{gate_socket(home)}",
+    )
 
 
 def reload_proxy(home: Path) -> bool:
@@ -123,10 +161,15 @@ def plan(home: Path, listen: str, ports: dict[str, int], tls_cert: str | None, t
     ensure_built_in(home)
     certs = certificates(home, hosts_for(listen), tls_cert, tls_key)
     host = f"[{listen}]" if ":" in listen else listen
-    ends = {"listen": listen, "ports": ports, "sockets": server_sockets(home),
-            "certs": {"ca": str(certs.ca), "cert": str(certs.cert), "key": str(certs.key)},
-            "api": f"https://{host}:{ports['prefect']}/api", "tracking": f"https://{host}:{ports['mlflow']}",
-            "listen_url": f"https://{host}:{ports['prefect']} https://{host}:{ports['mlflow']}"}
+    ends = {
+        "listen": listen,
+        "ports": ports,
+        "sockets": server_sockets(home),
+        "certs": {"ca": str(certs.ca), "cert": str(certs.cert), "key": str(certs.key)},
+        "api": f"https://{host}:{ports['prefect']}/api",
+        "tracking": f"https://{host}:{ports['mlflow']}",
+        "listen_url": f"https://{host}:{ports['prefect']} https://{host}:{ports['mlflow']}",
+    }
     (folder(home) / "servers").mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(folder(home) / "servers", 0o700)
     (folder(home) / "endpoints.json").write_text(json.dumps(ends, indent=1) + "\n")
@@ -149,19 +192,29 @@ def _mlflow_ini(home: Path, database_uri: str | None = None) -> Path:
     users file and the database's from the server's environment (server_env), so each secret
     stays in one file."""
     uri = _without_password(database_uri or f"sqlite:///{folder(home) / 'mlflow-auth.db'}")
-    return private(folder(home) / "mlflow-auth.ini",
-                   "[mlflow]\ndefault_permission = READ\n"
-                   f"database_uri = {uri}\nadmin_username = {MLFLOW_ADMIN}\n"
-                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-                   # A checked credential is remembered for 5 minutes: without this each request
-                   # pays a PBKDF2 check (about 250 ms of the server's CPU per log_batch, measured on
-                   # 2 busy cores). Its one server process forgets a user's entries the moment the
-                   # stack changes the password or deletes the user, so rotation still bites at once.
-                   "auth_cache_ttl_seconds = 300\n")
+    return private(
+        folder(home) / "mlflow-auth.ini",
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = {uri}\nadmin_username = {MLFLOW_ADMIN}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # A checked credential is remembered for 5 minutes: without this each request
+        # pays a PBKDF2 check (about 250 ms of the server's CPU per log_batch, measured on
+        # 2 busy cores). Its one server process forgets a user's entries the moment the
+        # stack changes the password or deletes the user, so rotation still bites at once.
+        "auth_cache_ttl_seconds = 300\n",
+    )
 
 
-def setup(home: Path, listen: str, auth: bool, prefect_port: int, mlflow_port: int, tls_cert: str | None,
-          tls_key: str | None, db) -> dict | None:
+def setup(
+    home: Path,
+    listen: str,
+    auth: bool,
+    prefect_port: int,
+    mlflow_port: int,
+    tls_cert: str | None,
+    tls_key: str | None,
+    db,
+) -> dict | None:
     """A secured stack's endpoints (its servers' Unix sockets among them), made ready in
     `home`; None for a plain loopback stack, exactly as before."""
     if auth or not is_loopback(listen):
@@ -177,8 +230,12 @@ def setup(home: Path, listen: str, auth: bool, prefect_port: int, mlflow_port: i
 def public_env(home: Path) -> dict[str, str]:
     """What a client of the secured stack needs besides its credential (no secret: saved)."""
     ends = secured(home)
-    return {"PREFECT_API_URL": ends["api"], "MLFLOW_TRACKING_URI": ends["tracking"],
-            "PREFECT_API_SSL_CERT_FILE": ends["certs"]["ca"], "MLFLOW_TRACKING_SERVER_CERT_PATH": ends["certs"]["ca"]}
+    return {
+        "PREFECT_API_URL": ends["api"],
+        "MLFLOW_TRACKING_URI": ends["tracking"],
+        "PREFECT_API_SSL_CERT_FILE": ends["certs"]["ca"],
+        "MLFLOW_TRACKING_SERVER_CERT_PATH": ends["certs"]["ca"],
+    }
 
 
 def start_proxy(home: Path, timeout: float) -> list[Service]:
@@ -215,9 +272,11 @@ def server_env(name: str, home: Path, backend_uri: str | None = None) -> dict[st
         return {}
     if name == "prefect-server":
         return {"PREFECT_UI_API_URL": ends["api"]}
-    env = {"MLFLOW_AUTH_CONFIG_PATH": str(folder(home) / "mlflow-auth.ini"),
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": read_users(home)["flask_key"],
-           "MLFLOW_AUTH_ADMIN_PASSWORD": read_users(home)["mlflow_admin"]}
+    env = {
+        "MLFLOW_AUTH_CONFIG_PATH": str(folder(home) / "mlflow-auth.ini"),
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": read_users(home)["flask_key"],
+        "MLFLOW_AUTH_ADMIN_PASSWORD": read_users(home)["mlflow_admin"],
+    }
     password = urllib.parse.urlsplit(backend_uri).password if backend_uri else None
     if password:
         env["PGPASSWORD"] = urllib.parse.unquote(password)
@@ -233,8 +292,14 @@ def mlflow_args(home: Path) -> list[str]:
     port = ends["ports"]["mlflow"]
     hosts = [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts_for(ends["listen"])]
     # The stack's own calls on its socket (sync_mlflow) say Host: localhost.
-    return ["--app-name", "basic-auth", "--allowed-hosts", ",".join([*hosts, "localhost"]),
-            "--uvicorn-opts", f"--uds {ends['sockets']['mlflow']}"]
+    return [
+        "--app-name",
+        "basic-auth",
+        "--allowed-hosts",
+        ",".join([*hosts, "localhost"]),
+        "--uvicorn-opts",
+        f"--uds {ends['sockets']['mlflow']}",
+    ]
 
 
 # -- clients -------------------------------------------------------------------------------------
@@ -245,10 +310,15 @@ def client_env(home: Path, user: str, ca_path: str | None = None) -> dict[str, s
     ends = secured(home)
     name, secret = credential(home, user)
     ca = ca_path or ends["certs"]["ca"]
-    return {"PREFECT_API_URL": ends["api"], "PREFECT_API_AUTH_STRING": f"{name}:{secret}",
-            "PREFECT_API_SSL_CERT_FILE": ca, "MLFLOW_TRACKING_URI": ends["tracking"],
-            "MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": secret,
-            "MLFLOW_TRACKING_SERVER_CERT_PATH": ca}
+    return {
+        "PREFECT_API_URL": ends["api"],
+        "PREFECT_API_AUTH_STRING": f"{name}:{secret}",
+        "PREFECT_API_SSL_CERT_FILE": ca,
+        "MLFLOW_TRACKING_URI": ends["tracking"],
+        "MLFLOW_TRACKING_USERNAME": name,
+        "MLFLOW_TRACKING_PASSWORD": secret,
+        "MLFLOW_TRACKING_SERVER_CERT_PATH": ca,
+    }
 
 
 def basic(name: str, secret: str) -> str:
@@ -312,8 +382,10 @@ def _mlflow(home: Path, method: str, route: str, body: dict) -> int:
     data = json.dumps(body).encode()
     if method == "GET":
         url, data = url + "?" + urllib.parse.urlencode(body), None
-    headers = {"Content-Type": "application/json",
-               "Authorization": basic(MLFLOW_ADMIN, read_users(home)["mlflow_admin"])}
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": basic(MLFLOW_ADMIN, read_users(home)["mlflow_admin"]),
+    }
     return unix_request(url, method, data, headers, timeout=30)[0]
 
 
@@ -335,4 +407,3 @@ def sync_mlflow(home: Path) -> None:
     if data["removed"]:
         data["removed"] = []
         _write_users(home, data)
-

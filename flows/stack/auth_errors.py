@@ -54,20 +54,29 @@ def auth_line(exc: BaseException | None) -> str | None:
 def tls_line(mlflow: bool, why: str) -> str:
     """One line for a certificate the client refused: expired, made for another address, or
     from a CA it was not given. Each has its own fix."""
-    server, url, variable = (("MLflow", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH") if mlflow
-                             else ("Prefect", "PREFECT_API_URL", "PREFECT_API_SSL_CERT_FILE"))
+    server, url, variable = (
+        ("MLflow", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+        if mlflow
+        else ("Prefect", "PREFECT_API_URL", "PREFECT_API_SSL_CERT_FILE")
+    )
     where = f"the {server} server {os.environ.get(url, '').rstrip('/')}"
     low = why.lower()
     if "expired" in low or "not yet valid" in low:
-        return (f"{where} has a certificate that is out of its validity period ({why}): on the stack's machine "
-                "`mllm-pipeline stack up` makes the stack's own certificate again (a team's own: renew it and give "
-                "it with --tls-cert/--tls-key); if it is new, check this machine's clock")
+        return (
+            f"{where} has a certificate that is out of its validity period ({why}): on the stack's machine "
+            "`mllm-pipeline stack up` makes the stack's own certificate again (a team's own: renew it and give "
+            "it with --tls-cert/--tls-key); if it is new, check this machine's clock"
+        )
     if "mismatch" in low or "names this address" in low:
-        return (f"{where} has a certificate for other addresses ({why}): set {url} to an address the certificate "
-                "names, as `mllm-pipeline stack worker-env` prints it, or start the stack with --listen at this "
-                "address so its certificate names it")
-    return (f"{where} has a certificate this client does not trust ({why}): set {variable} to the stack's CA "
-            "file (`mllm-pipeline stack worker-env` prints it; the stack's own is auth/tls/ca.pem in its home)")
+        return (
+            f"{where} has a certificate for other addresses ({why}): set {url} to an address the certificate "
+            "names, as `mllm-pipeline stack worker-env` prints it, or start the stack with --listen at this "
+            "address so its certificate names it"
+        )
+    return (
+        f"{where} has a certificate this client does not trust ({why}): set {variable} to the stack's CA "
+        "file (`mllm-pipeline stack worker-env` prints it; the stack's own is auth/tls/ca.pem in its home)"
+    )
 
 
 def version_line(api: str, server: str, client: str) -> str | None:
@@ -76,9 +85,11 @@ def version_line(api: str, server: str, client: str) -> str | None:
     minor versions, so the project asks for the one version it pins on both sides."""
     if server == client:
         return None
-    return (f"the Prefect server {api} runs Prefect {server} and this client Prefect {client}: install "
-            f"prefect=={server} here (or run the server on {client}); every worker and client of a stack needs "
-            "the version its server runs (the project pins one in constraints.txt)")
+    return (
+        f"the Prefect server {api} runs Prefect {server} and this client Prefect {client}: install "
+        f"prefect=={server} here (or run the server on {client}); every worker and client of a stack needs "
+        "the version its server runs (the project pins one in constraints.txt)"
+    )
 
 
 def _detail(response) -> str | None:
@@ -95,23 +106,32 @@ def prefect_refused(code: int, detail: str | None = None) -> str:
     prefect = os.environ.get("PREFECT_API_URL", "").rstrip("/")
     who = _who("PREFECT_API_AUTH_STRING", True)
     if code == 401:
-        return (f"the Prefect server {prefect} did not take the credential of {who} (401): set "
-                "PREFECT_API_AUTH_STRING to NAME:SECRET as `mllm-pipeline stack worker-env --user NAME` "
-                f"prints it (a removed or rotated user's old secret no longer works; {_USERS})")
+        return (
+            f"the Prefect server {prefect} did not take the credential of {who} (401): set "
+            "PREFECT_API_AUTH_STRING to NAME:SECRET as `mllm-pipeline stack worker-env --user NAME` "
+            f"prints it (a removed or rotated user's old secret no longer works; {_USERS})"
+        )
     if detail:  # the policy's reason names the route or the field (docs/team-stack.md, the policy table)
-        return (f"the Prefect server {prefect} does not let {who} do this (403, {detail}): a viewer only reads, a "
-                "worker runs the project's training; ask the stack's admin for the rest")
-    return (f"the Prefect server {prefect} does not let {who} do this (403: a viewer only reads): run it as "
-            "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
+        return (
+            f"the Prefect server {prefect} does not let {who} do this (403, {detail}): a viewer only reads, a "
+            "worker runs the project's training; ask the stack's admin for the rest"
+        )
+    return (
+        f"the Prefect server {prefect} does not let {who} do this (403: a viewer only reads): run it as "
+        "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)"
+    )
 
 
 def mlflow_refused(code: int) -> str:
     tracking = os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
     who = _who("MLFLOW_TRACKING_USERNAME", False)
     if code == 401:
-        return (f"the MLflow server {tracking} did not take the credential of {who} (401): set "
-                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD as `mllm-pipeline stack worker-env "
-                f"--user NAME` prints them (a removed or rotated user's old secret no longer works; {_USERS})")
-    return (f"the MLflow server {tracking} does not let {who} do this (403: a viewer only reads): run it as "
-            "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)")
-
+        return (
+            f"the MLflow server {tracking} did not take the credential of {who} (401): set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD as `mllm-pipeline stack worker-env "
+            f"--user NAME` prints them (a removed or rotated user's old secret no longer works; {_USERS})"
+        )
+    return (
+        f"the MLflow server {tracking} does not let {who} do this (403: a viewer only reads): run it as "
+        "a worker (`mllm-pipeline stack user add NAME --role worker` on the stack's machine)"
+    )

@@ -44,25 +44,46 @@ def certificates(home: Path, hosts: list[str], cert: str | None = None, key: str
     if not ca_file.exists():
         ca_key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"mllm stack CA ({socket.gethostname()})")])
-        ca_cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(ca_key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=3650))
-                   .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-                   .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                                content_commitment=False, key_encipherment=False,
-                                                data_encipherment=False, key_agreement=False,
-                                                encipher_only=False, decipher_only=False), critical=True)
-                   .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-                   .sign(ca_key, hashes.SHA256()))
-        private(ca_key_file, ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
+        ca_cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        private(ca_key_file, ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
         ca_file.write_bytes(ca_cert.public_bytes(pem))
     server_file, server_key_file, hosts_file = tls / "server.pem", tls / "server-key.pem", tls / "hosts.json"
     wanted = sorted(set(hosts))
-    if (server_file.exists() and hosts_file.exists() and json.loads(hosts_file.read_text()) == wanted
-            and _valid_for(server_file, now, datetime.timedelta(days=30))):
+    if (
+        server_file.exists()
+        and hosts_file.exists()
+        and json.loads(hosts_file.read_text()) == wanted
+        and _valid_for(server_file, now, datetime.timedelta(days=30))
+    ):
         return Certs(ca_file, server_file, server_key_file)
-    cert_pem, key_pem = sign_server(tls, wanted, now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=397))
+    cert_pem, key_pem = sign_server(
+        tls, wanted, now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=397)
+    )
     private(server_key_file, key_pem)
     server_file.write_bytes(cert_pem)
     hosts_file.write_text(json.dumps(wanted) + "\n")
@@ -77,8 +98,9 @@ def _valid_for(cert_file: Path, now: datetime.datetime, margin: datetime.timedel
     return x509.load_pem_x509_certificate(cert_file.read_bytes()).not_valid_after_utc > now + margin
 
 
-def sign_server(tls: Path, hosts: list[str], valid_from: datetime.datetime,
-                valid_to: datetime.datetime) -> tuple[bytes, bytes]:
+def sign_server(
+    tls: Path, hosts: list[str], valid_from: datetime.datetime, valid_to: datetime.datetime
+) -> tuple[bytes, bytes]:
     """A server certificate for `hosts` from the CA in `tls` (PEM: the certificate followed by
     the CA's, and its private key)."""
     from cryptography import x509
@@ -96,17 +118,24 @@ def sign_server(tls: Path, hosts: list[str], valid_from: datetime.datetime,
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
             names.append(x509.DNSName(h))
-    server = (x509.CertificateBuilder()
-              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-              .issuer_name(ca_cert.subject).public_key(key_.public_key())
-              .serial_number(x509.random_serial_number()).not_valid_before(valid_from).not_valid_after(valid_to)
-              .add_extension(x509.SubjectAlternativeName(names), critical=False)
-              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-              .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-              .sign(ca_key, hashes.SHA256()))
-    return (server.public_bytes(pem) + ca_cert.public_bytes(pem),
-            key_.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key_.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(valid_from)
+        .not_valid_after(valid_to)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return (
+        server.public_bytes(pem) + ca_cert.public_bytes(pem),
+        key_.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
 
 
 def hosts_for(listen: str) -> list[str]:

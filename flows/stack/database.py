@@ -25,12 +25,12 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows.settings import settings
 from flows.stack import state
 from flows.stack.processes import Service, free_port, port_free
-from flows.settings import settings
 from mllm import UserError, failures
-
 from tasks.tracking import servers as tracking_servers
+
 ROLE = "mllm"
 DEFAULT_NAME = "mllm"
 INSTALL = "apt-get install postgresql"  # Debian/Ubuntu; the command the SQLite line names
@@ -64,8 +64,10 @@ def server_bin() -> Path | None:
     /usr/lib/postgresql/N/bin, or wherever `initdb` is on PATH."""
     if given := settings().postgres_bin:
         return Path(given)
-    debian = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name)
-                    if p.parent.parent.name.isdigit() else 0)
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/initdb"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+    )
     if debian:
         return debian[-1].parent
     found = shutil.which("initdb")
@@ -90,12 +92,17 @@ def choose(home: Path, url: str | None = None, timeout: float = 60.0) -> Databas
     cluster = home / "postgres"
     sqlite = home / "mlflow.db"
     if sqlite.exists() and not (cluster / "data").exists():
-        return _sqlite(home, f"this stack's records are in SQLite files in {home}; they stay there "
-                             "(a new --home starts on PostgreSQL)")
+        return _sqlite(
+            home,
+            f"this stack's records are in SQLite files in {home}; they stay there (a new --home starts on PostgreSQL)",
+        )
     binaries = server_bin()
     if binaries is None:
-        return _sqlite(home, f"PostgreSQL's server is not installed, so the stack runs on SQLite (fine for one "
-                             f"user, not for a team's load): `{INSTALL}` installs it")
+        return _sqlite(
+            home,
+            f"PostgreSQL's server is not installed, so the stack runs on SQLite (fine for one "
+            f"user, not for a team's load): `{INSTALL}` installs it",
+        )
     return _cluster(home, binaries, timeout)
 
 
@@ -107,15 +114,19 @@ def reopen(home: Path, url: str | None, timeout: float, start: bool) -> Database
     describe = was.get("database", "")
     if describe.startswith("PostgreSQL at "):
         if not url:
-            raise UserError(f"the stack keeps its records on {describe.split(' (')[0][len('PostgreSQL at '):]}, "
-                            "whose password it does not keep: give it again with `mllm-pipeline stack up "
-                            "--database-url postgresql://USER:PASSWORD@HOST:PORT/NAME`")
+            raise UserError(
+                f"the stack keeps its records on {describe.split(' (')[0][len('PostgreSQL at ') :]}, "
+                "whose password it does not keep: give it again with `mllm-pipeline stack up "
+                "--database-url postgresql://USER:PASSWORD@HOST:PORT/NAME`"
+            )
         db = _given(url)
     elif describe.startswith("PostgreSQL "):
         binaries = server_bin()
         if binaries is None:
-            raise UserError(f"the stack's records are in its PostgreSQL cluster in {home / 'postgres'}, but "
-                            f"PostgreSQL's server is no longer installed: `{INSTALL}` installs it")
+            raise UserError(
+                f"the stack's records are in its PostgreSQL cluster in {home / 'postgres'}, but "
+                f"PostgreSQL's server is no longer installed: `{INSTALL}` installs it"
+            )
         db = _cluster(home, binaries, timeout, start=start)
     else:
         db = _sqlite(home, None)
@@ -139,14 +150,17 @@ def down_line(exc: BaseException | None) -> str | None:
     home = state.stack_home()
     ours = state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") == api
     what = f"the stack's {recorded(home).get('database')}" if ours and recorded(home) else "their database"
-    return (f"{DOWN} ({what}; the Prefect server {api} answers "
-            "'Database is not available'): start it again (`mllm-pipeline stack up` starts what of the stack is "
-            "down) and run the same command; finished stages and trainings are kept in storage and reused")
+    return (
+        f"{DOWN} ({what}; the Prefect server {api} answers "
+        "'Database is not available'): start it again (`mllm-pipeline stack up` starts what of the stack is "
+        "down) and run the same command; finished stages and trainings are kept in storage and reused"
+    )
 
 
 def _sqlite(home: Path, note: str | None) -> Database:
-    return Database(f"SQLite in {home}", mlflow_args=["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"],
-                    note=note)
+    return Database(
+        f"SQLite in {home}", mlflow_args=["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"], note=note
+    )
 
 
 def _urls(user: str, password: str, host: str, port: int, name: str) -> tuple[str, str]:
@@ -157,8 +171,12 @@ def _urls(user: str, password: str, host: str, port: int, name: str) -> tuple[st
 
 def _database(describe: str, urls: tuple[str, str], services: list[Service] = ()) -> Database:
     prefect, mlflow = urls
-    return Database(describe, list(services), prefect_env={"PREFECT_SERVER_DATABASE_CONNECTION_URL": prefect},
-                    mlflow_env={"MLFLOW_BACKEND_STORE_URI": mlflow})
+    return Database(
+        describe,
+        list(services),
+        prefect_env={"PREFECT_SERVER_DATABASE_CONNECTION_URL": prefect},
+        mlflow_env={"MLFLOW_BACKEND_STORE_URI": mlflow},
+    )
 
 
 # -- a team's server -----------------------------------------------------------------------------
@@ -168,8 +186,9 @@ def _given(url: str) -> Database:
     user, password, host, port, name = _parts(url, "--database-url")
     shown = f"postgresql://{user}@{host}:{port}"
     create_databases(user, password, host, port, name, shown)
-    return _database(f"PostgreSQL at {shown} (databases {name}_prefect, {name}_mlflow)",
-                     _urls(user, password, host, port, name))
+    return _database(
+        f"PostgreSQL at {shown} (databases {name}_prefect, {name}_mlflow)", _urls(user, password, host, port, name)
+    )
 
 
 def _parts(url: str, option: str) -> tuple[str, str, str, int, str]:
@@ -186,7 +205,9 @@ def _parts(url: str, option: str) -> tuple[str, str, str, int, str]:
     try:
         port = parts.port or 5432
     except ValueError:
-        raise UserError(f"{option} has a bad port: give postgresql://USER:PASSWORD@{parts.hostname}:PORT/NAME") from None
+        raise UserError(
+            f"{option} has a bad port: give postgresql://USER:PASSWORD@{parts.hostname}:PORT/NAME"
+        ) from None
     return user, urllib.parse.unquote(parts.password or ""), parts.hostname, port, parts.path.strip("/") or DEFAULT_NAME
 
 
@@ -206,31 +227,52 @@ def study_database() -> tuple[str, str] | None:
         home = state.stack_home()
         api = settings().prefect_api_url.rstrip("/")
         describe = recorded(home).get("database", "")
-        if (not api or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api
-                or not describe.startswith("PostgreSQL ") or describe.startswith("PostgreSQL at ")):
+        if (
+            not api
+            or state.load(home)["env"].get("PREFECT_API_URL", "").rstrip("/") != api
+            or not describe.startswith("PostgreSQL ")
+            or describe.startswith("PostgreSQL at ")
+        ):
             return None  # no stack, another's, on SQLite, or a team's server whose password it does not keep
         folder = home / "postgres"
         user, host, name = ROLE, "127.0.0.1", DEFAULT_NAME
         port = json.loads((folder / "cluster.json").read_text())["port"]
         password = (folder / "password").read_text().strip()
     shown = f"postgresql://{user}@{host}:{port}/{name}_optuna"
-    create_databases(user, password, host, port, name, shown, suffixes=("optuna",), hint=f"check ${STUDY_ENV}"
-                     if given else "start the stack again: `mllm-pipeline stack up`")
+    create_databases(
+        user,
+        password,
+        host,
+        port,
+        name,
+        shown,
+        suffixes=("optuna",),
+        hint=f"check ${STUDY_ENV}" if given else "start the stack again: `mllm-pipeline stack up`",
+    )
     cred = f"{urllib.parse.quote(user, safe='')}:{urllib.parse.quote(password, safe='')}@"
     where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
     return f"postgresql+psycopg://{cred}{where}/{name}_optuna", shown
 
 
-def create_databases(user: str, password: str, host: str, port: int, name: str, shown: str,
-                     suffixes: tuple[str, ...] = ("prefect", "mlflow"), hint: str = "check --database-url") -> None:
+def create_databases(
+    user: str,
+    password: str,
+    host: str,
+    port: int,
+    name: str,
+    shown: str,
+    suffixes: tuple[str, ...] = ("prefect", "mlflow"),
+    hint: str = "check --database-url",
+) -> None:
     """Create `<name>_prefect` and `<name>_mlflow` (or the other `suffixes`) where missing; one
     clear line if the server cannot be reached or refuses."""
     import psycopg
 
     wanted = [f"{name}_{s}" for s in suffixes]
     try:
-        with psycopg.connect(host=host, port=port, user=user, password=password, dbname="postgres",
-                             connect_timeout=10, autocommit=True) as conn:
+        with psycopg.connect(
+            host=host, port=port, user=user, password=password, dbname="postgres", connect_timeout=10, autocommit=True
+        ) as conn:
             have = {r[0] for r in conn.execute("SELECT datname FROM pg_database WHERE datname = ANY(%s)", [wanted])}
             for db in wanted:
                 if db not in have:
@@ -240,8 +282,10 @@ def create_databases(user: str, password: str, host: str, port: int, name: str, 
                         pass  # another process (a second search started at once) made it first
     except psycopg.Error as e:
         reason = " ".join(str(e).split()) or type(e).__name__
-        raise UserError(f"the database server {shown} did not take the stack's databases {', '.join(wanted)}: "
-                        f"{reason} ({hint}; the role needs CREATEDB, or create them)") from None
+        raise UserError(
+            f"the database server {shown} did not take the stack's databases {', '.join(wanted)}: "
+            f"{reason} ({hint}; the role needs CREATEDB, or create them)"
+        ) from None
 
 
 # -- the stack's own cluster ---------------------------------------------------------------------
@@ -260,14 +304,31 @@ def _cluster(home: Path, binaries: Path, timeout: float, start: bool = True) -> 
     password = password_file.read_text().strip()
     version = (data / "PG_VERSION").read_text().strip()
     if not start:
-        return _database(f"PostgreSQL {version} in {folder} on 127.0.0.1:{info['port']}",
-                         _urls(ROLE, password, "127.0.0.1", info["port"], DEFAULT_NAME))
+        return _database(
+            f"PostgreSQL {version} in {folder} on 127.0.0.1:{info['port']}",
+            _urls(ROLE, password, "127.0.0.1", info["port"], DEFAULT_NAME),
+        )
     port = info["port"] if port_free(info["port"]) else free_port()
     if port != info["port"]:
         info_file.write_text(json.dumps({**info, "port": port}) + "\n")
-    server = Service("postgres", as_owner([str(binaries / "postgres"), "-D", str(data), "-p", str(port),
-                                           "-h", "127.0.0.1", "-c", "unix_socket_directories="]),
-                     str(home / "logs" / "postgres.log"), url=f"postgresql://{ROLE}@127.0.0.1:{port}")
+    server = Service(
+        "postgres",
+        as_owner(
+            [
+                str(binaries / "postgres"),
+                "-D",
+                str(data),
+                "-p",
+                str(port),
+                "-h",
+                "127.0.0.1",
+                "-c",
+                "unix_socket_directories=",
+            ]
+        ),
+        str(home / "logs" / "postgres.log"),
+        url=f"postgresql://{ROLE}@127.0.0.1:{port}",
+    )
     server.start()
     try:
         server.wait_ready(timeout, ready=lambda: _accepts(binaries, port))
@@ -275,8 +336,11 @@ def _cluster(home: Path, binaries: Path, timeout: float, start: bool = True) -> 
     except BaseException:
         server.stop()
         raise
-    return _database(f"PostgreSQL {version} in {folder} on 127.0.0.1:{port}",
-                     _urls(ROLE, password, "127.0.0.1", port, DEFAULT_NAME), [server])
+    return _database(
+        f"PostgreSQL {version} in {folder} on 127.0.0.1:{port}",
+        _urls(ROLE, password, "127.0.0.1", port, DEFAULT_NAME),
+        [server],
+    )
 
 
 def _private(path: Path, text: str, user: str | None = None) -> Path:
@@ -291,8 +355,15 @@ def _private(path: Path, text: str, user: str | None = None) -> Path:
 
 
 def _accepts(binaries: Path, port: int) -> bool:
-    return subprocess.run([str(binaries / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)],
-                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    return (
+        subprocess.run(
+            [str(binaries / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ).returncode
+        == 0
+    )
 
 
 def _init(folder: Path, binaries: Path) -> str | None:
@@ -303,32 +374,52 @@ def _init(folder: Path, binaries: Path) -> str | None:
         try:
             uid, gid = pwd.getpwnam(user).pw_uid, pwd.getpwnam(user).pw_gid
         except KeyError:
-            return (f"PostgreSQL refuses to run as root and there is no user {user!r} to run it as, so the stack "
-                    "runs on SQLite: create that user (or set MLLM_POSTGRES_USER) and start a new stack")
+            return (
+                f"PostgreSQL refuses to run as root and there is no user {user!r} to run it as, so the stack "
+                "runs on SQLite: create that user (or set MLLM_POSTGRES_USER) and start a new stack"
+            )
     folder.mkdir(parents=True, exist_ok=True)
     if user:
         os.chown(folder, uid, gid)
         reach = subprocess.run(as_owner(["test", "-w", str(folder)]), capture_output=True)
         if reach.returncode != 0:
             folder.rmdir()
-            return (f"user {user!r}, who runs PostgreSQL, cannot reach {folder} (a folder above it is private), "
-                    "so the stack runs on SQLite: give --home in a folder that user can enter")
+            return (
+                f"user {user!r}, who runs PostgreSQL, cannot reach {folder} (a folder above it is private), "
+                "so the stack runs on SQLite: give --home in a folder that user can enter"
+            )
     password = secrets.token_urlsafe(24)
     secret = _private(folder / "password", password)
     # initdb reads the role's password from a file (never a command line); the cluster's user
     # reads it from a copy of its own that is gone once the cluster exists.
     copy = _private(folder / "initdb-password", password, user)
     try:
-        done = subprocess.run(as_owner([str(binaries / "initdb"), "-D", str(folder / "data"), "-U", ROLE,
-                                        f"--pwfile={copy}", "--auth=scram-sha-256", "-E", "UTF8", "--no-locale"]),
-                              text=True, capture_output=True)
+        done = subprocess.run(
+            as_owner(
+                [
+                    str(binaries / "initdb"),
+                    "-D",
+                    str(folder / "data"),
+                    "-U",
+                    ROLE,
+                    f"--pwfile={copy}",
+                    "--auth=scram-sha-256",
+                    "-E",
+                    "UTF8",
+                    "--no-locale",
+                ]
+            ),
+            text=True,
+            capture_output=True,
+        )
     finally:
         copy.unlink(missing_ok=True)
     if done.returncode != 0:
         shutil.rmtree(folder / "data", ignore_errors=True)
         secret.unlink()
-        raise UserError(f"initdb could not create the stack's PostgreSQL cluster in {folder}: "
-                        f"{' '.join(done.stderr.split())[-400:]}")
+        raise UserError(
+            f"initdb could not create the stack's PostgreSQL cluster in {folder}: "
+            f"{' '.join(done.stderr.split())[-400:]}"
+        )
     (folder / "cluster.json").write_text(json.dumps({"port": free_port(), "role": ROLE}) + "\n")
     return None
-

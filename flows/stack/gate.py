@@ -26,13 +26,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
-from flows.stack import policy
 from flows.settings import settings
+from flows.stack import policy
 from flows.stack.audit import LOCK_S, Audit, Throttle
 from flows.stack.gate_ws import relay
 
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer", b"proxy-authorization",
-        b"proxy-connection", b"host"}
+_HOP = {
+    b"connection",
+    b"keep-alive",
+    b"transfer-encoding",
+    b"upgrade",
+    b"te",
+    b"trailer",
+    b"proxy-authorization",
+    b"proxy-connection",
+    b"host",
+}
 _BODY_LIMIT = 4 * 1024 * 1024  # a checked body (a flow run, a deployment) is a few kB
 _READS = ("GET", "HEAD", "OPTIONS")
 
@@ -82,7 +91,9 @@ class Gate:
         """(user, role), or the refusal to answer: 401 for no or a wrong credential, 429 while the
         user or the address is locked out. Each refusal goes to the audit."""
         if credential is None:
-            self.audit.write(event="login_failed", user=None, source=source, status=401, detail="no credential", **where)
+            self.audit.write(
+                event="login_failed", user=None, source=source, status=401, detail="no credential", **where
+            )
             return refusal(401, "unauthorized: give a user's credential (mllm-pipeline stack worker-env)")
         name, secret = credential
         if self.throttle.locked(f"user:{name}", f"address:{source}"):
@@ -96,8 +107,13 @@ class Gate:
             return name, user["role"]
         self.audit.write(event="login_failed", user=name, source=source, status=401, **where)
         for key in self.throttle.fail(f"user:{name}", f"address:{source}"):
-            self.audit.write(event="lockout", user=name, source=source, status=429,
-                             detail=f"{key} locked for {int(LOCK_S)} s after {self.throttle.tries} failures a minute")
+            self.audit.write(
+                event="lockout",
+                user=name,
+                source=source,
+                status=429,
+                detail=f"{key} locked for {int(LOCK_S)} s after {self.throttle.tries} failures a minute",
+            )
         return refusal(401, "unauthorized: wrong user or secret")
 
     # -- ASGI ----------------------------------------------------------------------------------
@@ -110,8 +126,11 @@ class Gate:
 
     def _client_for(self, server: str) -> httpx.AsyncClient:
         if server not in self._clients:
-            self._clients[server] = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=self.backends[server]),
-                                                      timeout=httpx.Timeout(None), trust_env=False)
+            self._clients[server] = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self.backends[server]),
+                timeout=httpx.Timeout(None),
+                trust_env=False,
+            )
         return self._clients[server]
 
     async def http(self, scope, receive, send) -> None:
@@ -134,7 +153,9 @@ class Gate:
                 answer = refusal(403, f"forbidden: the role {role!r} may not {method} {where['route'] or path}")
             elif rule.check and role != "admin":
                 body = await self._body(request)
-                problem = "the body is too large" if body is None else policy.body_problem(rule.check, body, self.tracking)
+                problem = (
+                    "the body is too large" if body is None else policy.body_problem(rule.check, body, self.tracking)
+                )
                 if not problem and rule.check == "results" and method == "PATCH":
                     problem = await self._block_problem(server, path)
                 answer = refusal(403, f"forbidden: {problem}") if problem else None
@@ -142,8 +163,15 @@ class Gate:
             await self._drain(request)  # an HTTP/2 client still sending its body gets the answer, not a reset
             await answer(scope, receive, send)
             if not isinstance(who, Response):
-                self.audit.write(event="refused", user=who[0], role=who[1], source=source, status=answer.status_code,
-                                 detail=json.loads(answer.body)["detail"], **where)
+                self.audit.write(
+                    event="refused",
+                    user=who[0],
+                    role=who[1],
+                    source=source,
+                    status=answer.status_code,
+                    detail=json.loads(answer.body)["detail"],
+                    **where,
+                )
             return
         status = await self._forward(scope, request, server, body, send)
         if method not in _READS and rule.level != "all" and where["route"] not in policy.POLLS:  # a write
@@ -185,16 +213,22 @@ class Gate:
             url += "?" + scope["query_string"].decode()
         headers = [*self._headers(scope, server), (b"host", request.headers.get("host", "").encode())]
         client = self._client_for(server)
-        upstream = client.build_request(scope["method"], url, headers=headers,
-                                        content=body if body is not None else request.stream())
+        upstream = client.build_request(
+            scope["method"], url, headers=headers, content=body if body is not None else request.stream()
+        )
         try:
             response = await client.send(upstream, stream=True)
         except httpx.HTTPError as e:
             await refusal(502, f"the stack's {server} server did not answer: {type(e).__name__}")(scope, None, send)
             return 502
         try:
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP],
+                }
+            )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -221,8 +255,9 @@ class Gate:
                 return
             if who[1] not in rule.roles:
                 detail = f"forbidden: the role {who[1]!r} may not open {where['route'] or scope['path']}"
-                self.audit.write(event="refused", user=who[0], role=who[1], source=source, status=403,
-                                 detail=detail, **where)
+                self.audit.write(
+                    event="refused", user=who[0], role=who[1], source=source, status=403, detail=detail, **where
+                )
                 await ws.send_denial_response(refusal(403, detail))
                 return
         await relay(self, ws, server, rule, who, source, where)
@@ -236,8 +271,16 @@ def main() -> None:
     socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(socket_path.parent, 0o700)
     socket_path.unlink(missing_ok=True)
-    uvicorn.run(Gate(home), uds=str(socket_path), lifespan="off", log_level="warning", proxy_headers=False,
-                server_header=False, ws="websockets-sansio", ws_max_size=64 * 1024 * 1024)
+    uvicorn.run(
+        Gate(home),
+        uds=str(socket_path),
+        lifespan="off",
+        log_level="warning",
+        proxy_headers=False,
+        server_header=False,
+        ws="websockets-sansio",
+        ws_max_size=64 * 1024 * 1024,
+    )
 
 
 if __name__ == "__main__":

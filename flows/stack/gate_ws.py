@@ -21,8 +21,14 @@ async def relay(gate, ws: WebSocket, server: str, rule, who, source: str, where:
         url += "?" + ws.scope["query_string"].decode()
     subprotocols = ws.scope.get("subprotocols") or None
     try:
-        upstream = await unix_connect(gate.backends[server], url, subprotocols=subprotocols, open_timeout=30, max_size=64 * 1024 * 1024,
-                                 ping_interval=None)
+        upstream = await unix_connect(
+            gate.backends[server],
+            url,
+            subprotocols=subprotocols,
+            open_timeout=30,
+            max_size=64 * 1024 * 1024,
+            ping_interval=None,
+        )
     except (OSError, InvalidStatus, TimeoutError) as e:
         await ws.send_denial_response(gate.refusal(502, f"the stack's {server} server did not take the websocket: {e}"))
         return
@@ -53,8 +59,15 @@ async def _token_login(gate, ws: WebSocket, upstream, rule, source: str, where: 
         await ws.close(1008, "Invalid token")
         return None
     if who[1] not in rule.roles:
-        gate.audit.write(event="refused", user=who[0], role=who[1], source=source, status=403,
-                         detail="forbidden by the role", **where)
+        gate.audit.write(
+            event="refused",
+            user=who[0],
+            role=who[1],
+            source=source,
+            status=403,
+            detail="forbidden by the role",
+            **where,
+        )
         await ws.close(1008, "forbidden")
         return None
     # The server has no auth string of its own: it takes the handshake, and never sees the secret.

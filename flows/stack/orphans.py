@@ -22,11 +22,13 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
-from flows.stack import state
 from flows.settings import settings
+from flows.stack import state
 
-CRASHED_BY_STACK = ("its process is gone (the stack's database or worker stopped under it); marked by "
-                    "`mllm-pipeline stack up`: run the same command again to resume from its last checkpoint")
+CRASHED_BY_STACK = (
+    "its process is gone (the stack's database or worker stopped under it); marked by "
+    "`mllm-pipeline stack up`: run the same command again to resume from its last checkpoint"
+)
 
 
 def _process_gone(pid_text: str | None, run_id: str, started: object) -> bool:
@@ -61,8 +63,13 @@ def crash_orphans(api: str, pool: str) -> list[str]:
     """Mark Crashed the flow runs of `pool` on the Prefect server `api` that are Pending, Running or
     Cancelling but whose process on this machine is gone; their names."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                WorkPoolFilter, WorkPoolFilterName)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        WorkPoolFilter,
+        WorkPoolFilterName,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
@@ -72,7 +79,8 @@ def crash_orphans(api: str, pool: str) -> list[str]:
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=in_flight))),
-            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])))
+            work_pool_filter=WorkPoolFilter(name=WorkPoolFilterName(any_=[pool])),
+        )
         for run in runs:
             if _process_gone(run.infrastructure_pid, str(run.id), run.start_time):
                 client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_STACK), force=True)
@@ -81,10 +89,14 @@ def crash_orphans(api: str, pool: str) -> list[str]:
 
 
 IN_FLIGHT = "flow-runs-in-flight.json"
-CRASHED_BY_OUTAGE = ("its command ended as the stack's database was down; marked by `mllm-pipeline stack up`: run "
-                     "the same command again (finished stages and trainings are reused)")
-CANCELLED_BY_OUTAGE = ("the command that handed this training to the pool ended as the stack's database was down; "
-                       "cancelled by `mllm-pipeline stack up` before a worker took it")
+CRASHED_BY_OUTAGE = (
+    "its command ended as the stack's database was down; marked by `mllm-pipeline stack up`: run "
+    "the same command again (finished stages and trainings are reused)"
+)
+CANCELLED_BY_OUTAGE = (
+    "the command that handed this training to the pool ended as the stack's database was down; "
+    "cancelled by `mllm-pipeline stack up` before a worker took it"
+)
 _here: set[str] = set()
 _lock = threading.Lock()
 
@@ -109,8 +121,9 @@ def stop_reporting() -> None:
 
     now = get_settings_context()
     # Entered and never left: the flow's engine resets its own contexts as it ends.
-    SettingsContext(profile=now.profile,
-                    settings=now.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})).__enter__()
+    SettingsContext(
+        profile=now.profile, settings=now.settings.copy_with_update(updates={PREFECT_CLIENT_MAX_RETRIES: 0})
+    ).__enter__()
 
 
 def leave_in_flight(home: Path) -> None:
@@ -135,8 +148,12 @@ def crash_left_in_flight(api: str, home: Path) -> tuple[list[str], list[str]]:
     the names of each. A training a worker already runs is left to finish: the command run again
     finds it in storage. The note is gone once read."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, FlowRunFilterState,
-                                                FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelled, Crashed
@@ -152,15 +169,18 @@ def crash_left_in_flight(api: str, home: Path) -> tuple[list[str], list[str]]:
         for run_id in ids:
             try:
                 run = client.read_flow_run(run_id)
-            except Exception:  # noqa: BLE001, S112 (deleted since: nothing to mark)
+            except Exception:  # noqa: BLE001 (deleted since: nothing to mark)
                 continue
             if run.state is not None and not run.state.is_final():
                 client.set_flow_run_state(run.id, Crashed(message=CRASHED_BY_OUTAGE), force=True)
                 marked.append(run.name)
         if ids:
-            queued = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=ids),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))))
+            queued = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=ids),
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])),
+                )
+            )
             for run in queued:
                 if run.work_pool_name:
                     client.set_flow_run_state(run.id, Cancelled(message=CANCELLED_BY_OUTAGE), force=True)

@@ -29,7 +29,8 @@ LEVELS = {"all": ("viewer", "worker", "admin"), "worker": ("worker", "admin"), "
 #   (two checks joined by + both apply)
 #   token    the credential may come inside the first message ({"type": "auth", "token": ...}),
 #            as Prefect's event and log subscribers send it.
-RULES = {"prefect": """
+RULES = {
+    "prefect": """
 all    GET    /api/admin/version
 admin  *      /api/admin/*
 all    GET    /api/*
@@ -76,7 +77,8 @@ worker WS     /api/events/in
 worker WS     /api/task_runs/subscriptions/scheduled
 worker WS     /api/work_pools/{work_pool_name}/workers/connect  token+hello
 admin  *      *
-""", "mlflow": """
+""",
+    "mlflow": """
 all    GET    /*api/2.0/mlflow/users/current
 all    GET    /*api/3.0/mlflow/users/current/permissions
 admin  *      /*api/*/mlflow/users/*
@@ -100,20 +102,31 @@ worker *      /*api/2.0/mlflow/registered-models/*
 worker *      /*api/2.0/mlflow-artifacts/*
 worker POST   /*api/2.0/mlflow/artifacts/presigned-upload-url
 admin  *      *
-"""}
+""",
+}
 
 # The job variables a non-admin may set on a flow run or training deployment, and the `env` keys:
 # the settings a training needs to find storage and MLflow (flows/dispatch.py job_env) and the
 # GPUs it asks for. A command, image, working folder or any other env var changes what a worker
 # runs, and is the admin's alone.
 SAFE_JOB_VARIABLES = ("env", "gpus", "device_requests")
-SAFE_ENV = ("MLLM_STORAGE", "MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION",
-            "MLFLOW_S3_ENDPOINT_URL")
+SAFE_ENV = (
+    "MLLM_STORAGE",
+    "MLFLOW_TRACKING_URI",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_DEFAULT_REGION",
+    "MLFLOW_S3_ENDPOINT_URL",
+)
 TRAINING_ENTRYPOINT = "flows.training:train"  # flows/dispatch.py ENTRYPOINT
 RESULTS_PREFIX = "mllm-results-"  # tasks/caching.py result_storage's blocks
 # A worker's polls and heartbeats: POSTs every few seconds that change no one's work; not audited.
-POLLS = ("/api/work_pools/{name}/get_scheduled_flow_runs", "/api/deployments/get_scheduled_flow_runs",
-         "/api/work_queues/{id}/get_runs", "/api/work_pools/{work_pool_name}/workers/heartbeat")
+POLLS = (
+    "/api/work_pools/{name}/get_scheduled_flow_runs",
+    "/api/deployments/get_scheduled_flow_runs",
+    "/api/work_queues/{id}/get_runs",
+    "/api/work_pools/{work_pool_name}/workers/heartbeat",
+)
 
 
 @dataclass(frozen=True)
@@ -193,10 +206,12 @@ def job_variables_problem(job_variables: object, tracking_uri: str | None = None
         return None
     if not isinstance(job_variables, dict):
         return "job_variables must be an object"
-    for name, value in job_variables.items():
+    for name in job_variables:
         if name not in SAFE_JOB_VARIABLES:
-            return (f"job variable {name!r} changes what a worker runs: an admin's alone "
-                    f"(a worker may set {', '.join(SAFE_JOB_VARIABLES)})")
+            return (
+                f"job variable {name!r} changes what a worker runs: an admin's alone "
+                f"(a worker may set {', '.join(SAFE_JOB_VARIABLES)})"
+            )
     env = job_variables.get("env") or {}
     if not isinstance(env, dict):
         return "job variable 'env' must be an object"

@@ -26,12 +26,18 @@ def base_job_template() -> dict:
 def ensure_pool(api: str, pool: str, open_url) -> None:
     """Create `pool` with the fixed template, or give an existing one that template."""
     template = base_job_template()
-    create = urllib.request.Request(f"{api}/work_pools/", method="POST", headers={"Content-Type": "application/json"},
-                                    data=json.dumps({"name": pool, "type": "process",
-                                                     "base_job_template": template}).encode())
-    update = urllib.request.Request(f"{api}/work_pools/{pool}", method="PATCH",
-                                    headers={"Content-Type": "application/json"},
-                                    data=json.dumps({"base_job_template": template}).encode())
+    create = urllib.request.Request(
+        f"{api}/work_pools/",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"name": pool, "type": "process", "base_job_template": template}).encode(),
+    )
+    update = urllib.request.Request(
+        f"{api}/work_pools/{pool}",
+        method="PATCH",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"base_job_template": template}).encode(),
+    )
     deadline = time.monotonic() + 60
     for req in (create, update):
         while True:
@@ -43,6 +49,7 @@ def ensure_pool(api: str, pool: str, open_url) -> None:
                     break  # the pool exists: give it the template
                 # SQLite busy with another write: 503, tried again for a while
                 if e.code < 500 or time.monotonic() > deadline:
-                    raise RuntimeError(f"the Prefect server did not take pool {pool!r}: HTTP {e.code} "
-                                       f"{e.read()[:300]!r}") from None
+                    raise RuntimeError(
+                        f"the Prefect server did not take pool {pool!r}: HTTP {e.code} {e.read()[:300]!r}"
+                    ) from None
             time.sleep(1.0)

@@ -20,6 +20,7 @@ from typing import Iterator
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -55,14 +56,19 @@ class _UnixHTTP(http.client.HTTPConnection):
         self.sock.connect(self._sock_path)
 
 
-def unix_request(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None,
-                 timeout: float = 30.0) -> tuple[int, bytes]:
+def unix_request(
+    url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
     """(status, body) of a request to an `http+unix://` URL (unix_url)."""
     parts = urllib.parse.urlsplit(url)
     conn = _UnixHTTP(urllib.parse.unquote(parts.netloc), timeout)
     try:
-        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), body=body,
-                     headers={"Host": "localhost", **(headers or {})})
+        conn.request(
+            method,
+            parts.path + (f"?{parts.query}" if parts.query else ""),
+            body=body,
+            headers={"Host": "localhost", **(headers or {})},
+        )
         response = conn.getresponse()
         return response.status, response.read()
     finally:
@@ -108,9 +114,15 @@ class Service:
         fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "ab") as out:
-            popen = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env}, start_new_session=True,
-                                     cwd=Path(self.log).parent)
+            popen = subprocess.Popen(
+                self.cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+                cwd=Path(self.log).parent,
+            )
         self.pid = popen.pid
         self._popen = popen
         return self
@@ -141,13 +153,16 @@ class Service:
         while True:
             if not self.alive():
                 code = getattr(self, "_popen", None) and self._popen.returncode
-                raise RuntimeError(f"{self.name} exited (status {code}) before it was ready; "
-                                   f"its log {self.log} ends:\n{tail(self.log)}")
+                raise RuntimeError(
+                    f"{self.name} exited (status {code}) before it was ready; "
+                    f"its log {self.log} ends:\n{tail(self.log)}"
+                )
             if (self.health_url is None or answers(self.health_url)) and (ready is None or ready()):
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f} s; its log {self.log} "
-                                   f"ends:\n{tail(self.log)}")
+                raise RuntimeError(
+                    f"{self.name} was not ready within {timeout:.0f} s; its log {self.log} ends:\n{tail(self.log)}"
+                )
             time.sleep(0.25)
 
     def stop(self, grace: float = 15.0) -> bool:

@@ -37,9 +37,11 @@ def mlflow_routes() -> list[tuple[str, str]]:
     """MLflow's Flask routes with its basic-auth app's (made on a throwaway database)."""
     with tempfile.TemporaryDirectory() as tmp:
         ini = Path(tmp) / "auth.ini"
-        ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{tmp}/auth.db\n"
-                       "admin_username = routes\nadmin_password = routes-listing-only-0\n"
-                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        ini.write_text(
+            f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{tmp}/auth.db\n"
+            "admin_username = routes\nadmin_password = routes-listing-only-0\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        )
         settings = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "routes-listing-only"}
         before = {k: os.environ.get(k) for k in settings}
         os.environ.update(settings)

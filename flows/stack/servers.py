@@ -19,13 +19,13 @@ import urllib.request
 from pathlib import Path
 
 from flows import QUIET_ENV
-from flows.stack import auth as stack_auth, database, state
-from flows.stack.pools import ensure_pool
+from flows.stack import auth as stack_auth
+from flows.stack import database, state
 from flows.stack.orphans import crash_left_in_flight, crash_orphans
+from flows.stack.pools import ensure_pool
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail, unix_url  # noqa: F401 (the stack's API)
 from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
-
 
 # -- the stack ---------------------------------------------------------------------------------
 
@@ -43,16 +43,20 @@ def _port(wanted: int, what: str, option: str) -> int:
     if wanted == 0:
         return free_port()
     if not port_free(wanted):
-        raise UserError(f"port {wanted} for the {what} is taken: choose another with {option} PORT "
-                        "(0 picks a free one)")
+        raise UserError(
+            f"port {wanted} for the {what} is taken: choose another with {option} PORT (0 picks a free one)"
+        )
     return wanted
 
 
 def _quiet_env(home: Path) -> dict[str, str]:
     # This shell's own setting of one of them (os.environ holds the defaults otherwise) wins.
-    return {**{k: os.environ.get(k, v) for k, v in QUIET_ENV.items()}, "PREFECT_HOME": str(home / "prefect"),
-            # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
-            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    return {
+        **{k: os.environ.get(k, v) for k, v in QUIET_ENV.items()},
+        "PREFECT_HOME": str(home / "prefect"),
+        # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
 
 
 def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
@@ -62,14 +66,29 @@ def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
     mlflow_env = _quiet_env(home)
     if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
         mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    return {**mlflow_env, **db.mlflow_env,
-            **stack_auth.server_env(name, home, db.mlflow_env.get("MLFLOW_BACKEND_STORE_URI"))}
+    return {
+        **mlflow_env,
+        **db.mlflow_env,
+        **stack_auth.server_env(name, home, db.mlflow_env.get("MLFLOW_BACKEND_STORE_URI")),
+    }
 
 
-def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4200,
-       mlflow_port: int = 5000, worker_env: dict[str, str] | None = None, timeout: float = 180.0,
-       database_url: str | None = None, slots: int | None = None, listen: str = "127.0.0.1", auth: bool = False,
-       tls_cert: str | None = None, tls_key: str | None = None, local_worker: bool | None = None) -> dict:
+def up(
+    home: Path,
+    storage_root: str,
+    pool: str = "local",
+    prefect_port: int = 4200,
+    mlflow_port: int = 5000,
+    worker_env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+    database_url: str | None = None,
+    slots: int | None = None,
+    listen: str = "127.0.0.1",
+    auth: bool = False,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    local_worker: bool | None = None,
+) -> dict:
     """Start the stack, or what of it is not running, and return its state (services, env, and
     the names of the services `restarted` and of those `reused` as they ran). What runs is reused; a
     service that died is started again with its recorded command (its port, so its URL holds),
@@ -88,9 +107,13 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             restarted.append("worker")
         set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
         now = load(home)
-        return {**now, "restarted": restarted, "reused": [s.name for s in now["services"] if s.name not in restarted],
-                "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
-                **_crash_left(state["env"]["PREFECT_API_URL"], home)}
+        return {
+            **now,
+            "restarted": restarted,
+            "reused": [s.name for s in now["services"] if s.name not in restarted],
+            "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
+            **_crash_left(state["env"]["PREFECT_API_URL"], home),
+        }
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
@@ -104,7 +127,9 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
     env = {"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": tracking, "MLLM_STORAGE": storage_root}
     if ends:
         env = {**env, **stack_auth.public_env(home)}
-    services = _server_services(home, db, env, prefect_port, mlflow_port, storage.join(storage_root, "mlflow-artifacts"))
+    services = _server_services(
+        home, db, env, prefect_port, mlflow_port, storage.join(storage_root, "mlflow-artifacts")
+    )
     extra = {"pool": pool, "storage": storage_root, "worker_env": worker_env or {}}
     started: list[Service] = list(db.services)  # the database's server, already running
     try:
@@ -126,12 +151,12 @@ def up(home: Path, storage_root: str, pool: str = "local", prefect_port: int = 4
             s.stop()
         state_file(home).unlink(missing_ok=True)
         raise
-    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool),
-            **_crash_left(api, home)}
+    return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool), **_crash_left(api, home)}
 
 
-def _server_services(home: Path, db, env: dict[str, str], prefect_port: int, mlflow_port: int,
-                     artifacts: str) -> list[Service]:
+def _server_services(
+    home: Path, db, env: dict[str, str], prefect_port: int, mlflow_port: int, artifacts: str
+) -> list[Service]:
     """The Prefect and MLflow servers: on 127.0.0.1, or on a secured stack on Unix sockets in a
     0700 folder only (flows/stack/auth.py), where nothing unauthenticated listens on TCP."""
     logs, py = home / "logs", sys.executable
@@ -139,21 +164,56 @@ def _server_services(home: Path, db, env: dict[str, str], prefect_port: int, mlf
     if ends:
         socks = ends["sockets"]
         prefect_cmd = [py, "-m", "flows.stack.prefect_server", "uds", socks["prefect"]]
-        where = {"prefect": (unix_url(socks["prefect"], "/api/health"), f"unix:{socks['prefect']}"),
-                 "mlflow": (unix_url(socks["mlflow"], "/health"), f"unix:{socks['mlflow']}")}
+        where = {
+            "prefect": (unix_url(socks["prefect"], "/api/health"), f"unix:{socks['prefect']}"),
+            "mlflow": (unix_url(socks["mlflow"], "/health"), f"unix:{socks['mlflow']}"),
+        }
     else:
-        prefect_cmd = [py, "-m", "flows.stack.prefect_server", "server", "start", "--host", "127.0.0.1",
-                       "--port", str(prefect_port)]
-        where = {"prefect": (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{prefect_port}"),
-                 "mlflow": (f"http://127.0.0.1:{mlflow_port}/health", f"http://127.0.0.1:{mlflow_port}")}
+        prefect_cmd = [
+            py,
+            "-m",
+            "flows.stack.prefect_server",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(prefect_port),
+        ]
+        where = {
+            "prefect": (f"http://127.0.0.1:{prefect_port}/api/health", f"http://127.0.0.1:{prefect_port}"),
+            "mlflow": (f"http://127.0.0.1:{mlflow_port}/health", f"http://127.0.0.1:{mlflow_port}"),
+        }
     return [
-        Service("prefect-server", prefect_cmd, str(logs / "prefect-server.log"), *where["prefect"],
-                env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db)),
-        Service("mlflow-server", [py, "-m", "mlflow", "server", *db.mlflow_args, "--artifacts-destination", artifacts,
-                                  "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
-                                  *stack_auth.mlflow_args(home)],
-                str(logs / "mlflow-server.log"), *where["mlflow"], env=_server_env("mlflow-server", home,
-                                                                                     env["PREFECT_API_URL"], db)),
+        Service(
+            "prefect-server",
+            prefect_cmd,
+            str(logs / "prefect-server.log"),
+            *where["prefect"],
+            env=_server_env("prefect-server", home, env["PREFECT_API_URL"], db),
+        ),
+        Service(
+            "mlflow-server",
+            [
+                py,
+                "-m",
+                "mlflow",
+                "server",
+                *db.mlflow_args,
+                "--artifacts-destination",
+                artifacts,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--workers",
+                "1",
+                *stack_auth.mlflow_args(home),
+            ],
+            str(logs / "mlflow-server.log"),
+            *where["mlflow"],
+            env=_server_env("mlflow-server", home, env["PREFECT_API_URL"], db),
+        ),
     ]
 
 
@@ -198,14 +258,28 @@ def _restart_servers(home: Path, state: dict, database_url: str | None, timeout:
             old.stop()
             port = None if old.url.startswith("unix:") else int(old.url.rsplit(":", 1)[1])
             if port is not None and not port_free(port):
-                raise UserError(f"port {port} of the stack's {old.name} is taken by another process: stop that, or "
-                                "start the stack on other ports (`mllm-pipeline stack down`, then `stack up "
-                                "--prefect-port PORT --mlflow-port PORT`)")
-            new[old.name] = Service(old.name, old.cmd, old.log, old.health_url, old.url,
-                                    env=_server_env(old.name, home, state["env"]["PREFECT_API_URL"], db)).start()
+                raise UserError(
+                    f"port {port} of the stack's {old.name} is taken by another process: stop that, or "
+                    "start the stack on other ports (`mllm-pipeline stack down`, then `stack up "
+                    "--prefect-port PORT --mlflow-port PORT`)"
+                )
+            new[old.name] = Service(
+                old.name,
+                old.cmd,
+                old.log,
+                old.health_url,
+                old.url,
+                env=_server_env(old.name, home, state["env"]["PREFECT_API_URL"], db),
+            ).start()
             restarted.append(old.name)
-        save(home, [new.get(s.name, s) for s in services], state["env"], state["pool"], state["storage"],
-              state.get("worker_env", {}))
+        save(
+            home,
+            [new.get(s.name, s) for s in services],
+            state["env"],
+            state["pool"],
+            state["storage"],
+            state.get("worker_env", {}),
+        )
         for old in down:
             new[old.name].wait_ready(timeout)
     except BaseException:
@@ -234,11 +308,32 @@ def start_worker(home: Path, timeout: float = 180.0) -> Service:
     """Start the stack's process worker (again) and wait until the server sees it online."""
     state = load(home)
     env, pool = state["env"], state["pool"]
-    worker = Service("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
-                                "--type", "process", "--name", f"{pool}-{socket.gethostname()}"],
-                     str(home / "logs" / "worker.log"), None, f"pool {pool!r} (process)",
-                     env={**_quiet_env(home), **env, "PREFECT_HOME": str(home / "worker"),
-                          **state.get("worker_env", {}), **_worker_secrets(home)})
+    worker = Service(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            pool,
+            "--type",
+            "process",
+            "--name",
+            f"{pool}-{socket.gethostname()}",
+        ],
+        str(home / "logs" / "worker.log"),
+        None,
+        f"pool {pool!r} (process)",
+        env={
+            **_quiet_env(home),
+            **env,
+            "PREFECT_HOME": str(home / "worker"),
+            **state.get("worker_env", {}),
+            **_worker_secrets(home),
+        },
+    )
     services = [s for s in state["services"] if s.name != "worker"]
     worker.start()
     save(home, [*services, worker], env, pool, state["storage"], state.get("worker_env", {}))
@@ -258,8 +353,10 @@ def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
     except (urllib.error.URLError, OSError, ValueError):
         return False
     started = _started_at(pid)
-    return any(w.get("status") == "ONLINE" and (started is None or _timestamp(w["last_heartbeat_time"]) > started)
-               for w in workers)
+    return any(
+        w.get("status") == "ONLINE" and (started is None or _timestamp(w["last_heartbeat_time"]) > started)
+        for w in workers
+    )
 
 
 def default_slots() -> int:
@@ -273,8 +370,12 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
     """Set the work pool's concurrency limit: flow runs beyond it wait, Scheduled, for a slot."""
     if slots is None:
         return
-    req = urllib.request.Request(f"{api}/work_pools/{pool}", data=json.dumps({"concurrency_limit": slots}).encode(),
-                                 method="PATCH", headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{api}/work_pools/{pool}",
+        data=json.dumps({"concurrency_limit": slots}).encode(),
+        method="PATCH",
+        headers={"Content-Type": "application/json"},
+    )
     # A server on SQLite answers 503 while another write holds the database (the new worker's):
     # such an answer is tried again for a while, anything else is raised.
     deadline = time.monotonic() + 60
@@ -284,8 +385,9 @@ def set_slots(api: str, pool: str, slots: int | None) -> None:
                 return
         except urllib.error.HTTPError as e:
             if e.code < 500 or time.monotonic() > deadline:
-                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: "
-                                   f"HTTP {e.code} {e.reason}") from None
+                raise RuntimeError(
+                    f"the Prefect server did not take the pool's limit of {slots} slots: HTTP {e.code} {e.reason}"
+                ) from None
         except (urllib.error.URLError, OSError) as e:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: {e}") from None
@@ -320,8 +422,10 @@ def down(home: Path, force: bool = False) -> list[tuple[str, bool]]:
     busy = [] if force else in_flight(state)
     if busy:
         more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
-        raise UserError(f"flow runs use the stack: {', '.join(busy[:5])}{more}; let them finish (or cancel them), "
-                        "or stop the stack under them with `mllm-pipeline stack down --force`")
+        raise UserError(
+            f"flow runs use the stack: {', '.join(busy[:5])}{more}; let them finish (or cancel them), "
+            "or stop the stack under them with `mllm-pipeline stack down --force`"
+        )
     result = [(s.name, s.stop()) for s in reversed(state["services"])]
     state_file(home).unlink(missing_ok=True)
     return result
@@ -340,16 +444,19 @@ def in_flight(state: dict) -> list[str]:
     body = {"flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}}, "limit": 50}
     try:
         runs = _post(f"{api}/flow_runs/filter", body)
-        flows = {f["id"]: f["name"] for f in _post(f"{api}/flows/filter",
-                                                   {"flows": {"id": {"any_": list({r["flow_id"] for r in runs})}}})}
+        flows = {
+            f["id"]: f["name"]
+            for f in _post(f"{api}/flows/filter", {"flows": {"id": {"any_": list({r["flow_id"] for r in runs})}}})
+        }
     except (urllib.error.URLError, OSError, ValueError):
         return []
     return [f"{flows.get(r['flow_id'], '?')}/{r['name']} ({r['state_type']})" for r in runs]
 
 
 def _post(url: str, body: dict, timeout: float = 10) -> list:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with _open(req, timeout=timeout) as r:
         return json.loads(r.read())
 

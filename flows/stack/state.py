@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flows.stack.processes import Service
 from flows.settings import settings
+from flows.stack.processes import Service
 
 
 def stack_home(home: str | None = None) -> Path:
@@ -27,10 +27,22 @@ def load(home: Path) -> dict:
     return state
 
 
-def save(home: Path, services: list[Service], env: dict[str, str], pool: str, storage: str,
-          worker_env: dict[str, str]) -> None:
+def save(
+    home: Path, services: list[Service], env: dict[str, str], pool: str, storage: str, worker_env: dict[str, str]
+) -> None:
     home.mkdir(parents=True, exist_ok=True)
     tmp = state_file(home).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"services": [s.saved() for s in services], "env": env, "pool": pool,
-                               "storage": storage, "worker_env": worker_env}, indent=2) + "\n")
+    tmp.write_text(
+        json.dumps(
+            {
+                "services": [s.saved() for s in services],
+                "env": env,
+                "pool": pool,
+                "storage": storage,
+                "worker_env": worker_env,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     tmp.replace(state_file(home))

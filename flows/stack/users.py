@@ -54,8 +54,12 @@ def read_users(home: Path) -> dict:
         data = json.loads(_users_file(home).read_text())
     except FileNotFoundError:
         data = {}
-    return {"users": data.get("users", {}), "mlflow_admin": data.get("mlflow_admin"),
-            "flask_key": data.get("flask_key"), "removed": data.get("removed", [])}
+    return {
+        "users": data.get("users", {}),
+        "mlflow_admin": data.get("mlflow_admin"),
+        "flask_key": data.get("flask_key"),
+        "removed": data.get("removed", []),
+    }
 
 
 def _write_users(home: Path, data: dict) -> None:
@@ -74,8 +78,10 @@ def bcrypt_hash(secret: str) -> str:
 def caddy_binary() -> str:
     found = os.environ.get("MLLM_CADDY") or shutil.which("caddy")
     if not found:
-        raise UserError(f"a secured stack (--listen ADDRESS or --auth) puts Caddy in front of its servers, and "
-                        f"Caddy is not installed: `{INSTALL}` installs it (Debian's 2.6 will do)")
+        raise UserError(
+            f"a secured stack (--listen ADDRESS or --auth) puts Caddy in front of its servers, and "
+            f"Caddy is not installed: `{INSTALL}` installs it (Debian's 2.6 will do)"
+        )
     return found
 
 
@@ -91,8 +97,10 @@ def add_user(home: Path, name: str, role: str, built_in: bool = False) -> str:
         raise UserError(f"--role {role!r}: give one of {', '.join(ROLES)}")
     data = read_users(home)
     if name in data["users"]:
-        raise UserError(f"user {name!r} exists already: `mllm-pipeline stack user rotate {name}` gives it a new "
-                        f"secret, `stack user remove {name}` removes it")
+        raise UserError(
+            f"user {name!r} exists already: `mllm-pipeline stack user rotate {name}` gives it a new "
+            f"secret, `stack user remove {name}` removes it"
+        )
     if name in BUILT_IN + (MLFLOW_ADMIN,) and not built_in:
         raise UserError(f"user name {name!r} is the stack's own: choose another")
     secret = secrets.token_urlsafe(32)
@@ -115,8 +123,10 @@ def rotate_user(home: Path, name: str) -> str:
 def remove_user(home: Path, name: str) -> None:
     data = read_users(home)
     if name in BUILT_IN:
-        raise UserError(f"{name!r} is the stack's own user (its worker's or its checks'): `stack user rotate "
-                        f"{name}` gives it a new secret")
+        raise UserError(
+            f"{name!r} is the stack's own user (its worker's or its checks'): `stack user rotate "
+            f"{name}` gives it a new secret"
+        )
     if name not in data["users"]:
         raise UserError(f"no user {name!r}: `mllm-pipeline stack user list` shows them")
     del data["users"][name]
@@ -140,6 +150,8 @@ def ensure_built_in(home: Path) -> None:
 def credential(home: Path, name: str) -> tuple[str, str]:
     user = read_users(home)["users"].get(name)
     if user is None:
-        raise UserError(f"no user {name!r} in the stack in {home}: `mllm-pipeline stack user list` shows them, "
-                        f"`stack user add {name} --role worker` adds one")
+        raise UserError(
+            f"no user {name!r} in the stack in {home}: `mllm-pipeline stack user list` shows them, "
+            f"`stack user add {name} --role worker` adds one"
+        )
     return name, user["secret"]

@@ -27,20 +27,18 @@ from pydantic import BaseModel
 
 import tasks
 from flows import dispatch
-from flows.stack import database, orphans
 from flows.launch import check_model_name, preflight, storage_root, training_pool, with_results
 from flows.pipeline import RecipeName, pipeline, prepare
+from flows.stack import database, orphans
 from flows.sweep.parent import PARENT_TAG, POINT_TAG, DatabaseDown, ParentRun, passing, retry_delay_s, supersede
 from flows.sweep.points import expand, parse_grid, point_overrides, resolve_points
 from flows.sweep.table import PointOutcome, csv_text, figure, label, markdown_table, table_rows
 from flows.training import train
 from mllm import UserError, storage
 from mllm.redact import scrub
+from tasks.caching import forget_exception
 from tasks.model.train import train_key
 from tasks.tracking import servers as tracking_servers
-from tasks.caching import forget_exception
-
-
 
 # --- one point -----------------------------------------------------------------------------
 
@@ -65,12 +63,10 @@ class PointsFailed(UserError):
     def __init__(self, result: SweepResult):
         self.result = result
         failed = "; ".join(f"{o.label} ({o.error})" for o in result.failed)
-        super().__init__(f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}; their logs: "
-                         "the sweep's flow run in Prefect, each point's pipeline flow run under it")
-
-
-
-
+        super().__init__(
+            f"{len(result.failed)} of {len(result.outcomes)} points failed: {failed}; their logs: "
+            "the sweep's flow run in Prefect, each point's pipeline flow run under it"
+        )
 
 
 def passing_failure(task: object, task_run: object, state: object) -> bool:
@@ -78,23 +74,43 @@ def passing_failure(task: object, task_run: object, state: object) -> bool:
     return passing(getattr(state, "data", None))
 
 
-
-
 # No cache: a sweep measures every point each time; the pipeline's own stages are what is reused.
 # A point that fails of a server's passing failure runs once more, on its own: its finished data
 # stages are found cached and its training in storage, so only what had not finished runs again.
-@task(name="sweep-point", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception],
-      retries=1, retry_delay_seconds=10, retry_condition_fn=passing_failure)  # delay: MLLM_SWEEP_RETRY_DELAY_S
-def run_point(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], tags: dict[str, str],
-              pool: str | None, model: str | None = None) -> PointOutcome:
+@task(
+    name="sweep-point",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    on_failure=[forget_exception],
+    retries=1,
+    retry_delay_seconds=10,
+    retry_condition_fn=passing_failure,
+)  # delay: MLLM_SWEEP_RETRY_DELAY_S
+def run_point(
+    recipe: str,
+    source: str | list[str] | None,
+    root: str,
+    overrides: list[str],
+    tags: dict[str, str],
+    pool: str | None,
+    model: str | None = None,
+) -> PointOutcome:
     from prefect.runtime import task_run
 
     again = task_run.run_count > 1
     if again:
         tracking_servers.wait_for_servers()  # bounded: a server still away fails the point, as it would
     try:
-        r = pipeline(recipe=recipe, source=source, storage_url=root, overrides=overrides, tags=tags,
-                     train_on=pool, force=True, model=model)
+        r = pipeline(
+            recipe=recipe,
+            source=source,
+            storage_url=root,
+            overrides=overrides,
+            tags=tags,
+            train_on=pool,
+            force=True,
+            model=model,
+        )
     except Exception as e:
         if line := database.down_line(e):
             raise DatabaseDown(line) from None  # (not Prefect's traceback of the 503 its client retried)
@@ -102,24 +118,41 @@ def run_point(recipe: str, source: str | list[str] | None, root: str, overrides:
     if again:
         supersede(root, tags, r.mlflow_run_id)
     e = r.evaluation
-    return PointOutcome(point={}, ok=True, headline=e.headline, score=e.score,
-                        higher_is_better=e.higher_is_better, val_loss=e.loss, decision=r.decision,
-                        mlflow_run_id=r.mlflow_run_id)
-
-
-
-
+    return PointOutcome(
+        point={},
+        ok=True,
+        headline=e.headline,
+        score=e.score,
+        higher_is_better=e.higher_is_better,
+        val_loss=e.loss,
+        decision=r.decision,
+        mlflow_run_id=r.mlflow_run_id,
+    )
 
 
 # --- the flow ------------------------------------------------------------------------------
 
+
 # Threads, not processes: a point's thread mostly waits on its training, here or on a pool; in
 # this process the points are run one at a time anyway.
-@flow(name="sweep", persist_result=False, log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=32),
-      on_failure=[forget_exception], on_crashed=[forget_exception])
-def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | list[str] | None = None,  # noqa: B006
-          storage_url: str | None = None, overrides: list[str] = [],  # noqa: B006
-          train_on: str | None = None, parallel: int | None = None, model: str | None = None) -> SweepResult:
+@flow(
+    name="sweep",
+    persist_result=False,
+    log_prints=True,
+    task_runner=ThreadPoolTaskRunner(max_workers=32),
+    on_failure=[forget_exception],
+    on_crashed=[forget_exception],
+)
+def sweep(
+    recipe: RecipeName = "default",
+    grid: list[str] = [],
+    source: str | list[str] | None = None,
+    storage_url: str | None = None,
+    overrides: list[str] = [],
+    train_on: str | None = None,
+    parallel: int | None = None,
+    model: str | None = None,
+) -> SweepResult:
     """Run the pipeline at every point of a grid of config fields and compare their headlines.
 
     Args:
@@ -156,16 +189,31 @@ def sweep(recipe: RecipeName = "default", grid: list[str] = [], source: str | li
         outcomes = parent.with_run_ids(outcomes)
         parent.failed = [o.label for o in outcomes if not o.ok]
         outputs = record(parent, recipe, fields, outcomes)
-    result = SweepResult(recipe=recipe, grid=fields, mlflow_run_id=parent.run_id, outcomes=outcomes,
-                         outputs=outputs, artifact_uri=parent.artifact_uri)
+    result = SweepResult(
+        recipe=recipe,
+        grid=fields,
+        mlflow_run_id=parent.run_id,
+        outcomes=outcomes,
+        outputs=outputs,
+        artifact_uri=parent.artifact_uri,
+    )
     if result.failed:
         raise PointsFailed(result)  # the flow run fails, after every point ran and was recorded
     return result
 
 
-def submit_points(recipe: str, source: str | list[str] | None, root: str, overrides: list[str], points: list[dict[str, str]],
-                  keys: list[str | None], parent_id: str, pool: str | None,
-                  parallel: int | None = None, model: str | None = None) -> list[PrefectFuture]:
+def submit_points(
+    recipe: str,
+    source: str | list[str] | None,
+    root: str,
+    overrides: list[str],
+    points: list[dict[str, str]],
+    keys: list[str | None],
+    parent_id: str,
+    pool: str | None,
+    parallel: int | None = None,
+    model: str | None = None,
+) -> list[PrefectFuture]:
     """Start every point: all at once on a pool (as many train as its slots take), or `parallel`
     at a time, else one after another. Points with the same training key (a sweep of a sample
     setting) wait for each other: they would train into the same folder."""
@@ -178,10 +226,18 @@ def submit_points(recipe: str, source: str | list[str] | None, root: str, overri
         if parallel and len(running) >= parallel:  # the next point starts when one ends
             concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
         after = [allow_failure(last_of_key[key])] if key in last_of_key else []
-        future = run_point.with_options(task_run_name=f"point {label(point)}"[:100],
-                                        retry_delay_seconds=retry_delay).submit(
-            recipe, source, root, point_overrides(overrides, point),
-            {PARENT_TAG: parent_id, POINT_TAG: label(point)}, pool, model, wait_for=after)
+        future = run_point.with_options(
+            task_run_name=f"point {label(point)}"[:100], retry_delay_seconds=retry_delay
+        ).submit(
+            recipe,
+            source,
+            root,
+            point_overrides(overrides, point),
+            {PARENT_TAG: parent_id, POINT_TAG: label(point)},
+            pool,
+            model,
+            wait_for=after,
+        )
         future.add_done_callback(functools.partial(ended, label(point)))
         if pool is None:
             future.wait()
@@ -208,14 +264,15 @@ class PointsEnded:
         with self.lock:
             self.ended += 1
             self.failed += failed
-            tasks.report_progress("points", self.ended, self.total, failed=self.failed,
-                                  last=f"{name} {'FAILED' if failed else 'done'}")
+            tasks.report_progress(
+                "points", self.ended, self.total, failed=self.failed, last=f"{name} {'FAILED' if failed else 'done'}"
+            )
 
 
 def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
     try:
         return future.result().model_copy(update={"point": point})
-    except Exception as e:  # a failed point is reported with the others, not raised
+    except Exception as e:  # noqa: BLE001 (a failed point is reported with the others, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
             message = database.down_line(e) or f"{type(e).__name__}: {message}"
@@ -223,7 +280,6 @@ def outcome(point: dict[str, str], future: PrefectFuture) -> PointOutcome:
 
 
 # --- tracking ------------------------------------------------------------------------------
-
 
 
 def record(parent: ParentRun, recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> str:

@@ -17,6 +17,7 @@ from mllm.config import RunConfig
 from mllm.redact import scrub
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info, run_tags
+from tasks.tracking.store import client as tracking_client
 from tasks.tracking.tracker import (
     MAX_METRICS_PER_BATCH,
     MAX_PARAM_VALUE,
@@ -25,7 +26,6 @@ from tasks.tracking.tracker import (
     deleted_run,
     log_records,
 )
-from tasks.tracking.store import client as tracking_client
 
 PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a run under its parent
 POINT_TAG = "sweep.point"
@@ -35,8 +35,9 @@ def passing(exc: BaseException | None) -> bool:
     """A server's passing failure (a 503 that outlasted the clients' own retries, a refused
     connection, a tracking server still away when its training ended, a database down), not the
     point's (or a search trial's) own error: what runs once more."""
-    return failures.transient(exc) or any(isinstance(e, (outage.TrackingAway, DatabaseDown))
-                                          for e in failures.exception_chain(exc))
+    return failures.transient(exc) or any(
+        isinstance(e, (outage.TrackingAway, DatabaseDown)) for e in failures.exception_chain(exc)
+    )
 
 
 def retry_delay_s() -> float:
@@ -51,8 +52,9 @@ class DatabaseDown(UserError):
     only once all ended, by when `stack up` may have started it again)."""
 
 
-def supersede(root: str, tags: dict[str, str], run_id: str, same: str = POINT_TAG,
-              mark: str = "sweep.superseded_by") -> None:
+def supersede(
+    root: str, tags: dict[str, str], run_id: str, same: str = POINT_TAG, mark: str = "sweep.superseded_by"
+) -> None:
     """The MLflow runs of a point's failed attempt (those with its `same` tag: a search trial's
     too), once its retry finished as `run_id`: tagged `mark` (`sweep.superseded_by`), and moved to
     MLflow's trash unless they finished (the parent then nests one run for the point, and no
@@ -85,7 +87,7 @@ def copy_history(client: Any, source: str, target: str) -> None:
         have = {m.step for m in client.get_metric_history(target, key)} if key in held else set()
         missing = [m for m in client.get_metric_history(source, key) if m.step not in have]
         for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
-            client.log_batch(target, metrics=missing[i:i + MAX_METRICS_PER_BATCH])
+            client.log_batch(target, metrics=missing[i : i + MAX_METRICS_PER_BATCH])
 
 
 class ParentRun:
@@ -100,11 +102,19 @@ class ParentRun:
 
     def __enter__(self) -> "ParentRun":
         digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides)])[:8]
-        tags = scrub({**run_tags(self.cfg, self.root, code_git_info()), "sweep.grid": json.dumps(self.grid),
-                      "sweep.points": str(len(expand(self.grid)))})
+        tags = scrub(
+            {
+                **run_tags(self.cfg, self.root, code_git_info()),
+                "sweep.grid": json.dumps(self.grid),
+                "sweep.points": str(len(expand(self.grid))),
+            }
+        )
         self.experiment_id = RunTracker(self.cfg, self.root)._experiment(self.cfg.recipe)
-        run = self.client.create_run(self.experiment_id, run_name=f"sweep-{self.cfg.recipe}-{digest}",
-                                     tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()})
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"sweep-{self.cfg.recipe}-{digest}",
+            tags={k: v[:MAX_TAG_VALUE] for k, v in tags.items()},
+        )
         self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
         params = {f"grid.{field}": ",".join(values) for field, values in self.grid.items()}
         if self.overrides:
@@ -119,8 +129,7 @@ class ParentRun:
             return outcomes
         runs = self.client.search_runs([self.experiment_id], f"tags.`{PARENT_TAG}` = '{self.run_id}'")
         ids = {r.data.tags.get(POINT_TAG): r.info.run_id for r in runs}
-        return [o if o.mlflow_run_id else o.model_copy(update={"mlflow_run_id": ids.get(o.label)})
-                for o in outcomes]
+        return [o if o.mlflow_run_id else o.model_copy(update={"mlflow_run_id": ids.get(o.label)}) for o in outcomes]
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "KILLED" if exc_type is KeyboardInterrupt else "FAILED" if exc_type or self.failed else "FINISHED"

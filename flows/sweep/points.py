@@ -26,8 +26,7 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
             raise UserError(f"--grid {field} is given twice: give each field once, with all its values")
         values = split_values(text)
         if not text.strip() or any(not v for v in values):
-            raise UserError(f"--grid {item!r} has an empty value: give values separated by commas, "
-                            f"e.g. {field}=1,2")
+            raise UserError(f"--grid {item!r} has an empty value: give values separated by commas, e.g. {field}=1,2")
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise UserError(f"--grid {field} lists {repeated[0]!r} twice: give each value once")
@@ -66,8 +65,9 @@ def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
     return [*overrides, *(f"{field}={value}" for field, value in point.items())]
 
 
-def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str] = (),
-                   source: str | list[str] | None = None) -> list[RunConfig]:
+def resolve_points(
+    recipe: str, grid: dict[str, list[str]], overrides: list[str] = (), source: str | list[str] | None = None
+) -> list[RunConfig]:
     """The config of every point, or a UserError naming the first point that does not validate,
     a field that is in both --set and --grid, or two points that are the same config."""
     fixed = {item.partition("=")[0].strip() for item in overrides}
@@ -82,7 +82,6 @@ def resolve_points(recipe: str, grid: dict[str, list[str]], overrides: list[str]
             raise UserError(f"--grid point {label(point)}: {e}") from None
         same = seen.setdefault(cfg.to_yaml(paths=False), label(point))
         if same != label(point):
-            raise UserError(f"--grid points {same} and {label(point)} are the same config: "
-                            "give values that differ")
+            raise UserError(f"--grid points {same} and {label(point)} are the same config: give values that differ")
         cfgs.append(cfg)
     return cfgs

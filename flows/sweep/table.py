@@ -42,9 +42,20 @@ def direction(higher_is_better: bool | None) -> str:
 
 
 def table_rows(grid: dict[str, list[str]], outcomes: list[PointOutcome]) -> list[dict[str, Any]]:
-    return [{**o.point, "status": "ok" if o.ok else "failed", "headline": o.headline, "score": o.score,
-             "higher_is_better": o.higher_is_better, "val_loss": o.val_loss, "decision": o.decision,
-             "mlflow_run_id": o.mlflow_run_id, "error": o.error} for o in outcomes]
+    return [
+        {
+            **o.point,
+            "status": "ok" if o.ok else "failed",
+            "headline": o.headline,
+            "score": o.score,
+            "higher_is_better": o.higher_is_better,
+            "val_loss": o.val_loss,
+            "decision": o.decision,
+            "mlflow_run_id": o.mlflow_run_id,
+            "error": o.error,
+        }
+        for o in outcomes
+    ]
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -61,22 +72,30 @@ def _num(x: float | None) -> str:
 
 def markdown_table(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome], parent_id: str) -> str:
     name, higher = headline_of(outcomes)
-    lines = [f"# Sweep of {recipe}: {name} ({direction(higher)})", "",
-             f"Parent MLflow run `{parent_id}`; the plot is its artifact `sweep.png`.", "",
-             "| " + " | ".join([*grid, name, "val loss", "MLflow run"]) + " |",
-             "|" + "---|" * (len(grid) + 3)]
+    lines = [
+        f"# Sweep of {recipe}: {name} ({direction(higher)})",
+        "",
+        f"Parent MLflow run `{parent_id}`; the plot is its artifact `sweep.png`.",
+        "",
+        "| " + " | ".join([*grid, name, "val loss", "MLflow run"]) + " |",
+        "|" + "---|" * (len(grid) + 3),
+    ]
     for o in outcomes:
         score = _num(o.score) if o.ok else f"**failed**: {o.error}".replace("|", "/")
-        lines.append("| " + " | ".join([*o.point.values(), score, _num(o.val_loss),
-                                        f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [*o.point.values(), score, _num(o.val_loss), f"`{o.mlflow_run_id}`" if o.mlflow_run_id else "-"]
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def text_table(outcomes: list[PointOutcome]) -> str:
     """The table for a terminal: point, headline, val loss, MLflow run."""
     rows = [("point", headline_of(outcomes)[0], "val loss", "mlflow run")]
-    rows += [(o.label, _num(o.score) if o.ok else "FAILED", _num(o.val_loss), o.mlflow_run_id or "-")
-             for o in outcomes]
+    rows += [(o.label, _num(o.score) if o.ok else "FAILED", _num(o.val_loss), o.mlflow_run_id or "-") for o in outcomes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -106,8 +125,7 @@ def figure(recipe: str, grid: dict[str, list[str]], outcomes: list[PointOutcome]
     ax = fig.subplots()
     lines: dict[str, list[tuple[float, float]]] = {}
     for o in outcomes:
-        key = (o.point[others[0]] if len(others) == 1
-               else ", ".join(f"{f}={o.point[f]}" for f in others) or name)
+        key = o.point[others[0]] if len(others) == 1 else ", ".join(f"{f}={o.point[f]}" for f in others) or name
         lines.setdefault(key, []).append((at[o.point[x_field]], o.score if o.ok else math.nan))
     for key, pts in lines.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)

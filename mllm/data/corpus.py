@@ -34,8 +34,13 @@ from mllm.storage import filesystem
 BLOCK = 1 << 20
 
 # UTF-32 first: its little-endian BOM begins with UTF-16's.
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"),
-         (codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 _BOM_MAX = 4
 
 
@@ -64,8 +69,9 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         _check_link_loop(source, local)
     if "://" not in source:
         if os.path.isdir(source):
-            raise UserError(f"source {describe(source)} is a folder: give the text file in it, "
-                            "e.g. --source path/to/book.txt")
+            raise UserError(
+                f"source {describe(source)} is a folder: give the text file in it, e.g. --source path/to/book.txt"
+            )
         if not os.path.isfile(source):
             raise UserError(f"source file {describe(source)} not found: check the path")
     try:
@@ -76,15 +82,17 @@ def open_source(source: str) -> tuple[Any, str, Any]:
         return fs, path, fs.open(path, "rb")
     except UserError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (what it was is told below)
         # fsspec's HTTP filesystem reports a refused connection or a failed DNS lookup as
         # FileNotFoundError too; its cause tells them from a real 404.
         cause = e.__cause__ if isinstance(e, FileNotFoundError) else e
         status = getattr(cause, "status", None)
         if isinstance(status, int) and (status >= 500 or status == 429):
             # The server is there but failing: that may pass, as a cut connection may.
-            raise SourceServerError(f"the server of {source} answered HTTP {status} ({short(cause)}): a server "
-                                    "error, not a missing file; try again later or pass a local copy with --source") from None
+            raise SourceServerError(
+                f"the server of {source} answered HTTP {status} ({short(cause)}): a server "
+                "error, not a missing file; try again later or pass a local copy with --source"
+            ) from None
         if isinstance(e, FileNotFoundError) and (cause is None or _is_http_status(cause)):
             raise UserError(f"source {source} not found: check the URL or path") from None
         if credentials := storage.credentials_problem(e, source):
@@ -120,7 +128,7 @@ class TextDecoder:
             self.encoding = "utf-8"
             for bom, encoding in _BOMS:
                 if block.startswith(bom):
-                    self.encoding, self.bom, block = encoding, len(bom), block[len(bom):]
+                    self.encoding, self.bom, block = encoding, len(bom), block[len(bom) :]
                     break
             self._decoder = codecs.getincrementaldecoder(self.encoding)("strict")
         if self.encoding == "utf-8" and b"\x00" in block:
@@ -131,13 +139,18 @@ class TextDecoder:
         except UnicodeDecodeError as e:
             where = self.bom + self._offset - pending + e.start
             if final and e.end >= len(e.object) and e.reason.startswith(("unexpected end", "truncated")):
-                raise UserError(f"{self.name} ends in the middle of a character: the file is truncated, "
-                                "download it again") from None
+                raise UserError(
+                    f"{self.name} ends in the middle of a character: the file is truncated, download it again"
+                ) from None
             if self.encoding != "utf-8":
-                raise UserError(f"{self.name} is not valid {self.encoding.upper()} text (its byte order mark "
-                                f"says so; bad data at offset {where}): convert it to UTF-8 first") from None
-            raise UserError(f"{self.name} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {where}): "
-                            "convert it, e.g. iconv -f latin1 -t utf-8 in.txt > out.txt") from None
+                raise UserError(
+                    f"{self.name} is not valid {self.encoding.upper()} text (its byte order mark "
+                    f"says so; bad data at offset {where}): convert it to UTF-8 first"
+                ) from None
+            raise UserError(
+                f"{self.name} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {where}): "
+                "convert it, e.g. iconv -f latin1 -t utf-8 in.txt > out.txt"
+            ) from None
         self._offset += len(block)
         if "\x00" in text:
             raise UserError(f"{self.name} looks binary (it holds NUL characters): give a plain-text file")
@@ -153,15 +166,17 @@ class TextDecoder:
     def _nul_message(self, block: bytes) -> str:
         # ASCII text in UTF-16 without a BOM: every other byte is NUL, the odd ones in little
         # endian, the even ones in big endian.
-        sample = block[:1 << 16]
+        sample = block[: 1 << 16]
         half = len(sample) // 2
         even, odd = sample[0::2].count(0), sample[1::2].count(0)
         if (self.bom + self._offset) % 2:  # this block starts at an odd offset in the file
             even, odd = odd, even
         if half >= 2 and max(even, odd) >= 0.4 * half and min(even, odd) <= 0.05 * half:
             enc = "utf-16le" if odd > even else "utf-16be"
-            return (f"{self.name} looks like UTF-16 text without a byte order mark (NUL every other byte): "
-                    f"convert it, e.g. iconv -f {enc} -t utf-8 in.txt > out.txt")
+            return (
+                f"{self.name} looks like UTF-16 text without a byte order mark (NUL every other byte): "
+                f"convert it, e.g. iconv -f {enc} -t utf-8 in.txt > out.txt"
+            )
         return f"{self.name} looks binary (it holds NUL bytes): give a plain-text file"
 
 
@@ -180,8 +195,12 @@ class Downloaded:
         return self.encoding != "utf-8" or self.compression is not None
 
 
-def download(source: str, dest: Callable[[str], str] | None, sha256: str | None = None,
-             progress: Callable[[int, int | None], None] | None = None) -> Downloaded:
+def download(
+    source: str,
+    dest: Callable[[str], str] | None,
+    sha256: str | None = None,
+    progress: Callable[[int, int | None], None] | None = None,
+) -> Downloaded:
     """Copy `source` to `dest(sha256)` as UTF-8 text, after checking all of it.
 
     `sha256` pins the source: the digest of its bytes exactly as they are at the source (what
@@ -203,7 +222,7 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
         nonlocal n
         try:
             block = src.read(k)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (any reader's failure mid-stream: the download broke off)
             raise SourceUnreachable(f"download of {source} broke off ({short(e)}): try again") from None
         digest.update(block)
         n += len(block)
@@ -233,8 +252,10 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
             raise UserError(f"{source} holds no text, only white space: give a file with text in it")
         sha = digest.hexdigest()
         if sha256 and sha != sha256:
-            raise UserError(f"{source} has sha256 {sha}, not the pinned {sha256}: the source changed; "
-                            "update data.sha256 or remove it")
+            raise UserError(
+                f"{source} has sha256 {sha}, not the pinned {sha256}: the source changed; "
+                "update data.sha256 or remove it"
+            )
         url = dest(sha) if dest else ""
         # A copy already there is trusted only if it holds these bytes: one changed in storage
         # (by hand, by a broken disk) is written again.
@@ -242,16 +263,27 @@ def download(source: str, dest: Callable[[str], str] | None, sha256: str | None 
         if tmp and (repaired or not storage.exists(url)):
             with open(tmp.name, "rb") as f, storage.atomic_open(url) as out:
                 shutil.copyfileobj(f, out, BLOCK)
-        return Downloaded(source=describe(source), url=url, sha256=sha, bytes=n, encoding=decoder.source_encoding,
-                          compression=compression, repaired=repaired)
+        return Downloaded(
+            source=describe(source),
+            url=url,
+            sha256=sha,
+            bytes=n,
+            encoding=decoder.source_encoding,
+            compression=compression,
+            repaired=repaired,
+        )
     finally:
         if tmp and os.path.exists(tmp.name):
             os.remove(tmp.name)
 
 
 # The compressions corpora come in, by their first bytes, and the command that undoes each.
-_COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"), (b"\xfd7zXZ\x00", "xz", "unxz"),
-                 (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"))
+_COMPRESSIONS = (
+    (b"\x1f\x8b", "gzip", "gunzip"),
+    (b"BZh", "bzip2", "bunzip2"),
+    (b"\xfd7zXZ\x00", "xz", "unxz"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"),
+)
 
 
 class _Chained(io.RawIOBase):
@@ -264,9 +296,9 @@ class _Chained(io.RawIOBase):
         return True
 
     def readinto(self, b: Any) -> int:
-        data = self._head[:len(b)] if self._head else self._more(len(b))
-        self._head = self._head[len(data):] if self._head else b""
-        b[:len(data)] = data
+        data = self._head[: len(b)] if self._head else self._more(len(b))
+        self._head = self._head[len(data) :] if self._head else b""
+        b[: len(data)] = data
         return len(data)
 
 
@@ -297,8 +329,10 @@ def _decompressed(source: str, raw_read: Callable[[int], bytes]) -> tuple[Callab
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 (each decompressor has its own errors)
-            raise UserError(f"{source} is {name}-compressed but does not decompress ({short(e)}): download it "
-                            f"again, or check it with `{undo} -t`") from None
+            raise UserError(
+                f"{source} is {name}-compressed but does not decompress ({short(e)}): download it "
+                f"again, or check it with `{undo} -t`"
+            ) from None
 
     return read, name
 
@@ -306,7 +340,7 @@ def _decompressed(source: str, raw_read: Callable[[int], bytes]) -> tuple[Callab
 def _size(fs: Any, path: str) -> int | None:
     try:
         return int(fs.size(path))
-    except Exception:  # a server that does not say; progress then just counts
+    except Exception:  # noqa: BLE001 (a server that does not say; progress then just counts)
         return None
 
 
@@ -315,8 +349,10 @@ def _check_link_loop(source: str, path: str) -> None:
         os.stat(path)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UserError(f"source {describe(source)} is a symbolic link loop (a link that leads back to itself): "
-                            "point it, or --source, at the file") from None
+            raise UserError(
+                f"source {describe(source)} is a symbolic link loop (a link that leads back to itself): "
+                "point it, or --source, at the file"
+            ) from None
 
 
 def _is_http_status(e: BaseException) -> bool:

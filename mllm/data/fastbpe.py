@@ -46,9 +46,14 @@ def _unicode_to_byte() -> dict[str, int]:
 def _byte_level(hf_json: dict[str, Any]) -> bool:
     """Whether the tokenizer is the plain byte-level BPE of mllm.data.text.BpeTokenizer.train."""
     pre, model = hf_json.get("pre_tokenizer") or {}, hf_json.get("model") or {}
-    return (model.get("type") == "BPE" and hf_json.get("normalizer") is None and pre.get("type") == "ByteLevel"
-            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
-            and not hf_json.get("added_tokens"))
+    return (
+        model.get("type") == "BPE"
+        and hf_json.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space", False)
+        and not hf_json.get("added_tokens")
+    )
 
 
 class FastEncoder:
@@ -74,8 +79,7 @@ class FastEncoder:
             return
         if len(ranks) != hf.get_vocab_size() or sorted(ranks.values()) != list(range(len(ranks))):
             return
-        self.tiktoken = tiktoken.Encoding("mllm-bpe", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
-                                          special_tokens={})
+        self.tiktoken = tiktoken.Encoding("mllm-bpe", pat_str=_GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={})
 
     def _hf(self, pieces: list[str]) -> list[np.ndarray]:
         # encode_batch_fast (tokenizers >= 0.20) skips the offsets, which are not needed here.

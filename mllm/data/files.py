@@ -75,8 +75,9 @@ def file_format(name: str) -> str:
 # What writers of data sets leave beside their output: Hadoop's job markers and temporary folder,
 # Parquet's summary files, Spark's streaming sink log, Databricks' transactional commit markers
 # (`_started_<txn>`, `_committed_<txn>`, `_committed_vacuum<txn>`) and Delta Lake's log.
-MARKERS = frozenset({"_SUCCESS", "_metadata", "_common_metadata", "_temporary", "_logs", "_spark_metadata",
-                     "_delta_log"})
+MARKERS = frozenset(
+    {"_SUCCESS", "_metadata", "_common_metadata", "_temporary", "_logs", "_spark_metadata", "_delta_log"}
+)
 MARKER_PREFIXES = ("_started_", "_committed_")
 
 
@@ -87,8 +88,9 @@ def _marker(part: str) -> bool:
 def _hidden(relative: str, named: tuple[str, ...] = ()) -> bool:
     """Whether a file at `relative` (to its source) is hidden or a marker: a part of its path is,
     and no part of the glob (`named`) that matched it names such a name."""
-    return any(_marker(part) and not any(fnmatch.fnmatchcase(part, n) for n in named)
-               for part in relative.split("/") if part)
+    return any(
+        _marker(part) and not any(fnmatch.fnmatchcase(part, n) for n in named) for part in relative.split("/") if part
+    )
 
 
 def list_files(sources: list[str]) -> tuple[list[SourceFile], list[str]]:
@@ -117,14 +119,16 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
             if not infos:
                 raise UserError(f"source glob {source} matches no file: check the pattern (** matches any depth)")
             base = path[: min(path.find(c) for c in _GLOB if c in path)].rsplit("/", 1)[0]
-            named = tuple(p for p in path[len(base):].split("/") if p.startswith((".", "_")))
+            named = tuple(p for p in path[len(base) :].split("/") if p.startswith((".", "_")))
         elif fs.isdir(path):
             fs.invalidate_cache(path)  # s3fs caches listings; files may have landed since
             infos = fs.find(path, detail=True)
             base, named = path.rstrip("/"), ()
             if not infos:
-                raise UserError(f"source folder {describe(source)} holds no files: put the corpus files in it, "
-                                "or give a file or a glob")
+                raise UserError(
+                    f"source folder {describe(source)} holds no files: put the corpus files in it, "
+                    "or give a file or a glob"
+                )
         else:
             if not fs.exists(path):
                 open_source(source)[2].close()  # says what it is: not found, a link loop, refused...
@@ -137,22 +141,27 @@ def _list_one(source: str) -> tuple[list[SourceFile], list[str]]:
         if credentials := storage.credentials_problem(e, source):
             raise UserError(credentials) from None  # no retry mends it
         if isinstance(e, PermissionError):
-            raise UserError(f"source {source} cannot be listed ({short(e)}): check its credentials "
-                            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)") from None
-        raise SourceUnreachable(f"cannot list {source} ({short(e)}): check that it is reachable, then "
-                                "run the same command again") from None
+            raise UserError(
+                f"source {source} cannot be listed ({short(e)}): check its credentials "
+                "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3://)"
+            ) from None
+        raise SourceUnreachable(
+            f"cannot list {source} ({short(e)}): check that it is reachable, then run the same command again"
+        ) from None
     files, hidden = [], []
     for p, info in sorted(infos.items()):
         if info.get("type") == "directory":
             continue
         url = p if local else fs.unstrip_protocol(p)
-        if _hidden(p[len(base):], named):
+        if _hidden(p[len(base) :], named):
             hidden.append(describe(url))
         else:
             files.append(SourceFile(url, _size(info), file_format(p), _stamp(info)))
     if not files:
-        raise UserError(f"source {describe(source)} holds only hidden or marker files ({', '.join(hidden[:3])}"
-                        f"{', ...' if len(hidden) > 3 else ''}): give the folder of the corpus files")
+        raise UserError(
+            f"source {describe(source)} holds only hidden or marker files ({', '.join(hidden[:3])}"
+            f"{', ...' if len(hidden) > 3 else ''}): give the folder of the corpus files"
+        )
     return files, hidden
 
 
@@ -180,8 +189,7 @@ class Records:
     compression: str | None = None
 
 
-def download_records(source: str, fmt: str, text_field: str,
-                     dest: Callable[[str], str] | None) -> Records:
+def download_records(source: str, fmt: str, text_field: str, dest: Callable[[str], str] | None) -> Records:
     """Check a JSONL or Parquet file and store its documents (the `text_field` of each record,
     empty ones left out) as Parquet at `dest(sha256)`. Nothing is stored unless every record
     passed: a line that is not JSON, a record without the field, or a field that is not text is a
@@ -195,7 +203,7 @@ def download_records(source: str, fmt: str, text_field: str,
             while True:
                 try:
                     block = src.read(BLOCK)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 (any reader's failure mid-stream: the download broke off)
                     raise SourceUnreachable(f"download of {source} broke off ({short(e)}): try again") from None
                 if not block:
                     break
@@ -204,12 +212,18 @@ def download_records(source: str, fmt: str, text_field: str,
                 raw.write(block)
         if n == 0:
             raise UserError(f"{source} is empty: give a file with records in it")
-        texts = _jsonl_texts(source, raw_path, text_field) if fmt == "jsonl" else _parquet_texts(source, raw_path, text_field)
+        texts = (
+            _jsonl_texts(source, raw_path, text_field)
+            if fmt == "jsonl"
+            else _parquet_texts(source, raw_path, text_field)
+        )
         compression = next(texts) if fmt == "jsonl" else None
         documents = _write_documents(texts, docs_path)
         if documents == 0:
-            raise UserError(f"{source} holds no text in its {text_field!r} field: is data.text_field the "
-                            "column that holds the documents?")
+            raise UserError(
+                f"{source} holds no text in its {text_field!r} field: is data.text_field the "
+                "column that holds the documents?"
+            )
         sha = digest.hexdigest()
         url = dest(sha) if dest else ""
         if dest and not storage.exists(url):
@@ -258,17 +272,22 @@ def _record_text(source: str, line_no: int, line: str, field: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise UserError(f"{source} line {line_no} is not JSON ({e.msg}): fix the line, or set "
-                        "data.bad_files=skip to leave the file out") from None
+        raise UserError(
+            f"{source} line {line_no} is not JSON ({e.msg}): fix the line, or set "
+            "data.bad_files=skip to leave the file out"
+        ) from None
     if not isinstance(record, dict) or field not in record:
-        raise UserError(f"{source} line {line_no} has no {field!r} field: set data.text_field to the field "
-                        "that holds the text")
+        raise UserError(
+            f"{source} line {line_no} has no {field!r} field: set data.text_field to the field that holds the text"
+        )
     value = record[field]
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise UserError(f"{source} line {line_no}: field {field!r} holds {type(value).__name__}, not text: "
-                        "set data.text_field to the field that holds the text")
+        raise UserError(
+            f"{source} line {line_no}: field {field!r} holds {type(value).__name__}, not text: "
+            "set data.text_field to the field that holds the text"
+        )
     return value
 
 
@@ -279,12 +298,15 @@ def _parquet_texts(source: str, path: str, field: str) -> Iterator[str]:
         raise UserError(f"{source} is not a readable Parquet file ({short(e)}): download it again") from None
     names = pf.schema_arrow.names
     if field not in names:
-        raise UserError(f"{source} has no column {field!r} (it has {', '.join(names[:8])}): set "
-                        "data.text_field to the column that holds the text")
+        raise UserError(
+            f"{source} has no column {field!r} (it has {', '.join(names[:8])}): set "
+            "data.text_field to the column that holds the text"
+        )
     kind = pf.schema_arrow.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise UserError(f"{source}: column {field!r} is {kind}, not text: set data.text_field to the column "
-                        "that holds the text")
+        raise UserError(
+            f"{source}: column {field!r} is {kind}, not text: set data.text_field to the column that holds the text"
+        )
     for batch in pf.iter_batches(columns=[field], batch_size=DOCS_PER_ROW_GROUP):
         for value in batch.column(0).to_pylist():
             if value:
@@ -304,7 +326,7 @@ def documents(url: str, strip: bool, chunk_chars: int) -> Iterator[Iterator[str]
             pf = pq.ParquetFile(f)
             for i in range(pf.num_row_groups):
                 for text in pf.read_row_group(i, columns=["text"]).column(0).to_pylist():
-                    chunks = (text[j:j + chunk_chars] for j in range(0, len(text), chunk_chars))
+                    chunks = (text[j : j + chunk_chars] for j in range(0, len(text), chunk_chars))
                     yield strip_gutenberg(chunks) if strip else chunks
         return
     chunks = read_chunks(url, chunk_chars)

@@ -46,7 +46,7 @@ def strip_gutenberg(chunks: Iterable[str]) -> Iterator[str]:
             if head:
                 yield head
             return
-    rest: str | None = head[start.end():]
+    rest: str | None = head[start.end() :]
     while rest is not None:
         rest = yield from _through(_END, rest, it, keep=True)
         if rest is None:
@@ -76,8 +76,8 @@ def _through(marker: re.Pattern, buf: str, it: Iterator[str], keep: bool) -> Gen
             found = _find(marker, buf, at_line_start, len(buf))
             if found:
                 if keep and found.start():
-                    yield buf[:found.start()]
-                return buf[found.end():]
+                    yield buf[: found.start()]
+                return buf[found.end() :]
             if keep and buf:
                 yield buf
             return None
@@ -86,8 +86,8 @@ def _through(marker: re.Pattern, buf: str, it: Iterator[str], keep: bool) -> Gen
         found = _find(marker, buf, at_line_start, cut)
         if found:
             if keep and found.start():
-                yield buf[:found.start()]
-            return buf[found.end():]
+                yield buf[: found.start()]
+            return buf[found.end() :]
         if cut:
             at_line_start = True
         if len(buf) - cut > _MARKER_MAX:

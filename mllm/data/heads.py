@@ -18,8 +18,10 @@ def open_local(source: str) -> Any:
     try:
         return open_source(source)[2]
     except PermissionError as e:
-        raise UserError(f"source file {describe(source)} cannot be read ({e.strerror}): check its permissions, "
-                        "or leave it out of the source") from None
+        raise UserError(
+            f"source file {describe(source)} cannot be read ({e.strerror}): check its permissions, "
+            "or leave it out of the source"
+        ) from None
 
 
 # How much of each file of a local corpus is read before any stage starts (`check_head`).
@@ -52,8 +54,9 @@ def check_head(f: SourceFile, text_field: str) -> None:
             if line.strip():
                 _record_text(f.url, line_no, line, text_field)
     elif whole and not text.strip():
-        raise UserError(f"{f.url} {'is empty' if not text else 'holds no text, only white space'}: give a file "
-                        "with text in it")
+        raise UserError(
+            f"{f.url} {'is empty' if not text else 'holds no text, only white space'}: give a file with text in it"
+        )
 
 
 # Why an empty file of a many-file source was left out (the corpus manifest's `skipped` reason).
@@ -73,7 +76,8 @@ def empty_files(found: list[SourceFile], bad_files: str, sources: list[str]) -> 
         raise UserError(f"all {len(found)} files of {where} are empty: give files with text in them")
     if empty and bad_files == "fail":
         names = ", ".join(f.name for f in empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
-        raise UserError(f"{len(empty)} of the {len(found)} files of {where} are empty: {names}; leave them out of "
-                        "the source, or drop data.bad_files=fail to skip empty files (the default)")
+        raise UserError(
+            f"{len(empty)} of the {len(found)} files of {where} are empty: {names}; leave them out of "
+            "the source, or drop data.bad_files=fail to skip empty files (the default)"
+        )
     return empty
-

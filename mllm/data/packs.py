@@ -65,9 +65,14 @@ def pack_key(tokens_key: str, shas: Iterable[str]) -> str:
 
 def _same(a: pa.Array, b: pa.Array | None) -> bool:
     """Whether two dictionaries are one array (pyarrow hands out a new wrapper on each access)."""
-    return b is not None and len(a) == len(b) and all(
-        (x.address if x is not None else None) == (y.address if y is not None else None)
-        for x, y in zip(a.buffers(), b.buffers()))
+    return (
+        b is not None
+        and len(a) == len(b)
+        and all(
+            (x.address if x is not None else None) == (y.address if y is not None else None)
+            for x, y in zip(a.buffers(), b.buffers())
+        )
+    )
 
 
 def span_digest(arr: pa.Array) -> int:
@@ -77,11 +82,11 @@ def span_digest(arr: pa.Array) -> int:
         h.update(arr.indices.to_numpy(zero_copy_only=False).tobytes())
     else:
         arr = arr.cast(pa.string()) if arr.type != pa.string() else arr
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset : arr.offset + len(arr) + 1]
         h.update((offsets - offsets[0]).tobytes())
         data = arr.buffers()[2]
         if data is not None:
-            h.update(memoryview(data)[offsets[0]:offsets[-1]])
+            h.update(memoryview(data)[offsets[0] : offsets[-1]])
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -97,8 +102,9 @@ class PackedFile:
     lost: dict[str, int] | None = None
 
 
-def tokenize_pack(files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, strip: bool,
-                  span_chars: int) -> list[PackedFile]:
+def tokenize_pack(
+    files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, strip: bool, span_chars: int
+) -> list[PackedFile]:
     """Tokenize the stored files (sha256, url) into `out/part-0.parquet`, one row per span, and
     their token counts into `out/counts.parquet`. Memory: one row group and one file's counts."""
     fs, path = storage.filesystem(out)
@@ -128,9 +134,17 @@ def tokenize_pack(files: list[tuple[str, str]], tokenizer: Tokenizer, out: str, 
         finally:
             writer.close()
     with fs.open(f"{path}/{COUNTS_FILE}", "wb") as f:
-        pq.write_table(pa.table({"file": pa.array(count_rows["file"], pa.string()),
-                                 "token": pa.array(count_rows["token"], pa.string()),
-                                 "count": pa.array(count_rows["count"], pa.int64())}), f, compression="zstd")
+        pq.write_table(
+            pa.table(
+                {
+                    "file": pa.array(count_rows["file"], pa.string()),
+                    "token": pa.array(count_rows["token"], pa.string()),
+                    "count": pa.array(count_rows["count"], pa.int64()),
+                }
+            ),
+            f,
+            compression="zstd",
+        )
     return packed
 
 
@@ -148,8 +162,9 @@ class _Counts:
                 self._fold()
                 self.dictionary = arr.dictionary
                 self.by_index = np.zeros(len(arr.dictionary), np.int64)
-            self.by_index += np.bincount(arr.indices.to_numpy(zero_copy_only=False).astype(np.int64),
-                                         minlength=len(self.by_index))
+            self.by_index += np.bincount(
+                arr.indices.to_numpy(zero_copy_only=False).astype(np.int64), minlength=len(self.by_index)
+            )
         else:
             vc = pc.value_counts(arr)
             self.by_token.update(dict(zip(vc.field("values").to_pylist(), vc.field("counts").to_pylist())))
@@ -184,19 +199,28 @@ class _RowWriter:
         lengths = np.fromiter((len(a) for a in arrays), np.int64, len(arrays))
         offsets = np.zeros(len(arrays) + 1, np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        if arrays and pa.types.is_dictionary(kind) and any(not _same(a.dictionary, arrays[0].dictionary) for a in arrays):
+        if (
+            arrays
+            and pa.types.is_dictionary(kind)
+            and any(not _same(a.dictionary, arrays[0].dictionary) for a in arrays)
+        ):
             arrays = [a.dictionary_decode() for a in arrays]
             kind = pa.string()
         values = pa.concat_arrays(arrays) if arrays else pa.array([], kind)
-        table = pa.table({"file": pa.array([s for s, _ in self.rows], pa.string()),
-                          "span": pa.array([span_digest(a) for _, a in self.rows], pa.int64()),
-                          "n": pa.array(lengths, pa.int64()),
-                          "tokens": pa.ListArray.from_arrays(pa.array(offsets), values)})
+        table = pa.table(
+            {
+                "file": pa.array([s for s, _ in self.rows], pa.string()),
+                "span": pa.array([span_digest(a) for _, a in self.rows], pa.int64()),
+                "n": pa.array(lengths, pa.int64()),
+                "tokens": pa.ListArray.from_arrays(pa.array(offsets), values),
+            }
+        )
         if self.writer is None:
             # As mllm.data.tokens writes its chunks: no stored Arrow schema (readers see list<string>),
             # no statistics.
-            self.writer = pq.ParquetWriter(self.f, table.schema, compression="zstd", store_schema=False,
-                                           write_statistics=False)
+            self.writer = pq.ParquetWriter(
+                self.f, table.schema, compression="zstd", store_schema=False, write_statistics=False
+            )
         self.writer.write_table(table)
         self.rows = []
 
@@ -271,7 +295,7 @@ def span_owner(spans: np.ndarray, cfg: SplitConfig) -> np.ndarray:
     (splitmix64), so a span's split never depends on what else is in the corpus."""
     with np.errstate(over="ignore"):
         z = spans.astype(np.uint64) ^ np.uint64((cfg.seed * 0x9E3779B97F4A7C15) % (1 << 64))
-        z = (z + np.uint64(0x9E3779B97F4A7C15))
+        z = z + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))

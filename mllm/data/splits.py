@@ -66,9 +66,8 @@ def split_plan(n: int, cfg: SplitConfig) -> Plan:
         n_test = round(n_blocks * cfg.test_fraction)
         owner = np.full(n_blocks, 0)
         owner[order[:n_val]] = 1
-        owner[order[n_val:n_val + n_test]] = 2
-        plan = [(b * cfg.shuffle_chunk, min(n, (b + 1) * cfg.shuffle_chunk), NAMES[owner[b]])
-                for b in range(n_blocks)]
+        owner[order[n_val : n_val + n_test]] = 2
+        plan = [(b * cfg.shuffle_chunk, min(n, (b + 1) * cfg.shuffle_chunk), NAMES[owner[b]]) for b in range(n_blocks)]
     plan = [seg for seg in plan if seg[1] > seg[0]]
     sizes = plan_sizes(plan)
     if sizes["train"] < 2 or sizes["val"] < 2 or (cfg.test_fraction and sizes["test"] < 2):
@@ -91,8 +90,7 @@ def bytes_per_token(vocab: Vocab, tokenizer: Tokenizer) -> np.ndarray:
     """UTF-8 bytes of the text each vocabulary entry stands for, indexed by id."""
     # Word tokens stand for a word and the space after it.
     extra = 1 if tokenizer.kind == "word" else 0
-    return np.array([len(tokenizer.detokenize([t]).encode("utf-8")) + extra for t in vocab.itos],
-                    dtype=np.int64)
+    return np.array([len(tokenizer.detokenize([t]).encode("utf-8")) + extra for t in vocab.itos], dtype=np.int64)
 
 
 def split_offsets(plan: Plan, starts: np.ndarray) -> dict[str, np.ndarray]:
@@ -103,15 +101,14 @@ def split_offsets(plan: Plan, starts: np.ndarray) -> dict[str, np.ndarray]:
     starts = np.asarray(starts)
     for start, end, name in plan:
         at = filled.get(name, 0)
-        inside = starts[np.searchsorted(starts, start, "right"):np.searchsorted(starts, end, "left")]
+        inside = starts[np.searchsorted(starts, start, "right") : np.searchsorted(starts, end, "left")]
         bounds.setdefault(name, [np.zeros(1, np.int64)]).append(at + inside - start)
         bounds[name].append(np.array([at + end - start], np.int64))
         filled[name] = at + end - start
     return {name: np.unique(np.concatenate(parts)) for name, parts in bounds.items()}
 
 
-def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan,
-                 out: str) -> list[WrittenSplit]:
+def write_splits(tokens: Any, vocab: Vocab, tokenizer: Tokenizer, plan: Plan, out: str) -> list[WrittenSplit]:
     """Encode the tokens and route each segment of the plan to `out/<split>.npy` and `.parquet`,
     with the split's piece boundaries in `out/<split>.offsets.npy` (see `split_offsets`).
 
@@ -194,7 +191,9 @@ class _SplitWriter:
         if self.pending:
             ids = np.concatenate(self.pending)
             for i in range(0, len(ids), ROW_GROUP_IDS):
-                self.parquet.write_table(pa.table({"token_id": pa.array(ids[i:i + ROW_GROUP_IDS])}, schema=_IDS_SCHEMA))
+                self.parquet.write_table(
+                    pa.table({"token_id": pa.array(ids[i : i + ROW_GROUP_IDS])}, schema=_IDS_SCHEMA)
+                )
             self.pending, self.n_pending = [], 0
 
     def close(self) -> None:
@@ -226,8 +225,7 @@ class _NpyWriter:
         self.sha256 = hashlib.sha256()
         header = io.BytesIO()
         self.dtype = np.dtype(dtype)
-        np.lib.format.write_array_header_1_0(header, {"descr": self.dtype.str, "fortran_order": False,
-                                                      "shape": (n,)})
+        np.lib.format.write_array_header_1_0(header, {"descr": self.dtype.str, "fortran_order": False, "shape": (n,)})
         self.f = open(path, "wb")
         self.write_bytes(header.getvalue())
 
@@ -253,8 +251,9 @@ class _NpyWriter:
 PIECES = "pieces.json"
 
 
-def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np.ndarray, cfg: SplitConfig,
-               out: str) -> dict[str, dict[str, Any]]:
+def route_pack(
+    pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np.ndarray, cfg: SplitConfig, out: str
+) -> dict[str, dict[str, Any]]:
     """The rows of one pack (those of `files`, or all) encoded and routed by their span digest
     (mllm.data.packs.span_owner) to `out/<split>.npy` (ids in `ids_dtype`, what training memory-maps)
     and `out/<split>.parquet` (`token_id: int32`), with each split's row lengths in
@@ -284,10 +283,12 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
                     name, rows = NAMES[k], table.filter(pa.array(owner == k))
                     ids = vocab.encode_array(pc.list_flatten(rows.column("tokens")))
                     if name not in writers:
-                        npys[name] = _NpyWriter(os.path.join(tmp, f"{name}.npy"), int(totals[k]),
-                                                ids_dtype(len(token_bytes)))
-                        writers[name] = pq.ParquetWriter(os.path.join(tmp, f"{name}.parquet"), _IDS_SCHEMA,
-                                                         **_IDS_PARQUET)
+                        npys[name] = _NpyWriter(
+                            os.path.join(tmp, f"{name}.npy"), int(totals[k]), ids_dtype(len(token_bytes))
+                        )
+                        writers[name] = pq.ParquetWriter(
+                            os.path.join(tmp, f"{name}.parquet"), _IDS_SCHEMA, **_IDS_PARQUET
+                        )
                         summary[name] = {"tokens": 0, "bytes": 0, "rows": 0}
                     npys[name].write(ids)
                     writers[name].write_table(pa.table({"token_id": pa.array(ids, pa.int32())}))
@@ -301,8 +302,10 @@ def route_pack(pack: str, files: list[str] | None, vocab: Vocab, token_bytes: np
                 w.close()
         for name in writers:
             if summary[name]["tokens"] != totals[NAMES.index(name)]:
-                raise ValueError(f"{pack}: its rows' sizes say {totals[NAMES.index(name)]} {name} tokens, "
-                                 f"their tokens {summary[name]['tokens']}")
+                raise ValueError(
+                    f"{pack}: its rows' sizes say {totals[NAMES.index(name)]} {name} tokens, "
+                    f"their tokens {summary[name]['tokens']}"
+                )
             summary[name]["sha256"] = npys[name].sha256.hexdigest()
             np.save(os.path.join(tmp, f"{name}.lengths.npy"), np.concatenate(lengths[name]).astype(np.int64))
             for ext in ("npy", "parquet", "lengths.npy"):
@@ -343,10 +346,23 @@ def assemble(pieces: list[str], n_vocab: int, out: str) -> list[WrittenSplit]:
         np.save(buf, offsets, allow_pickle=False)
         storage.write_bytes(f"{out.rstrip('/')}/{name}.offsets.npy", buf.getvalue())
         digest = chain_digest([s["sha256"] for _, s in mine])
-        storage.write_json(f"{out.rstrip('/')}/{name}.ids.json", {
-            "format": CHAIN, "dtype": ids_dtype(n_vocab).str, "tokens": sum(s["tokens"] for _, s in mine),
-            "sha256": digest,
-            "pieces": [{"url": f"{p}/{name}.npy", "parquet": f"{p}/{name}.parquet", "tokens": s["tokens"],
-                        "sha256": s["sha256"]} for p, s in mine]})
+        storage.write_json(
+            f"{out.rstrip('/')}/{name}.ids.json",
+            {
+                "format": CHAIN,
+                "dtype": ids_dtype(n_vocab).str,
+                "tokens": sum(s["tokens"] for _, s in mine),
+                "sha256": digest,
+                "pieces": [
+                    {
+                        "url": f"{p}/{name}.npy",
+                        "parquet": f"{p}/{name}.parquet",
+                        "tokens": s["tokens"],
+                        "sha256": s["sha256"],
+                    }
+                    for p, s in mine
+                ],
+            },
+        )
         written.append(WrittenSplit(name, sum(s["tokens"] for _, s in mine), sum(s["bytes"] for _, s in mine), digest))
     return written

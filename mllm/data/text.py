@@ -35,7 +35,7 @@ def _last_match(pattern: re.Pattern, text: str, end: int | None = None) -> int:
     # Natural text has a match near its end: look at the tail before scanning everything.
     for lo in (max(end - 4096, 0), 0):
         last = None
-        for last in pattern.finditer(text, lo, end):
+        for last in pattern.finditer(text, lo, end):  # noqa: B007 (the loop keeps the last match)
             pass
         if last:
             return last.start()
@@ -85,8 +85,13 @@ class Tokenizer(ABC):
         return {}
 
     def to_json(self) -> str:
-        state = {"format": "mllm-tokenizer", "version": 1, "kind": self.kind,
-                 "normalize": self.normalize, **self._state()}
+        state = {
+            "format": "mllm-tokenizer",
+            "version": 1,
+            "kind": self.kind,
+            "normalize": self.normalize,
+            **self._state(),
+        }
         return json.dumps(state, sort_keys=True, ensure_ascii=False)
 
     def __repr__(self) -> str:
@@ -145,7 +150,9 @@ class CharTokenizer(Tokenizer):
         for chunk in chunks:
             raw = chunk.encode("utf-8")
             self._read += len(chunk)
-            self._spaces_read += int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == 32))  # bytes.count: 10x slower
+            self._spaces_read += int(
+                np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == 32)
+            )  # bytes.count: 10x slower
             if dropped := raw.translate(None, _CHAR_KEPT_BYTES):
                 self._dropped += np.bincount(np.frombuffer(dropped, dtype=np.uint8), minlength=256)
             b = np.frombuffer(raw.translate(_CHAR_NEWLINE_TO_SPACE, _CHAR_DROP), dtype=np.uint8)
@@ -251,10 +258,9 @@ class WordTokenizer(_CutTokenizer):
         """Where to end this piece: at whitespace, so no word is split, nor a "<br />"."""
         cut = _last_match(self._SPACE, text)
         # The space in "<br />" separates nothing: cut at the whitespace before that word instead.
-        while self.normalize and cut >= 3 and text[cut - 3:cut].lower() == "<br":
+        while self.normalize and cut >= 3 and text[cut - 3 : cut].lower() == "<br":
             cut = _last_match(self._SPACE, text, cut - 3)
         return max(cut, 0)
-
 
     def detokenize(self, tokens):
         text = " ".join(tokens)
@@ -287,14 +293,16 @@ class BpeTokenizer(_CutTokenizer):
 
     @classmethod
     def train(cls, chunks: Iterable[str], vocab_size: int, normalize: bool = True) -> "BpeTokenizer":
-        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         hf = HFTokenizer(models.BPE())
         # No prefix space: the first word of a piece must not differ from the same word mid-text.
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
         hf.train_from_iterator(chunks, trainer=trainer)
         return cls(hf, vocab_size, normalize)
 
@@ -308,7 +316,7 @@ class BpeTokenizer(_CutTokenizer):
             m = self._SAFE_CUT.search(text, i + self._PIECE)
             if not m:
                 break
-            pieces.append(text[i:m.start()])
+            pieces.append(text[i : m.start()])
             i = m.start()
         pieces.append(text[i:])
         if self._encoder is None:
@@ -328,7 +336,6 @@ class BpeTokenizer(_CutTokenizer):
             if len(ids):
                 yield pa.DictionaryArray.from_arrays(pa.array(ids), self._pieces_arrow)
 
-
     def detokenize(self, tokens):
         return self.hf.decoder.decode(list(tokens))
 
@@ -340,11 +347,23 @@ class BpeTokenizer(_CutTokenizer):
 
 # torchtext.data.utils._patterns / _replacements, applied in this order after lower-casing, then
 # split on whitespace: ' . , ( ) ! ? become tokens of their own; " ; : and <br /> disappear.
-_BASIC_ENGLISH = [(re.compile(p), r) for p, r in [
-    (r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "),
-    (r"\(", " ( "), (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "),
-    (r"\:", " "), (r"\s+", " "),
-]]
+_BASIC_ENGLISH = [
+    (re.compile(p), r)
+    for p, r in [
+        (r"\'", " '  "),
+        (r"\"", ""),
+        (r"\.", " . "),
+        (r"<br \/>", " "),
+        (r",", " , "),
+        (r"\(", " ( "),
+        (r"\)", " ) "),
+        (r"\!", " ! "),
+        (r"\?", " ? "),
+        (r"\;", " "),
+        (r"\:", " "),
+        (r"\s+", " "),
+    ]
+]
 
 
 def basic_english(text: str, lower: bool = True) -> list[str]:
@@ -403,12 +422,10 @@ class BasicEnglishTokenizer(Tokenizer):
         return " ".join(tokens)
 
 
-_KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BpeTokenizer,
-          "basic_english": BasicEnglishTokenizer}
+_KINDS = {"char": CharTokenizer, "word": WordTokenizer, "bpe": BpeTokenizer, "basic_english": BasicEnglishTokenizer}
 
 
-def build_tokenizer(cfg: TokenizerConfig,
-                    training_chunks: Callable[[], Iterable[str]] | None = None) -> Tokenizer:
+def build_tokenizer(cfg: TokenizerConfig, training_chunks: Callable[[], Iterable[str]] | None = None) -> Tokenizer:
     """The tokenizer `cfg` describes; BPE is trained on the text `training_chunks()` streams."""
     if cfg.kind == "bpe":
         if training_chunks is None:
@@ -427,8 +444,10 @@ def tokenizer_from_json(s: str, source: str = "tokenizer JSON") -> Tokenizer:
     if not isinstance(state, dict) or state.get("format") != "mllm-tokenizer":
         raise UserError(f"{source} is not an mllm tokenizer (no format: mllm-tokenizer): {fix}")
     if state.get("version") != 1:
-        raise UserError(f"{source} has tokenizer format version {state.get('version')!r}, this "
-                        f"mllm reads version 1: upgrade mllm or tokenize again")
+        raise UserError(
+            f"{source} has tokenizer format version {state.get('version')!r}, this "
+            f"mllm reads version 1: upgrade mllm or tokenize again"
+        )
     kind, normalize = state.get("kind"), state.get("normalize", True)
     if kind not in _KINDS or not isinstance(normalize, bool):
         raise UserError(f"{source} names an unknown tokenizer kind {kind!r}: {fix}")
@@ -438,6 +457,6 @@ def tokenizer_from_json(s: str, source: str = "tokenizer JSON") -> Tokenizer:
 
     try:
         hf = HFTokenizer.from_str(json.dumps(state["hf_tokenizer"]))
-    except Exception:  # the Rust side raises its own exception type for any malformed field
+    except Exception:  # noqa: BLE001 (the Rust side raises its own exception type for any malformed field)
         raise UserError(f"{source} holds a damaged BPE tokenizer: {fix}") from None
     return BpeTokenizer(hf, int(state.get("bpe_vocab_size", hf.get_vocab_size())), normalize)

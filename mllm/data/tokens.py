@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mllm import UserError, storage
-from mllm.data import text
 from mllm.config import TokenizerConfig
+from mllm.data import text
 
 CHUNK_CHARS = 1 << 18  # characters read at a time: bounds the memory of the whole stage
 # Token arrays per Parquet row group: large enough for zstd and vectorised reads, small enough
@@ -37,16 +37,16 @@ def text_chunks(raw_url: str, strip_gutenberg: bool) -> Iterator[str]:
     return text.strip_gutenberg(chunks) if strip_gutenberg else chunks
 
 
-def tokenize_text(raw_url: str, cfg: TokenizerConfig, out: str, source: str = "",
-                  progress: Callable[[int], None] | None = None) -> tuple[text.Tokenizer, int, int]:
+def tokenize_text(
+    raw_url: str, cfg: TokenizerConfig, out: str, source: str = "", progress: Callable[[int], None] | None = None
+) -> tuple[text.Tokenizer, int, int]:
     """Tokenize the text at `raw_url` into `out/part-0.parquet`: (tokenizer, n_tokens, n_chunks).
 
     BPE first learns its merges from the same text (a second pass over it). A text that leaves
     no tokens at all is a UserError: the normalisation dropped everything.
     """
     tokenizer = text.build_tokenizer(cfg, training_chunks=lambda: text_chunks(raw_url, cfg.strip_gutenberg))
-    n_tokens, n_chunks = write_chunks(tokenizer.token_arrays(text_chunks(raw_url, cfg.strip_gutenberg)),
-                                      out, progress)
+    n_tokens, n_chunks = write_chunks(tokenizer.token_arrays(text_chunks(raw_url, cfg.strip_gutenberg)), out, progress)
     if n_tokens == 0:
         raise UserError(
             f"no tokens left in {source or raw_url} after the {cfg.kind} tokenizer's normalisation: "
@@ -55,8 +55,9 @@ def tokenize_text(raw_url: str, cfg: TokenizerConfig, out: str, source: str = ""
     return tokenizer, n_tokens, n_chunks
 
 
-def write_chunks(arrays: Iterator[pa.Array], out: str,
-                 progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+def write_chunks(
+    arrays: Iterator[pa.Array], out: str, progress: Callable[[int], None] | None = None
+) -> tuple[int, int]:
     """Write token arrays as rows of `out/part-0.parquet`, ROW_GROUP_CHUNKS to a row group."""
     fs, path = storage.filesystem(out)
     n_tokens = n_chunks = 0
@@ -90,14 +91,17 @@ def _write(writer: pq.ParquetWriter | None, f, batch: list[pa.Array], start: int
     offsets = np.zeros(len(batch) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = pa.concat_arrays(batch) if batch else pa.array([], kind)
-    table = pa.table({"chunk": pa.array(np.arange(start, start + len(batch), dtype=np.int64)),
-                      "tokens": pa.ListArray.from_arrays(pa.array(offsets), values)})
+    table = pa.table(
+        {
+            "chunk": pa.array(np.arange(start, start + len(batch), dtype=np.int64)),
+            "tokens": pa.ListArray.from_arrays(pa.array(offsets), values),
+        }
+    )
     if writer is None:
         # store_schema=False: the Arrow schema would bring the dictionary type back on reading;
         # readers see plain list<string> and ask for the dictionary only where it helps.
         # No statistics: min/max of a token column helps no reader and costs a pass over it.
-        writer = pq.ParquetWriter(f, table.schema, compression="zstd", store_schema=False,
-                                  write_statistics=False)
+        writer = pq.ParquetWriter(f, table.schema, compression="zstd", store_schema=False, write_statistics=False)
     writer.write_table(table)
     return writer
 

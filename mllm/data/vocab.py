@@ -16,8 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mllm import UserError
-from mllm import storage
+from mllm import UserError, storage
 
 UNK = "<unk>"
 FORMAT, VERSION = "mllm-vocab", 1
@@ -39,8 +38,14 @@ class Vocab:
         self._arrow = pa.array(tokens, type=pa.string())
 
     @classmethod
-    def build(cls, counts: Mapping[str, int], min_freq: int = 1, max_size: int | None = None,
-              specials: Iterable[str] = (), order: str = "frequency") -> "Vocab":
+    def build(
+        cls,
+        counts: Mapping[str, int],
+        min_freq: int = 1,
+        max_size: int | None = None,
+        specials: Iterable[str] = (),
+        order: str = "frequency",
+    ) -> "Vocab":
         """<unk>, then `specials`, then tokens seen at least `min_freq` times, most frequent first
         (`order="token"`: the same tokens, in token order).
 
@@ -49,12 +54,14 @@ class Vocab:
         """
         head = list(dict.fromkeys([UNK, *specials]))
         if max_size is not None and max_size < len(head):
-            raise UserError(f"vocab.max_size {max_size} leaves no room for {', '.join(head)}: "
-                            f"raise it to at least {len(head)}")
+            raise UserError(
+                f"vocab.max_size {max_size} leaves no room for {', '.join(head)}: raise it to at least {len(head)}"
+            )
         reserved = set(head)
-        kept = sorted(((t, c) for t, c in counts.items() if c >= min_freq and t not in reserved),
-                      key=lambda tc: (-tc[1], tc[0]))
-        kept = kept if max_size is None else kept[:max(max_size - len(head), 0)]
+        kept = sorted(
+            ((t, c) for t, c in counts.items() if c >= min_freq and t not in reserved), key=lambda tc: (-tc[1], tc[0])
+        )
+        kept = kept if max_size is None else kept[: max(max_size - len(head), 0)]
         return cls(head + (sorted(t for t, _ in kept) if order == "token" else [t for t, _ in kept]))
 
     def __len__(self) -> int:
@@ -121,8 +128,10 @@ class Vocab:
         if not isinstance(state, dict) or state.get("format") != FORMAT:
             raise UserError(f"{source} is not an mllm vocabulary (no format: {FORMAT}): {fix}")
         if state.get("version") != VERSION:
-            raise UserError(f"{source} has vocabulary format version {state.get('version')!r}, "
-                            f"this mllm reads version {VERSION}: upgrade mllm or build it again")
+            raise UserError(
+                f"{source} has vocabulary format version {state.get('version')!r}, "
+                f"this mllm reads version {VERSION}: upgrade mllm or build it again"
+            )
         try:
             return cls(state.get("tokens"))
         except (ValueError, TypeError) as e:

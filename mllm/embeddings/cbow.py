@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from mllm import UserError
 from mllm.config import CbowConfig
-from mllm.runtime.epochs import ChainedIds, EpochOrder, check_offsets
 from mllm.data.text import BasicEnglishTokenizer, basic_english, split_paragraphs  # noqa: F401  (the family's API)
 from mllm.data.vocab import Vocab
+from mllm.runtime.epochs import ChainedIds, EpochOrder, check_offsets
 
 PAD_ID = 0  # <unk>'s id stands in for a missing context word; the mask keeps it out of the mean
 
@@ -55,10 +55,12 @@ def split_by_paragraph(ids: np.ndarray, offsets: np.ndarray, val_fraction: float
     n = len(offsets) - 1
     n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
     if n - n_val < 1:
-        raise UserError(f"{n} paragraph(s) cannot be split {1 - val_fraction:g}/{val_fraction:g}: "
-                        "use more text or a smaller val_fraction")
+        raise UserError(
+            f"{n} paragraph(s) cannot be split {1 - val_fraction:g}/{val_fraction:g}: "
+            "use more text or a smaller val_fraction"
+        )
     cut = offsets[n - n_val]
-    return ids[:cut], offsets[:n - n_val + 1], ids[cut:], offsets[n - n_val:] - cut
+    return ids[:cut], offsets[: n - n_val + 1], ids[cut:], offsets[n - n_val :] - cut
 
 
 # -----------------------------------------------------------------------------
@@ -75,8 +77,9 @@ def _take(ids, index: np.ndarray) -> np.ndarray:
     return ids[index] if isinstance(ids, ChainedIds) else np.asarray(ids)[index]
 
 
-def contexts(ids: np.ndarray, offsets: np.ndarray, centres: np.ndarray, context: int,
-             skip_unk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def contexts(
+    ids: np.ndarray, offsets: np.ndarray, centres: np.ndarray, context: int, skip_unk: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Context ids [N, 2*context] around each centre position, and the mask of real words.
 
     A position outside the centre's paragraph (or <unk>, with skip_unk) is masked and holds PAD_ID.
@@ -93,8 +96,9 @@ def contexts(ids: np.ndarray, offsets: np.ndarray, centres: np.ndarray, context:
     return ctx.astype(np.int64), mask
 
 
-def sample_centres(ids: np.ndarray, offsets: np.ndarray, context: int, skip_unk: bool = True,
-                   block: int = 1 << 20) -> np.ndarray:
+def sample_centres(
+    ids: np.ndarray, offsets: np.ndarray, context: int, skip_unk: bool = True, block: int = 1 << 20
+) -> np.ndarray:
     """Every position that makes a sample: its word is kept and its context holds one word or more."""
     out = []
     for lo in range(0, len(ids), block):
@@ -102,13 +106,12 @@ def sample_centres(ids: np.ndarray, offsets: np.ndarray, context: int, skip_unk:
         _, mask = contexts(ids, offsets, pos, context, skip_unk)
         keep = mask.any(axis=1)
         if skip_unk:
-            keep &= np.asarray(ids[lo:lo + block]) != 0
+            keep &= np.asarray(ids[lo : lo + block]) != 0
         out.append(pos[keep])
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def noise_distribution(ids: np.ndarray, vocab_size: int, power: float = 0.75,
-                       skip_unk: bool = True) -> np.ndarray:
+def noise_distribution(ids: np.ndarray, vocab_size: int, power: float = 0.75, skip_unk: bool = True) -> np.ndarray:
     """word2vec's noise: unigram counts ** power, normalised (<unk> never drawn with skip_unk)."""
     counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size)[:vocab_size]
     weights = counts.astype(np.float64) ** power
@@ -120,8 +123,16 @@ def noise_distribution(ids: np.ndarray, vocab_size: int, power: float = 0.75,
     return weights / weights.sum()
 
 
-def make_batch(ids, offsets, centres, context: int, skip_unk: bool, noise_cdf: np.ndarray | None,
-               n_negative: int, rng: np.random.Generator | None):
+def make_batch(
+    ids,
+    offsets,
+    centres,
+    context: int,
+    skip_unk: bool,
+    noise_cdf: np.ndarray | None,
+    n_negative: int,
+    rng: np.random.Generator | None,
+):
     """(context [B, 2C] int64, mask [B, 2C] bool, negatives [B, K] int64, centre [B] int64).
 
     K is 0 without noise (full softmax). Negatives come from `rng`, so a batch is a pure function
@@ -134,8 +145,12 @@ def make_batch(ids, offsets, centres, context: int, skip_unk: bool, noise_cdf: n
     else:
         neg = np.zeros((len(centres), 0), dtype=np.int64)
     centre = _take(ids, np.asarray(centres)).astype(np.int64)
-    return (torch.from_numpy(ctx), torch.from_numpy(mask), torch.from_numpy(neg.astype(np.int64)),
-            torch.from_numpy(centre))
+    return (
+        torch.from_numpy(ctx),
+        torch.from_numpy(mask),
+        torch.from_numpy(neg.astype(np.int64)),
+        torch.from_numpy(centre),
+    )
 
 
 class CbowBatches(EpochOrder):
@@ -145,35 +160,55 @@ class CbowBatches(EpochOrder):
     batch) stays the whole state.
     """
 
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray, context: int, batch_size: int, seed: int,
-                 noise: np.ndarray | None = None, n_negative: int = 0, skip_unk: bool = True,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        offsets: np.ndarray,
+        context: int,
+        batch_size: int,
+        seed: int,
+        noise: np.ndarray | None = None,
+        n_negative: int = 0,
+        skip_unk: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.ids, self.offsets = ids, check_offsets(offsets, len(ids))
         self.context, self.skip_unk = context, skip_unk
         self.n_negative = n_negative if noise is not None else 0
         self.noise_cdf = None if noise is None else np.cumsum(noise)
         self.centres = sample_centres(ids, self.offsets, context, skip_unk)
         if len(self.centres) == 0:
-            raise UserError("the training text has no CBOW sample (no paragraph with two known "
-                            "words): use more text or lower vocab.min_freq")
+            raise UserError(
+                "the training text has no CBOW sample (no paragraph with two known "
+                "words): use more text or lower vocab.min_freq"
+            )
         self.num_samples = len(self.centres)
         super().__init__(self.num_samples, batch_size, seed, rank, world_size)
 
     @classmethod
-    def from_config(cls, cfg: CbowConfig, ids, offsets, batch_size: int, seed: int,
-                    rank: int = 0, world_size: int = 1) -> "CbowBatches":
+    def from_config(
+        cls, cfg: CbowConfig, ids, offsets, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ) -> "CbowBatches":
         noise = None
         if cfg.objective == "negative":
             vocab_size = cfg.vocab_size or int(np.max(ids)) + 1
             noise = noise_distribution(ids, vocab_size, cfg.noise_power, cfg.skip_unk)
-        return cls(ids, offsets, cfg.context, batch_size, seed, noise, cfg.n_negative, cfg.skip_unk,
-                   rank, world_size)
+        return cls(ids, offsets, cfg.context, batch_size, seed, noise, cfg.n_negative, cfg.skip_unk, rank, world_size)
 
     def next(self):
         epoch, batch = self.position
         rng = np.random.default_rng([self.seed, epoch, batch, self.rank, 1])
-        return make_batch(self.ids, self.offsets, self.centres[self.take()], self.context, self.skip_unk,
-                          self.noise_cdf, self.n_negative, rng)
+        return make_batch(
+            self.ids,
+            self.offsets,
+            self.centres[self.take()],
+            self.context,
+            self.skip_unk,
+            self.noise_cdf,
+            self.n_negative,
+            rng,
+        )
 
     def eval_batches(self, count: int | None = None, seed: int = 0) -> list[tuple]:
         """Fixed batches (centres and noise words) to score the same way at every eval."""
@@ -181,9 +216,19 @@ class CbowBatches(EpochOrder):
         if count is not None and count < len(centres):
             centres = np.sort(np.random.default_rng(seed).choice(centres, size=count, replace=False))
         rng = np.random.default_rng([seed, 2])
-        return [make_batch(self.ids, self.offsets, centres[i:i + self.batch_size], self.context,
-                           self.skip_unk, self.noise_cdf, self.n_negative, rng)
-                for i in range(0, len(centres), self.batch_size)]
+        return [
+            make_batch(
+                self.ids,
+                self.offsets,
+                centres[i : i + self.batch_size],
+                self.context,
+                self.skip_unk,
+                self.noise_cdf,
+                self.n_negative,
+                rng,
+            )
+            for i in range(0, len(centres), self.batch_size)
+        ]
 
 
 # -----------------------------------------------------------------------------
@@ -275,4 +320,3 @@ class CBOW(nn.Module):
     def optim_groups(self, weight_decay: float) -> list[dict]:
         # No decay: it would pull the vectors of rare words, updated seldom, towards zero.
         return [{"params": [p for p in self.parameters() if p.requires_grad], "weight_decay": 0.0}]
-

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 
 from mllm import UserError, storage
-from mllm.runtime.epochs import load_ids, load_offsets
 from mllm.embeddings.cbow import CbowBatches
-from mllm.runtime.checkpoint import Loaded
 from mllm.embeddings.wordsim import HEADLINE, WordVectors, evaluate_cbow, missing_word, write_parquet, write_word2vec
+from mllm.runtime.checkpoint import Loaded
+from mllm.runtime.epochs import load_ids, load_offsets
 
 
 def vectors(loaded: Loaded) -> WordVectors:
@@ -27,10 +27,10 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
     written under `out` (`vectors.parquet`, `vectors.w2v.txt`, `pca.png`)."""
     t = cfg.train
     ids = load_ids(part.ids)
-    batches = CbowBatches.from_config(loaded.config.model, ids, load_offsets(part.offsets, len(ids)),
-                                      t.batch_size, t.seed).eval_batches(seed=t.seed)
-    result = evaluate_cbow(loaded.model, loaded.vocab.itos, batches, probes=cfg.sample.probes,
-                           k=cfg.sample.neighbours)
+    batches = CbowBatches.from_config(
+        loaded.config.model, ids, load_offsets(part.offsets, len(ids)), t.batch_size, t.seed
+    ).eval_batches(seed=t.seed)
+    result = evaluate_cbow(loaded.model, loaded.vocab.itos, batches, probes=cfg.sample.probes, k=cfg.sample.neighbours)
     words = vectors(loaded)
     write_parquet(storage.join(out, "vectors.parquet"), words)
     write_word2vec(storage.join(out, "vectors.w2v.txt"), words)
@@ -43,18 +43,32 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
 
 def report(cfg: Any, checkpoint: str, steps: int, result: dict[str, Any]) -> str:
     m = result["metrics"]
-    rows = [("WordSim-353 Spearman", "wordsim353"), ("SimLex-999 Spearman", "simlex999"),
-            ("Google analogies, 3CosAdd accuracy", "analogy")]
+    rows = [
+        ("WordSim-353 Spearman", "wordsim353"),
+        ("SimLex-999 Spearman", "simlex999"),
+        ("Google analogies, 3CosAdd accuracy", "analogy"),
+    ]
     value = {"wordsim353": "spearman", "simlex999": "spearman", "analogy": "accuracy"}
-    lines = [f"# Evaluation of {cfg.recipe} (CBOW word embeddings)", "",
-             f"Checkpoint: `{checkpoint}` after {steps} steps. Headline: {HEADLINE} (higher is better).", "",
-             "| measure | context embedding | centre embedding | coverage |", "|---|---|---|---|"]
+    lines = [
+        f"# Evaluation of {cfg.recipe} (CBOW word embeddings)",
+        "",
+        f"Checkpoint: `{checkpoint}` after {steps} steps. Headline: {HEADLINE} (higher is better).",
+        "",
+        "| measure | context embedding | centre embedding | coverage |",
+        "|---|---|---|---|",
+    ]
     for label, name in rows:
         key = f"{name}_{value[name]}"
-        lines.append(f"| {label} | {m.get(key, float('nan')):.4f} | {m.get('centre_' + key, float('nan')):.4f} "
-                     f"| {m.get(name + '_coverage', float('nan')):.3f} |")
-    lines += ["", f"Held-out CBOW loss on the validation paragraphs: {m['val_loss']:.4f} "
-              f"({result['n_samples']} centre words).", "", ""]
+        lines.append(
+            f"| {label} | {m.get(key, float('nan')):.4f} | {m.get('centre_' + key, float('nan')):.4f} "
+            f"| {m.get(name + '_coverage', float('nan')):.3f} |"
+        )
+    lines += [
+        "",
+        f"Held-out CBOW loss on the validation paragraphs: {m['val_loss']:.4f} ({result['n_samples']} centre words).",
+        "",
+        "",
+    ]
     return "\n".join(lines) + neighbours_text(result)
 
 

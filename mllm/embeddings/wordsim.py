@@ -28,8 +28,14 @@ from mllm import UserError, storage
 
 SETS = {"wordsim353": "wordsim353.tsv", "simlex999": "simlex999.txt", "analogies": "questions-words.txt"}
 HEADLINE = "wordsim353_spearman"  # higher is better; decides the champion
-METRICS = ("wordsim353_spearman", "wordsim353_coverage", "simlex999_spearman", "simlex999_coverage",
-           "analogy_accuracy", "analogy_coverage")  # what evaluate_embeddings returns
+METRICS = (
+    "wordsim353_spearman",
+    "wordsim353_coverage",
+    "simlex999_spearman",
+    "simlex999_coverage",
+    "analogy_accuracy",
+    "analogy_coverage",
+)  # what evaluate_embeddings returns
 
 
 def eval_set_text(name: str) -> str:
@@ -37,8 +43,10 @@ def eval_set_text(name: str) -> str:
     try:
         root = importlib.resources.files("gensim")
     except ModuleNotFoundError:
-        raise UserError("word-embedding evaluation reads its test sets from gensim, which is not "
-                        "installed: pip install 'mllm-pipeline[embeddings]'") from None
+        raise UserError(
+            "word-embedding evaluation reads its test sets from gensim, which is not "
+            "installed: pip install 'mllm-pipeline[embeddings]'"
+        ) from None
     path = root / "test" / "test_data" / SETS[name]
     if not path.is_file():
         raise UserError(f"this gensim has no test_data/{SETS[name]}: pip install 'gensim>=4.3'")
@@ -126,12 +134,11 @@ class WordVectors:
         rho = spearman([s for *_, s in used], [self.similarity(a, b) for a, b, _ in used])
         return {"spearman": rho, "coverage": len(used) / len(pairs), "pairs": len(used)}
 
-    def evaluate_analogies(self, questions: list[tuple[str, str, str, str, str]],
-                           block: int = 512) -> dict[str, float]:
+    def evaluate_analogies(self, questions: list[tuple[str, str, str, str, str]], block: int = 512) -> dict[str, float]:
         used = [q[1:] for q in questions if all(w in self for w in q[1:])]
         correct = 0
         for lo in range(0, len(used), block):
-            q = np.array([[self.index[w] for w in row] for row in used[lo:lo + block]])
+            q = np.array([[self.index[w] for w in row] for row in used[lo : lo + block]])
             target = self.unit[q[:, 1]] - self.unit[q[:, 0]] + self.unit[q[:, 2]]
             sims = target @ self.unit.T
             sims[:, ~self.candidate] = -np.inf
@@ -170,8 +177,14 @@ def evaluate_loss(model, batches: Iterable[tuple], device: str | torch.device = 
     return total / n
 
 
-def evaluate_cbow(model, tokens: list[str], val_batches: Iterable[tuple] | None = None,
-                  probes: Iterable[str] = (), k: int = 10, device: str | torch.device = "cpu") -> dict:
+def evaluate_cbow(
+    model,
+    tokens: list[str],
+    val_batches: Iterable[tuple] | None = None,
+    probes: Iterable[str] = (),
+    k: int = 10,
+    device: str | torch.device = "cpu",
+) -> dict:
     """One eval of a CBOW model (mllm.embeddings.cbow.CBOW): {"metrics", "neighbours", "notes"}.
 
     metrics: the word-similarity and analogy scores of the input ("context") embedding, the usual
@@ -179,8 +192,10 @@ def evaluate_cbow(model, tokens: list[str], val_batches: Iterable[tuple] | None 
     centre_<name>, and val_loss when `val_batches` are given. neighbours and notes: see
     neighbours_table, for both embeddings.
     """
-    named = {"context": WordVectors(tokens, model.context_vectors().cpu().numpy()),
-             "centre": WordVectors(tokens, model.centre_vectors().cpu().numpy())}
+    named = {
+        "context": WordVectors(tokens, model.context_vectors().cpu().numpy()),
+        "centre": WordVectors(tokens, model.centre_vectors().cpu().numpy()),
+    }
     metrics = evaluate_embeddings(named["context"])
     metrics |= {f"centre_{name}": v for name, v in evaluate_embeddings(named["centre"]).items()}
     if val_batches is not None:
@@ -210,8 +225,7 @@ def neighbours_table(named: dict[str, WordVectors], probes: Iterable[str], k: in
             continue
         for name, vecs in named.items():
             for r, (token, cos) in enumerate(vecs.neighbours(word, k), start=1):
-                rows.append({"probe": word, "embedding": name, "rank": r, "neighbour": token,
-                             "cosine": round(cos, 4)})
+                rows.append({"probe": word, "embedding": name, "rank": r, "neighbour": token, "cosine": round(cos, 4)})
     return rows, notes
 
 
@@ -223,8 +237,9 @@ def write_parquet(url: str, vectors: WordVectors) -> None:
     """Columns token (string) and vector (fixed-size list of float32)."""
     d = vectors.vectors.shape[1]
     flat = pa.array(vectors.vectors.reshape(-1), type=pa.float32())
-    table = pa.table({"token": pa.array(vectors.tokens, type=pa.string()),
-                      "vector": pa.FixedSizeListArray.from_arrays(flat, d)})
+    table = pa.table(
+        {"token": pa.array(vectors.tokens, type=pa.string()), "vector": pa.FixedSizeListArray.from_arrays(flat, d)}
+    )
     with storage.atomic_open(url, "wb") as f:
         pq.write_table(table, f)
 
@@ -243,8 +258,9 @@ def write_word2vec(url: str, vectors: WordVectors) -> None:
     """word2vec's text format ("V D", then "token x1 .. xD" a line), what gensim and fastText read."""
     bad = [t for t in vectors.tokens if not t or any(c.isspace() for c in t)]
     if bad:
-        raise UserError(f"token {bad[0]!r} holds whitespace, which the word2vec text format cannot "
-                        "store: export as Parquet instead")
+        raise UserError(
+            f"token {bad[0]!r} holds whitespace, which the word2vec text format cannot store: export as Parquet instead"
+        )
     with storage.atomic_open(url, "wb") as f:
         f.write(f"{len(vectors.tokens)} {vectors.vectors.shape[1]}\n".encode())
         for token, row in zip(vectors.tokens, vectors.vectors):

@@ -30,6 +30,7 @@ LIBRARIES = {"hf": ("transformers", "safetensors", "tokenizers"), "onnx": ("onnx
 VOCAB = "mllm-vocab.json"  # the mllm vocabulary, beside every export
 MANIFEST = "mllm-export.json"  # what was exported, with which libraries, from which model and run
 
+
 def library_versions(fmt: str) -> dict[str, str]:
     """The installed version of torch and of each library the format needs."""
     from importlib.metadata import PackageNotFoundError, version
@@ -39,8 +40,9 @@ def library_versions(fmt: str) -> dict[str, str]:
         try:
             out[name] = version(name)
         except PackageNotFoundError:
-            raise UserError(f"--format {fmt} needs {name}, which is not installed: "
-                            "pip install 'mllm-pipeline[export]'") from None
+            raise UserError(
+                f"--format {fmt} needs {name}, which is not installed: pip install 'mllm-pipeline[export]'"
+            ) from None
     return out
 
 
@@ -52,8 +54,10 @@ def exporter(model_config: Any, fmt: str):
     by_format = family_of(model_config).exports(model_config)
     if fmt not in by_format:
         takers = ", ".join(by_format) or "none"
-        raise UserError(f"model.arch {getattr(model_config, 'arch', '?')} has no {fmt} export (it exports to "
-                        f"{takers}): choose --format {next(iter(by_format), 'onnx')}")
+        raise UserError(
+            f"model.arch {getattr(model_config, 'arch', '?')} has no {fmt} export (it exports to "
+            f"{takers}): choose --format {next(iter(by_format), 'onnx')}"
+        )
     library_versions(fmt)
     module, func = by_format[fmt].split(":")
     return getattr(importlib.import_module(f"mllm.export.{module}"), func)
@@ -77,8 +81,16 @@ def export(loaded: Any, fmt: str, out: str, card: dict[str, Any] | None = None) 
         with open(os.path.join(tmp, VOCAB), "w", encoding="utf-8") as f:
             f.write(loaded.vocab.to_json() + "\n")  # the mllm vocabulary the ids come from
         files = sorted({*files, VOCAB, MANIFEST})
-        manifest = scrub({"format": fmt, "libraries": library_versions(fmt), "files": files, "step": loaded.step,
-                          "vocab_sha256": loaded.vocab.digest, **(card or {})})
+        manifest = scrub(
+            {
+                "format": fmt,
+                "libraries": library_versions(fmt),
+                "files": files,
+                "step": loaded.step,
+                "vocab_sha256": loaded.vocab.digest,
+                **(card or {}),
+            }
+        )
         with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         fs, _ = storage.filesystem(out)

@@ -12,9 +12,11 @@ from mllm.runtime.checkpoint import load_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mllm.export",
-                                description="Export a checkpoint for another runtime: hf (transformers), "
-                                            "onnx (onnxruntime) or gguf (llama.cpp).")
+    p = argparse.ArgumentParser(
+        prog="python -m mllm.export",
+        description="Export a checkpoint for another runtime: hf (transformers), "
+        "onnx (onnxruntime) or gguf (llama.cpp).",
+    )
     p.add_argument("--checkpoint", required=True, help="URL or path of a checkpoint (best.pt / last.pt)")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--out", required=True, help="a new or empty folder (path or URL)")

@@ -45,20 +45,28 @@ def tensors(model: Any) -> dict[str, torch.Tensor]:
     """GGUF tensor name -> the checkpoint's tensor (zeros where mllm's layer has no bias)."""
     c, sd = model.config, model.state_dict()
     E, kind = c.n_embd, runtime_arch(c)
-    zeros = lambda n: torch.zeros(n)  # noqa: E731
-    out = {"token_embd.weight": sd["transformer.wte.weight"], "output.weight": sd["lm_head.weight"],
-           "output_norm.weight": sd["transformer.ln_f.weight"],
-           "output_norm.bias": sd.get("transformer.ln_f.bias", zeros(E))}
+    zeros = lambda n: torch.zeros(n)  # noqa: E731 (a one-line helper, named where it is used)
+    out = {
+        "token_embd.weight": sd["transformer.wte.weight"],
+        "output.weight": sd["lm_head.weight"],
+        "output_norm.weight": sd["transformer.ln_f.weight"],
+        "output_norm.bias": sd.get("transformer.ln_f.bias", zeros(E)),
+    }
     if kind == "gpt2":
         out["position_embd.weight"] = sd["transformer.wpe.weight"]
     for i in range(c.n_layer):
         src, dst = f"transformer.h.{i}.", f"blk.{i}."
-        pairs = [("ln_1", "attn_norm", E), ("attn.c_proj", "attn_output", E), ("ln_2", "ffn_norm", E),
-                 ("mlp.c_fc", "ffn_up", 4 * E), ("mlp.c_proj", "ffn_down", E)]
+        pairs = [
+            ("ln_1", "attn_norm", E),
+            ("attn.c_proj", "attn_output", E),
+            ("ln_2", "ffn_norm", E),
+            ("mlp.c_fc", "ffn_up", 4 * E),
+            ("mlp.c_proj", "ffn_down", E),
+        ]
         if kind == "nemotron":
             w, b = sd[src + "attn.c_attn.weight"], sd.get(src + "attn.c_attn.bias", zeros(3 * E))
             for j, name in enumerate(("attn_q", "attn_k", "attn_v")):
-                out[dst + name + ".weight"], out[dst + name + ".bias"] = w[j * E:(j + 1) * E], b[j * E:(j + 1) * E]
+                out[dst + name + ".weight"], out[dst + name + ".bias"] = w[j * E : (j + 1) * E], b[j * E : (j + 1) * E]
         else:
             pairs.append(("attn.c_attn", "attn_qkv", 3 * E))
         for a, name, n in pairs:
@@ -87,8 +95,12 @@ def _vocabulary(w: Any, loaded: Any) -> None:
         # llama.cpp refuses a vocabulary without merges, and GGUF has no empty array: one pair of
         # control tokens, which never meet (its BPE starts from single characters), changes nothing.
         w.add_token_merges(["<unk> <unk>"])
-    for name, add in (("<unk>", w.add_unk_token_id), ("<bos>", w.add_bos_token_id), ("<eos>", w.add_eos_token_id),
-                      ("<pad>", w.add_pad_token_id)):
+    for name, add in (
+        ("<unk>", w.add_unk_token_id),
+        ("<bos>", w.add_bos_token_id),
+        ("<eos>", w.add_eos_token_id),
+        ("<pad>", w.add_pad_token_id),
+    ):
         if name in stoi:
             add(stoi[name])
     w.add_add_bos_token(False)

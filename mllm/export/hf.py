@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import torch
 
 from mllm.export.pieces import check_gpt
-from mllm.redact import scrub
 from mllm.export.tokenizer import fast_tokenizer
+from mllm.redact import scrub
 
 
 def _zeros_if_none(t: torch.Tensor | None, n: int) -> torch.Tensor:
@@ -25,13 +25,34 @@ def _gpt2(model: Any, ids: dict[str, int | None]) -> tuple[Any, dict[str, torch.
     from transformers import GPT2Config
 
     c, sd = model.config, model.state_dict()
-    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                     n_head=c.n_head, n_inner=4 * c.n_embd, activation_function=c.mlp, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=c.tie_weights, **ids)
-    w = {"transformer.wte.weight": sd["transformer.wte.weight"], "transformer.wpe.weight": sd["transformer.wpe.weight"],
-         "lm_head.weight": sd["lm_head.weight"]}
-    names = [("ln_1", None), ("attn.c_attn", 3 * c.n_embd), ("attn.c_proj", c.n_embd), ("ln_2", None),
-             ("mlp.c_fc", 4 * c.n_embd), ("mlp.c_proj", c.n_embd)]
+    cfg = GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=4 * c.n_embd,
+        activation_function=c.mlp,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=c.tie_weights,
+        **ids,
+    )
+    w = {
+        "transformer.wte.weight": sd["transformer.wte.weight"],
+        "transformer.wpe.weight": sd["transformer.wpe.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
+    names = [
+        ("ln_1", None),
+        ("attn.c_attn", 3 * c.n_embd),
+        ("attn.c_proj", c.n_embd),
+        ("ln_2", None),
+        ("mlp.c_fc", 4 * c.n_embd),
+        ("mlp.c_proj", c.n_embd),
+    ]
     for prefix in [f"transformer.h.{i}." for i in range(c.n_layer)] + ["transformer."]:
         for name, n_out in names if prefix != "transformer." else [("ln_f", None)]:
             weight = sd[prefix + name + ".weight"]
@@ -50,18 +71,34 @@ def _neox(model: Any, ids: dict[str, int | None]) -> tuple[Any, dict[str, torch.
     from transformers import GPTNeoXConfig
 
     c, sd = model.config, model.state_dict()
-    cfg = GPTNeoXConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer,
-                        num_attention_heads=c.n_head, intermediate_size=4 * c.n_embd, hidden_act=c.mlp,
-                        max_position_embeddings=c.block_size, layer_norm_eps=1e-5, use_parallel_residual=False,
-                        tie_word_embeddings=c.tie_weights, attention_bias=True, rotary_pct=1.0,
-                        rotary_emb_base=10000.0, **ids)
+    cfg = GPTNeoXConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        intermediate_size=4 * c.n_embd,
+        hidden_act=c.mlp,
+        max_position_embeddings=c.block_size,
+        layer_norm_eps=1e-5,
+        use_parallel_residual=False,
+        tie_word_embeddings=c.tie_weights,
+        attention_bias=True,
+        rotary_pct=1.0,
+        rotary_emb_base=10000.0,
+        **ids,
+    )
     w = {"gpt_neox.embed_in.weight": sd["transformer.wte.weight"], "lm_head.weight": sd["lm_head.weight"]}
     E = c.n_embd
     for i in range(c.n_layer):
         src, dst = f"transformer.h.{i}.", f"gpt_neox.layers.{i}."
-        for a, b, n in [("ln_1", "input_layernorm", E), ("ln_2", "post_attention_layernorm", E),
-                        ("attn.c_attn", "attention.query_key_value", 3 * E), ("attn.c_proj", "attention.dense", E),
-                        ("mlp.c_fc", "mlp.dense_h_to_4h", 4 * E), ("mlp.c_proj", "mlp.dense_4h_to_h", E)]:
+        for a, b, n in [
+            ("ln_1", "input_layernorm", E),
+            ("ln_2", "post_attention_layernorm", E),
+            ("attn.c_attn", "attention.query_key_value", 3 * E),
+            ("attn.c_proj", "attention.dense", E),
+            ("mlp.c_fc", "mlp.dense_h_to_4h", 4 * E),
+            ("mlp.c_proj", "mlp.dense_4h_to_h", E),
+        ]:
             weight, bias = sd[src + a + ".weight"], _zeros_if_none(sd.get(src + a + ".bias"), n)
             if a == "attn.c_attn":
                 weight, bias = _neox_qkv(weight, c.n_head), _neox_qkv(bias, c.n_head)
@@ -117,8 +154,12 @@ def _export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     tokenizer = fast_tokenizer(loaded.tokenizer, loaded.vocab)  # refuses before anything is written
     model = hf_model(loaded.model, loaded.vocab)
     eos = loaded.vocab.stoi.get("<eos>")
-    model.generation_config = GenerationConfig(do_sample=False, max_new_tokens=loaded.config.sample.max_new_tokens,
-                                               eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=loaded.config.sample.max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+    )
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
@@ -129,19 +170,36 @@ def _export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
 def model_card(loaded: Any, card: dict[str, Any], arch: str) -> str:
     """README.md: what the model is, how to load it, and where it came from (recipe, corpus, run)."""
     c, cfg = loaded.model.config, loaded.config
-    lines = [f"# {card.get('name') or cfg.recipe}", "",
-             f"A {c.n_layer}-layer, {c.n_head}-head, {c.n_embd}-wide GPT trained by mllm-pipeline with recipe "
-             f"`{cfg.recipe}`, exported as transformers' `{arch}` architecture (no custom code).", "",
-             "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-             'model = AutoModelForCausalLM.from_pretrained("PATH")',
-             'tokenizer = AutoTokenizer.from_pretrained("PATH")', "```", "",
-             "## Lineage", "", "| | |", "|---|---|",
-             f"| checkpoint step | {loaded.step} |",
-             f"| tokenizer | {loaded.tokenizer.kind} (normalize: {str(loaded.tokenizer.normalize).lower()}) |",
-             f"| vocabulary | {len(loaded.vocab)} tokens, sha256 {loaded.vocab.digest} |"]
+    lines = [
+        f"# {card.get('name') or cfg.recipe}",
+        "",
+        f"A {c.n_layer}-layer, {c.n_head}-head, {c.n_embd}-wide GPT trained by mllm-pipeline with recipe "
+        f"`{cfg.recipe}`, exported as transformers' `{arch}` architecture (no custom code).",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        "```",
+        "",
+        "## Lineage",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| checkpoint step | {loaded.step} |",
+        f"| tokenizer | {loaded.tokenizer.kind} (normalize: {str(loaded.tokenizer.normalize).lower()}) |",
+        f"| vocabulary | {len(loaded.vocab)} tokens, sha256 {loaded.vocab.digest} |",
+    ]
     lines += [f"| {k} | {scrub(str(v))} |" for k, v in card.items() if k != "name" and v is not None]
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {v:.6g} |" for k, v in sorted(loaded.metrics.items()) if isinstance(v, (int, float))]
-    lines += ["", "## Recipe", "", "```json", json.dumps(scrub(cfg.model_dump(mode="json")), indent=1, sort_keys=True),
-              "```", ""]
+    lines += [
+        "",
+        "## Recipe",
+        "",
+        "```json",
+        json.dumps(scrub(cfg.model_dump(mode="json")), indent=1, sort_keys=True),
+        "```",
+        "",
+    ]
     return "\n".join(lines)

@@ -45,8 +45,17 @@ class GPTStep(nn.Module):
             q, k = _rms(q), _rms(k)
         if attn.rotary is not None:
             cos, sin, h = attn.rotary.cos[pos], attn.rotary.sin[pos], attn.rotary.half
-            q, k = (torch.cat([t[..., :h] * cos - t[..., h:2 * h] * sin, t[..., h:2 * h] * cos + t[..., :h] * sin,
-                               t[..., 2 * h:]], dim=-1) for t in (q, k))
+            q, k = (
+                torch.cat(
+                    [
+                        t[..., :h] * cos - t[..., h : 2 * h] * sin,
+                        t[..., h : 2 * h] * cos + t[..., :h] * sin,
+                        t[..., 2 * h :],
+                    ],
+                    dim=-1,
+                )
+                for t in (q, k)
+            )
         if ve is not None:
             v = attn.ve_lambdas[0] * v + attn.ve_lambdas[1] * ve.view(B, T, H, C // H).transpose(1, 2)
         k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
@@ -130,14 +139,23 @@ class CbowEmbed(nn.Module):
         return h, self.head(h)
 
 
-def export_module(module: nn.Module, args: tuple, path: str, inputs: list[str], outputs: list[str],
-                  dynamic: dict[str, dict[int, str]]) -> None:
+def export_module(
+    module: nn.Module, args: tuple, path: str, inputs: list[str], outputs: list[str], dynamic: dict[str, dict[int, str]]
+) -> None:
     """One graph through torch's TorchScript-based exporter (no onnxscript needed), float32."""
     module = module.float().eval()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's tracer warnings name our own shape arithmetic
-        torch.onnx.export(module, args, path, input_names=inputs, output_names=outputs, dynamic_axes=dynamic,
-                          opset_version=OPSET, dynamo=False)
+        torch.onnx.export(
+            module,
+            args,
+            path,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=dynamic,
+            opset_version=OPSET,
+            dynamo=False,
+        )
 
 
 def export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
@@ -146,11 +164,21 @@ def export_gpt(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     ids = torch.zeros(1, 3, dtype=torch.long)
     past = torch.zeros(L, 1, H, 2, D)
     cache = {0: "layer", 1: "batch", 3: "past"}
-    export_module(GPTStep(loaded.model), (ids, past, past), os.path.join(out, "model.onnx"),
-                  ["input_ids", "past_keys", "past_values"], ["logits", "keys", "values"],
-                  {"input_ids": {0: "batch", 1: "tokens"}, "past_keys": cache, "past_values": cache,
-                   "logits": {0: "batch", 1: "tokens"}, "keys": {1: "batch", 3: "length"},
-                   "values": {1: "batch", 3: "length"}})
+    export_module(
+        GPTStep(loaded.model),
+        (ids, past, past),
+        os.path.join(out, "model.onnx"),
+        ["input_ids", "past_keys", "past_values"],
+        ["logits", "keys", "values"],
+        {
+            "input_ids": {0: "batch", 1: "tokens"},
+            "past_keys": cache,
+            "past_values": cache,
+            "logits": {0: "batch", 1: "tokens"},
+            "keys": {1: "batch", 3: "length"},
+            "values": {1: "batch", 3: "length"},
+        },
+    )
     return ["model.onnx"]
 
 
@@ -160,17 +188,35 @@ def export_recurrent(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     h = torch.zeros(c.n_layer, 1, c.hidden_size)
     names = ["h", "c"] if step.lstm else ["h"]
     state = {n: {1: "batch"} for n in names}
-    export_module(step, (torch.zeros(1, 3, dtype=torch.long), *(h for _ in names)), os.path.join(out, "model.onnx"),
-                  ["input_ids", *names], ["logits", *(f"{n}_out" for n in names)],
-                  {"input_ids": {0: "batch", 1: "tokens"}, "logits": {0: "batch", 1: "tokens"}, **state,
-                   **{f"{n}_out": {1: "batch"} for n in names}})
+    export_module(
+        step,
+        (torch.zeros(1, 3, dtype=torch.long), *(h for _ in names)),
+        os.path.join(out, "model.onnx"),
+        ["input_ids", *names],
+        ["logits", *(f"{n}_out" for n in names)],
+        {
+            "input_ids": {0: "batch", 1: "tokens"},
+            "logits": {0: "batch", 1: "tokens"},
+            **state,
+            **{f"{n}_out": {1: "batch"} for n in names},
+        },
+    )
     return ["model.onnx"]
 
 
 def export_cbow(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     ctx = torch.zeros(1, 4, dtype=torch.long)
-    export_module(CbowEmbed(loaded.model), (ctx, torch.ones(1, 4, dtype=torch.bool)), os.path.join(out, "model.onnx"),
-                  ["context", "mask"], ["vector", "scores"],
-                  {"context": {0: "batch", 1: "words"}, "mask": {0: "batch", 1: "words"},
-                   "vector": {0: "batch"}, "scores": {0: "batch"}})
+    export_module(
+        CbowEmbed(loaded.model),
+        (ctx, torch.ones(1, 4, dtype=torch.bool)),
+        os.path.join(out, "model.onnx"),
+        ["context", "mask"],
+        ["vector", "scores"],
+        {
+            "context": {0: "batch", 1: "words"},
+            "mask": {0: "batch", 1: "words"},
+            "vector": {0: "batch"},
+            "scores": {0: "batch"},
+        },
+    )
     return ["model.onnx"]

@@ -28,8 +28,14 @@ def gpt_pieces(m: Any) -> list[str]:
 # (GELU only), gptneox (rotary, GELU) and nemotron (rotary, ReLU², LayerNorm); onnx runs the
 # model's own layers and takes everything.
 TAKES = {
-    "hf": {"positions: learned", "positions: rotary", "mlp: gelu", "mlp: relu2", "mlp: relu2 with learned positions",
-           "norm: layernorm"},
+    "hf": {
+        "positions: learned",
+        "positions: rotary",
+        "mlp: gelu",
+        "mlp: relu2",
+        "mlp: relu2 with learned positions",
+        "norm: layernorm",
+    },
     "gguf": {"positions: learned", "positions: rotary", "mlp: gelu", "mlp: relu2", "norm: layernorm"},
 }
 
@@ -46,5 +52,7 @@ def check_gpt(m: Any, fmt: str) -> None:
     for piece in gpt_pieces(m):
         if piece not in TAKES[fmt]:
             others = [f for f in takers(piece) if f != fmt]
-            raise UserError(f"the GPT's {piece} has no counterpart in --format {fmt} (no architecture it ships has it): "
-                            f"export with --format {' or '.join(others)}")
+            raise UserError(
+                f"the GPT's {piece} has no counterpart in --format {fmt} (no architecture it ships has it): "
+                f"export with --format {' or '.join(others)}"
+            )

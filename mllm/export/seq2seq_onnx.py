@@ -81,12 +81,23 @@ def export_rnn(loaded: Any, out: str, card: dict[str, Any]) -> list[str]:
     m = loaded.model
     src, token, memory = _example(m)
     batch, seq = BATCH, SEQ
-    export_module(RnnEncoder(m), (src,), os.path.join(out, ENCODER), ["src"], ["outputs", "keys", "pad", "init"],
-                  {"src": seq, "outputs": seq, "keys": seq, "pad": seq, "init": batch})
+    export_module(
+        RnnEncoder(m),
+        (src,),
+        os.path.join(out, ENCODER),
+        ["src"],
+        ["outputs", "keys", "pad", "init"],
+        {"src": seq, "outputs": seq, "keys": seq, "pad": seq, "init": batch},
+    )
     args = (token, memory["init"], memory["outputs"], memory["keys"], memory["pad"])
-    export_module(RnnStep(m), args, os.path.join(out, DECODER), ["token", "state", "outputs", "keys", "pad"],
-                  ["logits", "state_out"], {"token": batch, "state": batch, "outputs": seq, "keys": seq,
-                                            "pad": seq, "logits": batch, "state_out": batch})
+    export_module(
+        RnnStep(m),
+        args,
+        os.path.join(out, DECODER),
+        ["token", "state", "outputs", "keys", "pad"],
+        ["logits", "state_out"],
+        {"token": batch, "state": batch, "outputs": seq, "keys": seq, "pad": seq, "logits": batch, "state_out": batch},
+    )
     return [ENCODER, DECODER]
 
 
@@ -94,13 +105,31 @@ def export_transformer(loaded: Any, out: str, card: dict[str, Any]) -> list[str]
     m, c = loaded.model, loaded.model.config
     src, token, memory = _example(m)
     batch, seq = BATCH, SEQ
-    export_module(TransformerEncoder(m), (src,), os.path.join(out, ENCODER), ["src"], ["memory", "pad"],
-                  {"src": seq, "memory": seq, "pad": seq})
+    export_module(
+        TransformerEncoder(m),
+        (src,),
+        os.path.join(out, ENCODER),
+        ["src"],
+        ["memory", "pad"],
+        {"src": seq, "memory": seq, "pad": seq},
+    )
     past = torch.zeros(c.n_layer, 1, c.n_head, 0, c.n_embd // c.n_head)
     cache = {1: "batch", 3: "past"}
-    export_module(TransformerStep(m), (token, memory["outputs"], memory["pad"], past, past),
-                  os.path.join(out, DECODER), ["token", "memory", "pad", "past_keys", "past_values"],
-                  ["logits", "keys", "values"],
-                  {"token": batch, "memory": seq, "pad": seq, "past_keys": cache, "past_values": cache,
-                   "logits": batch, "keys": {1: "batch", 3: "length"}, "values": {1: "batch", 3: "length"}})
+    export_module(
+        TransformerStep(m),
+        (token, memory["outputs"], memory["pad"], past, past),
+        os.path.join(out, DECODER),
+        ["token", "memory", "pad", "past_keys", "past_values"],
+        ["logits", "keys", "values"],
+        {
+            "token": batch,
+            "memory": seq,
+            "pad": seq,
+            "past_keys": cache,
+            "past_values": cache,
+            "logits": batch,
+            "keys": {1: "batch", 3: "length"},
+            "values": {1: "batch", 3: "length"},
+        },
+    )
     return [ENCODER, DECODER]

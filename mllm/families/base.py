@@ -84,8 +84,7 @@ class Family:
     def check(self, cfg: Any) -> None:
         """Raise ValueError when the run's other sections do not fit this family's model."""
         if bad := [m for m in cfg.sample.methods if m not in self.methods]:
-            raise ValueError(f"sample.methods {', '.join(bad)}: {self.a_model} samples with "
-                             f"{', '.join(self.methods)}")
+            raise ValueError(f"sample.methods {', '.join(bad)}: {self.a_model} samples with {', '.join(self.methods)}")
 
     def takes_muon(self, model: Any) -> bool:
         """Whether train.optimizer muon fits this model: Muon orthogonalises the updates of hidden
@@ -153,14 +152,18 @@ class Family:
 
     def describe(self, e: Evaluation) -> str:
         """An evaluation in one line."""
-        return (f"{e.headline} {e.value:.4f} ({'higher' if e.higher_is_better else 'lower'} is better), "
-                f"val loss {e.loss:.4f}")
+        return (
+            f"{e.headline} {e.value:.4f} ({'higher' if e.higher_is_better else 'lower'} is better), "
+            f"val loss {e.loss:.4f}"
+        )
 
     def describe_data(self, data: Any) -> str:
         """What the data stages made, in one line (`prepare`)."""
         s = data.splits
-        return (f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, train {s.train.n_tokens:,} / "
-                f"val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else ""))
+        return (
+            f"{data.tokens.n_tokens:,} tokens, vocabulary {data.vocab.size}, train {s.train.n_tokens:,} / "
+            f"val {s.val.n_tokens:,}" + (f" / test {s.test.n_tokens:,}" if s.test else "")
+        )
 
     def make_data(self, data: Any, out: str) -> dict[str, Any]:
         """A generated family's data (data == "generated") from the `data` section, written
@@ -235,14 +238,18 @@ def check_run(cfg: Any) -> None:
     family = family_of(cfg.model)
     for section, kind in (("pairs", "pairs"), ("sequences", "generated")):
         if getattr(cfg.data, section) is not None and family.data != kind:
-            raise ValueError(f"data.{section} is data for another family than the {family.name} "
-                             f"(model.arch {cfg.model.arch}): remove it")
+            raise ValueError(
+                f"data.{section} is data for another family than the {family.name} "
+                f"(model.arch {cfg.model.arch}): remove it"
+            )
     if family.data == "generated" and cfg.data.sequences is None:
-        raise ValueError(f"the {family.name} family makes its data: add a data.sequences section "
-                         "(see recipe count-rnn)")
+        raise ValueError(
+            f"the {family.name} family makes its data: add a data.sequences section (see recipe count-rnn)"
+        )
     if cfg.train.optimizer == "muon" and not family.takes_muon(cfg.model):
-        raise ValueError(f"train.optimizer muon is for the GPT's hidden matrices, not model.arch {cfg.model.arch}: "
-                         "use adamw or adam")
+        raise ValueError(
+            f"train.optimizer muon is for the GPT's hidden matrices, not model.arch {cfg.model.arch}: use adamw or adam"
+        )
     family.check(cfg)
 
 

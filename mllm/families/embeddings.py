@@ -10,7 +10,6 @@ from mllm.config import CbowConfig
 from mllm.embeddings.wordsim import HEADLINE
 from mllm.families.base import Evaluation, Family, Samples, option, register
 
-
 WORDSIM353_PAIRS = 353
 FEW_PAIRS = 30  # below this many scored pairs a Spearman correlation moves by tenths between runs
 
@@ -44,8 +43,9 @@ class WordEmbeddings(Family):
         p = cfg.paths
         for name in ("train_offsets", "val_offsets"):
             if getattr(p, name) is None:
-                raise UserError(f"a CBOW run needs paths.{name}: the paragraph offsets the split stage wrote "
-                                "beside the ids")
+                raise UserError(
+                    f"a CBOW run needs paths.{name}: the paragraph offsets the split stage wrote beside the ids"
+                )
         return super().load_inputs(cfg)
 
     def train_batches(self, cfg: Any, train: Any, rank: int, world_size: int):
@@ -59,7 +59,8 @@ class WordEmbeddings(Family):
 
         t = cfg.train
         return CbowBatches.from_config(cfg.model, *val, t.batch_size, t.seed).eval_batches(
-            t.eval_batches * t.batch_size, seed=t.seed)
+            t.eval_batches * t.batch_size, seed=t.seed
+        )
 
     def evaluate(self, loaded: Any, cfg: Any, part: Any, train_part: Any, out: str) -> Evaluation:
         from mllm.embeddings import evaluation
@@ -71,11 +72,14 @@ class WordEmbeddings(Family):
         notes = list(result["notes"])
         pairs = round(m["wordsim353_coverage"] * WORDSIM353_PAIRS)
         if pairs < FEW_PAIRS:
-            notes.append(f"WordSim-353 covers only {pairs} of its {WORDSIM353_PAIRS} pairs in this vocabulary "
-                         f"({100 * m['wordsim353_coverage']:.1f}%): the headline, and so the champion decision, "
-                         "rests on too few pairs to mean much; train on more text or lower data.vocab.min_freq")
-        return Evaluation(self.headline, self.higher_is_better, m["val_loss"], result["n_samples"], dict(m), report,
-                          files, notes)
+            notes.append(
+                f"WordSim-353 covers only {pairs} of its {WORDSIM353_PAIRS} pairs in this vocabulary "
+                f"({100 * m['wordsim353_coverage']:.1f}%): the headline, and so the champion decision, "
+                "rests on too few pairs to mean much; train on more text or lower data.vocab.min_freq"
+            )
+        return Evaluation(
+            self.headline, self.higher_is_better, m["val_loss"], result["n_samples"], dict(m), report, files, notes
+        )
 
     def sample(self, loaded: Any, prompts: list[str] | None, options: dict[str, Any]) -> list[str]:
         from mllm.embeddings.evaluation import neighbours_of
@@ -86,8 +90,9 @@ class WordEmbeddings(Family):
         for prompt in prompts:
             words = loaded.tokenizer.split(prompt)  # as the corpus was: "War" is the corpus's "war"
             if not words:
-                raise UserError("the prompt holds no word: give the words whose neighbours to list, e.g. "
-                                "--prompt \"war mother\"")
+                raise UserError(
+                    'the prompt holds no word: give the words whose neighbours to list, e.g. --prompt "war mother"'
+                )
             out.append("\n".join(neighbours_of(loaded, words, k)))
         return out
 
@@ -96,8 +101,10 @@ class WordEmbeddings(Family):
 
         s = cfg.sample
         known = [w for w in s.probes if w in vectors(loaded)]
-        notes = [f"probe word {w!r} is not in the vocabulary: left out of the neighbours"
-                 for w in sorted(set(s.probes) - set(known))]
+        notes = [
+            f"probe word {w!r} is not in the vocabulary: left out of the neighbours"
+            for w in sorted(set(s.probes) - set(known))
+        ]
         return Samples(known, {"neighbours": neighbours_of(loaded, known, s.neighbours)}, notes)
 
     def exports(self, m: Any) -> dict[str, str]:
@@ -108,7 +115,8 @@ class WordEmbeddings(Family):
 
     def describe(self, e: Evaluation) -> str:
         m = e.metrics
-        return (f"WordSim-353 Spearman {m['wordsim353_spearman']:.4f} (coverage {m['wordsim353_coverage']:.2f}), "
-                f"SimLex-999 {m['simlex999_spearman']:.4f}, analogies {m['analogy_accuracy']:.4f}, "
-                f"held-out loss {e.loss:.4f}")
-
+        return (
+            f"WordSim-353 Spearman {m['wordsim353_spearman']:.4f} (coverage {m['wordsim353_coverage']:.2f}), "
+            f"SimLex-999 {m['simlex999_spearman']:.4f}, analogies {m['analogy_accuracy']:.4f}, "
+            f"held-out loss {e.loss:.4f}"
+        )

@@ -7,9 +7,9 @@ from typing import Any
 
 from mllm import UserError
 from mllm.config import GPTConfig, RecurrentConfig
-from mllm.runtime.epochs import load_ids
-from mllm.families.base import Evaluation, Family, Samples, ids_in_vocab, option, register
 from mllm.data.vocab import Vocab
+from mllm.families.base import Evaluation, Family, Samples, ids_in_vocab, option, register
+from mllm.runtime.epochs import load_ids
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")
 # One evaluation setting for every model, whatever it trained with: a recurrent model's score
@@ -22,8 +22,14 @@ def _score(loaded: Any, cfg: Any, ids: Any, n_bytes: int | None) -> dict[str, fl
     """The one scoring of a split, for a run's own model and for the champion it is judged against."""
     from mllm.lm.evaluate import evaluate
 
-    return evaluate(loaded.model, ids, window=cfg.train.window, batch_size=EVAL_STREAMS,
-                    device=next(loaded.model.parameters()).device, n_bytes=n_bytes)
+    return evaluate(
+        loaded.model,
+        ids,
+        window=cfg.train.window,
+        batch_size=EVAL_STREAMS,
+        device=next(loaded.model.parameters()).device,
+        n_bytes=n_bytes,
+    )
 
 
 @register
@@ -38,8 +44,10 @@ class LanguageModel(Family):
         super().check(cfg)
         block = getattr(cfg.model, "block_size", None)
         if block is not None and cfg.train.window > block:
-            raise ValueError(f"train.window ({cfg.train.window}) exceeds model.block_size ({block}): "
-                             "GPT has no position embedding beyond it")
+            raise ValueError(
+                f"train.window ({cfg.train.window}) exceeds model.block_size ({block}): "
+                "GPT has no position embedding beyond it"
+            )
 
     def takes_muon(self, model: Any) -> bool:
         return isinstance(model, GPTConfig)
@@ -73,7 +81,7 @@ class LanguageModel(Family):
 
         ids, t = val[0], cfg.train
         starts = eval_starts(ids, t.window, t.eval_batches * t.batch_size, t.seed)
-        return [windows(ids, starts[i:i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
+        return [windows(ids, starts[i : i + t.batch_size], t.window) for i in range(0, len(starts), t.batch_size)]
 
     def evaluate(self, loaded: Any, cfg: Any, part: Any, train_part: Any, out: str) -> Evaluation:
         from mllm.lm.evaluate import ngram_baseline
@@ -84,18 +92,31 @@ class LanguageModel(Family):
         size = len(loaded.vocab)
         unigram = ngram_baseline(train_ids, ids, size, order=1)["bits_per_token"]
         bigram = ngram_baseline(train_ids, ids, size, order=2)["bits_per_token"]
-        metrics = {"val_loss": s["loss"], "val_perplexity": s["perplexity"], "val_bits_per_token": s["bits_per_token"],
-                   "val_bits_per_byte": s["bits_per_byte"], "baseline_unigram_bits_per_token": unigram,
-                   "baseline_bigram_bits_per_token": bigram}
-        report = "\n".join([
-            f"# Evaluation of {cfg.recipe}", "",
-            f"Checkpoint after {loaded.step} steps.", "",
-            "| metric | model | unigram | bigram |", "|---|---|---|---|",
-            f"| loss (nats/token) | {s['loss']:.4f} | | |",
-            f"| perplexity | {s['perplexity']:.3f} | | |",
-            f"| bits per token | {s['bits_per_token']:.4f} | {unigram:.4f} | {bigram:.4f} |",
-            f"| bits per byte | {s['bits_per_byte']:.4f} | | |", "",
-            f"{s['tokens']} tokens scored, each once.", ""])
+        metrics = {
+            "val_loss": s["loss"],
+            "val_perplexity": s["perplexity"],
+            "val_bits_per_token": s["bits_per_token"],
+            "val_bits_per_byte": s["bits_per_byte"],
+            "baseline_unigram_bits_per_token": unigram,
+            "baseline_bigram_bits_per_token": bigram,
+        }
+        report = "\n".join(
+            [
+                f"# Evaluation of {cfg.recipe}",
+                "",
+                f"Checkpoint after {loaded.step} steps.",
+                "",
+                "| metric | model | unigram | bigram |",
+                "|---|---|---|---|",
+                f"| loss (nats/token) | {s['loss']:.4f} | | |",
+                f"| perplexity | {s['perplexity']:.3f} | | |",
+                f"| bits per token | {s['bits_per_token']:.4f} | {unigram:.4f} | {bigram:.4f} |",
+                f"| bits per byte | {s['bits_per_byte']:.4f} | | |",
+                "",
+                f"{s['tokens']} tokens scored, each once.",
+                "",
+            ]
+        )
         return Evaluation(self.headline, self.higher_is_better, s["loss"], int(s["tokens"]), metrics, report)
 
     def rescore(self, loaded: Any, cfg: Any, part: Any, vocab_url: str) -> Evaluation:
@@ -123,8 +144,10 @@ class LanguageModel(Family):
         for prompt in cfg.sample.prompts:
             fitted, missing = fit_prompt(loaded, prompt)
             if missing:
-                notes.append(f"sample prompt {prompt!r}: the vocabulary lacks "
-                             f"{' '.join(repr(t) for t in missing[:20])}; sampling from {fitted!r} instead")
+                notes.append(
+                    f"sample prompt {prompt!r}: the vocabulary lacks "
+                    f"{' '.join(repr(t) for t in missing[:20])}; sampling from {fitted!r} instead"
+                )
             prompts.append(fitted)
         out = {m: self.sample(loaded, prompts, {"method": m}) for m in cfg.sample.methods}
         return Samples(prompts, out, notes)
@@ -135,11 +158,19 @@ class LanguageModel(Family):
         return {"onnx": "onnx:export_recurrent"}
 
     def served_params(self, s: Any) -> list[tuple[str, str, Any]]:
-        return [("method", "string", s.methods[0]), ("max_new_tokens", "long", s.max_new_tokens),
-                ("temperature", "double", s.temperature), ("top_k", "long", s.top_k),
-                ("top_p", "double", s.top_p), ("beam_width", "long", s.beam_width), ("seed", "long", s.seed)]
+        return [
+            ("method", "string", s.methods[0]),
+            ("max_new_tokens", "long", s.max_new_tokens),
+            ("temperature", "double", s.temperature),
+            ("top_k", "long", s.top_k),
+            ("top_p", "double", s.top_p),
+            ("beam_width", "long", s.beam_width),
+            ("seed", "long", s.seed),
+        ]
 
     def describe(self, e: Evaluation) -> str:
         m = e.metrics
-        return (f"val loss {e.loss:.4f} ({m['val_bits_per_token']:.3f} bits/token, {m['val_bits_per_byte']:.3f} "
-                f"bits/byte; bigram baseline {m['baseline_bigram_bits_per_token']:.3f} bits/token)")
+        return (
+            f"val loss {e.loss:.4f} ({m['val_bits_per_token']:.3f} bits/token, {m['val_bits_per_byte']:.3f} "
+            f"bits/byte; bigram baseline {m['baseline_bigram_bits_per_token']:.3f} bits/token)"
+        )

@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mllm.runtime import speed
 from mllm.lm.gpt import GPT, KVCache
+from mllm.runtime import speed
 
 
 def available() -> bool:
@@ -107,7 +107,7 @@ class Bf16Decoder:
             raise ValueError(f"{past + 1} positions exceed block_size {c.block_size}: crop the context")
         x = m.transformer.wte(idx[:, 0])
         if c.positions == "sinusoidal":
-            x = x * C ** 0.5
+            x = x * C**0.5
         x = x + m.transformer.wpe(torch.tensor(past))
         for layer, block in enumerate(m.transformer.h):
             h = F.layer_norm(x, (C,), block.ln_1.weight, block.ln_1.bias)

@@ -18,8 +18,12 @@ LN2 = math.log(2)
 
 
 def _scores(loss: float, tokens: int, n_bytes: int | None) -> dict[str, float]:
-    out = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else math.inf, "bits_per_token": loss / LN2,
-           "tokens": tokens}
+    out = {
+        "loss": loss,
+        "perplexity": math.exp(loss) if loss < 700 else math.inf,
+        "bits_per_token": loss / LN2,
+        "tokens": tokens,
+    }
     if n_bytes:
         # Bits per byte of the raw text: comparable across tokenizers (nanochat's headline metric).
         out["bits_per_byte"] = loss * tokens / LN2 / n_bytes
@@ -42,14 +46,21 @@ def _rows(ids: np.ndarray, starts: np.ndarray, ends: np.ndarray, offset: int, wi
 
 def _sum_loss(model, x, y, device, state=None):
     logits, _, state = model(x.to(device), y.to(device), state=state)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1),
-                           ignore_index=-1, reduction="sum")
+    loss = F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), y.to(device).view(-1), ignore_index=-1, reduction="sum"
+    )
     return loss.double(), state
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, ids: np.ndarray, window: int, batch_size: int,
-             device: str | torch.device = "cpu", n_bytes: int | None = None) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    ids: np.ndarray,
+    window: int,
+    batch_size: int,
+    device: str | torch.device = "cpu",
+    n_bytes: int | None = None,
+) -> dict[str, float]:
     """Mean cross-entropy over every target of `ids`, with perplexity and bits per token.
 
     `n_bytes`: the UTF-8 size of the text these ids came from, to add bits_per_byte.
@@ -78,7 +89,7 @@ def evaluate(model: torch.nn.Module, ids: np.ndarray, window: int, batch_size: i
         else:
             every = np.arange(0, n_targets, window)
             for i in range(0, len(every), batch_size):
-                starts = every[i:i + batch_size]
+                starts = every[i : i + batch_size]
                 ends = np.minimum(starts + window, n_targets)
                 total += _sum_loss(model, *_rows(ids, starts, ends, 0, window), device)[0]
     finally:
@@ -86,8 +97,9 @@ def evaluate(model: torch.nn.Module, ids: np.ndarray, window: int, batch_size: i
     return _scores(total.item() / n_targets, n_targets, n_bytes)
 
 
-def ngram_baseline(train_ids: np.ndarray, eval_ids: np.ndarray, vocab_size: int, order: int = 1,
-                   k: float = 1.0) -> dict[str, float]:
+def ngram_baseline(
+    train_ids: np.ndarray, eval_ids: np.ndarray, vocab_size: int, order: int = 1, k: float = 1.0
+) -> dict[str, float]:
     """Loss of an add-k smoothed unigram (order 1) or bigram (order 2) model fit on train_ids.
 
     Scores the same targets as `evaluate` (eval_ids[1:]), so the numbers compare directly.

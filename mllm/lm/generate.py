@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
-from mllm.runtime import speed
 from mllm.config import METHODS
 from mllm.lm.decode import bf16_decoder, decode_precision
+from mllm.runtime import speed
 
 if TYPE_CHECKING:
     from mllm.runtime.checkpoint import Loaded
@@ -47,8 +47,14 @@ def filter_top_p(logits, p: float):
     return torch.full_like(logits, float("-inf")).scatter(-1, indices, sorted_logits)
 
 
-def next_token(logits, method: str, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, generator: torch.Generator | None = None):
+def next_token(
+    logits,
+    method: str,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+):
     """Pick the next token [B, 1] from the last position's logits [B, V]."""
     if method == "greedy" or temperature < MIN_TEMPERATURE:
         return logits.argmax(dim=-1, keepdim=True)
@@ -72,7 +78,7 @@ class _Context:
     def __call__(self, seq, new: int):
         """`new`: how many of seq's last tokens the model has not seen yet."""
         if not self.use_cache:
-            logits, _, _ = self.model(seq if self.block is None else seq[:, -self.block:])
+            logits, _, _ = self.model(seq if self.block is None else seq[:, -self.block :])
             return logits[:, -1]
         if self.block is not None and (self.state is None or self.state.length + new > self.block):
             self.state = self.model.new_state(seq.size(0), seq.device)
@@ -129,10 +135,20 @@ def _beam_search(ctx: _Context, seq, max_new_tokens: int, width: int, eos_id: in
 
 
 @torch.inference_mode()  # no_grad still counts tensor versions: per-op overhead that decoding feels
-def generate(model, prompt_ids: list[int], max_new_tokens: int, method: str = "greedy",
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             beam_width: int = 4, seed: int | None = None, use_cache: bool = True,
-             eos_id: int | None = None, dtype: str = "auto") -> list[int]:
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    method: str = "greedy",
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    beam_width: int = 4,
+    seed: int | None = None,
+    use_cache: bool = True,
+    eos_id: int | None = None,
+    dtype: str = "auto",
+) -> list[int]:
     """The new token ids after `prompt_ids` (stopping before `eos_id` if the model produces it).
 
     temperature applies to every sampling method (temperature, top-k, top-p); top-k and top-p
@@ -198,8 +214,10 @@ def sample_text(loaded: "Loaded", prompt: str, method: str, **kw) -> str:
     """The prompt and its continuation as text; keyword arguments go to `generate`."""
     tokens = loaded.tokenizer.split(prompt)
     if prompt.strip() and not tokens:
-        raise UserError(f"the prompt {prompt!r} is empty once normalised as the model's corpus was (it holds only "
-                        "characters that normalisation drops): give text the corpus could have held")
+        raise UserError(
+            f"the prompt {prompt!r} is empty once normalised as the model's corpus was (it holds only "
+            "characters that normalisation drops): give text the corpus could have held"
+        )
     if missing := loaded.vocab.missing(tokens):
         raise UserError(not_in_vocabulary(loaded.config.data, missing, loaded.tokenizer.normalize))
     ids = loaded.vocab.encode(tokens)
@@ -220,10 +238,15 @@ def not_in_vocabulary(data: Any, missing: list[str], normalized: bool) -> str:
     shown = " ".join(repr(t) for t in missing[:20]) + (" ..." if len(missing) > 20 else "")
     how = "normalised as the prompt was, " if normalized else ""
     rare = data.vocab.min_freq > 1 or data.vocab.max_size is not None
-    why = (f"too rarely (data.vocab.min_freq {data.vocab.min_freq}, max_size {data.vocab.max_size}) or not at all"
-           if rare else "none of them")
-    return (f"the prompt has {what} that are not in the model's vocabulary: {shown} (its training corpus, "
-            f"{how}had {why}); leave them out of the prompt")
+    why = (
+        f"too rarely (data.vocab.min_freq {data.vocab.min_freq}, max_size {data.vocab.max_size}) or not at all"
+        if rare
+        else "none of them"
+    )
+    return (
+        f"the prompt has {what} that are not in the model's vocabulary: {shown} (its training corpus, "
+        f"{how}had {why}); leave them out of the prompt"
+    )
 
 
 OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "beam_width", "seed")

@@ -66,8 +66,7 @@ class KVCache:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None,
-                 value_embed: bool = False):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None, value_embed: bool = False):
         super().__init__()
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
         self.explicit = config.attention == "explicit"
@@ -137,8 +136,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None,
-                 value_embed: bool = False):
+    def __init__(self, config: ModelConfig, kernels: dict[torch.dtype, str] | None = None, value_embed: bool = False):
         super().__init__()
         self.ln_1 = norm(config.norm, config.n_embd, config.bias)
         self.attn = CausalSelfAttention(config, kernels, value_embed)
@@ -159,16 +157,20 @@ class GPT(nn.Module):
         ve_layers = value_layers(config.n_layer) if config.value_embeds else []
         # A formula could go on past block_size; the tables stop there all the same, because
         # block_size is also the size of the KV cache and of the context sampling keeps.
-        wpe = {"learned": lambda: nn.Embedding(config.block_size, config.n_embd),
-               "sinusoidal": lambda: SinusoidalPositions(config.block_size, config.n_embd),
-               "rotary": lambda: None}[config.positions]()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            **({"wpe": wpe} if wpe is not None else {}),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, self.attention_kernels, i in ve_layers) for i in range(config.n_layer)]),
-            ln_f=norm(config.norm, config.n_embd, config.bias),
-        ))
+        wpe = {
+            "learned": lambda: nn.Embedding(config.block_size, config.n_embd),
+            "sinusoidal": lambda: SinusoidalPositions(config.block_size, config.n_embd),
+            "rotary": lambda: None,
+        }[config.positions]()
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                **({"wpe": wpe} if wpe is not None else {}),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, self.attention_kernels, i in ve_layers) for i in range(config.n_layer)]),
+                ln_f=norm(config.norm, config.n_embd, config.bias),
+            )
+        )
         # One table for every layer (non-persistent buffers: no weights, nothing in a checkpoint).
         rotary = config.positions == "rotary"
         self.rotary = Rotary(config.block_size, config.n_embd // config.n_head) if rotary else None
@@ -176,8 +178,11 @@ class GPT(nn.Module):
             block.attn.rotary = self.rotary
         # model.value_embeds: one table per layer that mixes one in; outside the blocks, so AdamW's
         # (an embedding), not Muon's. model.residual_scalars: r_i and s_i of each layer.
-        self.value_embeds = nn.ModuleDict(
-            {str(i): nn.Embedding(config.vocab_size, config.n_embd) for i in ve_layers}) if ve_layers else None
+        self.value_embeds = (
+            nn.ModuleDict({str(i): nn.Embedding(config.vocab_size, config.n_embd) for i in ve_layers})
+            if ve_layers
+            else None
+        )
         if config.residual_scalars:
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
@@ -253,8 +258,9 @@ class GPT(nn.Module):
         c, fields = self.config, ("norm", "qk_norm", "mlp", "logit_softcap")
         defaults = type(c).model_fields
         # Sinusoidal positions predate this key (its missing wpe tells it apart); rotary's does not.
-        return {f: getattr(c, f) for f in fields if getattr(c, f) != defaults[f].default} | \
-            ({"positions": "rotary"} if c.positions == "rotary" else {})
+        return {f: getattr(c, f) for f in fields if getattr(c, f) != defaults[f].default} | (
+            {"positions": "rotary"} if c.positions == "rotary" else {}
+        )
 
     def optim_groups(self, weight_decay: float) -> list[dict]:
         return optim_groups(self, weight_decay)

@@ -35,8 +35,8 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, past: int = 0) -> torch.Tensor:
         T, h = x.size(-2), self.half
-        cos, sin = self.cos[past:past + T].to(x.dtype), self.sin[past:past + T].to(x.dtype)
-        x1, x2, rest = x[..., :h], x[..., h:2 * h], x[..., 2 * h:]
+        cos, sin = self.cos[past : past + T].to(x.dtype), self.sin[past : past + T].to(x.dtype)
+        x1, x2, rest = x[..., :h], x[..., h : 2 * h], x[..., 2 * h :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 

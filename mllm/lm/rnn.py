@@ -76,8 +76,15 @@ class _Stack(nn.Module):
 
     cell = _Cell
 
-    def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, bias: bool = True,
-                 batch_first: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = True,
+        dropout: float = 0.0,
+    ):
         super().__init__()
         assert batch_first, "only batch_first=True: every model here is [batch, time]"
         self.input_size, self.hidden_size, self.num_layers = input_size, hidden_size, num_layers
@@ -88,7 +95,7 @@ class _Stack(nn.Module):
                 self.register_parameter(f"{name}_l{k}", p)
 
     def layer(self, k: int):
-        get = lambda name: getattr(self, f"{name}_l{k}", None)  # noqa: E731
+        get = lambda name: getattr(self, f"{name}_l{k}", None)  # noqa: E731 (a one-line helper, named where it is used)
         return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
 
     def _between(self, x, k):

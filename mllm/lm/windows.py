@@ -35,8 +35,7 @@ def _check_length(ids: np.ndarray, window: int, what: str) -> None:
 class RandomWindows:
     """nanoGPT's get_batch: every batch draws `batch_size` random window starts."""
 
-    def __init__(self, ids: np.ndarray, window: int, batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, ids: np.ndarray, window: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
         _check_length(ids, window, "train")
         self.ids, self.window, self.batch_size = ids, window, batch_size
         self.rank, self.world_size = rank, world_size
@@ -49,7 +48,7 @@ class RandomWindows:
         # generator state, the one checkpointed, then resumes every rank.
         n = self.batch_size * self.world_size
         starts = torch.randint(len(self.ids) - self.window, (n,), generator=self.generator)
-        mine = starts[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        mine = starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         self.batches += 1
         return windows(self.ids, mine.numpy(), self.window)
 
@@ -72,8 +71,9 @@ class RandomWindows:
 class EpochWindows(EpochOrder):
     """Shuffled passes over every window start at `stride` (all of them with stride 1)."""
 
-    def __init__(self, ids: np.ndarray, window: int, batch_size: int, stride: int, seed: int,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, ids: np.ndarray, window: int, batch_size: int, stride: int, seed: int, rank: int = 0, world_size: int = 1
+    ):
         _check_length(ids, window, "train")
         self.ids, self.window, self.stride = ids, window, stride
         self.num_windows = (len(ids) - window - 1) // stride + 1

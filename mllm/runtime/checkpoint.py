@@ -24,11 +24,11 @@ from pydantic import ValidationError
 
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.runtime.devices import resolve_device
-from mllm.runtime.distributed import Dist
-from mllm.families.base import build_model
 from mllm.data.text import Tokenizer, tokenizer_from_json
 from mllm.data.vocab import Vocab
+from mllm.families.base import build_model
+from mllm.runtime.devices import resolve_device
+from mllm.runtime.distributed import Dist
 
 REQUIRED = ("model", "step", "config", "vocab", "vocab_digest", "tokenizer")
 # The layout of a checkpoint's dict: raised when a change means an older mllm would misread it.
@@ -64,15 +64,19 @@ def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, A
     if fs.isdir(path):
         # A run folder holds its checkpoints one level down.
         folder = storage.join(url, "checkpoints") if fs.isdir(path.rstrip("/") + "/checkpoints") else url
-        raise UserError(f"checkpoint {url} is a folder: give a checkpoint file in it, e.g. "
-                        f"{storage.join(folder, 'best.pt')} or {storage.join(folder, 'last.pt')}")
+        raise UserError(
+            f"checkpoint {url} is a folder: give a checkpoint file in it, e.g. "
+            f"{storage.join(folder, 'best.pt')} or {storage.join(folder, 'last.pt')}"
+        )
     blob = storage.read_bytes(url)
     if not blob:
         raise UserError(f"checkpoint {url} is empty (0 bytes): give a run's checkpoints/best.pt or checkpoints/last.pt")
     if not blob.startswith(b"PK\x03\x04"):  # torch.save writes a zip archive
         what = "text" if _looks_like_text(blob[:4096]) else "not a zip archive"
-        raise UserError(f"checkpoint {url} is not a checkpoint ({what}; torch.save writes a zip archive): give a "
-                        "run's checkpoints/best.pt or checkpoints/last.pt")
+        raise UserError(
+            f"checkpoint {url} is not a checkpoint ({what}; torch.save writes a zip archive): give a "
+            "run's checkpoints/best.pt or checkpoints/last.pt"
+        )
     try:
         state = torch.load(io.BytesIO(blob), map_location=device, weights_only=True)
     except pickle.UnpicklingError:
@@ -89,8 +93,10 @@ def read_checkpoint(url: str, device: str | torch.device = "cpu") -> dict[str, A
         raise UserError(f"checkpoint {url} is not an mllm checkpoint (it lacks {', '.join(REQUIRED)})")
     written = state.get("format", 0)
     if not isinstance(written, int) or written > FORMAT:
-        raise UserError(f"checkpoint {url} was written by a newer mllm (checkpoint format {written}; this one reads "
-                        f"formats up to {FORMAT}): upgrade mllm-pipeline to load it")
+        raise UserError(
+            f"checkpoint {url} was written by a newer mllm (checkpoint format {written}; this one reads "
+            f"formats up to {FORMAT}): upgrade mllm-pipeline to load it"
+        )
     return state
 
 
@@ -131,8 +137,10 @@ def check_model(saved: dict, cfg: RunConfig, url: str) -> None:
     now = cfg.model.model_dump(mode="json")
     for key, value in saved.get("model", {}).items():
         if key != "dropout" and now.get(key) != value:
-            raise UserError(f"checkpoint {url} has model.{key}={value!r}, this config {now.get(key)!r}: "
-                            "use the same model, another checkpoint_dir, or --no-resume")
+            raise UserError(
+                f"checkpoint {url} has model.{key}={value!r}, this config {now.get(key)!r}: "
+                "use the same model, another checkpoint_dir, or --no-resume"
+            )
 
 
 def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab | None = None) -> Loaded:
@@ -154,8 +162,10 @@ def load_checkpoint(url: str, device: str | torch.device = "cpu", vocab: Vocab |
         first = e.errors()[0]
         field = _field(state["config"], first["loc"]) or "(the whole config)"
         more = f" and {e.error_count() - 1} more" if e.error_count() > 1 else ""
-        raise UserError(f"checkpoint {url} has a config this mllm cannot read: {field}: {first['msg']}{more} "
-                        "(written by another version of mllm?)") from None
+        raise UserError(
+            f"checkpoint {url} has a config this mllm cannot read: {field}: {first['msg']}{more} "
+            "(written by another version of mllm?)"
+        ) from None
     except (ValueError, KeyError, TypeError) as e:
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise UserError(f"checkpoint {url} has an unreadable config, vocabulary or tokenizer ({reason})") from None

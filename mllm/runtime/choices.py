@@ -21,15 +21,19 @@ def choose_attention(device: torch.device, model: torch.nn.Module, batch: tuple,
     return said
 
 
-def choose_precision(t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple,
-                     metrics: dict[str, float], d: Dist) -> speed.Precision:
+def choose_precision(
+    t: TrainConfig, device: torch.device, model: torch.nn.Module, batch: tuple, metrics: dict[str, float], d: Dist
+) -> speed.Precision:
     """train.dtype resolved (mllm.runtime.speed). Rank 0 decides for every rank, and a resumed training
     keeps the precision it started in (the checkpoint's metrics hold it)."""
     p = speed.choose_precision(t.dtype, device, model, batch) if d.master else None
     if d.world_size > 1:
         p = gather(p, d)[0]
     if "bf16" in metrics and t.dtype == "auto" and (metrics["bf16"] == 1.0) != (p.dtype == "bfloat16"):
-        p = speed.Precision("bfloat16" if metrics["bf16"] else "float32",
-                            f"kept from the start of this training (the probe now says {p.dtype})", p.probe_ms)
+        p = speed.Precision(
+            "bfloat16" if metrics["bf16"] else "float32",
+            f"kept from the start of this training (the probe now says {p.dtype})",
+            p.probe_ms,
+        )
     metrics["bf16"] = float(p.dtype == "bfloat16")
     return p

@@ -106,8 +106,10 @@ class Compiler:
         why_not = cannot_compile(device, world_size)
         self.known = compile_known(key)
         if why_not is None and self.known and not compile_pays(math.inf, self.known):
-            why_not = (f"compiling measured no faster for this model here before "
-                       f"({self.known['gain']:.2f}x for a {self.known['compile_s']:.0f} s compilation)")
+            why_not = (
+                f"compiling measured no faster for this model here before "
+                f"({self.known['gain']:.2f}x for a {self.known['compile_s']:.0f} s compilation)"
+            )
         self.choice = Compiling(False, why_not or "the training ended while its first steps were timed")
         self.deciding = why_not is None
 
@@ -119,12 +121,14 @@ class Compiler:
             if len(self.times) < COMPILE_WATCH:
                 return self.model
             self.eager_s = sorted(self.times[1:])[len(self.times[1:]) // 2]
-            left_s = min([math.inf] + [x for x in (seconds_left, steps_left and steps_left * self.eager_s)
-                                       if x is not None])
+            left_s = min(
+                [math.inf] + [x for x in (seconds_left, steps_left and steps_left * self.eager_s) if x is not None]
+            )
             if not compile_pays(left_s, self.known):
                 cost = (self.known or COMPILE_GUESS)["compile_s"]
-                self.choice.reason = (f"about {left_s:.3g} s of training left: too short to win back a "
-                                      f"compilation (about {cost:.3g} s)")
+                self.choice.reason = (
+                    f"about {left_s:.3g} s of training left: too short to win back a compilation (about {cost:.3g} s)"
+                )
                 self.deciding = False
                 return self.model
             self.model, self.times = _Lenient(self.raw), []
@@ -137,11 +141,20 @@ class Compiler:
         ms = {"eager": round(1000 * self.eager_s, 1), "compiled": round(1000 * compiled_s, 1)}
         self.deciding = False
         if compiled_s > (1 - COMPILE_MARGIN) * self.eager_s:
-            self.choice = Compiling(False, f"compiled steps no faster ({ms['compiled']} ms against "
-                                                 f"{ms['eager']} ms eager): back to eager", compile_s, ms)
+            self.choice = Compiling(
+                False,
+                f"compiled steps no faster ({ms['compiled']} ms against {ms['eager']} ms eager): back to eager",
+                compile_s,
+                ms,
+            )
             self.model = self.raw
         else:
-            self.choice = Compiling(True, f"{self.eager_s / compiled_s:.2f}x faster compiled "
-                                                f"({ms['compiled']} ms a step against {ms['eager']} ms eager, "
-                                                f"after a {compile_s:.0f} s compilation)", compile_s, ms)
+            self.choice = Compiling(
+                True,
+                f"{self.eager_s / compiled_s:.2f}x faster compiled "
+                f"({ms['compiled']} ms a step against {ms['eager']} ms eager, "
+                f"after a {compile_s:.0f} s compilation)",
+                compile_s,
+                ms,
+            )
         return self.model

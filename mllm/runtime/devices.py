@@ -26,6 +26,8 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         raise UserError(f"device {name!r} is not a device: use auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name} asked for, but no CUDA GPU is visible here: use cpu, or auto "
-                        "(which takes a GPU when there is one)")
+        raise UserError(
+            f"device {name} asked for, but no CUDA GPU is visible here: use cpu, or auto "
+            "(which takes a GPU when there is one)"
+        )
     return device

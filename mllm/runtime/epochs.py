@@ -12,7 +12,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from mllm import UserError, storage
 
-
 CHAIN = "mllm.split-pieces/1"  # the format of a split stored as pieces (see ChainedIds)
 
 
@@ -68,8 +67,10 @@ class ChainedIds:
             storage.require(p["url"], f"a piece of the split {url}")
             ids = _load_npy(p["url"])
             if len(ids) != p["tokens"]:
-                raise UserError(f"{p['url']} holds {len(ids)} tokens, the split's manifest {url} says {p['tokens']}: "
-                                "re-run the split stage")
+                raise UserError(
+                    f"{p['url']} holds {len(ids)} tokens, the split's manifest {url} says {p['tokens']}: "
+                    "re-run the split stage"
+                )
             pieces.append(ids)
         return cls(pieces)
 
@@ -92,9 +93,13 @@ class ChainedIds:
 
     def _range(self, start: int, stop: int) -> np.ndarray:
         first, last = np.searchsorted(self.ends, [start, stop - 1], "right") if stop > start else (0, -1)
-        return np.concatenate([np.zeros(0, self.dtype)] + [
-            self.pieces[k][max(start - self.starts[k], 0):min(stop, self.ends[k]) - self.starts[k]]
-            for k in range(int(first), int(last) + 1)]).astype(self.dtype, copy=False)
+        return np.concatenate(
+            [np.zeros(0, self.dtype)]
+            + [
+                self.pieces[k][max(start - self.starts[k], 0) : min(stop, self.ends[k]) - self.starts[k]]
+                for k in range(int(first), int(last) + 1)
+            ]
+        ).astype(self.dtype, copy=False)
 
     def _take(self, index: np.ndarray) -> np.ndarray:
         if not np.issubdtype(index.dtype, np.integer):
@@ -150,7 +155,8 @@ def read_chain(url: str) -> dict:
         manifest = storage.read_json(url)
         ok = manifest.get("format") == CHAIN and all(
             isinstance(p.get("url"), str) and isinstance(p.get("tokens"), int) and isinstance(p.get("sha256"), str)
-            for p in manifest["pieces"])
+            for p in manifest["pieces"]
+        )
     except (ValueError, TypeError, KeyError, AttributeError):
         ok = False
     if not ok:
@@ -186,10 +192,18 @@ def missing_piece(url: str) -> str | None:
 
 def check_offsets(offsets: np.ndarray, n_tokens: int, source: str = "paragraph offsets") -> np.ndarray:
     offsets = np.asarray(offsets)
-    if (offsets.ndim != 1 or len(offsets) < 1 or not np.issubdtype(offsets.dtype, np.integer)
-            or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0)):
-        raise UserError(f"{source} do not describe paragraphs of {n_tokens} tokens (need 0 first, "
-                        f"{n_tokens} last, never decreasing): re-run the split stage")
+    if (
+        offsets.ndim != 1
+        or len(offsets) < 1
+        or not np.issubdtype(offsets.dtype, np.integer)
+        or offsets[0] != 0
+        or offsets[-1] != n_tokens
+        or np.any(np.diff(offsets) < 0)
+    ):
+        raise UserError(
+            f"{source} do not describe paragraphs of {n_tokens} tokens (need 0 first, "
+            f"{n_tokens} last, never decreasing): re-run the split stage"
+        )
     return offsets.astype(np.int64, copy=False)
 
 
@@ -229,13 +243,13 @@ class EpochOrder:
         if self._order_epoch != epoch:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
             order = np.resize(order, self.per_rank * self.world_size)
-            self._order, self._order_epoch = order[self.rank::self.world_size], epoch
+            self._order, self._order_epoch = order[self.rank :: self.world_size], epoch
         return self._order
 
     def take(self) -> np.ndarray:
         """The next batch's item indices; the position moves past them."""
         epoch, batch = self.position
-        picked = self._order_of(epoch)[batch * self.batch_size:(batch + 1) * self.batch_size]
+        picked = self._order_of(epoch)[batch * self.batch_size : (batch + 1) * self.batch_size]
         batch += 1
         self.position = (epoch + 1, 0) if batch == self.batches_per_epoch else (epoch, batch)
         return picked

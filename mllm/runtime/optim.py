@@ -21,8 +21,10 @@ def optim_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (weights, embeddings) only; biases and norm gains stay free
     (nanoGPT). A model with other needs says so with an `optim_groups` method of its own."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -63,8 +65,9 @@ class Combined(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("parts")
         if saved is None or set(saved) != set(self.parts):
-            raise ValueError(f"optimizer state holds {sorted(saved or ['one optimizer'])}, "
-                             f"this training {sorted(self.parts)}")
+            raise ValueError(
+                f"optimizer state holds {sorted(saved or ['one optimizer'])}, this training {sorted(self.parts)}"
+            )
         for name, part in self.parts.items():
             part.load_state_dict(saved[name])
         # Loading gives each part new group dicts: share those, or a scheduler would set stale ones.
@@ -90,9 +93,11 @@ def newton_schulz_dtype(device: torch.device, shapes: list[tuple[int, int]] | No
     shapes = sorted({tuple(s) for s in shapes or [(512, 512)]})
     ms = speed._cached(["newton-schulz", [list(s) for s in shapes]], lambda: _newton_schulz_probe(shapes))
     bf16 = ms["bfloat16"] <= (1 - speed.MARGIN) * ms["float32"]
-    return (torch.bfloat16 if bf16 else torch.float32,
-            f"{'bfloat16' if bf16 else 'float32'}: bf16 probed {'faster' if bf16 else 'no faster'} "
-            f"(an iteration: bfloat16 {ms['bfloat16']:.1f} ms, float32 {ms['float32']:.1f} ms)")
+    return (
+        torch.bfloat16 if bf16 else torch.float32,
+        f"{'bfloat16' if bf16 else 'float32'}: bf16 probed {'faster' if bf16 else 'no faster'} "
+        f"(an iteration: bfloat16 {ms['bfloat16']:.1f} ms, float32 {ms['float32']:.1f} ms)",
+    )
 
 
 def _newton_schulz_probe(shapes: list[tuple[int, int]]) -> dict[str, float]:
@@ -110,8 +115,9 @@ def _newton_schulz_probe(shapes: list[tuple[int, int]]) -> dict[str, float]:
     return {name: round(1000 * min(ts[1:]), 2) for name, ts in times.items()}
 
 
-def orthogonalise(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype) -> torch.Tensor:
+def orthogonalise(
+    g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration (Keller Jordan's, as torch.optim.Muon has it) in
     `dtype`: an approximation of U V^T for each matrix g = U S V^T of a stack (count, rows, cols),
     computed on the wide orientation."""
@@ -167,8 +173,13 @@ class Muon(torch.optim.Muon):
             for i, p in enumerate(params):
                 shapes.setdefault(tuple(p.shape), []).append(i)
             for (rows, cols), idx in shapes.items():
-                ortho = orthogonalise(torch.stack([updates[i] for i in idx]), group["ns_coefficients"],
-                                      group["ns_steps"], group["eps"], self.ns_dtype)
+                ortho = orthogonalise(
+                    torch.stack([updates[i] for i in idx]),
+                    group["ns_coefficients"],
+                    group["ns_steps"],
+                    group["eps"],
+                    self.ns_dtype,
+                )
                 # torch's "original" rate: larger for tall matrices, sqrt(max(1, rows / cols)).
                 scale = max(1.0, rows / cols) ** 0.5
                 ps = [params[i] for i in idx]
@@ -184,12 +195,24 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
     fused = device.type in ("cuda", "cpu") or None
     if t.optimizer == "muon":
         hidden, rest = muon_split(model)
-        adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
-                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
+        adamw = torch.optim.AdamW(
+            [
+                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
+                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            fused=fused,
+        )
         ns_dtype, ns_reason = newton_schulz_dtype(device, [tuple(p.shape) for p in hidden])
-        muon = Muon(hidden, ns_dtype=ns_dtype, ns_reason=ns_reason, lr=t.muon_lr, momentum=t.muon_momentum,
-                    weight_decay=t.muon_weight_decay)
+        muon = Muon(
+            hidden,
+            ns_dtype=ns_dtype,
+            ns_reason=ns_reason,
+            lr=t.muon_lr,
+            momentum=t.muon_momentum,
+            weight_decay=t.muon_weight_decay,
+        )
         return Combined({"muon": muon, "adamw": adamw})
     own = getattr(model, "optim_groups", None)
     groups = own(t.weight_decay) if own else optim_groups(model, t.weight_decay)
@@ -197,14 +220,17 @@ def build_optimizer(model: nn.Module, t, device: torch.device) -> torch.optim.Op
     return kind(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused)
 
 
-def lr_factor(t: TrainConfig, total_steps: int | None,
-              spent: Callable[[], float] | None = None) -> Callable[[int], float]:
+def lr_factor(
+    t: TrainConfig, total_steps: int | None, spent: Callable[[], float] | None = None
+) -> Callable[[int], float]:
     """The multiplier of train.lr at each step: linear warmup, then constant or cosine (or linear)
     to min_lr over the steps to total_steps, or, given `spent` (a time budget: the share of
     train.max_minutes gone, 0 to 1), over the budget's minutes."""
     if t.lr_schedule != "constant" and total_steps is None and spent is None:
-        raise UserError(f"lr_schedule {t.lr_schedule} needs max_steps, epochs or max_minutes to know where to end: "
-                        "set one, or use constant")
+        raise UserError(
+            f"lr_schedule {t.lr_schedule} needs max_steps, epochs or max_minutes to know where to end: "
+            "set one, or use constant"
+        )
 
     def factor(step: int) -> float:
         if step < t.warmup_steps:

@@ -47,18 +47,24 @@ class TrainResult:
         resumed = f", resumed from step {self.resumed_from_step}" if self.resumed_from_step else ""
         mfu = f", mfu {self.mfu:.1%}" if self.mfu is not None else ""
         busy = f"{self.busy_line()}\n" if self.busy else ""  # the done line last, as scripts read it
-        return (f"{busy}done: {self.steps} steps ({self.stop_reason}{resumed}), val loss {val}, best {best}, "
-                f"{self.tokens_per_s:,.0f} tok/s{mfu} over the training, {self.dtype_used}"
-                f"{', compiled' if self.compile_used else ''}, {self.threads} threads, {self.elapsed_s:.1f}s; "
-                f"checkpoint {self.checkpoint}")
+        return (
+            f"{busy}done: {self.steps} steps ({self.stop_reason}{resumed}), val loss {val}, best {best}, "
+            f"{self.tokens_per_s:,.0f} tok/s{mfu} over the training, {self.dtype_used}"
+            f"{', compiled' if self.compile_used else ''}, {self.threads} threads, {self.elapsed_s:.1f}s; "
+            f"checkpoint {self.checkpoint}"
+        )
 
     def busy_line(self) -> str:
         """What a busy machine cost the training, in a line ("" when it was not busy)."""
         if not self.busy:
             return ""
         load = f" (load average {self.load_average:g} on {self.cores} cores)" if self.load_average is not None else ""
-        cost = (f": {self.steps} steps done of about {self.steps_planned} with the CPU to itself"
-                if self.stop_reason == "max_minutes" and self.steps_planned else
-                ": its steps took longer than they would alone")
-        return (f"the machine was busy: the training's {self.threads} thread{'s' if self.threads > 1 else ''} "
-                f"ran {self.cpu_share:.0%} of the time{load}{cost}")
+        cost = (
+            f": {self.steps} steps done of about {self.steps_planned} with the CPU to itself"
+            if self.stop_reason == "max_minutes" and self.steps_planned
+            else ": its steps took longer than they would alone"
+        )
+        return (
+            f"the machine was busy: the training's {self.threads} thread{'s' if self.threads > 1 else ''} "
+            f"ran {self.cpu_share:.0%} of the time{load}{cost}"
+        )

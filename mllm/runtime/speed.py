@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from mllm.runtime.machine import cpu_env, cpu_flags, cpu_model, fast_bf16, matmul_flags  # noqa: F401 (speed's API)
+from mllm.runtime.machine import cpu_env, cpu_flags, cpu_model, fast_bf16, matmul_flags
 from mllm.settings import settings
 from mllm.transformer import causal_attention
 
@@ -95,6 +95,7 @@ class Precision:
 
 # --- the machine ---------------------------------------------------------------------------
 
+
 def machine(device: torch.device) -> str:
     """The device in a line, as figures are reported beside it."""
     if device.type == "cuda":
@@ -103,6 +104,7 @@ def machine(device: torch.device) -> str:
 
 
 # --- the cache ------------------------------------------------------------------------------
+
 
 def cache_file() -> Path:
     s = settings()
@@ -130,8 +132,13 @@ def _busy() -> bool:
 
 
 def _digest(key: list) -> str:
-    machine_key = [cpu_model(), sorted(cpu_flags()), torch.__version__, torch.get_num_threads(),
-                   torch.cuda.get_device_name() if torch.cuda.is_available() else None]
+    machine_key = [
+        cpu_model(),
+        sorted(cpu_flags()),
+        torch.__version__,
+        torch.get_num_threads(),
+        torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    ]
     if env := cpu_env():  # what the CPU computes with, as the environment limits it (machine.CPU_ENV)
         machine_key.append(env)
     return hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -164,6 +171,7 @@ def _read(path: Path) -> dict:
 
 # --- precision ------------------------------------------------------------------------------
 
+
 def choose_precision(requested: str, device: torch.device, model: nn.Module, batch: tuple) -> Precision:
     """The precision for `train.dtype` = requested, probing `model` on `batch` where it must."""
     if requested != "auto":
@@ -178,7 +186,9 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     sample = _slice(batch, PROBE_TARGETS)
     flops = flops_per_target(model, sample) * int((sample[-1] >= 0).sum())
     if flops < SMALL_FLOPS:
-        return Precision("float32", f"a model this small ({flops / 1e6:,.0f} MFLOP a probe step) gains nothing from bf16")
+        return Precision(
+            "float32", f"a model this small ({flops / 1e6:,.0f} MFLOP a probe step) gains nothing from bf16"
+        )
     shape = [type(model).__name__, _shape(model), [list(x.shape) for x in sample]]
 
     def measure() -> dict[str, float]:
@@ -187,8 +197,9 @@ def choose_precision(requested: str, device: torch.device, model: nn.Module, bat
     return _probed(_cached(["precision", shape], measure), "bf16")
 
 
-def choose_decode_precision(requested: str, device: torch.device, model: nn.Module,
-                            probe: Callable[[], dict[str, float]]) -> Precision:
+def choose_decode_precision(
+    requested: str, device: torch.device, model: nn.Module, probe: Callable[[], dict[str, float]]
+) -> Precision:
     """The precision of a language model's weights when it decodes one token at a time.
 
     Each decoding step multiplies every weight matrix by one vector: the step streams all the
@@ -223,9 +234,11 @@ def _shape(model: nn.Module) -> list:
     # Options that change the work but no parameter (a GPT's rotary positions, QK-norm, ReLU^2...);
     # empty for the defaults, so keys measured before those options existed still hold.
     variant = getattr(model, "speed_variant", None) or {}
-    return [[name, list(p.shape)] for name, p in model.named_parameters()] + \
-        [[str(dtype), kernel] for dtype, kernel in sorted(kernels.items(), key=str)] + \
-        ([["variant", sorted(variant.items())]] if variant else [])
+    return (
+        [[name, list(p.shape)] for name, p in model.named_parameters()]
+        + [[str(dtype), kernel] for dtype, kernel in sorted(kernels.items(), key=str)]
+        + ([["variant", sorted(variant.items())]] if variant else [])
+    )
 
 
 def _slice(batch: tuple, targets: int) -> tuple:
@@ -261,6 +274,7 @@ def _step_s(model: nn.Module, batch: tuple, autocast: Callable) -> float:
 
 # --- attention ------------------------------------------------------------------------------
 
+
 def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> str:
     """Which attention a GPT trains with on this CPU, per precision; what was measured, in a line.
 
@@ -282,10 +296,14 @@ def choose_attention(model: nn.Module, device: torch.device, batch: tuple) -> st
     shape = (min(rows, ATTENTION_ROWS), model.config.n_head, T, model.config.n_embd // model.config.n_head)
     said = []
     for name in ["float32"] + (["bfloat16"] if fast_bf16() else []):
-        ms = _cached(["attention", "causal_attention", name, *shape], lambda: _attention_probe(DTYPES[name], *shape))
+        ms = _cached(
+            ["attention", "causal_attention", name, *shape], lambda name=name: _attention_probe(DTYPES[name], *shape)
+        )
         kernels[DTYPES[name]] = kernel = "matmul" if ms["matmul"] <= (1 - ATTENTION_MARGIN) * ms["sdpa"] else "sdpa"
-        said.append(f"{name}: {'written out' if kernel == 'matmul' else 'sdpa'} "
-                    f"(a pass {ms['matmul']:.1f} ms written out, {ms['sdpa']:.1f} ms sdpa)")
+        said.append(
+            f"{name}: {'written out' if kernel == 'matmul' else 'sdpa'} "
+            f"(a pass {ms['matmul']:.1f} ms written out, {ms['sdpa']:.1f} ms sdpa)"
+        )
     return "; ".join(said)
 
 
@@ -294,8 +312,10 @@ def _attention_probe(dtype: torch.dtype, B: int, H: int, T: int, D: int) -> dict
     g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
     q, k, v = (torch.randn(B, H, T, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
     grad = torch.randn(B, H, T, D, generator=g).to(dtype)
-    passes = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-              "matmul": lambda: causal_attention(q, k, v)}
+    passes = {
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "matmul": lambda: causal_attention(q, k, v),
+    }
     times: dict[str, list[float]] = {name: [] for name in passes}
     for _ in range(1 + ATTENTION_REPS):
         for name, attend in passes.items():
@@ -306,6 +326,7 @@ def _attention_probe(dtype: torch.dtype, B: int, H: int, T: int, D: int) -> dict
 
 
 # --- utilisation ----------------------------------------------------------------------------
+
 
 def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     """(FLOP/s, where the figure comes from) for dense matrix multiplies on `device` in `dtype`."""
@@ -323,8 +344,12 @@ def peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
     if hit is None or time.time() - hit.get("at", 0.0) > PEAK_FRESH_S:
         flops = max(flops, matmul_flops(device, DTYPES[dtype], size))
         _remember(key, {"flops": flops}, _busy())
-    return flops, f"measured ({size}x{size} matmul, {torch.get_num_threads()} threads)" \
-        if device.type == "cpu" else f"measured ({size}x{size} matmul)"
+    return (
+        flops,
+        f"measured ({size}x{size} matmul, {torch.get_num_threads()} threads)"
+        if device.type == "cpu"
+        else f"measured ({size}x{size} matmul)",
+    )
 
 
 def spec_peak(gpu: str, dtype: str, tf32: bool = False) -> tuple[float, str] | None:
@@ -362,7 +387,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, second
             best, spent = min(best, took), spent + took
         if spent > seconds and i >= 3:
             break
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def _sync(device: torch.device) -> None:
@@ -384,7 +409,7 @@ def flops_per_target(model: nn.Module, batch: tuple) -> float:
         return float(model.flops_per_token(batch[0].shape[-1]))
     if hasattr(model, "flops_per_target"):
         return float(model.flops_per_target())
-    multiplied = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
-                  for p in m.parameters(recurse=False)}
+    multiplied = {
+        id(p) for m in model.modules() if not isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)
+    }
     return 6.0 * sum(p.numel() for p in model.parameters() if id(p) in multiplied)
-

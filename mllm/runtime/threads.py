@@ -97,8 +97,11 @@ class ThreadChooser:
             self.threads = self.plan[0][0]
 
     def _round(self) -> None:
-        self.plan = [(n, i >= WARMUP_STEPS) for n in reversed(self.counts)
-                     for i in range(WARMUP_STEPS + TRIAL_STEPS)] if self.active else []
+        self.plan = (
+            [(n, i >= WARMUP_STEPS) for n in reversed(self.counts) for i in range(WARMUP_STEPS + TRIAL_STEPS)]
+            if self.active
+            else []
+        )
 
     def _medians(self) -> dict[int, float]:
         return {n: statistics.median(ts) for n, ts in self.times.items() if ts}
@@ -152,13 +155,14 @@ class ThreadChooser:
         self.gap = min(2 * self.gap, RECHECK_STEPS) if best == before else WINDOW
         share, was_busy = self.recent.share, self.busy
         self.busy = share is not None and share < BUSY_SHARE
-        steps = ", ".join(f"{1000 * medians[n]:.0f} ms on {n}" if n in medians else f"over {CLEAR:g}x on {n}"
-                          for n in self.counts)
+        steps = ", ".join(
+            f"{1000 * medians[n]:.0f} ms on {n}" if n in medians else f"over {CLEAR:g}x on {n}" for n in self.counts
+        )
         self.said = f"{_threads(best)} of {self.default} (a step {steps}; measured: {self.why})"
         if self.busy:
             self.said += f"; the machine is busy: the training's threads ran {share:.0%} of the time"
         if best != before or self.busy != was_busy:
-            return ("threads: " + self.said + ("" if self.busy or not was_busy else "; the machine is quiet again"))
+            return "threads: " + self.said + ("" if self.busy or not was_busy else "; the machine is quiet again")
         return None
 
 
@@ -193,6 +197,12 @@ def record(threads: ThreadChooser, steps: int, resumed_from: int, total_steps: i
     planned = total_steps
     if total_steps is None and share and steps > resumed_from:
         planned = resumed_from + round((steps - resumed_from) / share) if busy else steps
-    return {"threads": threads.threads, "threads_reason": threads.said, "busy": busy,
-            "cpu_share": None if share is None else round(share, 3), "steps_planned": planned,
-            "load_average": round(os.getloadavg()[0], 2), "cores": len(os.sched_getaffinity(0))}
+    return {
+        "threads": threads.threads,
+        "threads_reason": threads.said,
+        "busy": busy,
+        "cpu_share": None if share is None else round(share, 3),
+        "steps_planned": planned,
+        "load_average": round(os.getloadavg()[0], 2),
+        "cores": len(os.sched_getaffinity(0)),
+    }

@@ -15,7 +15,8 @@ import torch
 from mllm import UserError, storage
 from mllm.runtime.checkpoint import Loaded
 from mllm.seq2seq.pairs import PairSplit, eval_batches, load_split
-from mllm.seq2seq.translate import decode, evaluate as score_pairs, translate_texts
+from mllm.seq2seq.translate import decode, translate_texts
+from mllm.seq2seq.translate import evaluate as score_pairs
 
 HEATMAPS = 3  # held-out pairs drawn as attention pictures
 # Whatever the run trained with: a run's own pairs and the champion's rescoring are decoded alike.
@@ -26,9 +27,19 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
     """Scores of greedy translations of the held-out pairs, and `attention-<i>.png` under `out`."""
     split = load_split(part.parquet)
     if len(split) == 0:
-        raise UserError(f"the held-out pairs at {part.parquet} are empty: give more pairs or raise the split's fraction")
-    report = score_pairs(loaded.model, split, loaded.tokenizer, loaded.vocab, method="greedy", batch_size=EVAL_BATCH,
-                         table_rows=10, bleu_tokenize=cfg.data.pairs.bleu_tokenize)
+        raise UserError(
+            f"the held-out pairs at {part.parquet} are empty: give more pairs or raise the split's fraction"
+        )
+    report = score_pairs(
+        loaded.model,
+        split,
+        loaded.tokenizer,
+        loaded.vocab,
+        method="greedy",
+        batch_size=EVAL_BATCH,
+        table_rows=10,
+        bleu_tokenize=cfg.data.pairs.bleu_tokenize,
+    )
     pictures = []
     src, _, _ = next(eval_batches(split, min(HEATMAPS, len(split))))
     for i, h in enumerate(decode(loaded.model, src.to(next(loaded.model.parameters()).device))):
@@ -37,16 +48,30 @@ def evaluate(loaded: Loaded, part: Any, cfg: Any, out: str) -> dict[str, Any]:
         src_tokens = [loaded.src_tokenizer.detokenize([t]) for t in loaded.src_vocab.decode(split.src(i))]
         tgt_tokens = [loaded.tokenizer.detokenize([t]) for t in loaded.vocab.decode(h.ids)]
         png = io.BytesIO()
-        plot_attention(src_tokens, tgt_tokens, h.attention, png,
-                       f"{cfg.recipe}: {split.source[i]}\n-> {loaded.tokenizer.detokenize(loaded.vocab.decode(h.ids))}")
+        plot_attention(
+            src_tokens,
+            tgt_tokens,
+            h.attention,
+            png,
+            f"{cfg.recipe}: {split.source[i]}\n-> {loaded.tokenizer.detokenize(loaded.vocab.decode(h.ids))}",
+        )
         name = f"attention-{i + 1}.png"
         storage.write_bytes(storage.join(out, name), png.getvalue())
         pictures.append(name)
-    metrics = {"val_loss": report["loss"], "exact_match": report["exact_match"], "bleu": report["bleu"],
-               "chrf": report["chrf"]}
+    metrics = {
+        "val_loss": report["loss"],
+        "exact_match": report["exact_match"],
+        "bleu": report["bleu"],
+        "chrf": report["chrf"],
+    }
     n_targets = int(sum(len(split.tgt(i)) + 1 for i in range(len(split))))  # each with its <eos>
-    return {"metrics": metrics, "table": report["table"], "pairs": report["pairs"], "n_targets": n_targets,
-            "pictures": pictures}
+    return {
+        "metrics": metrics,
+        "table": report["table"],
+        "pairs": report["pairs"],
+        "n_targets": n_targets,
+        "pictures": pictures,
+    }
 
 
 def score_texts(loaded: Loaded, part: Any, bleu_tokenize: str) -> dict[str, float]:
@@ -55,31 +80,52 @@ def score_texts(loaded: Loaded, part: Any, bleu_tokenize: str) -> dict[str, floa
     than the model's max_src_len is cut), whatever ids the split itself holds."""
     split = load_split(part.parquet)
     m = loaded.config.model
-    src = [loaded.src_vocab.encode(loaded.src_tokenizer.split(t))[:m.max_src_len] for t in split.source]
-    tgt = [loaded.vocab.encode(loaded.tokenizer.split(t))[:m.max_tgt_len] for t in split.target]
+    src = [loaded.src_vocab.encode(loaded.src_tokenizer.split(t))[: m.max_src_len] for t in split.source]
+    tgt = [loaded.vocab.encode(loaded.tokenizer.split(t))[: m.max_tgt_len] for t in split.target]
     ours = PairSplit(split.source, split.target, *_flat(src), *_flat(tgt))
-    report = score_pairs(loaded.model, ours, loaded.tokenizer, loaded.vocab, batch_size=EVAL_BATCH, table_rows=0,
-                         bleu_tokenize=bleu_tokenize)
-    return {"val_loss": report["loss"], "exact_match": report["exact_match"], "bleu": report["bleu"],
-            "chrf": report["chrf"], "targets": int(sum(len(t) + 1 for t in tgt))}
+    report = score_pairs(
+        loaded.model,
+        ours,
+        loaded.tokenizer,
+        loaded.vocab,
+        batch_size=EVAL_BATCH,
+        table_rows=0,
+        bleu_tokenize=bleu_tokenize,
+    )
+    return {
+        "val_loss": report["loss"],
+        "exact_match": report["exact_match"],
+        "bleu": report["bleu"],
+        "chrf": report["chrf"],
+        "targets": int(sum(len(t) + 1 for t in tgt)),
+    }
 
 
 def _flat(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    return (np.asarray([i for s in seqs for i in s], dtype=np.int64),
-            np.cumsum([0] + [len(s) for s in seqs], dtype=np.int64))
+    return (
+        np.asarray([i for s in seqs for i in s], dtype=np.int64),
+        np.cumsum([0] + [len(s) for s in seqs], dtype=np.int64),
+    )
 
 
 def report(cfg: Any, checkpoint: str, steps: int, result: dict[str, Any]) -> str:
     m = result["metrics"]
-    lines = [f"# Evaluation of {cfg.recipe} ({cfg.model.arch})", "",
-             f"Checkpoint: `{checkpoint}` after {steps} steps. Greedy translations of the {result['pairs']} "
-             "held-out pairs; headline chrF (higher is better).", "",
-             "| measure | value |", "|---|---|",
-             f"| validation loss (nats per target token, teacher forced) | {m['val_loss']:.4f} |",
-             f"| exact match | {100 * m['exact_match']:.2f}% |",
-             f"| BLEU (sacrebleu, tokenize {cfg.data.pairs.bleu_tokenize}) | {m['bleu']:.2f} |",
-             f"| chrF (sacrebleu) | {m['chrf']:.2f} |", "",
-             "| source | reference | greedy translation |", "|---|---|---|"]
+    lines = [
+        f"# Evaluation of {cfg.recipe} ({cfg.model.arch})",
+        "",
+        f"Checkpoint: `{checkpoint}` after {steps} steps. Greedy translations of the {result['pairs']} "
+        "held-out pairs; headline chrF (higher is better).",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| validation loss (nats per target token, teacher forced) | {m['val_loss']:.4f} |",
+        f"| exact match | {100 * m['exact_match']:.2f}% |",
+        f"| BLEU (sacrebleu, tokenize {cfg.data.pairs.bleu_tokenize}) | {m['bleu']:.2f} |",
+        f"| chrF (sacrebleu) | {m['chrf']:.2f} |",
+        "",
+        "| source | reference | greedy translation |",
+        "|---|---|---|",
+    ]
     lines += [f"| {_cell(r['source'])} | {_cell(r['reference'])} | {_cell(r['hypothesis'])} |" for r in result["table"]]
     lines += ["", "Attention of the first held-out pairs: " + ", ".join(f"`{p}`" for p in result["pictures"]), ""]
     return "\n".join(lines)

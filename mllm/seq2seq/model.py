@@ -35,8 +35,10 @@ PAD_ID, BOS_ID, EOS_ID = 1, 2, 3
 
 def build_seq2seq(cfg: Seq2SeqConfig) -> nn.Module:
     if cfg.src_vocab_size <= len(SPECIALS) or cfg.tgt_vocab_size <= len(SPECIALS):
-        raise UserError("model.src_vocab_size/tgt_vocab_size are unset: set them to the vocabularies' "
-                        "sizes (mllm.seq2seq.pairs.vocab_sizes) before building the model")
+        raise UserError(
+            "model.src_vocab_size/tgt_vocab_size are unset: set them to the vocabularies' "
+            "sizes (mllm.seq2seq.pairs.vocab_sizes) before building the model"
+        )
     return Seq2SeqRNN(cfg) if cfg.arch == "seq2seq-rnn" else Seq2SeqTransformer(cfg)
 
 
@@ -77,8 +79,7 @@ class Seq2SeqRNN(nn.Module):
         E, H, L = cfg.n_embd, cfg.hidden_size, cfg.n_layer
         rnn = nn.GRU if cfg.cell == "gru" else nn.LSTM
         self.src_embedding = nn.Embedding(cfg.src_vocab_size, E, padding_idx=PAD_ID)
-        self.encoder = rnn(E, H, L, batch_first=True, bidirectional=True,
-                           dropout=cfg.dropout if L > 1 else 0.0)
+        self.encoder = rnn(E, H, L, batch_first=True, bidirectional=True, dropout=cfg.dropout if L > 1 else 0.0)
         # The decoder starts from both directions' last states (Bahdanau: from the backward one).
         self.bridge = nn.Linear(2 * H, H)
         self.tgt_embedding = nn.Embedding(cfg.tgt_vocab_size, E, padding_idx=PAD_ID)
@@ -98,8 +99,7 @@ class Seq2SeqRNN(nn.Module):
         out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=src.size(1))
         h = h[0] if isinstance(h, tuple) else h  # LSTM: (h, c); the decoder starts from h
         last = torch.cat([h[-2], h[-1]], dim=-1)  # top layer, forward and backward
-        return {"outputs": out, "keys": self.attention.keys(out), "pad": pad,
-                "init": torch.tanh(self.bridge(last))}
+        return {"outputs": out, "keys": self.attention.keys(out), "pad": pad, "init": torch.tanh(self.bridge(last))}
 
     def start(self, memory: dict):
         return memory["init"]
@@ -217,8 +217,7 @@ class DecoderLayer(_Block):
         x = self._sub(x, self.norm1, lambda h: self.self_attn(h, h, h, mask, tgt_pad, self_cache)[0])
 
         def cross(h):
-            y, self.cross_weights = self.cross_attn(h, memory, memory, key_pad=src_pad, cache=cross_cache,
-                                                    static=True)
+            y, self.cross_weights = self.cross_attn(h, memory, memory, key_pad=src_pad, cache=cross_cache, static=True)
             return y
 
         x = self._sub(x, self.norm2, cross)
@@ -234,8 +233,7 @@ class Seq2SeqTransformer(nn.Module):
         self.src_embedding = nn.Embedding(cfg.src_vocab_size, d, padding_idx=PAD_ID)
         self.tgt_embedding = nn.Embedding(cfg.tgt_vocab_size, d, padding_idx=PAD_ID)
         # +1: the target side holds <bos> or <eos> besides max_tgt_len tokens.
-        self.register_buffer("pe", sinusoidal_positions(max(cfg.max_src_len, cfg.max_tgt_len) + 1, d),
-                             persistent=False)
+        self.register_buffer("pe", sinusoidal_positions(max(cfg.max_src_len, cfg.max_tgt_len) + 1, d), persistent=False)
         self.encoder = nn.ModuleList(EncoderLayer(d, cfg.n_head, d_ff, cfg.dropout, pre) for _ in range(cfg.n_layer))
         self.decoder = nn.ModuleList(DecoderLayer(d, cfg.n_head, d_ff, cfg.dropout, pre) for _ in range(cfg.n_layer))
         # Pre-norm leaves the residual stream unnormalised: one LayerNorm after each stack.
@@ -291,8 +289,10 @@ class Seq2SeqTransformer(nn.Module):
 
     @staticmethod
     def reorder(state, index):
-        layers = [{part: {name: t[index] for name, t in kv.items()} for part, kv in layer.items()}
-                  for layer in state["layers"]]
+        layers = [
+            {part: {name: t[index] for name, t in kv.items()} for part, kv in layer.items()}
+            for layer in state["layers"]
+        ]
         return {"t": state["t"], "layers": layers}
 
     def forward(self, src, tgt_in, tgt_out=None):

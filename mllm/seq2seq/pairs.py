@@ -26,10 +26,10 @@ import torch
 
 from mllm import UserError, storage
 from mllm.config import DataConfig, TokenizerConfig
-from mllm.runtime.epochs import EpochOrder
-from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID, SPECIALS
 from mllm.data.text import Tokenizer, build_tokenizer, tokenizer_from_json
 from mllm.data.vocab import UNK, Vocab
+from mllm.runtime.epochs import EpochOrder
+from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID, SPECIALS
 
 SPLITS = ("train", "val", "test")
 
@@ -62,8 +62,9 @@ def read_tsv(url: str, name: str | None = None) -> tuple[list[tuple[str, str]], 
         raise UserError(f"{name} is not UTF-8 text: convert it to UTF-8 tab-separated pairs") from None
     pairs, bad = parse_tsv(text)
     if not pairs:
-        raise UserError(f"{name} has no valid pair in {bad} lines: give lines of 'source<TAB>target' "
-                        "(a TSV of parallel text)")
+        raise UserError(
+            f"{name} has no valid pair in {bad} lines: give lines of 'source<TAB>target' (a TSV of parallel text)"
+        )
     return pairs, bad
 
 
@@ -86,8 +87,9 @@ def write_numbers_tsv(url: str, count: int, seed: int = 0, max_number: int = 9_9
     return len(pairs)
 
 
-def split_pairs(pairs: list[tuple[str, str]], val_fraction: float, test_fraction: float = 0.0,
-                seed: int = 1337) -> dict[str, list[tuple[str, str]]]:
+def split_pairs(
+    pairs: list[tuple[str, str]], val_fraction: float, test_fraction: float = 0.0, seed: int = 1337
+) -> dict[str, list[tuple[str, str]]]:
     """Shuffled pairs cut into train/val/test; every pair with the same source lands in one split,
     so a held-out source (one sentence with several translations) is never seen in training."""
     groups: dict[str, list[tuple[str, str]]] = {}
@@ -106,8 +108,10 @@ def split_pairs(pairs: list[tuple[str, str]], val_fraction: float, test_fraction
     for s in sources[i:]:
         out["train"] += groups[s]
     if not out["train"] or (val_fraction and not out["val"]):
-        raise UserError(f"{n} pairs ({len(groups)} distinct sources) are too few to split "
-                        f"{val_fraction}/{test_fraction}: give more pairs or change the fractions")
+        raise UserError(
+            f"{n} pairs ({len(groups)} distinct sources) are too few to split "
+            f"{val_fraction}/{test_fraction}: give more pairs or change the fractions"
+        )
     return out
 
 
@@ -125,13 +129,16 @@ def _vocab(counts: Counter, data: DataConfig) -> Vocab:
 
 def check_vocab(vocab: Vocab, what: str) -> Vocab:
     if vocab.itos[:4] != [UNK, *SPECIALS]:
-        raise UserError(f"the {what} vocabulary does not start {UNK} {' '.join(SPECIALS)}: "
-                        "build it with mllm.seq2seq.pairs.prepare_pairs")
+        raise UserError(
+            f"the {what} vocabulary does not start {UNK} {' '.join(SPECIALS)}: "
+            "build it with mllm.seq2seq.pairs.prepare_pairs"
+        )
     return vocab
 
 
-def prepare_pairs(pairs: list[tuple[str, str]], data: DataConfig, out_url: str,
-                  max_src_len: int, max_tgt_len: int, bad_lines: int = 0) -> dict:
+def prepare_pairs(
+    pairs: list[tuple[str, str]], data: DataConfig, out_url: str, max_src_len: int, max_tgt_len: int, bad_lines: int = 0
+) -> dict:
     """Split, tokenize (data.tokenizer the source side, data.pairs.target_tokenizer the target),
     build the vocabularies on the training split, write ids; return the summary.
 
@@ -151,8 +158,13 @@ def prepare_pairs(pairs: list[tuple[str, str]], data: DataConfig, out_url: str,
         src_vocab = tgt_vocab = _vocab(src_counts + tgt_counts, data)
     else:
         src_vocab, tgt_vocab = _vocab(src_counts, data), _vocab(tgt_counts, data)
-    summary = {"pairs": len(pairs), "bad_lines": bad_lines, "too_long": 0,
-               "src_vocab_size": len(src_vocab), "tgt_vocab_size": len(tgt_vocab)}
+    summary = {
+        "pairs": len(pairs),
+        "bad_lines": bad_lines,
+        "too_long": 0,
+        "src_vocab_size": len(src_vocab),
+        "tgt_vocab_size": len(tgt_vocab),
+    }
     for name in SPLITS:
         keep = [i for i, (s, t) in enumerate(tokens[name]) if len(s) <= max_src_len and len(t) <= max_tgt_len]
         summary["too_long"] += len(tokens[name]) - len(keep)
@@ -160,17 +172,21 @@ def prepare_pairs(pairs: list[tuple[str, str]], data: DataConfig, out_url: str,
         summary[f"{name}_src_tokens"] = sum(len(tokens[name][i][0]) for i in keep)
         summary[f"{name}_tgt_tokens"] = sum(len(tokens[name][i][1]) for i in keep)
         summary[f"{name}_tgt_bytes"] = sum(len(splits[name][i][1].encode()) for i in keep)
-        table = pa.table({
-            "source": pa.array([splits[name][i][0] for i in keep], pa.string()),
-            "target": pa.array([splits[name][i][1] for i in keep], pa.string()),
-            "src_ids": pa.array([src_vocab.encode(tokens[name][i][0]) for i in keep], pa.list_(pa.int32())),
-            "tgt_ids": pa.array([tgt_vocab.encode(tokens[name][i][1]) for i in keep], pa.list_(pa.int32())),
-        })
+        table = pa.table(
+            {
+                "source": pa.array([splits[name][i][0] for i in keep], pa.string()),
+                "target": pa.array([splits[name][i][1] for i in keep], pa.string()),
+                "src_ids": pa.array([src_vocab.encode(tokens[name][i][0]) for i in keep], pa.list_(pa.int32())),
+                "tgt_ids": pa.array([tgt_vocab.encode(tokens[name][i][1]) for i in keep], pa.list_(pa.int32())),
+            }
+        )
         with storage.atomic_open(storage.join(out_url, f"{name}.parquet")) as f:
             pq.write_table(table, f)
     if summary["train_pairs"] == 0:
-        raise UserError(f"every training pair is longer than max_src_len {max_src_len} / max_tgt_len "
-                        f"{max_tgt_len} tokens: raise them")
+        raise UserError(
+            f"every training pair is longer than max_src_len {max_src_len} / max_tgt_len "
+            f"{max_tgt_len} tokens: raise them"
+        )
     src_vocab.save(storage.join(out_url, "src_vocab.json"))
     tgt_vocab.save(storage.join(out_url, "tgt_vocab.json"))
     storage.write_text(storage.join(out_url, "src_tokenizer.json"), src_tok.to_json())
@@ -194,17 +210,17 @@ class PairSplit:
         return len(self.source)
 
     def src(self, i: int) -> np.ndarray:
-        return self.src_ids[self.src_offsets[i]:self.src_offsets[i + 1]]
+        return self.src_ids[self.src_offsets[i] : self.src_offsets[i + 1]]
 
     def tgt(self, i: int) -> np.ndarray:
-        return self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]]
+        return self.tgt_ids[self.tgt_offsets[i] : self.tgt_offsets[i + 1]]
 
 
 def _flat(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
     arr = column.combine_chunks()
     offsets = np.asarray(arr.offsets.to_numpy(), dtype=np.int64)
     values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-    return values[offsets[0]:offsets[-1]], offsets - offsets[0]
+    return values[offsets[0] : offsets[-1]], offsets - offsets[0]
 
 
 def load_split(url: str) -> PairSplit:
@@ -242,10 +258,10 @@ def make_batch(srcs: list, tgts: list) -> tuple[torch.Tensor, torch.Tensor, torc
     tgt_in = torch.full((B, T), PAD_ID, dtype=torch.long)
     tgt_out = torch.full((B, T), -1, dtype=torch.long)
     for b, (s, t) in enumerate(zip(srcs, tgts)):
-        src[b, :len(s)] = torch.as_tensor(s, dtype=torch.long)
+        src[b, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         t = torch.as_tensor(t, dtype=torch.long)
-        tgt_in[b, 0], tgt_in[b, 1:len(t) + 1] = BOS_ID, t
-        tgt_out[b, :len(t)], tgt_out[b, len(t)] = t, EOS_ID
+        tgt_in[b, 0], tgt_in[b, 1 : len(t) + 1] = BOS_ID, t
+        tgt_out[b, : len(t)], tgt_out[b, len(t)] = t, EOS_ID
     return src, tgt_in, tgt_out
 
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
-from mllm.seq2seq.pairs import PairSplit, eval_batches, make_batch
 from mllm.seq2seq.model import BOS_ID, EOS_ID, PAD_ID
+from mllm.seq2seq.pairs import PairSplit, eval_batches, make_batch
 
 METHODS = ("greedy", "beam", "sample")
 
@@ -125,16 +125,31 @@ def _beam(model, src, max_len, K, alpha) -> list[Hypothesis]:
     for b, n in enumerate(_src_lengths(src)):
         hyps = finished[b]
         if not done[b]:  # out of steps: the live beams compete too, cut at max_len
-            hyps = hyps + [(scores[b, k].item() / max(hist.size(2), 1) ** alpha, hist[b, k].tolist(),
-                            att[b, k].float().cpu().numpy()) for k in range(K) if math.isfinite(scores[b, k].item())]
+            hyps = hyps + [
+                (
+                    scores[b, k].item() / max(hist.size(2), 1) ** alpha,
+                    hist[b, k].tolist(),
+                    att[b, k].float().cpu().numpy(),
+                )
+                for k in range(K)
+                if math.isfinite(scores[b, k].item())
+            ]
         score, ids, w = max(hyps, key=lambda h: h[0])
         out.append(Hypothesis(ids[:max_len], score, w[:max_len, :n]))
     return out
 
 
 @torch.no_grad()
-def decode(model, src, method: str = "greedy", max_len: int | None = None, beam_width: int = 4,
-           length_penalty: float = 1.0, temperature: float = 1.0, seed: int | None = None) -> list[Hypothesis]:
+def decode(
+    model,
+    src,
+    method: str = "greedy",
+    max_len: int | None = None,
+    beam_width: int = 4,
+    length_penalty: float = 1.0,
+    temperature: float = 1.0,
+    seed: int | None = None,
+) -> list[Hypothesis]:
     """One hypothesis per row of src [B, S] (padded with <pad>).
 
     beam: the best hypothesis by sum of log-probs / length ** length_penalty (0: plain sums, which
@@ -174,8 +189,9 @@ def validation_loss(model, split: PairSplit, batch_size: int = 128, limit: int |
             dev = _device(model)
             logits, _, _ = model(src.to(dev), tgt_in.to(dev), None)
             tgt_out = tgt_out.to(dev)
-            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt_out.reshape(-1),
-                                     ignore_index=-1, reduction="sum").item()
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), tgt_out.reshape(-1), ignore_index=-1, reduction="sum"
+            ).item()
             count += (tgt_out != -1).sum().item()
     finally:
         model.train(was_training)
@@ -205,9 +221,19 @@ def scores(hypotheses: list[str], references: list[str], bleu_tokenize: str = "1
     return {"exact_match": exact, "bleu": bleu, "chrf": sb.corpus_chrf(hypotheses, [references]).score}
 
 
-def evaluate(model, split: PairSplit, tgt_tokenizer, tgt_vocab, method: str = "greedy",
-             beam_width: int = 4, batch_size: int = 128, limit: int | None = None,
-             table_rows: int = 5, bleu_tokenize: str = "13a", **decode_kw) -> dict:
+def evaluate(
+    model,
+    split: PairSplit,
+    tgt_tokenizer,
+    tgt_vocab,
+    method: str = "greedy",
+    beam_width: int = 4,
+    batch_size: int = 128,
+    limit: int | None = None,
+    table_rows: int = 5,
+    bleu_tokenize: str = "13a",
+    **decode_kw,
+) -> dict:
     """Validation loss, exact match, BLEU and chrF of decoded hypotheses on the split's first pairs,
     and a table of (source, reference, hypothesis) for the first `table_rows`.
 
@@ -221,10 +247,10 @@ def evaluate(model, split: PairSplit, tgt_tokenizer, tgt_vocab, method: str = "g
     for src, _, _ in eval_batches(split, batch_size, n):
         for h in decode(model, src.to(dev), method, beam_width=beam_width, **decode_kw):
             hyps.append(tgt_tokenizer.detokenize(tgt_vocab.decode(h.ids)))
-    report = {"loss": validation_loss(model, split, batch_size, n), "pairs": n,
-              **scores(hyps, refs, bleu_tokenize)}
-    report["table"] = [{"source": s, "reference": r, "hypothesis": h}
-                       for s, r, h in zip(split.source[:table_rows], refs, hyps)]
+    report = {"loss": validation_loss(model, split, batch_size, n), "pairs": n, **scores(hyps, refs, bleu_tokenize)}
+    report["table"] = [
+        {"source": s, "reference": r, "hypothesis": h} for s, r, h in zip(split.source[:table_rows], refs, hyps)
+    ]
     return report
 
 
@@ -242,8 +268,9 @@ def encode_sources(texts: list[str], src_tokenizer, src_vocab, max_src_len: int 
     return tokens
 
 
-def translate(model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, tgt_vocab,
-              method: str = "greedy", **decode_kw) -> list[tuple[list[str], list[str], str, np.ndarray]]:
+def translate(
+    model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, tgt_vocab, method: str = "greedy", **decode_kw
+) -> list[tuple[list[str], list[str], str, np.ndarray]]:
     """(source tokens, target tokens, translation, attention [target, source]) for each text.
 
     Tokens come as text (a byte-level BPE piece "fÃ¼nf" as "fünf"), to label attention pictures.
@@ -253,8 +280,14 @@ def translate(model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, 
     out = []
     for ts, h in zip(tokens, decode(model, src.to(_device(model)), method, **decode_kw)):
         tgt_tokens = tgt_vocab.decode(h.ids)
-        out.append(([src_tokenizer.detokenize([t]) for t in ts], [tgt_tokenizer.detokenize([t]) for t in tgt_tokens],
-                    tgt_tokenizer.detokenize(tgt_tokens), h.attention))
+        out.append(
+            (
+                [src_tokenizer.detokenize([t]) for t in ts],
+                [tgt_tokenizer.detokenize([t]) for t in tgt_tokens],
+                tgt_tokenizer.detokenize(tgt_tokens),
+                h.attention,
+            )
+        )
     return out
 
 
@@ -262,8 +295,15 @@ def translate(model, texts: list[str], src_tokenizer, src_vocab, tgt_tokenizer, 
 SAMPLE_METHODS = {"greedy": "greedy", "beam": "beam", "temperature": "sample"}
 
 
-def translate_texts(loaded, texts: list[str], method: str | None = None, beam_width: int | None = None,
-                    temperature: float | None = None, seed: int | None = None, **_ignored) -> list[str]:
+def translate_texts(
+    loaded,
+    texts: list[str],
+    method: str | None = None,
+    beam_width: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    **_ignored,
+) -> list[str]:
     """Translations of `texts` by a loaded seq2seq checkpoint (mllm.runtime.checkpoint.Loaded).
 
     `method` is a sample-section name (greedy, beam, temperature); what is left unset takes the
@@ -275,7 +315,16 @@ def translate_texts(loaded, texts: list[str], method: str | None = None, beam_wi
     method = method or s.methods[0]
     if method not in SAMPLE_METHODS:
         raise UserError(f"a seq2seq model translates with {', '.join(SAMPLE_METHODS)}, not {method!r}")
-    out = translate(loaded.model, texts, loaded.src_tokenizer, loaded.src_vocab, loaded.tokenizer, loaded.vocab,
-                    SAMPLE_METHODS[method], beam_width=beam_width or s.beam_width,
-                    temperature=temperature or s.temperature, seed=s.seed if seed is None else seed)
+    out = translate(
+        loaded.model,
+        texts,
+        loaded.src_tokenizer,
+        loaded.src_vocab,
+        loaded.tokenizer,
+        loaded.vocab,
+        SAMPLE_METHODS[method],
+        beam_width=beam_width or s.beam_width,
+        temperature=temperature or s.temperature,
+        seed=s.seed if seed is None else seed,
+    )
     return [text for _, _, text, _ in out]

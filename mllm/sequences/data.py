@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from mllm import UserError, storage
-from mllm.runtime.epochs import EpochOrder
 from mllm.data.vocab import UNK, Vocab
+from mllm.runtime.epochs import EpochOrder
 
 
 def vocabulary(numbers: int) -> Vocab:
@@ -64,8 +64,9 @@ def load_split(url: str) -> tuple[np.ndarray, np.ndarray]:
 class SequenceBatches(EpochOrder):
     """Shuffled passes over the sequences, a batch of rows at a time."""
 
-    def __init__(self, split: tuple[np.ndarray, np.ndarray], batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1):
+    def __init__(
+        self, split: tuple[np.ndarray, np.ndarray], batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+    ):
         self.x, self.y = (torch.from_numpy(np.ascontiguousarray(a)) for a in split)
         super().__init__(len(self.x), batch_size, seed, rank, world_size)
 
@@ -76,4 +77,4 @@ class SequenceBatches(EpochOrder):
 
 def all_batches(split: tuple[np.ndarray, np.ndarray], batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = (torch.from_numpy(np.ascontiguousarray(a)) for a in split)
-    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]

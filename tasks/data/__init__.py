@@ -66,7 +66,9 @@ class SplitPart(BaseModel):
     n_tokens: int
     n_bytes: int  # UTF-8 bytes of the text these tokens stand for: bits per byte need it
     offsets: str | None = None  # int64 .npy: where each piece (paragraph) starts; CBOW needs it
-    sha256: str | None = None  # of the ids file (pieces: mllm.runtime.epochs.chain_digest), when the split stage wrote it (lineage checks it)
+    sha256: str | None = (
+        None  # of the ids file (pieces: mllm.runtime.epochs.chain_digest), when the split stage wrote it (lineage checks it)
+    )
 
 
 class Splits(BaseModel):

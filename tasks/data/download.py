@@ -15,12 +15,17 @@ from mllm.config import DataConfig
 from mllm.data import corpus, files, heads
 from tasks import NOTICE, assets, report_progress
 from tasks.caching import forget_exception, retry_unless_mistake
-from tasks.data import (RawText)
+from tasks.data import RawText
 from tasks.data.fan_out import PACK_BYTES, fan_out
 
 
-@task(name="download", on_failure=[forget_exception],
-      retries=2, retry_delay_seconds=[1, 3], retry_condition_fn=retry_unless_mistake)
+@task(
+    name="download",
+    on_failure=[forget_exception],
+    retries=2,
+    retry_delay_seconds=[1, 3],
+    retry_condition_fn=retry_unless_mistake,
+)
 def download(source: str, sha256: str | None, root: str) -> RawText:
     """Copy the source into `raw/<sha256>.txt` as UTF-8 text, after checking that it is text.
 
@@ -29,18 +34,37 @@ def download(source: str, sha256: str | None, root: str) -> RawText:
     named after that digest.
     """
     logger = get_run_logger()
-    got = corpus.download(source, lambda sha: layout.folder(root, layout.RAW, f"{sha}.txt"), sha256,
-                          progress=lambda n, size: report_progress("download", n, size))
+    got = corpus.download(
+        source,
+        lambda sha: layout.folder(root, layout.RAW, f"{sha}.txt"),
+        sha256,
+        progress=lambda n, size: report_progress("download", n, size),
+    )
     assets.materializes(got.url, reads=[got.source], name="corpus copy")
-    assets.describe(got.url, sha256=got.sha256, bytes=got.bytes, encoding=got.encoding, compression=got.compression,
-                    source=got.source)
+    assets.describe(
+        got.url,
+        sha256=got.sha256,
+        bytes=got.bytes,
+        encoding=got.encoding,
+        compression=got.compression,
+        source=got.source,
+    )
     meta = layout.folder(root, layout.RAW, f"{got.sha256}.json")
     if not storage.exists(meta):
-        storage.write_json(meta, {"source": got.source, "sha256": got.sha256, "bytes": got.bytes,
-                                  "encoding": got.encoding, "compression": got.compression})
+        storage.write_json(
+            meta,
+            {
+                "source": got.source,
+                "sha256": got.sha256,
+                "bytes": got.bytes,
+                "encoding": got.encoding,
+                "compression": got.compression,
+            },
+        )
     if got.repaired:
-        logger.warning("the stored copy %s no longer held the source's text (changed in storage): written again",
-                       got.url)
+        logger.warning(
+            "the stored copy %s no longer held the source's text (changed in storage): written again", got.url
+        )
     if got.compression:
         logger.info("source %s is %s-compressed: stored decompressed", got.source, got.compression, extra=NOTICE)
     if got.encoding != "utf-8":
@@ -99,16 +123,24 @@ def _download_file(f: files.SourceFile, text_field: str, bad_files: str, root: s
         if f.format == "text":
             got = corpus.download(f.url, lambda sha: layout.folder(root, layout.RAW, f"{sha}.txt"))
             if got.repaired:
-                get_run_logger().warning("the stored copy %s of %s had changed in storage: written again", got.url,
-                                         got.source)
+                get_run_logger().warning(
+                    "the stored copy %s of %s had changed in storage: written again", got.url, got.source
+                )
             record = FileRecord(source=got.source, sha256=got.sha256, bytes=got.bytes, documents=1, url=got.url)
         else:
             # The documents are those of one field: another field of the same file is another copy.
             field = storage.digest(text_field)[:8]
-            rec = files.download_records(f.url, f.format, text_field,
-                                         lambda sha: layout.folder(root, layout.RAW, f"{sha}-{field}.parquet"))
-            record = FileRecord(source=rec.source, sha256=rec.sha256, bytes=rec.bytes, format=f.format,
-                                documents=rec.documents, url=rec.url)
+            rec = files.download_records(
+                f.url, f.format, text_field, lambda sha: layout.folder(root, layout.RAW, f"{sha}-{field}.parquet")
+            )
+            record = FileRecord(
+                source=rec.source,
+                sha256=rec.sha256,
+                bytes=rec.bytes,
+                format=f.format,
+                documents=rec.documents,
+                url=rec.url,
+            )
         fs, path = storage.filesystem(record.url)
         return record.model_copy(update={"stored_bytes": int(fs.size(path)), "stamp": f.stamp})
     except UserError as e:
@@ -124,8 +156,9 @@ def corpus_digest(shas: list[str]) -> str:
 
 
 @task(name="record-corpus", retries=1, retry_condition_fn=retry_unless_mistake)
-def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | None, root: str,
-                  hidden: list[str] | None = None) -> RawText:
+def record_corpus(
+    records: list[FileRecord], sources: list[str], sha256: str | None, root: str, hidden: list[str] | None = None
+) -> RawText:
     """The corpus manifest, `corpora/<digest>.json`: every file with its source, bytes, digest and
     documents; the files whose bytes are another's (`duplicates`: each kept file's twins); and the
     files left out: hidden and marker files, and bad files with data.bad_files=skip."""
@@ -140,18 +173,27 @@ def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | N
             kept[r.key] = r
     skipped = [r for r in records if r.skipped] + [FileRecord(source=h, skipped=HIDDEN) for h in hidden or []]
     if not kept:
-        raise UserError(f"no usable file in {', '.join(sources)}: all {len(records)} were left out "
-                        f"({skipped[0].source}: {skipped[0].skipped})")
+        raise UserError(
+            f"no usable file in {', '.join(sources)}: all {len(records)} were left out "
+            f"({skipped[0].source}: {skipped[0].skipped})"
+        )
     digest = corpus_digest(list(kept))
     if sha256 and sha256 != digest:
-        raise UserError(f"the corpus has digest {digest}, not the pinned {sha256}: its files changed; update "
-                        "data.sha256 or remove it")
+        raise UserError(
+            f"the corpus has digest {digest}, not the pinned {sha256}: its files changed; update "
+            "data.sha256 or remove it"
+        )
     url = layout.folder(root, layout.CORPORA, f"{digest}.json")
     # The same bytes under another name: one file, named by the first source in order, its twins
     # beside it. Which names a corpus came by, and what was left out, may change with its digest
     # unchanged: the manifest says this run's.
-    doc = {"digest": digest, "sources": sources, "files": [r.model_dump() for r in kept.values()],
-           "duplicates": twins, "skipped": [{"source": r.source, "reason": r.skipped} for r in skipped]}
+    doc = {
+        "digest": digest,
+        "sources": sources,
+        "files": [r.model_dump() for r in kept.values()],
+        "duplicates": twins,
+        "skipped": [{"source": r.source, "reason": r.skipped} for r in skipped],
+    }
     if not storage.exists(url) or storage.read_json(url) != doc:
         storage.write_json(url, doc)
     total = sum(r.bytes for r in kept.values())
@@ -159,19 +201,38 @@ def record_corpus(records: list[FileRecord], sources: list[str], sha256: str | N
     assets.describe(url, digest=digest, files=len(kept), bytes=total, skipped=len(skipped))
     logger = get_run_logger()
     n_empty = sum(r.skipped == heads.EMPTY for r in skipped)
-    logger.info("corpus %s: %d files, %d bytes%s", digest[:12], len(kept), total,
-                f", {len(skipped)} left out" + (f" ({n_empty} empty)" if n_empty else "") if skipped else "")
+    logger.info(
+        "corpus %s: %d files, %d bytes%s",
+        digest[:12],
+        len(kept),
+        total,
+        f", {len(skipped)} left out" + (f" ({n_empty} empty)" if n_empty else "") if skipped else "",
+    )
     n_twins = sum(len(t) for t in twins.values())
     if n_twins:
-        logger.info("%d files hold the same bytes as another, read once: %s (every name in the corpus manifest %s)",
-                    n_twins, _some([f"{d} = {k}" for k, ds in twins.items() for d in ds], 3), url, extra=NOTICE)
+        logger.info(
+            "%d files hold the same bytes as another, read once: %s (every name in the corpus manifest %s)",
+            n_twins,
+            _some([f"{d} = {k}" for k, ds in twins.items() for d in ds], 3),
+            url,
+            extra=NOTICE,
+        )
     source = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more"
     # The corpus these sources gave last time, for what changed since (then this one's).
     last_url = layout.folder(root, layout.CORPORA, f"last-{storage.digest(sources)}.json")
     previous = storage.read_json(last_url)["digest"] if storage.exists(last_url) else None
     storage.write_json(last_url, {"digest": digest})
-    return RawText(source=source, url=url, sha256=digest, bytes=total, files=len(kept), manifest=url,
-                   skipped=[f"{r.source}: {r.skipped}" for r in skipped], previous=previous, duplicates=n_twins)
+    return RawText(
+        source=source,
+        url=url,
+        sha256=digest,
+        bytes=total,
+        files=len(kept),
+        manifest=url,
+        skipped=[f"{r.source}: {r.skipped}" for r in skipped],
+        previous=previous,
+        duplicates=n_twins,
+    )
 
 
 def download_source(d: DataConfig, root: str) -> RawText:
@@ -190,14 +251,19 @@ def download_source(d: DataConfig, root: str) -> RawText:
     known = _known(index_url, root) if not d.sha256 else {}  # a pinned corpus is read whole, always
     todo = [f for f in found if _quick_key(f) not in known]
     batches = _batches(todo, len(os.sched_getaffinity(0)))
-    made = fan_out(download_files, batches, sum(f.size or 0 for f in todo), d.task_runner, d.text_field,
-                   d.bad_files, root)
+    made = fan_out(
+        download_files, batches, sum(f.size or 0 for f in todo), d.task_runner, d.text_field, d.bad_files, root
+    )
     fresh = [r for batch in made for r in batch]
-    records = [known[_quick_key(f)] for f in found if _quick_key(f) in known] + fresh + \
-        [FileRecord(source=f.name, format=f.format, skipped=heads.EMPTY) for f in empty]
+    records = (
+        [known[_quick_key(f)] for f in found if _quick_key(f) in known]
+        + fresh
+        + [FileRecord(source=f.name, format=f.format, skipped=heads.EMPTY) for f in empty]
+    )
     if fresh:
-        get_run_logger().info("read %d files of %d (the others' size and time are as when last read)", len(todo),
-                              len(found))
+        get_run_logger().info(
+            "read %d files of %d (the others' size and time are as when last read)", len(todo), len(found)
+        )
         seen = dict(known)
         for r in fresh:
             if not r.skipped and (key := _quick_key(r)):
@@ -287,13 +353,22 @@ def corpus_changes(data: Any, root: str) -> dict[str, int]:
     previous = data.raw_previous
     now = [FileRecord.model_validate(f) for f in storage.read_json(data.raw_manifest)["files"]]
     before_url = layout.folder(root, layout.CORPORA, f"{previous}.json") if previous else None
-    before = ([FileRecord.model_validate(f) for f in storage.read_json(before_url)["files"]]
-              if before_url and storage.exists(before_url) else [])
+    before = (
+        [FileRecord.model_validate(f) for f in storage.read_json(before_url)["files"]]
+        if before_url and storage.exists(before_url)
+        else []
+    )
     old_sha, old_names = {f.key for f in before}, {f.source for f in before}
     new_sha, new_names = {f.key for f in now}, {f.source for f in now}
     changed = sum(f.key not in old_sha and f.source in old_names for f in now)
-    return {"files": len(now), "new": sum(f.key not in old_sha and f.source not in old_names for f in now),
-            "changed": changed, "removed": sum(f.key not in new_sha and f.source not in new_names for f in before),
-            "reused": len(new_sha & old_sha), "tokenized": data.tokens.files_tokenized or 0,
-            "skipped": len(data.raw_skipped), "duplicates": data.raw_duplicates,
-            "empty": sum(s.endswith(f": {heads.EMPTY}") for s in data.raw_skipped)}
+    return {
+        "files": len(now),
+        "new": sum(f.key not in old_sha and f.source not in old_names for f in now),
+        "changed": changed,
+        "removed": sum(f.key not in new_sha and f.source not in new_names for f in before),
+        "reused": len(new_sha & old_sha),
+        "tokenized": data.tokens.files_tokenized or 0,
+        "skipped": len(data.raw_skipped),
+        "duplicates": data.raw_duplicates,
+        "empty": sum(s.endswith(f": {heads.EMPTY}") for s in data.raw_skipped),
+    }

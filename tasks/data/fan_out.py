@@ -8,8 +8,6 @@ from typing import Any, Iterator
 
 from prefect import unmapped
 
-
-
 PACK_BYTES = 32 << 20  # text per pack of small files: a new file re-tokenizes at most this much
 SMALL_BYTES = 64 << 20  # less work than this is done in the flow's process: a pool's start costs more
 

@@ -3,7 +3,6 @@ the pairs of texts tokenized with their vocabularies."""
 
 from __future__ import annotations
 
-
 from prefect import get_run_logger, task
 
 from mllm import layout, storage
@@ -11,9 +10,8 @@ from mllm.config import DataConfig, NumbersConfig
 from mllm.data import text
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
-from tasks.data import (Pairs, RawText, SourceSide, SplitPart, Splits, Tokens, Vocabulary, finished,
-                        write_manifest)
+from tasks.caching import forget_exception, retry_unless_mistake, stage_cache
+from tasks.data import Pairs, RawText, SourceSide, SplitPart, Splits, Tokens, Vocabulary, finished, write_manifest
 
 
 def _pairs():
@@ -34,8 +32,9 @@ def numbers_corpus(cfg: NumbersConfig, root: str) -> str:
     assets.describe(url, pairs=cfg.count, seed=cfg.seed, max_number=cfg.max_number, language=cfg.language)
     if not storage.exists(url):
         n = _pairs().write_numbers_tsv(url, cfg.count, cfg.seed, cfg.max_number, cfg.language)
-        get_run_logger().info("numbers corpus: %d pairs in [0, %d], seed %d, en -> %s", n, cfg.max_number,
-                              cfg.seed, cfg.language)
+        get_run_logger().info(
+            "numbers corpus: %d pairs in [0, %d], seed %d, en -> %s", n, cfg.max_number, cfg.seed, cfg.language
+        )
     return url
 
 
@@ -50,12 +49,18 @@ def _num2words_version() -> str:
 
 def _pairs_key(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> str:
     what = cfg.model_dump(include={"tokenizer", "vocab", "split", "pairs"}, exclude={"pairs": {"numbers"}})
-    return storage.digest(["pairs", raw.sha256, what, max_src_len, max_tgt_len,
-                           layout.code_digest(_pairs(), text, Vocab)])
+    return storage.digest(
+        ["pairs", raw.sha256, what, max_src_len, max_tgt_len, layout.code_digest(_pairs(), text, Vocab)]
+    )
 
 
-@task(name="prepare-pairs", on_failure=[forget_exception], cache_key_fn=stage_cache(_pairs_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="prepare-pairs",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_pairs_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: int, root: str) -> Pairs:
     """Split the pairs (identical sources on one side), tokenize both sides, build the
     vocabularies on the training pairs, and write each split as Parquet (texts and ids)."""
@@ -75,31 +80,66 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
         s = parallel.prepare_pairs(found, cfg, out, max_src_len, max_tgt_len, bad)
         src_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "src_vocab.json")), "source")
         tgt_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "tgt_vocab.json")), "target")
-        parts = {name: SplitPart(parquet=storage.join(url, f"{name}.parquet"), ids=storage.join(url, f"{name}.parquet"),
-                                 n_tokens=s[f"{name}_tgt_tokens"], n_bytes=s[f"{name}_tgt_bytes"])
-                 for name in parallel.SPLITS if s[f"{name}_pairs"] or name != "test"}
+        parts = {
+            name: SplitPart(
+                parquet=storage.join(url, f"{name}.parquet"),
+                ids=storage.join(url, f"{name}.parquet"),
+                n_tokens=s[f"{name}_tgt_tokens"],
+                n_bytes=s[f"{name}_tgt_bytes"],
+            )
+            for name in parallel.SPLITS
+            if s[f"{name}_pairs"] or name != "test"
+        }
         kept = sum(s[f"{name}_pairs"] for name in parallel.SPLITS)
         result = Pairs(
-            tokens=Tokens(key=key, url=url, tokenizer=storage.join(url, "tgt_tokenizer.json"),
-                          n_tokens=sum(s[f"{n}_src_tokens"] + s[f"{n}_tgt_tokens"] for n in parallel.SPLITS),
-                          n_chunks=kept, raw_sha256=raw.sha256),
-            vocab=Vocabulary(key=key, url=storage.join(url, "tgt_vocab.json"), digest=tgt_vocab.digest,
-                             size=len(tgt_vocab)),
+            tokens=Tokens(
+                key=key,
+                url=url,
+                tokenizer=storage.join(url, "tgt_tokenizer.json"),
+                n_tokens=sum(s[f"{n}_src_tokens"] + s[f"{n}_tgt_tokens"] for n in parallel.SPLITS),
+                n_chunks=kept,
+                raw_sha256=raw.sha256,
+            ),
+            vocab=Vocabulary(
+                key=key, url=storage.join(url, "tgt_vocab.json"), digest=tgt_vocab.digest, size=len(tgt_vocab)
+            ),
             splits=Splits(key=key, url=url, **parts),
-            source_side=SourceSide(vocab=Vocabulary(key=key, url=storage.join(url, "src_vocab.json"),
-                                                    digest=src_vocab.digest, size=len(src_vocab)),
-                                   tokenizer=storage.join(url, "src_tokenizer.json")),
-            pairs=s["pairs"], bad_lines=bad, too_long=s["too_long"])
+            source_side=SourceSide(
+                vocab=Vocabulary(
+                    key=key, url=storage.join(url, "src_vocab.json"), digest=src_vocab.digest, size=len(src_vocab)
+                ),
+                tokenizer=storage.join(url, "src_tokenizer.json"),
+            ),
+            pairs=s["pairs"],
+            bad_lines=bad,
+            too_long=s["too_long"],
+        )
         write_manifest(out, result)
-    assets.describe(url, key=key, pairs=s["pairs"], bad_lines=bad, too_long=s["too_long"],
-                    **{f"{name}_pairs": s[f"{name}_pairs"] for name in parallel.SPLITS})
+    assets.describe(
+        url,
+        key=key,
+        pairs=s["pairs"],
+        bad_lines=bad,
+        too_long=s["too_long"],
+        **{f"{name}_pairs": s[f"{name}_pairs"] for name in parallel.SPLITS},
+    )
     for v in (result.vocab, result.source_side.vocab):
         assets.describe(v.url, digest=v.digest, size=v.size)
     if bad:
         logger.warning("%s: %d bad lines left out (one column, or an empty side)", raw.source, bad)
     if s["too_long"]:
-        logger.warning("%d pairs longer than max_src_len %d / max_tgt_len %d tokens left out", s["too_long"],
-                       max_src_len, max_tgt_len)
-    logger.info("pairs: train %d, val %d, test %d; vocabularies: source %d, target %d", s["train_pairs"],
-                s["val_pairs"], s["test_pairs"], len(src_vocab), len(tgt_vocab))
+        logger.warning(
+            "%d pairs longer than max_src_len %d / max_tgt_len %d tokens left out",
+            s["too_long"],
+            max_src_len,
+            max_tgt_len,
+        )
+    logger.info(
+        "pairs: train %d, val %d, test %d; vocabularies: source %d, target %d",
+        s["train_pairs"],
+        s["val_pairs"],
+        s["test_pairs"],
+        len(src_vocab),
+        len(tgt_vocab),
+    )
     return result

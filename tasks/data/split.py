@@ -10,22 +10,29 @@ from pydantic import BaseModel
 
 from mllm import layout, storage
 from mllm.config import DataConfig, SplitConfig
-from mllm.data import splits, text, tokens as token_chunks
+from mllm.data import splits, text
+from mllm.data import tokens as token_chunks
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
-from tasks.data import (SplitPart, Splits, Tokens, Vocabulary, finished,
-                        write_manifest)
+from tasks.caching import forget_exception, retry_unless_mistake, stage_cache
+from tasks.data import SplitPart, Splits, Tokens, Vocabulary, finished, write_manifest
 from tasks.data.fan_out import fan_out
 from tasks.data.tokenize import corpus_packs
 
 
 def _split_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> str:
-    return storage.digest(["split", tokens.key, vocabulary.digest, cfg.model_dump(), layout.code_digest(Vocab, splits, token_chunks)])
+    return storage.digest(
+        ["split", tokens.key, vocabulary.digest, cfg.model_dump(), layout.code_digest(Vocab, splits, token_chunks)]
+    )
 
 
-@task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_split_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="split",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_split_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -> Splits:
     """Encode the tokens and route each segment of the split plan to its split's arrays."""
     key = _split_key(tokens, vocabulary, cfg, root)
@@ -43,14 +50,25 @@ def split(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str) -
     plan = splits.split_plan(tokens.n_tokens, cfg)
     with storage.staged_dir(url) as out:
         written = splits.write_splits(source, vocab, tokenizer, plan, out)
-        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.parquet"),
-                                   ids=storage.join(url, f"{w.name}.npy"), n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
-                                   offsets=storage.join(url, f"{w.name}.offsets.npy"))
-                 for w in written}
+        parts = {
+            w.name: SplitPart(
+                parquet=storage.join(url, f"{w.name}.parquet"),
+                ids=storage.join(url, f"{w.name}.npy"),
+                n_tokens=w.n_tokens,
+                n_bytes=w.n_bytes,
+                sha256=w.sha256,
+                offsets=storage.join(url, f"{w.name}.offsets.npy"),
+            )
+            for w in written
+        }
         result = Splits(key=key, url=url, **parts)
         write_manifest(out, result)
-    assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
-                    **{f"{w.name}_bytes": w.n_bytes for w in written})
+    assets.describe(
+        url,
+        key=key,
+        **{f"{w.name}_tokens": w.n_tokens for w in written},
+        **{f"{w.name}_bytes": w.n_bytes for w in written},
+    )
     get_run_logger().info("split: %s", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written))
     return result
 
@@ -62,8 +80,15 @@ class PackRows(BaseModel):
 
 def _route_key(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
     # The span size is the tokens stage's (it made the rows); seed and fractions decide the owner.
-    return storage.digest(["route", pack.model_dump(), vocabulary.digest, cfg.model_dump(exclude={"span_bytes"}),
-                           layout.code_digest(Vocab, splits)])
+    return storage.digest(
+        [
+            "route",
+            pack.model_dump(),
+            vocabulary.digest,
+            cfg.model_dump(exclude={"span_bytes"}),
+            layout.code_digest(Vocab, splits),
+        ]
+    )
 
 
 def _piece_url(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> str:
@@ -76,8 +101,13 @@ def _stored_piece(url: str) -> dict[str, Any] | None:
     return {"url": url, "splits": storage.read_json(storage.join(url, splits.PIECES))}
 
 
-@task(name="route-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_route_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="route-pack",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_route_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def route_pack(pack: PackRows, vocabulary: Vocabulary, tokenizer: str, cfg: SplitConfig, root: str) -> dict[str, Any]:
     """One pack's rows encoded and routed to their splits; a piece already stored is reused."""
     url = _piece_url(pack, vocabulary, tokenizer, cfg, root)
@@ -93,8 +123,13 @@ def _assembled_key(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, roo
     return _split_key(tokens, vocabulary, cfg, root)
 
 
-@task(name="split", on_failure=[forget_exception], cache_key_fn=stage_cache(_assembled_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="split",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_assembled_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, root: str, pieces: list[str]) -> Splits:
     """The corpus's splits from its packs' routed pieces, in pack order."""
     key = _split_key(tokens, vocabulary, cfg, root)
@@ -105,16 +140,28 @@ def assemble_splits(tokens: Tokens, vocabulary: Vocabulary, cfg: SplitConfig, ro
     with storage.staged_dir(url) as out:
         written = splits.assemble(pieces, vocabulary.size, out)
         # A split is its manifest of pieces: the ids and the Parquet both lie in the pieces it names.
-        parts = {w.name: SplitPart(parquet=storage.join(url, f"{w.name}.ids.json"), ids=storage.join(url, f"{w.name}.ids.json"),
-                                   n_tokens=w.n_tokens, n_bytes=w.n_bytes, sha256=w.sha256,
-                                   offsets=storage.join(url, f"{w.name}.offsets.npy"))
-                 for w in written}
+        parts = {
+            w.name: SplitPart(
+                parquet=storage.join(url, f"{w.name}.ids.json"),
+                ids=storage.join(url, f"{w.name}.ids.json"),
+                n_tokens=w.n_tokens,
+                n_bytes=w.n_bytes,
+                sha256=w.sha256,
+                offsets=storage.join(url, f"{w.name}.offsets.npy"),
+            )
+            for w in written
+        }
         result = Splits(key=key, url=url, **parts)
         write_manifest(out, result)
-    assets.describe(url, key=key, **{f"{w.name}_tokens": w.n_tokens for w in written},
-                    **{f"{w.name}_bytes": w.n_bytes for w in written})
-    get_run_logger().info("split: %s (from %d packs)", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written),
-                          len(pieces))
+    assets.describe(
+        url,
+        key=key,
+        **{f"{w.name}_tokens": w.n_tokens for w in written},
+        **{f"{w.name}_bytes": w.n_bytes for w in written},
+    )
+    get_run_logger().info(
+        "split: %s (from %d packs)", ", ".join(f"{w.name} {w.n_tokens} tokens" for w in written), len(pieces)
+    )
     return result
 
 
@@ -134,8 +181,18 @@ def split_source(tokens: Tokens, vocabulary: Vocabulary, d: DataConfig, root: st
         # (a tenth of a second) for a pack that needs nothing done.
         stored = {i: _stored_piece(_piece_url(r, vocabulary, tokens.tokenizer, cfg, root)) for i, r in enumerate(refs)}
         todo = [i for i, piece in stored.items() if piece is None]
-        made = iter(fan_out(route_pack, [refs[i] for i in todo], tokens.n_tokens * len(todo) // len(refs),
-                            d.task_runner, vocabulary, tokens.tokenizer, cfg, root))
+        made = iter(
+            fan_out(
+                route_pack,
+                [refs[i] for i in todo],
+                tokens.n_tokens * len(todo) // len(refs),
+                d.task_runner,
+                vocabulary,
+                tokens.tokenizer,
+                cfg,
+                root,
+            )
+        )
         routed = [stored[i] or next(made) for i in range(len(refs))]
         get_run_logger().info("split: %d packs routed, %d reused", len(todo), len(refs) - len(todo))
         sizes = {name: sum(r["splits"].get(name, {}).get("tokens", 0) for r in routed) for name in splits.NAMES}

@@ -12,21 +12,28 @@ from pydantic import BaseModel
 
 from mllm import UserError, layout, storage
 from mllm.config import DataConfig, TokenizerConfig
-from mllm.data import corpus, files, gutenberg, packs, text, tokens as token_chunks
+from mllm.data import corpus, files, gutenberg, packs, text
+from mllm.data import tokens as token_chunks
 from tasks import assets, report_progress
-from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
-from tasks.data import (RawText, Tokens, finished,
-                        write_manifest)
+from tasks.caching import forget_exception, retry_unless_mistake, stage_cache
+from tasks.data import RawText, Tokens, finished, write_manifest
 from tasks.data.download import FileRecord, manifest_files
 from tasks.data.fan_out import PACK_BYTES, fan_out
 
 
 def _tokens_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
-    return storage.digest(["tokens", raw.sha256, cfg.model_dump(), layout.code_digest(corpus, gutenberg, text, token_chunks)])
+    return storage.digest(
+        ["tokens", raw.sha256, cfg.model_dump(), layout.code_digest(corpus, gutenberg, text, token_chunks)]
+    )
 
 
-@task(name="tokenize", on_failure=[forget_exception], cache_key_fn=stage_cache(_tokens_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="tokenize",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_tokens_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
     """Stream the raw text through the tokenizer into a Parquet dataset of token chunks."""
     key = _tokens_key(raw, cfg, root)
@@ -36,12 +43,21 @@ def tokenize(raw: RawText, cfg: TokenizerConfig, root: str) -> Tokens:
         return done
     with storage.staged_dir(url) as out:
         tokenizer, n_tokens, n_chunks = token_chunks.tokenize_text(
-            raw.url, cfg, out, source=raw.source, progress=lambda n: report_progress("tokenize", n, None))
+            raw.url, cfg, out, source=raw.source, progress=lambda n: report_progress("tokenize", n, None)
+        )
         report_progress("tokenize", n_tokens, n_tokens)
         storage.write_text(storage.join(out, "tokenizer.json"), tokenizer.to_json())
         chars, lost = tokenizer.take_loss() or (None, None)
-        result = Tokens(key=key, url=url, tokenizer=storage.join(url, "tokenizer.json"),
-                        n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256, chars=chars, lost=lost)
+        result = Tokens(
+            key=key,
+            url=url,
+            tokenizer=storage.join(url, "tokenizer.json"),
+            n_tokens=n_tokens,
+            n_chunks=n_chunks,
+            raw_sha256=raw.sha256,
+            chars=chars,
+            lost=lost,
+        )
         write_manifest(out, result)
     assets.describe(url, key=key, tokenizer=cfg.kind, n_tokens=n_tokens, n_chunks=n_chunks, raw_sha256=raw.sha256)
     get_run_logger().info("tokenized %s: %d tokens in %d chunks", raw.source, n_tokens, n_chunks)
@@ -67,7 +83,9 @@ def _sample(records: list[FileRecord], cap: int) -> list[tuple[FileRecord, int]]
 
 def _sample_key(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
     sample = [(r.key, n) for r, n in _sample(manifest_files(raw), cfg.train_bytes)]
-    return storage.digest(["bpe", sample, cfg.model_dump(exclude={"train_bytes"}), layout.code_digest(files, text, gutenberg)])
+    return storage.digest(
+        ["bpe", sample, cfg.model_dump(exclude={"train_bytes"}), layout.code_digest(files, text, gutenberg)]
+    )
 
 
 def _sample_chunks(sample: list[tuple[FileRecord, int]], strip: bool):
@@ -82,8 +100,13 @@ def _sample_chunks(sample: list[tuple[FileRecord, int]], strip: bool):
                 break
 
 
-@task(name="train-tokenizer", on_failure=[forget_exception], cache_key_fn=stage_cache(_sample_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="train-tokenizer",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_sample_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def train_tokenizer(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
     """A BPE tokenizer trained on the corpus's sample (`data.tokenizer.train_bytes`): the same
     sample gives the same tokenizer, so a corpus that grows outside it keeps its tokens."""
@@ -94,8 +117,9 @@ def train_tokenizer(raw: RawText, cfg: TokenizerConfig, root: str) -> str:
         tok = text.BpeTokenizer.train(_sample_chunks(sample, cfg.strip_gutenberg), cfg.bpe_vocab_size, cfg.normalize)
         with storage.staged_dir(url) as out:
             storage.write_text(storage.join(out, "tokenizer.json"), tok.to_json())
-        get_run_logger().info("BPE tokenizer trained on %d files, %d bytes (sample %s)", len(sample),
-                              sum(n for _, n in sample), key)
+        get_run_logger().info(
+            "BPE tokenizer trained on %d files, %d bytes (sample %s)", len(sample), sum(n for _, n in sample), key
+        )
     return storage.join(url, "tokenizer.json")
 
 
@@ -103,8 +127,13 @@ def _pack_key(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_bytes: 
     return pack.key
 
 
-@task(name="tokenize-pack", on_failure=[forget_exception], cache_key_fn=stage_cache(_pack_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="tokenize-pack",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_pack_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def tokenize_pack(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_bytes: int) -> dict[str, Any]:
     """Tokenize the files of one pack; a pack already in storage is read, not made again."""
     if storage.is_complete(pack.url):
@@ -112,9 +141,20 @@ def tokenize_pack(pack: PackSpec, tokenizer: str, cfg: TokenizerConfig, span_byt
     tok = text.tokenizer_from_json(storage.read_text(tokenizer), source=tokenizer)
     with storage.staged_dir(pack.url) as out:
         packed = packs.tokenize_pack(pack.files, tok, out, cfg.strip_gutenberg, span_bytes)
-        result = {"key": pack.key, "url": pack.url,
-                  "files": {p.sha256: {"rows": p.rows, "tokens": p.tokens, "documents": p.documents,
-                                       "chars": p.chars, "lost": p.lost} for p in packed}}
+        result = {
+            "key": pack.key,
+            "url": pack.url,
+            "files": {
+                p.sha256: {
+                    "rows": p.rows,
+                    "tokens": p.tokens,
+                    "documents": p.documents,
+                    "chars": p.chars,
+                    "lost": p.lost,
+                }
+                for p in packed
+            },
+        }
         storage.write_json(storage.join(out, "manifest.json"), result)
     n = sum(p.tokens for p in packed)
     assets.materializes(pack.url, reads=[u for _, u in pack.files][:50], name="token pack")
@@ -141,7 +181,9 @@ def _existing_packs(folder: str) -> dict[str, dict[str, Any]]:
 
 def _corpus_tokens_key(raw: RawText, cfg: TokenizerConfig, span_bytes: int, tokenizer: str) -> str:
     what = cfg.model_dump(exclude={"train_bytes"})
-    return storage.digest(["corpus-tokens", what, span_bytes, tokenizer, layout.code_digest(files, packs, text, corpus, gutenberg)])
+    return storage.digest(
+        ["corpus-tokens", what, span_bytes, tokenizer, layout.code_digest(files, packs, text, corpus, gutenberg)]
+    )
 
 
 def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
@@ -171,12 +213,23 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
         k = packs.pack_key(key, shas)
         specs[k] = PackSpec(key=k, url=storage.join(folder, f"pack-{k}"), files=[(s, by_sha[s].url) for s in shas])
     logger = get_run_logger()
-    logger.info("tokenize: %d new files into %d packs; %d files reused from %d packs", len(new),
-                len(specs) - len({m["key"] for m in reused.values()}), len(reused),
-                len({m["key"] for m in reused.values()}))
+    logger.info(
+        "tokenize: %d new files into %d packs; %d files reused from %d packs",
+        len(new),
+        len(specs) - len({m["key"] for m in reused.values()}),
+        len(reused),
+        len({m["key"] for m in reused.values()}),
+    )
     ordered = [specs[k] for k in sorted(specs)]
-    made = fan_out(tokenize_pack, ordered, sum(by_sha[s].bytes for s, _ in (f for p in ordered for f in p.files)),
-                   d.task_runner, tokenizer, cfg, d.split.span_bytes)
+    made = fan_out(
+        tokenize_pack,
+        ordered,
+        sum(by_sha[s].bytes for s, _ in (f for p in ordered for f in p.files)),
+        d.task_runner,
+        tokenizer,
+        cfg,
+        d.split.span_bytes,
+    )
     wanted = set(by_sha)
     used = []
     n_tokens = n_rows = 0
@@ -189,17 +242,29 @@ def tokenize_source(raw: RawText, d: DataConfig, root: str) -> Tokens:
         for s in mine:
             loss.add(m["files"][s])
     if n_tokens == 0:
-        raise UserError(f"no tokens left in {raw.source} after the {cfg.kind} tokenizer's normalisation: is it "
-                        "the text you meant? (data.tokenizer.normalize=false keeps every character)")
+        raise UserError(
+            f"no tokens left in {raw.source} after the {cfg.kind} tokenizer's normalisation: is it "
+            "the text you meant? (data.tokenizer.normalize=false keeps every character)"
+        )
     corpus_url = storage.join(folder, f"corpus-{raw.sha256[:16]}.json")
     if not storage.exists(corpus_url):
-        storage.write_json(corpus_url, {"corpus": raw.sha256, "packs": used, "files": len(records),
-                                        "n_tokens": n_tokens})
+        storage.write_json(
+            corpus_url, {"corpus": raw.sha256, "packs": used, "files": len(records), "n_tokens": n_tokens}
+        )
     assets.materializes(corpus_url, reads=[raw.url], name="token chunks")
     assets.describe(corpus_url, tokenizer=cfg.kind, n_tokens=n_tokens, files=len(records), packs=len(used))
-    return Tokens(key=storage.digest([key, raw.sha256]), url=folder, corpus=corpus_url, tokenizer=tokenizer, n_tokens=n_tokens,
-                  n_chunks=n_rows, raw_sha256=raw.sha256, files_tokenized=len(new), files_reused=len(reused),
-                  **loss.fields())
+    return Tokens(
+        key=storage.digest([key, raw.sha256]),
+        url=folder,
+        corpus=corpus_url,
+        tokenizer=tokenizer,
+        n_tokens=n_tokens,
+        n_chunks=n_rows,
+        raw_sha256=raw.sha256,
+        files_tokenized=len(new),
+        files_reused=len(reused),
+        **loss.fields(),
+    )
 
 
 class Loss:
@@ -250,8 +315,10 @@ def dropped_line(tokens: Tokens) -> str | None:
         return None
     top = sorted(lost_by_kind(tokens).items(), key=lambda kv: (-kv[1], kv[0]))[:6]
     shown = ", ".join(f"{c if len(c) > 1 else repr(c)} {n / tokens.chars:.1%}" for c, n in top)  # non-ASCII, ...
-    return (f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: {shown}): set "
-            "data.tokenizer.normalize=false to keep every character, or choose a recipe made for such text")
+    return (
+        f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: {shown}): set "
+        "data.tokenizer.normalize=false to keep every character, or choose a recipe made for such text"
+    )
 
 
 def corpus_packs(tokens: Tokens) -> tuple[packs.CorpusPacks, int]:

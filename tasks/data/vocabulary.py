@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from prefect import get_run_logger, task
 
 from mllm import layout, storage
@@ -10,18 +9,22 @@ from mllm.config import VocabConfig
 from mllm.data import tokens as token_chunks
 from mllm.data.vocab import Vocab
 from tasks import assets
-from tasks.caching import forget_exception, stage_cache, retry_unless_mistake
+from tasks.caching import forget_exception, retry_unless_mistake, stage_cache
+from tasks.data import Tokens, Vocabulary, finished, write_manifest
 from tasks.data.tokenize import corpus_packs
-from tasks.data import (Tokens, Vocabulary, finished,
-                        write_manifest)
 
 
 def _vocab_key(tokens: Tokens, cfg: VocabConfig, root: str) -> str:
     return storage.digest(["vocab", tokens.key, cfg.model_dump(), layout.code_digest(Vocab, token_chunks)])
 
 
-@task(name="build-vocabulary", on_failure=[forget_exception], cache_key_fn=stage_cache(_vocab_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="build-vocabulary",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_vocab_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def build_vocabulary(tokens: Tokens, cfg: VocabConfig, root: str) -> Vocabulary:
     """Count tokens row group by row group, then keep those that pass min_freq and max_size."""
     key = _vocab_key(tokens, cfg, root)

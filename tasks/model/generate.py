@@ -18,8 +18,13 @@ def _generate_key(cfg: RunConfig, trained: Trained) -> str:
     return storage.digest(["generate", trained.key, trained.steps, cfg.sample.model_dump(), layout.package_digest()])
 
 
-@task(name="generate", on_failure=[forget_exception], cache_key_fn=stage_cache(_generate_key),
-      retries=1, retry_condition_fn=retry_unless_mistake)
+@task(
+    name="generate",
+    on_failure=[forget_exception],
+    cache_key_fn=stage_cache(_generate_key),
+    retries=1,
+    retry_condition_fn=retry_unless_mistake,
+)
 def generate(cfg: RunConfig, trained: Trained) -> dict[str, list[str]]:
     """The recipe's own samples, one file per method (`samples/<method>.txt`), as the family
     samples: continuations, neighbours, translations or next elements.

@@ -28,11 +28,11 @@ from mllm.runtime import speed
 from tasks import assets, trials
 from tasks.caching import forget_exception, retry_io_only
 from tasks.model import Prepared, Trained
+from tasks.settings import settings
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info
 from tasks.tracking.system import system_metrics
 from tasks.tracking.tracker import RunTracker
-from tasks.settings import settings
 
 
 def train_key(cfg: RunConfig, data: Prepared) -> str:
@@ -42,14 +42,22 @@ def train_key(cfg: RunConfig, data: Prepared) -> str:
 def lineage_tags(cfg: RunConfig, data: Prepared) -> dict[str, str]:
     """What the training key digests and where each data stage lives, as run tags: `lineage`
     follows them from a model back to the corpus and checks each against storage."""
-    return {"train.key": train_key(cfg, data), "train.config_digest": layout.config_digest(cfg),
-            "train.code_digest": training_code()["digest"], "data.splits_key": data.splits.key,
-            "data.vocab": data.vocab.url, "data.vocab_key": data.vocab.key, "data.tokens": data.tokens.url,
-            "data.tokens_key": data.tokens.key, "data.raw_url": data.raw_url, "data.raw_bytes": str(data.raw_bytes),
-            "data.raw_files": str(data.raw_files),
-            **({"data.tokens_corpus": data.tokens.corpus} if data.tokens.corpus else {}),
-            **({"train.cpu_env": json.dumps(speed.cpu_env(), sort_keys=True)} if speed.cpu_env() else {}),
-            "data.source": data.source}
+    return {
+        "train.key": train_key(cfg, data),
+        "train.config_digest": layout.config_digest(cfg),
+        "train.code_digest": training_code()["digest"],
+        "data.splits_key": data.splits.key,
+        "data.vocab": data.vocab.url,
+        "data.vocab_key": data.vocab.key,
+        "data.tokens": data.tokens.url,
+        "data.tokens_key": data.tokens.key,
+        "data.raw_url": data.raw_url,
+        "data.raw_bytes": str(data.raw_bytes),
+        "data.raw_files": str(data.raw_files),
+        **({"data.tokens_corpus": data.tokens.corpus} if data.tokens.corpus else {}),
+        **({"train.cpu_env": json.dumps(speed.cpu_env(), sort_keys=True)} if speed.cpu_env() else {}),
+        "data.source": data.source,
+    }
 
 
 def training_code() -> dict[str, str]:
@@ -63,10 +71,12 @@ def check_training_code(caller: dict[str, str]) -> None:
     goes to and what the caller reads back would all differ."""
     ours = training_code()
     if caller["digest"] != ours["digest"]:
-        raise UserError(f"the worker runs other training code than the pipeline that sent the job: pipeline "
-                        f"at commit {caller['commit']}, worker at commit {ours['commit']} (code digests "
-                        f"{caller['digest']} and {ours['digest']}): deploy the pipeline's commit to the worker "
-                        "(rebuild its image or update its checkout), or run the pipeline from the worker's commit")
+        raise UserError(
+            f"the worker runs other training code than the pipeline that sent the job: pipeline "
+            f"at commit {caller['commit']}, worker at commit {ours['commit']} (code digests "
+            f"{caller['digest']} and {ours['digest']}): deploy the pipeline's commit to the worker "
+            "(rebuild its image or update its checkout), or run the pipeline from the worker's commit"
+        )
 
 
 # A training job's progress line in a worker's log; `parse_progress` reads it back where the
@@ -76,8 +86,10 @@ _PROGRESS = re.compile(r"^step (\d+)/(\d+|\?) loss ([0-9.naN]+)")
 
 def progress_line(p: dict[str, Any]) -> str:
     loss = p.get("train_loss")
-    return (f"step {p['step']}/{p['total_steps'] or '?'} loss {float('nan') if loss is None else loss:.4f} "
-            f"lr {p.get('lr', 0.0):.2e} {p.get('tokens_per_s', 0.0):.0f} tok/s")
+    return (
+        f"step {p['step']}/{p['total_steps'] or '?'} loss {float('nan') if loss is None else loss:.4f} "
+        f"lr {p.get('lr', 0.0):.2e} {p.get('tokens_per_s', 0.0):.0f} tok/s"
+    )
 
 
 def parse_progress(line: str) -> dict[str, Any] | None:
@@ -85,8 +97,11 @@ def parse_progress(line: str) -> dict[str, Any] | None:
     if m is None:
         return None
     loss = float(m.group(3))
-    return {"step": int(m.group(1)), "total_steps": None if m.group(2) == "?" else int(m.group(2)),
-            "train_loss": None if loss != loss else loss}
+    return {
+        "step": int(m.group(1)),
+        "total_steps": None if m.group(2) == "?" else int(m.group(2)),
+        "train_loss": None if loss != loss else loss,
+    }
 
 
 def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str]:
@@ -94,11 +109,17 @@ def train_job(cfg: RunConfig, data: Prepared, root: str) -> tuple[RunConfig, str
     run_dir = layout.folder(root, layout.RUNS, train_key(cfg, data))
     src = data.source_side
     # Vocabulary sizes stay 0 in the job's model section: training takes them from the files.
-    paths = TrainPaths(train_ids=data.splits.train.ids, val_ids=data.splits.val.ids,
-                       train_offsets=data.splits.train.offsets, val_offsets=data.splits.val.offsets,
-                       vocab=data.vocab.url, tokenizer=data.tokens.tokenizer,
-                       src_vocab=src.vocab.url if src else None, src_tokenizer=src.tokenizer if src else None,
-                       checkpoint_dir=storage.join(run_dir, "checkpoints"))
+    paths = TrainPaths(
+        train_ids=data.splits.train.ids,
+        val_ids=data.splits.val.ids,
+        train_offsets=data.splits.train.offsets,
+        val_offsets=data.splits.val.offsets,
+        vocab=data.vocab.url,
+        tokenizer=data.tokens.tokenizer,
+        src_vocab=src.vocab.url if src else None,
+        src_tokenizer=src.tokenizer if src else None,
+        checkpoint_dir=storage.join(run_dir, "checkpoints"),
+    )
     job = cfg.model_copy(update={"paths": paths}, deep=True)  # never change the caller's config
     return job, run_dir
 
@@ -110,8 +131,7 @@ def retry_delay_s() -> float:
 
 
 # The delay is given where the task is called (flows/training.py): retry_delay_s().
-@task(name="train", on_failure=[forget_exception],
-      retries=2, retry_delay_seconds=5, retry_condition_fn=retry_io_only)
+@task(name="train", on_failure=[forget_exception], retries=2, retry_delay_seconds=5, retry_condition_fn=retry_io_only)
 def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, search: bool = False) -> Trained:
     """Train (or resume) the run's model; metrics go to the MLflow run `run_id` in batches. A
     trial of a search that runs elsewhere (`search`) asks its pruner through storage.
@@ -142,8 +162,16 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
 
     try:
         with storage.room_on(root):
-            result = _train(job, run_dir, run_id, root, on_metrics, on_progress, logger,
-                            trials.hook_for(train_key(cfg, data)) or (trials.through_storage(run_dir) if search else None))
+            result = _train(
+                job,
+                run_dir,
+                run_id,
+                root,
+                on_metrics,
+                on_progress,
+                logger,
+                trials.hook_for(train_key(cfg, data)) or (trials.through_storage(run_dir) if search else None),
+            )
         if result.busy:
             logger.info(result.busy_line(), extra=tasks.NOTICE)
     except BaseException:
@@ -151,11 +179,21 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
         # checkpoints folder is left to look like a training.
         storage.remove_empty(job.paths.checkpoint_dir)
         raise
-    logger.info("trained %d steps (%s): val loss %s", result.steps, result.stop_reason,
-                f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a")
+    logger.info(
+        "trained %d steps (%s): val loss %s",
+        result.steps,
+        result.stop_reason,
+        f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a",
+    )
     trained = Trained(key=train_key(cfg, data), run_dir=run_dir, config=config_url, **dataclasses.asdict(result))
-    assets.describe(trained.checkpoint, key=trained.key, steps=trained.steps, train_loss=trained.train_loss,
-                    val_loss=trained.val_loss, stop_reason=trained.stop_reason)
+    assets.describe(
+        trained.checkpoint,
+        key=trained.key,
+        steps=trained.steps,
+        train_loss=trained.train_loss,
+        val_loss=trained.val_loss,
+        stop_reason=trained.stop_reason,
+    )
     if trained.best_checkpoint:
         assets.materializes(trained.best_checkpoint, reads=reads, name="checkpoint (best)")
         assets.describe(trained.best_checkpoint, key=trained.key, best_val_loss=trained.best_val_loss)
@@ -163,19 +201,35 @@ def train(cfg: RunConfig, data: Prepared, root: str, run_id: str | None = None, 
     return trained
 
 
-def _train(job: RunConfig, run_dir: str, run_id: str | None, root: str, on_metrics: Any, on_progress: Any,
-           logger: Any, on_eval: Any = None) -> mllm.train.TrainResult:
+def _train(
+    job: RunConfig,
+    run_dir: str,
+    run_id: str | None,
+    root: str,
+    on_metrics: Any,
+    on_progress: Any,
+    logger: Any,
+    on_eval: Any = None,
+) -> mllm.train.TrainResult:
     # Two pipelines training the same thing at once: the second waits, then resumes from (or
     # returns at once with) what the first wrote, instead of both writing the same checkpoints.
     # A tracking server that goes away does not stop the training (tasks/tracking/outage.py).
     waiting = "another training of %s is running: waiting for it"
-    with storage.exclusive(run_dir, lambda: logger.info(waiting, run_dir, extra=tasks.NOTICE)), \
-            outage.fail_fast(), system_metrics(run_id, root):
+    with (
+        storage.exclusive(run_dir, lambda: logger.info(waiting, run_dir, extra=tasks.NOTICE)),
+        outage.fail_fast(),
+        system_metrics(run_id, root),
+    ):
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:
-            result = mllm.train.train(job, on_metrics=on_metrics, on_progress=on_progress, on_eval=on_eval,
-                                      on_notice=lambda line: logger.info(line, extra=tasks.NOTICE))
+            result = mllm.train.train(
+                job,
+                on_metrics=on_metrics,
+                on_progress=on_progress,
+                on_eval=on_eval,
+                on_notice=lambda line: logger.info(line, extra=tasks.NOTICE),
+            )
         if on_metrics is not None:
             on_metrics.flush()
     return result
@@ -185,8 +239,7 @@ def data_assets(data: Prepared) -> list[str]:
     """What training reads, as the data stages named their assets: the split, the vocabulary, the
     token chunks (their folder holds the tokenizer) and, for parallel text, the source side's
     vocabulary."""
-    return [data.splits.url, data.vocab.url, data.tokens.url,
-            data.source_side.vocab.url if data.source_side else None]
+    return [data.splits.url, data.vocab.url, data.tokens.url, data.source_side.vocab.url if data.source_side else None]
 
 
 def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.TrainResult:
@@ -199,8 +252,19 @@ def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.T
         with open(config, "w") as f:
             f.write(job.to_yaml())
         open(events, "w").close()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               "-m", "mllm.train", "--config", config, "--events", events]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={n}",
+            "-m",
+            "mllm.train",
+            "--config",
+            config,
+            "--events",
+            events,
+        ]
         logger.info("starting %d training processes: torchrun --nproc_per_node=%d -m mllm.train", n, n)
         result: dict[str, Any] | None = None
         with open(out, "wb") as log, open(events, encoding="utf-8") as ev:
@@ -228,7 +292,7 @@ def _torchrun(job: RunConfig, on_metrics: Any, on_progress: Any) -> mllm.train.T
                     proc.wait(30)
         if proc.returncode != 0 or result is None:
             tail = open(out, errors="replace").read().strip().splitlines()
-            errors = [line[len("error: "):] for line in tail if line.startswith("error: ")]
+            errors = [line[len("error: ") :] for line in tail if line.startswith("error: ")]
             if errors:
                 raise UserError(errors[-1])
             raise RuntimeError(f"torchrun exited with status {proc.returncode}:\n" + "\n".join(tail[-20:]))

@@ -62,11 +62,17 @@ def source(root: str, ref: str) -> dict[str, Any]:
     if checkpoint is None and tags.get("train.run_dir"):
         checkpoint = storage.join(tags["train.run_dir"], "checkpoints", "best.pt")
     if checkpoint is None or not storage.exists(checkpoint):
-        raise UserError(f"{ref} has no checkpoint in storage ({checkpoint or 'none recorded'}): "
-                        "export a finished run's model")
-    card = {"model": f"{version.name}/{version.version}" if version is not None else None, "mlflow_run": run_id,
-            "tracking_uri": scrub(tracking.tracking_uri(root)), "corpus_sha256": tags.get("data.raw_sha256"),
-            "corpus_source": tags.get("data.source"), "checkpoint": scrub(checkpoint)}
+        raise UserError(
+            f"{ref} has no checkpoint in storage ({checkpoint or 'none recorded'}): export a finished run's model"
+        )
+    card = {
+        "model": f"{version.name}/{version.version}" if version is not None else None,
+        "mlflow_run": run_id,
+        "tracking_uri": scrub(tracking.tracking_uri(root)),
+        "corpus_sha256": tags.get("data.raw_sha256"),
+        "corpus_source": tags.get("data.source"),
+        "checkpoint": scrub(checkpoint),
+    }
     return {"checkpoint": checkpoint, "run_id": run_id, "version": version, "card": card}
 
 
@@ -80,8 +86,11 @@ def record(root: str, src: dict[str, Any], manifest: dict[str, Any], out: str) -
     if isinstance(fs, LocalFileSystem):
         client.log_artifacts(src["run_id"], path, artifact_path=f"exports/{fmt}")
         artifact = f"{client.get_run(src['run_id']).info.artifact_uri}/exports/{fmt}"
-    tags = {f"export.{fmt}.uri": scrub(out), f"export.{fmt}.artifact": artifact,
-            f"export.{fmt}.libraries": ", ".join(f"{k}=={v}" for k, v in sorted(manifest["libraries"].items()))}
+    tags = {
+        f"export.{fmt}.uri": scrub(out),
+        f"export.{fmt}.artifact": artifact,
+        f"export.{fmt}.libraries": ", ".join(f"{k}=={v}" for k, v in sorted(manifest["libraries"].items())),
+    }
     version = src["version"]
     for key, value in tags.items():
         if value is None:

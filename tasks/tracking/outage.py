@@ -35,6 +35,7 @@ def _logger() -> Any:
     except Exception:  # noqa: BLE001 (no run context)
         return log
 
+
 HOLD_AT_MOST = 200_000  # metric records held while the server is away; older ones are dropped
 
 
@@ -94,8 +95,14 @@ class HeldMetrics:
     that `urgent(step)` names (a checkpoint's: a training resumed from it never logs the steps
     before it again), go at once with everything held."""
 
-    def __init__(self, send: Callable[[list[dict]], None], every_s: float = 10.0, pace_s: float = 0.0,
-                 urgent: Callable[[int], bool] | None = None, keep: Callable[[list[dict]], str] | None = None):
+    def __init__(
+        self,
+        send: Callable[[list[dict]], None],
+        every_s: float = 10.0,
+        pace_s: float = 0.0,
+        urgent: Callable[[int], bool] | None = None,
+        keep: Callable[[list[dict]], str] | None = None,
+    ):
         self.send, self.every_s, self.pace_s, self.urgent = send, every_s, pace_s, urgent
         self.keep = keep  # where what is still held when training ends goes (keep_unsent); None: dropped
         self.held: list[dict] = []
@@ -111,8 +118,12 @@ class HeldMetrics:
             self.held = self.held[-HOLD_AT_MOST:]
         if not self.held:
             return
-        if records and self.away_since_step is None and time.monotonic() - self.last_sent < self.pace_s and not any(
-                "val_loss" in r or (self.urgent is not None and self.urgent(int(r["step"]))) for r in records):
+        if (
+            records
+            and self.away_since_step is None
+            and time.monotonic() - self.last_sent < self.pace_s
+            and not any("val_loss" in r or (self.urgent is not None and self.urgent(int(r["step"]))) for r in records)
+        ):
             return
         if self.away_since_step is not None:
             if time.monotonic() < self.next_try:
@@ -127,15 +138,22 @@ class HeldMetrics:
                 raise
             if self.away_since_step is None:
                 self.away_since_step = int(self.held[0]["step"]) if self.held else -1
-                _logger().warning("the MLflow tracking server %s %s at step %d: training goes on; its metrics are "
-                                  "held and sent when the server answers again", server(), how_failed(e),
-                                  self.away_since_step)
+                _logger().warning(
+                    "the MLflow tracking server %s %s at step %d: training goes on; its metrics are "
+                    "held and sent when the server answers again",
+                    server(),
+                    how_failed(e),
+                    self.away_since_step,
+                )
             self.next_try = time.monotonic() + self.every_s
             return
         if self.away_since_step is not None:
             lost = f" ({self.dropped} of the oldest were dropped)" if self.dropped else ""
-            _logger().warning("the MLflow tracking server answers again: sent the metrics held since step %d%s",
-                        self.away_since_step, lost)
+            _logger().warning(
+                "the MLflow tracking server answers again: sent the metrics held since step %d%s",
+                self.away_since_step,
+                lost,
+            )
             self.away_since_step, self.dropped = None, 0
         self.held = []
         self.last_sent = time.monotonic()
@@ -154,10 +172,19 @@ class HeldMetrics:
                 where = self.keep(self.held)
             except Exception as e:  # noqa: BLE001 (storage away too: the warning says they are lost)
                 log.debug("could not keep the unsent metrics: %s", e)
-        fate = ("were not sent" if where is None else
-                f"are kept in {where} and sent by the next run that reaches it (the same command, run again)")
-        _logger().warning("the MLflow tracking server %s did not answer again before training ended: %d metric "
-                          "records since step %d %s", server(), len(self.held), self.away_since_step, fate)
+        fate = (
+            "were not sent"
+            if where is None
+            else f"are kept in {where} and sent by the next run that reaches it (the same command, run again)"
+        )
+        _logger().warning(
+            "the MLflow tracking server %s did not answer again before training ended: %d metric "
+            "records since step %d %s",
+            server(),
+            len(self.held),
+            self.away_since_step,
+            fate,
+        )
         self.held = []
 
 
@@ -171,9 +198,11 @@ def check_back(run_dir: str) -> None:
     """After training: the server must answer before the outcome is recorded (MLflow's client
     would retry for minutes, then fail naming no server)."""
     if not answers(5.0):
-        raise TrackingAway(f"the MLflow tracking server {server()} stopped answering during the run: the training is "
-                        f"finished and kept in {run_dir}; start the server again (`mllm-pipeline stack up` restarts "
-                        "one) and run the same command to evaluate, register and record it (training is reused)")
+        raise TrackingAway(
+            f"the MLflow tracking server {server()} stopped answering during the run: the training is "
+            f"finished and kept in {run_dir}; start the server again (`mllm-pipeline stack up` restarts "
+            "one) and run the same command to evaluate, register and record it (training is reused)"
+        )
 
 
 def _unfinished(root: str) -> str:
@@ -209,20 +238,28 @@ def send_unsent(root: str, send: Callable[[str, list[dict]], None], deleted: Cal
                 continue  # another server's run
             if deleted(kept["run_id"]):
                 storage.remove(url)
-                _logger().info("dropped %d metric records kept for MLflow run %s: the run is deleted",
-                               len(kept["records"]), kept["run_id"])
+                _logger().info(
+                    "dropped %d metric records kept for MLflow run %s: the run is deleted",
+                    len(kept["records"]),
+                    kept["run_id"],
+                )
                 continue
             send(kept["run_id"], kept["records"])
             storage.remove(url)
-            _logger().info("sent %d metric records of MLflow run %s kept while the tracking server was away",
-                           len(kept["records"]), kept["run_id"])
+            _logger().info(
+                "sent %d metric records of MLflow run %s kept while the tracking server was away",
+                len(kept["records"]),
+                kept["run_id"],
+            )
 
 
 def note_unfinished(root: str, run_id: str, status: str, error: str) -> None:
     """A run the away server could not close, for `settle_unfinished` to close later."""
     with contextlib.suppress(Exception):  # the error the user sees matters more than this note
-        storage.write_json(storage.join(_unfinished(root), f"{run_id}.json"),
-                           {"run_id": run_id, "status": status, "error": error, "server": server()})
+        storage.write_json(
+            storage.join(_unfinished(root), f"{run_id}.json"),
+            {"run_id": run_id, "status": status, "error": error, "server": server()},
+        )
 
 
 def forget_run(root: str, run_id: str) -> None:
@@ -236,8 +273,9 @@ def forget_run(root: str, run_id: str) -> None:
             storage.remove(storage.join(folder, os.path.basename(name)))
 
 
-def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], None],
-                      deleted: Callable[[str], bool]) -> None:
+def settle_unfinished(
+    client: Any, root: str, send: Callable[[str, list[dict]], None], deleted: Callable[[str], bool]
+) -> None:
     """Send the metrics an away server could not take (`send(run_id, records)`), then close the
     runs it left open, with the status and error they ended with; what is kept for a run that was
     `deleted` since is dropped (`send_unsent`)."""
@@ -258,6 +296,9 @@ def settle_unfinished(client: Any, root: str, send: Callable[[str, list[dict]], 
                 continue
             client.set_tag(note["run_id"], "error", note["error"])
             client.set_terminated(note["run_id"], note["status"])
-            _logger().info("closed MLflow run %s, left %s when the tracking server stopped answering",
-                     note["run_id"], note["status"])
+            _logger().info(
+                "closed MLflow run %s, left %s when the tracking server stopped answering",
+                note["run_id"],
+                note["status"],
+            )
             storage.remove(url)

@@ -22,8 +22,7 @@ PACKAGES = ("torch", "numpy", "pyarrow", "tokenizers", "prefect", "mlflow")
 
 def _git(path: str, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", path, *args], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(["git", "-C", path, *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
@@ -32,8 +31,7 @@ def _git(path: str, *args: str) -> str | None:
 def git_info(path: str = ".") -> dict[str, Any]:
     """commit, branch, dirty and the diff against HEAD (with untracked files listed) when
     dirty; None values outside a git checkout. Remote URL too, for finding the commit."""
-    info: dict[str, Any] = {"commit": None, "branch": None, "dirty": None, "diff": None,
-                            "remote": None}
+    info: dict[str, Any] = {"commit": None, "branch": None, "dirty": None, "diff": None, "remote": None}
     commit = _git(path, "rev-parse", "--verify", "HEAD")
     if commit is None:
         return info
@@ -75,16 +73,22 @@ def version(dist: str) -> str:
 
 def versions() -> dict[str, str]:
     """`version.<package>` tags: Python, mllm and PACKAGES."""
-    return {"version.python": sys.version.split()[0], "version.mllm": mllm.__version__,
-            **{f"version.{dist}": version(dist) for dist in PACKAGES}}
+    return {
+        "version.python": sys.version.split()[0],
+        "version.mllm": mllm.__version__,
+        **{f"version.{dist}": version(dist) for dist in PACKAGES},
+    }
 
 
 def version_changes(tags: dict[str, str]) -> dict[str, tuple[str, str]]:
     """{package: (recorded, running)} for each package whose version a run recorded (its
     `version.*` tags) and which differs from the one running now."""
     now = versions()
-    return {k[len("version."):]: (v, now[k]) for k, v in sorted(tags.items())
-            if k.startswith("version.") and k in now and now[k] != v}
+    return {
+        k[len("version.") :]: (v, now[k])
+        for k, v in sorted(tags.items())
+        if k.startswith("version.") and k in now and now[k] != v
+    }
 
 
 def describe_device(requested: str) -> str:
@@ -140,16 +144,22 @@ def process_gone(tag: str | None) -> bool:
 
 
 def run_tags(cfg: RunConfig, storage_root: str, git: dict[str, Any]) -> dict[str, str]:
-    tags = {"storage.root": storage_root, "device": describe_device(cfg.train.device), **versions(),
-            PROCESS_TAG: process_tag()}
+    tags = {
+        "storage.root": storage_root,
+        "device": describe_device(cfg.train.device),
+        **versions(),
+        PROCESS_TAG: process_tag(),
+    }
     if cfg.paths is not None:
         tags.update({f"storage.{k}": v for k, v in cfg.paths.model_dump().items() if v})
     if git["commit"]:
-        tags.update({
-            "git.commit": git["commit"],
-            "git.dirty": str(git["dirty"]).lower(),
-            "mlflow.source.git.commit": git["commit"],
-        })
+        tags.update(
+            {
+                "git.commit": git["commit"],
+                "git.dirty": str(git["dirty"]).lower(),
+                "mlflow.source.git.commit": git["commit"],
+            }
+        )
         if git["branch"]:
             tags["git.branch"] = tags["mlflow.source.git.branch"] = git["branch"]
         if git["remote"]:

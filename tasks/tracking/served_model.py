@@ -44,8 +44,7 @@ class ServedModel(mlflow.pyfunc.PythonModel):
         refuse_unknown_params()
         plain_refusals(self.max_new_tokens)
 
-    def predict(self, context, model_input: pd.DataFrame,
-                params: dict[str, Any] | None = None) -> list[str]:
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         from mllm import UserError
         from mllm.sample import answer, prompt_losses
 
@@ -57,8 +56,9 @@ class ServedModel(mlflow.pyfunc.PythonModel):
             # The answer has no room for a warning beside the texts: a prompt that would lose
             # characters is refused, unless the request says to sample from what is left.
             if not drop and (lost := prompt_losses(self.loaded, texts)):
-                raise UserError(f"{lost[0]}: leave them out, or send the parameter {DROP}: true to sample "
-                                "from what is left")
+                raise UserError(
+                    f"{lost[0]}: leave them out, or send the parameter {DROP}: true to sample from what is left"
+                )
             return answer(self.loaded, texts, **params)
         except UserError as e:
             # MLflow's scoring server answers an MlflowException with its message and code alone
@@ -77,8 +77,9 @@ def max_new_tokens_bound(own: int) -> int:
     if not given:
         return max(MAX_NEW_TOKENS, own)
     if not given.isdigit() or int(given) < 1:
-        raise MlflowException.invalid_parameter_value(f"{MAX_NEW_TOKENS_VAR}={given!r}: give a whole number of "
-                                                      "tokens, 1 or more")
+        raise MlflowException.invalid_parameter_value(
+            f"{MAX_NEW_TOKENS_VAR}={given!r}: give a whole number of tokens, 1 or more"
+        )
     return max(int(given), own)
 
 
@@ -99,16 +100,21 @@ def check_params(loaded: Any, params: dict[str, Any], max_new_tokens: int) -> No
 
 def bounds(max_new_tokens: int) -> dict[str, tuple[Any, str]]:
     """Each parameter's test (None: its type says all) and what it may be, in a user's words."""
-    return {"max_new_tokens": (lambda v: 1 <= v <= max_new_tokens,
-                               (f"a whole number from 1 to {max_new_tokens} (this server's bound: "
-                                f"{MAX_NEW_TOKENS_VAR} sets it)")),
-            "temperature": (lambda v: v > 0, "a number above 0"),
-            "top_k": (lambda v: v >= 1, "a whole number, 1 or more"),
-            "top_p": (lambda v: 0 < v <= 1, "a number above 0 and at most 1"),
-            "beam_width": (lambda v: v >= 1, "a whole number, 1 or more"),
-            "neighbours": (lambda v: v >= 1, "a whole number, 1 or more"),
-            "seed": (None, "a whole number"), "method": (None, "a sampling method's name"),
-            "use_cache": (None, "true or false"), DROP: (None, "true or false")}
+    return {
+        "max_new_tokens": (
+            lambda v: 1 <= v <= max_new_tokens,
+            (f"a whole number from 1 to {max_new_tokens} (this server's bound: {MAX_NEW_TOKENS_VAR} sets it)"),
+        ),
+        "temperature": (lambda v: v > 0, "a number above 0"),
+        "top_k": (lambda v: v >= 1, "a whole number, 1 or more"),
+        "top_p": (lambda v: 0 < v <= 1, "a number above 0 and at most 1"),
+        "beam_width": (lambda v: v >= 1, "a whole number, 1 or more"),
+        "neighbours": (lambda v: v >= 1, "a whole number, 1 or more"),
+        "seed": (None, "a whole number"),
+        "method": (None, "a sampling method's name"),
+        "use_cache": (None, "true or false"),
+        DROP: (None, "true or false"),
+    }
 
 
 class _UnknownParams(logging.Filter):
@@ -127,7 +133,8 @@ class _UnknownParams(logging.Filter):
             takes = sorted(ast.literal_eval(known.group(1))) if known.group(1) != "set()" else []
             raise MlflowException.invalid_parameter_value(
                 f"unknown parameter{'s' if len(names) > 1 else ''} {', '.join(names)}: this model takes "
-                f"{', '.join(takes) or 'none'}")
+                f"{', '.join(takes) or 'none'}"
+            )
         return True
 
 
@@ -159,8 +166,10 @@ def prompts(model_input: Any) -> list[str]:
 
 
 def not_text(value: Any) -> str:
-    return (f"the prompt {value!r} is not text ({type(value).__name__}): send each prompt as a string, "
-            'e.g. {"inputs": ["The "]}')
+    return (
+        f"the prompt {value!r} is not text ({type(value).__name__}): send each prompt as a string, "
+        'e.g. {"inputs": ["The "]}'
+    )
 
 
 def _not_text(x: Any) -> list[Any]:
@@ -206,7 +215,8 @@ def plain_refusals(max_new_tokens: int) -> None:
                     except MlflowException:
                         what = _bounds.get(spec.name, (None, f"a value of type {spec.dtype}"))[1]
                         raise MlflowException.invalid_parameter_value(
-                            f"parameter {spec.name} {params[spec.name]!r}: give {what}") from None
+                            f"parameter {spec.name} {params[spec.name]!r}: give {what}"
+                        ) from None
             raise
 
     checked._plain = True
@@ -232,6 +242,8 @@ _bounds: dict[str, tuple[Any, str]] = {}
 
 def script() -> str:
     """The file MLflow runs to build the model on load ("models from code"): no pickle."""
-    return ("# An mllm checkpoint behind MLflow's pyfunc: see tasks/tracking/served_model.py.\n"
-            "import mlflow\n\nfrom tasks.tracking.served_model import ServedModel\n\n"
-            "mlflow.models.set_model(ServedModel())\n")
+    return (
+        "# An mllm checkpoint behind MLflow's pyfunc: see tasks/tracking/served_model.py.\n"
+        "import mlflow\n\nfrom tasks.tracking.served_model import ServedModel\n\n"
+        "mlflow.models.set_model(ServedModel())\n"
+    )

@@ -70,8 +70,11 @@ def how_failed(exc: BaseException | None, silent: str = "stopped answering") -> 
 def _advice(how: str, silent: str, restart: str) -> str:
     """What to do about a server that failed `how`: start it again when it is gone; when it
     answered errors, find why in its log and wait for it."""
-    return (f"start it again ({restart}) and" if how == silent else
-            "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,")
+    return (
+        f"start it again ({restart}) and"
+        if how == silent
+        else "see why in its log (`mllm-pipeline stack status` names it) and, once it answers again,"
+    )
 
 
 def tracking_down(exc: BaseException | None) -> str | None:
@@ -83,8 +86,10 @@ def tracking_down(exc: BaseException | None) -> str | None:
         if failures.no_answer(e) and (url.split("://", 1)[1] in text or "API request to" in text):
             how = how_failed(e)
             fix = _advice(how, "stopped answering", "`mllm-pipeline stack up` restarts one")
-            return (f"the MLflow tracking server {url} {how}: {fix} run the same command; finished stages and "
-                    "training are kept in storage and reused, and the unfinished MLflow run is closed then")
+            return (
+                f"the MLflow tracking server {url} {how}: {fix} run the same command; finished stages and "
+                "training are kept in storage and reused, and the unfinished MLflow run is closed then"
+            )
     return None
 
 
@@ -96,15 +101,19 @@ def wait_for_servers() -> bool:
     checks with 200, for at most MLLM_SERVERS_WAIT_S seconds (240 by default); whether they did.
     Prefect's is its readiness (`/ready`, which asks its database, as the MLflow server of the
     stack shares that database): its `/health` says 200 while that database is down."""
-    urls = [u for u in (settings().prefect_api_url.rstrip("/") + "/ready", (server() or "") + "/health")
-            if u.startswith(("http://", "https://"))]
+    urls = [
+        u
+        for u in (settings().prefect_api_url.rstrip("/") + "/ready", (server() or "") + "/health")
+        if u.startswith(("http://", "https://"))
+    ]
     deadline, pause = time.monotonic() + settings().servers_wait_s, 1.0
     while True:
         pending = []
         for url in urls:
             clean = strip_userinfo(url)[0]
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}) if "127.0.0.1" in clean
-                                                 else urllib.request.ProxyHandler())
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}) if "127.0.0.1" in clean else urllib.request.ProxyHandler()
+            )
             try:
                 with opener.open(url, timeout=10):
                     pass
@@ -127,8 +136,9 @@ def prefect_database_down() -> str | None:
     at, down = _probed.get(api, (0.0, False))
     if time.monotonic() - at > 5.0:
         try:
-            opener = urllib.request.build_opener(urllib.request.ProxyHandler({}) if "127.0.0.1" in api else
-                                                 urllib.request.ProxyHandler())
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({}) if "127.0.0.1" in api else urllib.request.ProxyHandler()
+            )
             with opener.open(f"{api}/ready", timeout=5):
                 down = False
         except urllib.error.HTTPError as e:
@@ -148,10 +158,14 @@ def prefect_down(exc: BaseException | None) -> str | None:
             api = settings().prefect_api_url.rstrip("/")
             how = how_failed(e, "does not answer")
             if not api:
-                return (f"Prefect's temporary server (started by this command, as PREFECT_API_URL is not set) {how}: "
-                        "run the same command again (finished stages and training are kept in storage and "
-                        "reused); commands run side by side do better on one server (`mllm-pipeline stack up`)")
+                return (
+                    f"Prefect's temporary server (started by this command, as PREFECT_API_URL is not set) {how}: "
+                    "run the same command again (finished stages and training are kept in storage and "
+                    "reused); commands run side by side do better on one server (`mllm-pipeline stack up`)"
+                )
             fix = _advice(how, "does not answer", "`mllm-pipeline stack up` restarts the stack's")
-            return (f"the Prefect server {strip_userinfo(api)[0]} {how}: {fix} run the same command; finished "
-                    "stages and training are kept in storage and reused")
+            return (
+                f"the Prefect server {strip_userinfo(api)[0]} {how}: {fix} run the same command; finished "
+                "stages and training are kept in storage and reused"
+            )
     return None

@@ -83,7 +83,7 @@ def _create_store(uri: str) -> None:
     would otherwise both run MLflow's table creation, and one of them fails."""
     if not uri.startswith("sqlite:///") or uri in _created:
         return
-    path = uri[len("sqlite:///"):]
+    path = uri[len("sqlite:///") :]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(f"{path}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -99,4 +99,4 @@ def artifact_root(uri: str) -> str | None:
     whichever folder the process happens to start in. Servers choose their own."""
     if not uri.startswith("sqlite:///"):
         return None
-    return Path(os.path.dirname(uri[len("sqlite:///"):]), "mlruns").resolve().as_uri()
+    return Path(os.path.dirname(uri[len("sqlite:///") :]), "mlruns").resolve().as_uri()

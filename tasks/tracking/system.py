@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from tasks.tracking.store import tracking_uri
 from tasks.settings import settings
+from tasks.tracking.store import tracking_uri
 
 log = logging.getLogger(__name__)
 

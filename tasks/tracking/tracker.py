@@ -31,9 +31,9 @@ from prefect.exceptions import TerminationSignal
 from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.redact import ScrubFilter, scrub
+from tasks.caching import forget_exception
 from tasks.tracking import outage
 from tasks.tracking import servers as tracking_servers
-from tasks.caching import forget_exception
 from tasks.tracking.datasets import MAX_DIGEST, TokenDataset, dataset_source
 from tasks.tracking.provenance import code_git_info, run_tags
 from tasks.tracking.store import artifact_root, client
@@ -64,6 +64,7 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 # --- the run -------------------------------------------------------------------------------
 
+
 def deleted_run(client: MlflowClient, run_id: str) -> bool:
     """Whether the run is in MLflow's trash, or gone from it (`mlflow gc`)."""
     try:
@@ -83,18 +84,16 @@ def log_records(client: MlflowClient, run_id: str, records: list[dict]) -> None:
         if "step" not in record:
             raise ValueError(f"metric record without a step: {record}")
         step = int(record["step"])
-        values = {k: float(v) for k, v in record.items()
-                  if k != "step" and v is not None and not isinstance(v, bool)}
+        values = {k: float(v) for k, v in record.items() if k != "step" and v is not None and not isinstance(v, bool)}
         metrics += [Metric(k, v, now, step) for k, v in values.items()]
     for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+        client.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
 
 
 class RunTracker:
     """One MLflow run for one training: `with RunTracker(cfg, root) as run: ...`."""
 
-    def __init__(self, cfg: RunConfig, storage_root: str, tags: dict | None = None,
-                 run_name: str | None = None):
+    def __init__(self, cfg: RunConfig, storage_root: str, tags: dict | None = None, run_name: str | None = None):
         self.cfg = cfg
         self.storage_root = storage_root
         self.extra_tags = dict(tags or {})
@@ -116,21 +115,25 @@ class RunTracker:
     def __enter__(self) -> "RunTracker":
         self.experiment_id = self._experiment(self.cfg.recipe)
         git = code_git_info()
-        tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{
-            k: str(v) for k, v in self.extra_tags.items()}})
+        tags = scrub({**run_tags(self.cfg, self.storage_root, git), **{k: str(v) for k, v in self.extra_tags.items()}})
         tags = {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
-        outage.settle_unfinished(self.client, self.storage_root, functools.partial(log_records, self.client),
-                                 functools.partial(deleted_run, self.client))
+        outage.settle_unfinished(
+            self.client,
+            self.storage_root,
+            functools.partial(log_records, self.client),
+            functools.partial(deleted_run, self.client),
+        )
         run = self.client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
         self.run_id = run.info.run_id
-        log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id,
-                 self.cfg.recipe, self.uri)
+        log.info("mlflow run %s (%s) in experiment %s at %s", run.info.run_name, self.run_id, self.cfg.recipe, self.uri)
         try:
             params = scrub(flatten(self.cfg.to_dict()))
-            entries = [Param(k, v if len(v) <= MAX_PARAM_VALUE else v[:MAX_PARAM_VALUE - 3] + "...")
-                       for k, v in params.items()]
+            entries = [
+                Param(k, v if len(v) <= MAX_PARAM_VALUE else v[: MAX_PARAM_VALUE - 3] + "...")
+                for k, v in params.items()
+            ]
             for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
-                self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
+                self.client.log_batch(self.run_id, params=entries[i : i + MAX_PARAMS_PER_BATCH])
             self.log_text(self.cfg.to_yaml(paths=False), "config.yaml")
             if git["dirty"] and git["diff"]:
                 self.log_text(git["diff"], "git.diff")
@@ -167,8 +170,11 @@ class RunTracker:
                 return
         else:
             with contextlib.suppress(Exception):  # still kept: the next run sends them
-                outage.send_unsent(self.storage_root, functools.partial(log_records, self.client),
-                                   functools.partial(deleted_run, self.client))
+                outage.send_unsent(
+                    self.storage_root,
+                    functools.partial(log_records, self.client),
+                    functools.partial(deleted_run, self.client),
+                )
             self.client.set_terminated(self.run_id, status)
         log.info("mlflow run %s ended %s", self.run_id, status)
 
@@ -176,8 +182,9 @@ class RunTracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             try:
-                return self.client.create_experiment(name, artifact_location=artifact_root(self.uri),
-                                                     tags={EXPERIMENT_KIND: MODEL_TRAINING})
+                return self.client.create_experiment(
+                    name, artifact_location=artifact_root(self.uri), tags={EXPERIMENT_KIND: MODEL_TRAINING}
+                )
             except MlflowException:
                 exp = self.client.get_experiment_by_name(name)  # another run created it first
                 if exp is None:
@@ -185,7 +192,8 @@ class RunTracker:
         if exp.lifecycle_stage == "deleted":
             raise UserError(
                 f"MLflow experiment {name!r} is deleted: restore it in the MLflow UI or purge it "
-                f"with `mlflow gc --experiment-ids {exp.experiment_id}`")
+                f"with `mlflow gc --experiment-ids {exp.experiment_id}`"
+            )
         if EXPERIMENT_KIND not in exp.tags:  # made before the kind was set: open it as training too
             self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         return exp.experiment_id
@@ -202,8 +210,9 @@ class RunTracker:
         (logged between its last checkpoint and a crash, and trained again identically since
         resume is exact) are left out, so the history holds each step once. What a tracking
         server that is away cannot take is held for when it answers again."""
-        history = [m.step for name in ("train_loss", "val_loss")
-                   for m in self.client.get_metric_history(self.run_id, name)]
+        history = [
+            m.step for name in ("train_loss", "val_loss") for m in self.client.get_metric_history(self.run_id, name)
+        ]
         logged = max(history, default=-1)
 
         def log(records: list[dict]) -> None:
@@ -212,17 +221,23 @@ class RunTracker:
                 self.log_metrics(fresh)
 
         every = self.cfg.train.checkpoint_interval
-        return outage.HeldMetrics(log, every_s=outage.retry_every_s(), pace_s=outage.metrics_every_s(),
-                                  urgent=lambda step: step % every == 0,
-                                  keep=lambda records: outage.keep_unsent(self.storage_root, self.run_id, records))
+        return outage.HeldMetrics(
+            log,
+            every_s=outage.retry_every_s(),
+            pace_s=outage.metrics_every_s(),
+            urgent=lambda step: step % every == 0,
+            keep=lambda records: outage.keep_unsent(self.storage_root, self.run_id, records),
+        )
 
     def log_loss_curve(self) -> str | None:
         """loss_curve.png: train and val loss against step (None while there is no loss)."""
         from matplotlib.figure import Figure  # no pyplot: no global backend, no GUI
 
         # From the server: training may have logged from another process (a worker).
-        curves = {name: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, name))
-                  for name in ("train_loss", "val_loss")}
+        curves = {
+            name: sorted((m.step, m.value) for m in self.client.get_metric_history(self.run_id, name))
+            for name in ("train_loss", "val_loss")
+        }
         if not any(curves.values()):
             return None
         fig = Figure(figsize=(7, 4.5), dpi=100)
@@ -230,8 +245,7 @@ class RunTracker:
         for name, points in curves.items():
             if points:
                 steps, losses = zip(*points)
-                ax.plot(steps, losses, label=name.replace("_", " "),
-                        marker="o" if name == "val_loss" else None)
+                ax.plot(steps, losses, label=name.replace("_", " "), marker="o" if name == "val_loss" else None)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats per token)")
         ax.set_title(self.cfg.recipe)
@@ -261,24 +275,23 @@ class RunTracker:
         """Params found out while the run ran (the precision training chose), beside the config's."""
         entries = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in scrub({k: str(v) for k, v in params.items()}).items()]
         for i in range(0, len(entries), MAX_PARAMS_PER_BATCH):
-            self.client.log_batch(self.run_id, params=entries[i:i + MAX_PARAMS_PER_BATCH])
+            self.client.log_batch(self.run_id, params=entries[i : i + MAX_PARAMS_PER_BATCH])
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         for k, v in scrub({k: str(v) for k, v in tags.items()}).items():
             self.client.set_tag(self.run_id, k, v[:MAX_TAG_VALUE])
 
-    def log_dataset(self, name: str, source: str, digest: str, context: str,
-                    n_tokens: int | None = None) -> None:
+    def log_dataset(self, name: str, source: str, digest: str, context: str, n_tokens: int | None = None) -> None:
         """A data stage's output as an MLflow dataset: its URI and our digest (a digest longer
         than MLflow's 36 characters is shortened there and kept whole in the input tags)."""
         uri = scrub(source)
-        dataset = TokenDataset(dataset_source(uri), name=name, digest=digest[:MAX_DIGEST],
-                               n_tokens=n_tokens)
+        dataset = TokenDataset(dataset_source(uri), name=name, digest=digest[:MAX_DIGEST], n_tokens=n_tokens)
         tags = {"mlflow.data.context": context, "digest": digest}
         if n_tokens is not None:
             tags["n_tokens"] = str(n_tokens)
-        inputs = DatasetInput(dataset=dataset._to_mlflow_entity(),
-                              tags=[InputTag(key=k, value=v) for k, v in tags.items()])
+        inputs = DatasetInput(
+            dataset=dataset._to_mlflow_entity(), tags=[InputTag(key=k, value=v) for k, v in tags.items()]
+        )
         try:
             self.client.log_inputs(self.run_id, datasets=[inputs])
         except MlflowException as e:
@@ -303,6 +316,7 @@ def lost_dataset_race(e: MlflowException) -> bool:
 
 # --- the pipeline's tracking tasks ---------------------------------------------------------
 
+
 @task(name="log-data", on_failure=[forget_exception], retries=2, retry_delay_seconds=2)
 def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
     """The data stages as MLflow datasets (source URI and our digest), and the vocabulary."""
@@ -317,5 +331,6 @@ def log_data(run_id: str, cfg: RunConfig, root: str, data: Any) -> None:
     run.log_text(storage.read_text(data.vocab.url), "vocab.json")  # parallel text: the target side's
     if getattr(data, "source_side", None) is not None:
         run.log_text(storage.read_text(data.source_side.vocab.url), "src_vocab.json")
-    run.set_tags({"data.raw_sha256": data.raw_sha256, "data.vocab_digest": data.vocab.digest,
-                  "data.splits": data.splits.url})
+    run.set_tags(
+        {"data.raw_sha256": data.raw_sha256, "data.vocab_digest": data.vocab.digest, "data.splits": data.splits.url}
+    )

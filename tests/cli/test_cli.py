@@ -10,7 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from commands import cli
 from textdata import make_text
 
@@ -77,9 +76,21 @@ def test_help_names_values_plainly_and_says_what_storage_means_where_it_means_so
         return re.sub(r"[\s│]+", " ", out.output)  # rich's boxes and wrapping
 
     skips = "a run skips training only when this root holds the finished training"
-    commands = {("run",): True, ("train",): True, ("evaluate",): True, ("sweep",): True, ("search",): True,
-                ("schedule",): True, ("prepare",): False, ("sample",): False, ("runs",): False, ("lineage",): False,
-                ("reproduce",): False, ("export",): False, ("stack", "up"): False}
+    commands = {
+        ("run",): True,
+        ("train",): True,
+        ("evaluate",): True,
+        ("sweep",): True,
+        ("search",): True,
+        ("schedule",): True,
+        ("prepare",): False,
+        ("sample",): False,
+        ("runs",): False,
+        ("lineage",): False,
+        ("reproduce",): False,
+        ("export",): False,
+        ("stack", "up"): False,
+    }
     for command, trains in commands.items():
         text = helps(*command)
         assert "--storage URL" in text and (skips in text) == trains, (command, text)
@@ -147,8 +158,17 @@ def test_recipes_lists_the_shipped_recipes() -> None:
     out = cli("recipes")
     assert out.returncode == 0
     lines = {line.split()[0]: line.split() for line in out.stdout.splitlines()[1:]}
-    for name in ("warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "smoke", "default", "cbow",
-                 "seq2seq-numbers-rnn", "seq2seq-numbers-transformer", "seq2seq-smoke"):
+    for name in (
+        "warandpeace-lstm",
+        "warandpeace-gpt",
+        "shakespeare-gpt",
+        "smoke",
+        "default",
+        "cbow",
+        "seq2seq-numbers-rnn",
+        "seq2seq-numbers-transformer",
+        "seq2seq-smoke",
+    ):
         assert name in lines
     assert lines["shakespeare-gpt"][1:] == ["gpt", "char", "6x6x384", "5000", "steps"]
     assert lines["default"][1:] == ["gpt", "char", "4x4x128", "10", "min"]  # a time budget (docs/speed.md)
@@ -161,8 +181,11 @@ def test_unknown_recipe_and_malformed_set(tmp_path: Path) -> None:
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr"), "train.lr", "section.field=value")
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lrr=1"), "train.lrr", "unknown field")
     _assert_one_line_error(cli("run", "--recipe", "smoke", "--set", "train.lr=-1"), "train.lr")
-    _assert_one_line_error(cli("run", "--recipe", "smoke", "--model", "a/b"), "--model 'a/b' is not a model name",
-                           "e.g. --model stdlib-smoke")
+    _assert_one_line_error(
+        cli("run", "--recipe", "smoke", "--model", "a/b"),
+        "--model 'a/b' is not a model name",
+        "e.g. --model stdlib-smoke",
+    )
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "binary", "latin1", "sha256"])
@@ -180,8 +203,13 @@ def test_bad_sources_fail_with_one_line_and_leave_nothing(case: str, tmp_path: P
         extra = ["--set", "data.sha256=" + "0" * 64]
     root = tmp_path / "storage"
     out = cli("run", "--recipe", "smoke", "--source", str(src), "--storage", str(root), *extra)
-    needles = {"missing": ["not found", "corpus.txt"], "empty": ["empty"], "binary": ["binary"],
-               "latin1": ["UTF-8", "offset"], "sha256": ["sha256", "0" * 64]}[case]
+    needles = {
+        "missing": ["not found", "corpus.txt"],
+        "empty": ["empty"],
+        "binary": ["binary"],
+        "latin1": ["UTF-8", "offset"],
+        "sha256": ["sha256", "0" * 64],
+    }[case]
     _assert_one_line_error(out, *needles)
     assert not root.exists()  # the source is checked before the storage folder is made
 
@@ -200,8 +228,9 @@ def test_http_source_downloads_and_missing_url_fails(http_root, tmp_path: Path) 
     root = tmp_path / "storage"
     # An empty PREFECT_API_URL (as `export PREFECT_API_URL=` leaves it) names no server: the
     # temporary one runs the flows, and no line of the run is an error.
-    out = cli("prepare", "--recipe", "smoke", "--source", f"{base}/corpus.txt", "--storage", str(root),
-              PREFECT_API_URL="")
+    out = cli(
+        "prepare", "--recipe", "smoke", "--source", f"{base}/corpus.txt", "--storage", str(root), PREFECT_API_URL=""
+    )
     assert out.returncode == 0, out.stderr
     assert "vocabulary" in out.stdout
     assert [line for line in out.stderr.splitlines() if "| ERROR" in line] == []
@@ -221,8 +250,15 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
     _assert_one_line_error(out, "set PREFECT_API_URL", "stack up")
 
     # A scheduled source would keep its password in the deployment, in Prefect's database: refused.
-    out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0", "--source",
-              "https://reader:s3cr3t-Pw@127.0.0.1:9/corpus.txt")
+    out = cli(
+        "schedule",
+        "--recipe",
+        "smoke",
+        "--cron",
+        "0 3 * * 0",
+        "--source",
+        "https://reader:s3cr3t-Pw@127.0.0.1:9/corpus.txt",
+    )
     _assert_one_line_error(out, "cannot carry a user:password", "~/.netrc")
     assert "s3cr3t-Pw" not in out.stdout + out.stderr
 
@@ -281,15 +317,22 @@ def test_utf16_file_of_three_gutenberg_books_is_converted_and_keeps_every_book(t
 
     import pyarrow.parquet as pq
 
-    bodies = [f"\r\nCHAPTER I\r\n\r\n{w} was here. " * 40 + f"\r\nThe end of {w}.\r\n" for w in ("Natasha", "Hamlet", "Ishmael")]
-    text = "".join(f"The Project Gutenberg eBook of {t}\r\n*** START OF THE PROJECT GUTENBERG EBOOK {t} ***\r\n{b}"
-                   f"*** END OF THE PROJECT GUTENBERG EBOOK {t} ***\r\nSection 1. Licence terms.\r\n"
-                   for t, b in zip(("WAR", "HAMLET", "MOBY"), bodies))
+    bodies = [
+        f"\r\nCHAPTER I\r\n\r\n{w} was here. " * 40 + f"\r\nThe end of {w}.\r\n"
+        for w in ("Natasha", "Hamlet", "Ishmael")
+    ]
+    text = "".join(
+        f"The Project Gutenberg eBook of {t}\r\n*** START OF THE PROJECT GUTENBERG EBOOK {t} ***\r\n{b}"
+        f"*** END OF THE PROJECT GUTENBERG EBOOK {t} ***\r\nSection 1. Licence terms.\r\n"
+        for t, b in zip(("WAR", "HAMLET", "MOBY"), bodies)
+    )
     src = tmp_path / "books.txt"
     src.write_bytes(codecs.BOM_UTF16_LE + text.encode("utf-16-le"))
     sha = hashlib.sha256(src.read_bytes()).hexdigest()  # a pinned data.sha256 is the file's, as sha256sum says
     root = tmp_path / "storage"
-    out = cli("prepare", "--recipe", "smoke", "--source", str(src), "--storage", str(root), "--set", f"data.sha256={sha}")
+    out = cli(
+        "prepare", "--recipe", "smoke", "--source", str(src), "--storage", str(root), "--set", f"data.sha256={sha}"
+    )
     assert out.returncode == 0, out.stderr
     assert "UTF-16-LE: stored converted to UTF-8" in out.stdout + out.stderr
     assert (root / "raw" / f"{sha}.txt").read_bytes() == text.encode("utf-8")
@@ -324,49 +367,94 @@ def test_a_storage_root_through_a_symlink_is_named_by_its_real_folder(corpus: Pa
     (tmp_path / "link").symlink_to(tmp_path / "real")
     printed = []
     for root in ("link", "real"):  # the second finds every stage cached by the first
-        out = cli("prepare", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / root),
-                  MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        out = cli(
+            "prepare",
+            "--recipe",
+            "smoke",
+            "--source",
+            str(corpus),
+            "--storage",
+            str(tmp_path / root),
+            MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         printed.append([line.split()[-1] for line in out.stdout.splitlines()[1:]])
     assert printed[0] == printed[1]
     assert all(path.startswith(str(tmp_path / "real") + "/") for path in printed[0]), printed
 
 
-def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(corpus: Path,
-                                                                                     tmp_path: Path) -> None:
+def test_sample_normalises_the_prompt_as_the_corpus_was_and_names_what_it_never_had(
+    corpus: Path, tmp_path: Path
+) -> None:
     """The smoke recipe's char tokenizer normalised ':', quotes, newlines and accents out of the
     corpus: a prompt holding them is sampled as the corpus would have read it, and what the corpus
     never had (here 'j', 'z' and digits) is named in one line."""
     root = tmp_path / "storage"
-    out = cli("train", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
-              "--set", "train.max_steps=4")
+    out = cli(
+        "train", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--set", "train.max_steps=4"
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     [checkpoint] = root.glob("runs/*/checkpoints/best.pt")
-    out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Pierre:\n  'war' café",
-              "--max-new-tokens", "5", "--method", "greedy")
+    out = cli(
+        "sample",
+        "--checkpoint",
+        str(checkpoint),
+        "--prompt",
+        "Pierre:\n  'war' café",
+        "--max-new-tokens",
+        "5",
+        "--method",
+        "greedy",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Pierre war caf") and len(out.stdout.rstrip("\n")) == len("Pierre war caf") + 5
     out = cli("sample", "--checkpoint", str(checkpoint), "--prompt", "Jazz: 42 'x'", "--method", "greedy")
-    _assert_one_line_error(out, "characters that are not in the model's vocabulary: 'J' 'z' '4' '2' 'x'",
-                           "training corpus, normalised as the prompt was, had none of them",
-                           "leave them out of the prompt")
+    _assert_one_line_error(
+        out,
+        "characters that are not in the model's vocabulary: 'J' 'z' '4' '2' 'x'",
+        "training corpus, normalised as the prompt was, had none of them",
+        "leave them out of the prompt",
+    )
     assert "':'" not in out.stderr and '"\'"' not in out.stderr
 
 
-def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothing_else(corpus: Path,
-                                                                                       tmp_path: Path) -> None:
+def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothing_else(
+    corpus: Path, tmp_path: Path
+) -> None:
     """A fresh Prefect home and MLflow store, a storage path with a space, progress bars drawn as
     at a terminal: no MLflow table creation lines, no asset-key warnings, no Prefect line through
     the bars; stderr is the bars, stdout the outcome."""
     root = tmp_path / "my storage"
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--model", "terminal-smoke",
-              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
-              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}", PREFECT_API_URL="")
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(root),
+        "--model",
+        "terminal-smoke",
+        "--set",
+        "train.max_steps=4",
+        MLLM_PROGRESS="1",
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}",
+        PREFECT_API_URL="",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "fresh" / "mlflow.db").exists() and list(root.glob("runs/*/checkpoints/best.pt"))
     printed = out.stdout + out.stderr
-    for noise in ("MLflow database tables", "Updating database tables", "alembic", "asset key", "| INFO",
-                  "| WARNING", "Stopping temporary server", "Traceback"):
+    for noise in (
+        "MLflow database tables",
+        "Updating database tables",
+        "alembic",
+        "asset key",
+        "| INFO",
+        "| WARNING",
+        "Stopping temporary server",
+        "Traceback",
+    ):
         assert noise not in printed, (noise, printed)
     bars = [line.split()[0] for line in out.stderr.splitlines() if line.strip()]
     assert set(bars) == {"download", "tokenize", "train"}, out.stderr
@@ -377,9 +465,22 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     # model named as before is found, and the outcome says why nothing trained. (On the session's
     # Prefect server: the stages' cache is in PREFECT_HOME, and a second temporary server would
     # show nothing the first did not.)
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), "--model", "terminal-smoke",
-              "--set", "train.max_steps=4", MLLM_PROGRESS="1", PREFECT_HOME=str(tmp_path / "prefect"),
-              MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}")
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(root),
+        "--model",
+        "terminal-smoke",
+        "--set",
+        "train.max_steps=4",
+        MLLM_PROGRESS="1",
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'fresh' / 'mlflow.db'}",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert {line.split()[0] for line in lines} <= {"download", "tokenize", "train"}, out.stderr

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import typer
-
 from commands import cli
 from textdata import make_text
+
 from flows.cli.main import app
 
 pytestmark = pytest.mark.integration
@@ -45,8 +45,11 @@ def _lines() -> list[tuple[str, str, list[str]]]:
         for lang, block in re.findall(r"```([a-z]*)\n(.*?)```", doc.read_text(), re.S):
             lines = [re.sub(r"^\$ ", "", line.strip()) for line in block.replace("\\\n", " ").splitlines()]
             curls = [line for line in lines if line.startswith("curl ")] if lang in ("bash", "sh", "console") else None
-            found += [(doc.name, line, curls) for line in lines
-                      if re.match(r"^(\S+=\S+ )*(\.venv/bin/)?(mllm-pipeline|make) ", line)]
+            found += [
+                (doc.name, line, curls)
+                for line in lines
+                if re.match(r"^(\S+=\S+ )*(\.venv/bin/)?(mllm-pipeline|make) ", line)
+            ]
     return found
 
 
@@ -141,8 +144,16 @@ def test_every_command_in_the_docs_parses_and_names_files_that_are_there(folder:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_a_few_commands_of_the_docs_run_as_written(folder: Path, tmp_path: Path) -> None:
-    tiny = ["--set", "train.max_steps=2", "--set", "train.eval_interval=2", "--set", "sample.max_new_tokens=5",
-            "--storage", str(tmp_path / "storage")]
+    tiny = [
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.eval_interval=2",
+        "--set",
+        "sample.max_new_tokens=5",
+        "--storage",
+        str(tmp_path / "storage"),
+    ]
     run = "mllm-pipeline run --recipe smoke --source a.txt --source more/"
     others = ["mllm-pipeline runs --recipe warandpeace-lstm", "mllm-pipeline schedule list"]
     lines = {re.sub(r"\s+#.*", "", line).strip() for _, line, _ in _lines()}

@@ -7,17 +7,36 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from commands import cli
 from textdata import make_text
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("transformers")
 
-TINY = ["--set", "train.max_steps=6", "--set", "train.max_minutes=null", "--set", "train.eval_interval=3",
-        "--set", "train.eval_batches=1", "--set", "train.checkpoint_interval=3", "--set", "train.batch_size=2",
-        "--set", "train.window=32", "--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
-        "--set", "sample.max_new_tokens=5"]
+TINY = [
+    "--set",
+    "train.max_steps=6",
+    "--set",
+    "train.max_minutes=null",
+    "--set",
+    "train.eval_interval=3",
+    "--set",
+    "train.eval_batches=1",
+    "--set",
+    "train.checkpoint_interval=3",
+    "--set",
+    "train.batch_size=2",
+    "--set",
+    "train.window=32",
+    "--set",
+    "model.n_layer=1",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.n_head=2",
+    "--set",
+    "sample.max_new_tokens=5",
+]
 
 
 def test_export_a_registered_model_records_it_and_lineage_follows_it(mlflow_server, own_stores, tmp_path):

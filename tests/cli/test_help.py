@@ -34,19 +34,29 @@ def test_every_help_names_each_value_by_what_it_is_not_by_its_type() -> None:
         types = re.findall(r"<(?:str|int|float|bool|path|list\[\w+\])>", out.output)
         assert not types, (words, types, out.output)
     sample = re.sub(r"[\s│]+", " ", RUNNER.invoke(app, ["sample", "--help"], env={"COLUMNS": "300"}).output)
-    for shown in ("--checkpoint URL", "--run RUN_ID", "--prompt TEXT", "--prompt-file FILE", "--top-p P",
-                  "--max-new-tokens N", "--device DEVICE"):
+    for shown in (
+        "--checkpoint URL",
+        "--run RUN_ID",
+        "--prompt TEXT",
+        "--prompt-file FILE",
+        "--top-p P",
+        "--max-new-tokens N",
+        "--device DEVICE",
+    ):
         assert shown in sample, (shown, sample)
     reproduce = re.sub(r"[\s│]+", " ", RUNNER.invoke(app, ["reproduce", "--help"], env={"COLUMNS": "300"}).output)
     assert "* RUN_ID The MLflow run to reproduce." in reproduce, reproduce
 
 
-@pytest.mark.parametrize("typed, suggested", [
-    (["run", "--nosuch"], None),  # `--source` shares only the `--` and two letters with it
-    (["run", "--sorce", "x"], "(Possible options: --force, --source, --storage)"),
-    (["sample", "--promt", "x"], "(Possible options: --prompt, --prompt-file)"),
-    (["run", "--reproduce", "x"], None),  # a hidden option is never suggested
-])
+@pytest.mark.parametrize(
+    "typed, suggested",
+    [
+        (["run", "--nosuch"], None),  # `--source` shares only the `--` and two letters with it
+        (["run", "--sorce", "x"], "(Possible options: --force, --source, --storage)"),
+        (["sample", "--promt", "x"], "(Possible options: --prompt, --prompt-file)"),
+        (["run", "--reproduce", "x"], None),  # a hidden option is never suggested
+    ],
+)
 def test_an_unknown_option_suggests_only_options_near_it(typed: list[str], suggested: str | None) -> None:
     out = RUNNER.invoke(app, typed, env={"COLUMNS": "300"})
     assert out.exit_code == 2

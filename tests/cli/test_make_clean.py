@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from commands import cli
 from textdata import make_text
 
@@ -36,8 +35,20 @@ def test_make_clean_takes_what_a_run_left_and_nothing_else(tmp_path: Path, monke
         (here / made).mkdir(parents=True)
     # The CLI's defaults, as `make run` has them: no tracking URI, storage ./storage.
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    out = cli("run", "--recipe", "smoke", "--source", "book.txt", "--set", "train.max_steps=4",
-              "--set", "train.eval_interval=4", "--set", "sample.max_new_tokens=5", cwd=here)
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        "book.txt",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.eval_interval=4",
+        "--set",
+        "sample.max_new_tokens=5",
+        cwd=here,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     left = {name.split("/")[0] for name in _tree(here) - mine}
     assert {"storage", "mlflow.db", "mlruns"} <= left, left  # what README's outputs name

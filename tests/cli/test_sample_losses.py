@@ -4,12 +4,11 @@ served model refuses such a prompt: tests/tasks/test_tracking.py.)"""
 
 from __future__ import annotations
 
-
 import prewarmed
 import pytest
 import torch
-
 from commands import cli
+
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import UNK, Vocab
 from mllm.families.base import build_model
@@ -19,8 +18,9 @@ from mllm.sample import answer
 
 pytestmark = pytest.mark.integration
 
-WARNING = ("warning: the prompt 'Thé: ' loses 'é' ':' to the normalisation its model's corpus had "
-           "(the model reads 'Th ')")
+WARNING = (
+    "warning: the prompt 'Thé: ' loses 'é' ':' to the normalisation its model's corpus had (the model reads 'Th ')"
+)
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,24 @@ def checkpoint(tmp_path_factory) -> str:
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": len(vocab)})})
     torch.manual_seed(0)
     url = str(tmp_path_factory.mktemp("ckpt") / "smoke.pt")
-    save_checkpoint(url, {"model": build_model(cfg.model).state_dict(), "step": 0, "config": cfg.to_dict(),
-                          "vocab": vocab.to_json(), "vocab_digest": vocab.digest, "tokenizer": tokenizer.to_json()})
+    save_checkpoint(
+        url,
+        {
+            "model": build_model(cfg.model).state_dict(),
+            "step": 0,
+            "config": cfg.to_dict(),
+            "vocab": vocab.to_json(),
+            "vocab_digest": vocab.digest,
+            "tokenizer": tokenizer.to_json(),
+        },
+    )
     return url
 
 
 def test_python_m_mllm_sample_names_what_the_prompt_loses(checkpoint: str) -> None:
-    out = prewarmed.run("mllm.sample", ["--checkpoint", checkpoint, "--prompt", "Thé: ", "--method", "greedy"],
-                        timeout=120)
+    out = prewarmed.run(
+        "mllm.sample", ["--checkpoint", checkpoint, "--prompt", "Thé: ", "--method", "greedy"], timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stderr.splitlines() == [WARNING]
     expected = answer(load_checkpoint(checkpoint), ["Th "], method="greedy")

@@ -12,19 +12,19 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import prewarmed
 import pyarrow as pa
 import pyarrow.parquet as pq
-import prewarmed
 import pytest
-
 from commands import cli
 from textdata import make_text
+
 from mllm import UserError
-from mllm.data import files, heads, packs, splits
 from mllm.config import SplitConfig, TokenizerConfig
-from mllm.runtime.epochs import ChainedIds, ids_digest, load_ids, read_chain
+from mllm.data import files, heads, packs, splits
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import Vocab
+from mllm.runtime.epochs import ChainedIds, ids_digest, load_ids, read_chain
 
 pytestmark = pytest.mark.integration
 
@@ -65,13 +65,22 @@ def test_a_source_that_names_no_file_is_one_clear_error(case: str, tmp_path: Pat
     source = str(folder / "*.jsonl") if case == "no match" else str(folder)
     with pytest.raises(UserError) as e:
         files.list_files([source])
-    assert {"empty folder": "holds no files", "no match": "matches no file",
-            "only markers": "only hidden or marker files"}[case] in str(e.value)
+    assert {
+        "empty folder": "holds no files",
+        "no match": "matches no file",
+        "only markers": "only hidden or marker files",
+    }[case] in str(e.value)
 
 
 def test_formats_by_extension() -> None:
-    assert [files.file_format(n) for n in ("a.txt", "a.jsonl", "a.JSONL.gz", "a.json.zst", "a.parquet", "README")] == \
-        ["text", "jsonl", "jsonl", "jsonl", "parquet", "text"]
+    assert [files.file_format(n) for n in ("a.txt", "a.jsonl", "a.JSONL.gz", "a.json.zst", "a.parquet", "README")] == [
+        "text",
+        "jsonl",
+        "jsonl",
+        "jsonl",
+        "parquet",
+        "text",
+    ]
 
 
 # --- records ---------------------------------------------------------------------------------
@@ -82,11 +91,15 @@ def test_jsonl_and_parquet_records_keep_only_the_text_field(tmp_path: Path) -> N
     lines = "\n".join(json.dumps({"id": 1000 + i, "text": t, "meta": {"x": i}}) for i, t in enumerate(texts)) + "\n"
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
     pq.write_table(pa.table({"id": list(range(20)), "content": texts}), tmp_path / "b.parquet")
-    got = files.download_records(str(tmp_path / "a.jsonl.gz"), "jsonl", "text", lambda sha: str(tmp_path / f"{sha}.parquet"))
+    got = files.download_records(
+        str(tmp_path / "a.jsonl.gz"), "jsonl", "text", lambda sha: str(tmp_path / f"{sha}.parquet")
+    )
     assert got.documents == 20 and got.compression == "gzip"
     docs = ["".join(d) for d in files.documents(got.url, strip=False, chunk_chars=100)]
     assert docs == texts
-    got = files.download_records(str(tmp_path / "b.parquet"), "parquet", "content", lambda sha: str(tmp_path / f"p-{sha}.parquet"))
+    got = files.download_records(
+        str(tmp_path / "b.parquet"), "parquet", "content", lambda sha: str(tmp_path / f"p-{sha}.parquet")
+    )
     assert ["".join(d) for d in files.documents(got.url, strip=False, chunk_chars=7)] == texts
 
 
@@ -101,8 +114,11 @@ def test_bad_records_name_the_file_and_line_and_store_nothing(case: str, tmp_pat
             path.write_bytes(b"PAR1 this is not parquet at all")
         fmt = "parquet"
     else:
-        bad = {"not json": '{"text": "broken', "no field": json.dumps({"body": "x"}),
-               "not text": json.dumps({"text": 12})}[case]
+        bad = {
+            "not json": '{"text": "broken',
+            "no field": json.dumps({"body": "x"}),
+            "not text": json.dumps({"text": 12}),
+        }[case]
         path = tmp_path / "d.jsonl"
         path.write_text(f"{good}\n{good}\n{bad}\n")
         fmt = "jsonl"
@@ -111,9 +127,13 @@ def test_bad_records_name_the_file_and_line_and_store_nothing(case: str, tmp_pat
         files.download_records(str(path), fmt, "text", lambda sha: str(out / f"{sha}.parquet"))
     message = str(e.value)
     assert str(path) in message and "\n" not in message
-    assert {"not json": "line 3 is not JSON", "no field": "line 3 has no 'text' field",
-            "not text": "holds int, not text", "no column": "has no column 'text'",
-            "not parquet": "not a readable Parquet file"}[case] in message
+    assert {
+        "not json": "line 3 is not JSON",
+        "no field": "line 3 has no 'text' field",
+        "not text": "holds int, not text",
+        "no column": "has no column 'text'",
+        "not parquet": "not a readable Parquet file",
+    }[case] in message
     assert not out.exists()
     if fmt == "jsonl":  # a line within a file's head is found before any stage starts, in the same words
         with pytest.raises(UserError) as head:
@@ -129,8 +149,9 @@ def test_a_pack_holds_each_files_rows_and_counts(tmp_path: Path) -> None:
     tok = build_tokenizer(TokenizerConfig(kind="char"))
     out = tmp_path / "pack"
     out.mkdir()
-    packed = packs.tokenize_pack([(f"sha{i}", str(b)) for i, b in enumerate(books)], tok, str(out), strip=True,
-                                 span_chars=1000)
+    packed = packs.tokenize_pack(
+        [(f"sha{i}", str(b)) for i, b in enumerate(books)], tok, str(out), strip=True, span_chars=1000
+    )
     assert [p.sha256 for p in packed] == ["sha0", "sha1", "sha2"] and all(p.rows > 5 for p in packed)
     want = {}
     for i, b in enumerate(books):
@@ -138,7 +159,9 @@ def test_a_pack_holds_each_files_rows_and_counts(tmp_path: Path) -> None:
 
         want[f"sha{i}"] = [t for arr in tok.token_arrays(strip_gutenberg(read_chunks(str(b)))) for t in arr.to_pylist()]
     everything = packs.CorpusPacks([(str(out), None)])
-    assert [t for batch in everything.batches() for t in batch.to_pylist()] == want["sha0"] + want["sha1"] + want["sha2"]
+    assert [t for batch in everything.batches() for t in batch.to_pylist()] == want["sha0"] + want["sha1"] + want[
+        "sha2"
+    ]
     assert everything.counts() == dict(Counter(want["sha0"] + want["sha1"] + want["sha2"]))
     # A corpus that dropped a file reads the others only.
     two = packs.CorpusPacks([(str(out), ["sha0", "sha2"])])
@@ -150,12 +173,12 @@ def test_a_pack_holds_each_files_rows_and_counts(tmp_path: Path) -> None:
 
 def test_a_spans_split_depends_on_its_content_alone() -> None:
     rng = np.random.default_rng(0)
-    spans = rng.integers(-2**63, 2**63 - 1, size=20_000, dtype=np.int64)
+    spans = rng.integers(-(2**63), 2**63 - 1, size=20_000, dtype=np.int64)
     cfg = SplitConfig(val_fraction=0.1, test_fraction=0.05)
     owner = packs.span_owner(spans, cfg)
     assert abs((owner == 1).mean() - 0.1) < 0.01 and abs((owner == 2).mean() - 0.05) < 0.01
     # More spans around them, in another order: each keeps its split.
-    more = np.concatenate([rng.integers(-2**63, 2**63 - 1, size=5000, dtype=np.int64), spans[::-1]])
+    more = np.concatenate([rng.integers(-(2**63), 2**63 - 1, size=5000, dtype=np.int64), spans[::-1]])
     assert np.array_equal(packs.span_owner(more, cfg)[5000:], owner[::-1])
     assert not np.array_equal(packs.span_owner(spans, SplitConfig(val_fraction=0.1, test_fraction=0.05, seed=2)), owner)
 
@@ -185,9 +208,9 @@ def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: P
     cfg = SplitConfig(val_fraction=0.2, test_fraction=0.1, seed=5)
     token_bytes = splits.bytes_per_token(vocab, tok)
     pieces = []
-    for i, (url, files) in enumerate(corpus.packs):
+    for i, (url, pack_files) in enumerate(corpus.packs):
         pieces.append(str(tmp_path / f"piece{i}"))
-        splits.route_pack(url, files, vocab, token_bytes, cfg, pieces[-1])
+        splits.route_pack(url, pack_files, vocab, token_bytes, cfg, pieces[-1])
     written = {w.name: w for w in splits.assemble(pieces, len(vocab), str(tmp_path / "out"))}
     want: dict[str, list] = {"train": [], "val": [], "test": []}
     bounds: dict[str, list] = {"train": [0], "val": [0], "test": [0]}
@@ -209,7 +232,8 @@ def test_packs_routed_one_by_one_make_the_splits_of_the_whole_corpus(tmp_path: P
         assert pq.read_table(parquet).column("token_id").to_pylist() == ids
     # The splits name the pieces where they lie: nothing of the ids was copied.
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-        f"{n}.{ext}" for n in want for ext in ("ids.json", "offsets.npy"))
+        f"{n}.{ext}" for n in want for ext in ("ids.json", "offsets.npy")
+    )
 
 
 def test_grouping_packs_small_files_and_leaves_large_ones_alone() -> None:
@@ -220,8 +244,14 @@ def test_grouping_packs_small_files_and_leaves_large_ones_alone() -> None:
 # --- the pipeline on real files ------------------------------------------------------------------
 
 
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20", "data.split.span_bytes=2048"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+    "data.split.span_bytes=2048",
+]
 
 
 def _val_text(result) -> str:
@@ -231,8 +261,9 @@ def _val_text(result) -> str:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path: Path) -> None:
-    from flows.pipeline import pipeline
     from test_pipeline import _task_states
+
+    from flows.pipeline import pipeline
 
     folder, root = tmp_path / "books", tmp_path / "storage"
     _books(folder, 5)
@@ -243,12 +274,21 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     # Nothing changed: nothing is tokenized, and the champion's data, config and code are the same.
     again = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
     assert again.decision == "skipped" and again.data.tokens.files_tokenized == 0
-    assert again.corpus_changes == {"files": 5, "new": 0, "changed": 0, "removed": 0, "reused": 5, "tokenized": 0,
-                                    "skipped": 1, "duplicates": 0}
+    assert again.corpus_changes == {
+        "files": 5,
+        "new": 0,
+        "changed": 0,
+        "removed": 0,
+        "reused": 5,
+        "tokenized": 0,
+        "skipped": 1,
+        "duplicates": 0,
+    }
     # Each split is a manifest of the packs' pieces, which lie where they were routed.
     first_pieces = {name: read_chain(getattr(first.data.splits, name).ids)["pieces"] for name in ("train", "val")}
-    stamps = {p["url"]: (os.stat(p["url"]).st_ino, os.stat(p["url"]).st_mtime_ns)
-              for ps in first_pieces.values() for p in ps}
+    stamps = {
+        p["url"]: (os.stat(p["url"]).st_ino, os.stat(p["url"]).st_mtime_ns) for ps in first_pieces.values() for p in ps
+    }
     _books(folder, 1, first_seed=5)
     grown = pipeline(recipe="smoke", source=str(folder), storage_url=str(root), overrides=FAST)
     # The grown splits name the old pieces, untouched (not one byte written again), and one new
@@ -261,8 +301,16 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     assert added >= 1
     assert stamps == {url: (os.stat(url).st_ino, os.stat(url).st_mtime_ns) for url in stamps}
     assert grown.decision in ("promoted", "kept") and grown.data.tokens.files_tokenized == 1
-    assert grown.corpus_changes == {"files": 6, "new": 1, "changed": 0, "removed": 0, "reused": 5, "tokenized": 1,
-                                    "skipped": 1, "duplicates": 0}
+    assert grown.corpus_changes == {
+        "files": 6,
+        "new": 1,
+        "changed": 0,
+        "removed": 0,
+        "reused": 5,
+        "tokenized": 1,
+        "skipped": 1,
+        "duplicates": 0,
+    }
     states = _task_states("tokenize-pack")
     assert states[:2].count("Cached") == 1 and states[:2].count("Completed") == 1
     # The split routed the new book's pack alone: the first pack's piece was found and reused.
@@ -285,8 +333,9 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     assert out.returncode == 0, out.stdout + out.stderr
     assert "6 files" in out.stdout and out.stdout.count("file: ") == 6 and "book05.txt" in out.stdout
     assert "every link checked against storage: ok" in out.stdout
-    new_file = next(f for f in json.loads(Path(grown.data.raw_manifest).read_text())["files"]
-                    if f["source"].endswith("book05.txt"))
+    new_file = next(
+        f for f in json.loads(Path(grown.data.raw_manifest).read_text())["files"] if f["source"].endswith("book05.txt")
+    )
     out = _cli("lineage", "--corpus", new_file["sha256"][:10], "--storage", str(root))
     assert out.returncode == 0 and grown.mlflow_run_id in out.stdout and first.mlflow_run_id not in out.stdout
     assert "book05.txt" in out.stdout
@@ -313,8 +362,9 @@ def test_jsonl_parquet_and_a_glob_train_on_the_text_field_only(tmp_path: Path) -
     with gzip.open(folder / "part-0.jsonl.gz", "wt") as f:
         for i, t in enumerate(texts[:30]):
             f.write(json.dumps({"id": f"doc-{i:05d}", "text": t}) + "\n")
-    pq.write_table(pa.table({"id": [f"doc-{i:05d}" for i in range(30, 60)], "text": texts[30:]}),
-                   folder / "part-1.parquet")
+    pq.write_table(
+        pa.table({"id": [f"doc-{i:05d}" for i in range(30, 60)], "text": texts[30:]}), folder / "part-1.parquet"
+    )
     (folder / "_SUCCESS").write_text("")
     result = pipeline(recipe="smoke", source=str(folder / "*"), storage_url=str(tmp_path / "storage"), overrides=FAST)
     assert result.trained is not None and result.data.raw_files == 2
@@ -344,15 +394,38 @@ def test_a_bad_file_among_good_ones_fails_the_run_or_is_skipped_and_named(tmp_pa
     (folder / "cover.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 50)
     root = tmp_path / "storage"
     # Found in the file's head before Prefect starts: nothing in storage, not even an empty folder.
-    out = cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
-              "data.split.span_bytes=2048", cwd=tmp_path)
+    out = cli(
+        "prepare",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(folder),
+        "--storage",
+        str(root),
+        "--set",
+        "data.split.span_bytes=2048",
+        cwd=tmp_path,
+    )
     _one_line_error(out, "cover.txt", "binary")
     assert not root.exists()
-    out = _cli("prepare", "--recipe", "smoke", "--source", str(folder), "--storage", str(root), "--set",
-               "data.split.span_bytes=2048", "--set", "data.bad_files=skip", cwd=tmp_path)
+    out = _cli(
+        "prepare",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(folder),
+        "--storage",
+        str(root),
+        "--set",
+        "data.split.span_bytes=2048",
+        "--set",
+        "data.bad_files=skip",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
-    manifest = json.loads(next(p for p in root.glob("corpora/*.json")
-                               if not p.name.startswith(("seen-", "last-"))).read_text())
+    manifest = json.loads(
+        next(p for p in root.glob("corpora/*.json") if not p.name.startswith(("seen-", "last-"))).read_text()
+    )
     assert len(manifest["files"]) == 3 and [s["source"] for s in manifest["skipped"]] == [str(folder / "cover.txt")]
     assert "binary" in manifest["skipped"][0]["reason"]
 
@@ -370,8 +443,11 @@ def test_many_file_mistakes_end_in_one_line(case: str, tmp_path: Path) -> None:
         (folder / "x.jsonl").write_text((json.dumps({"text": "fine " * 20}) + "\n") * 1000 + "not json\n")
     root = tmp_path / "storage"
     out = cli("run", "--recipe", "smoke", "--source", source, "--storage", str(root), cwd=tmp_path)
-    needles = {"empty folder": ["holds no files", str(folder)], "glob": ["matches no file"],
-               "jsonl line": ["x.jsonl line 1001 is not JSON"]}[case]
+    needles = {
+        "empty folder": ["holds no files", str(folder)],
+        "glob": ["matches no file"],
+        "jsonl line": ["x.jsonl line 1001 is not JSON"],
+    }[case]
     _one_line_error(out, *needles)
     # No stage but the good files' copies, and no empty folder of Prefect's results.
     assert not list(root.glob("corpora/*")) and not list(root.glob("tokens/*"))
@@ -399,19 +475,46 @@ def dask_cluster(tmp_path: Path, s3_env):
     import os
 
     from distributed import Client
-
-    from flows.stack.servers import free_port
     from servers import background, quiet_env, serving
 
+    from flows.stack.servers import free_port
+
     port, dashboard = free_port(), free_port()
-    env = {**quiet_env(tmp_path / "dask-home"), **s3_env.env,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
-    scheduler = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", str(port),
-                 "--dashboard-address", f"127.0.0.1:{dashboard}"]
+    env = {
+        **quiet_env(tmp_path / "dask-home"),
+        **s3_env.env,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    scheduler = [
+        sys.executable,
+        "-m",
+        "distributed.cli.dask_scheduler",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dashboard-address",
+        f"127.0.0.1:{dashboard}",
+    ]
     with serving(scheduler, f"http://127.0.0.1:{dashboard}/health", tmp_path / "scheduler.log", env):
-        workers = background([sys.executable, "-m", "distributed.cli.dask_worker", f"tcp://127.0.0.1:{port}",
-                              "--nworkers", "2", "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-                             f"http://127.0.0.1:{dashboard}/health", tmp_path / "workers.log", env)
+        workers = background(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                f"tcp://127.0.0.1:{port}",
+                "--nworkers",
+                "2",
+                "--nthreads",
+                "1",
+                "--no-dashboard",
+                "--host",
+                "127.0.0.1",
+            ],
+            f"http://127.0.0.1:{dashboard}/health",
+            tmp_path / "workers.log",
+            env,
+        )
         try:
             with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
                 client.wait_for_workers(2, timeout=120)
@@ -422,13 +525,18 @@ def dask_cluster(tmp_path: Path, s3_env):
 
 def _objects(s3, prefix: str) -> dict[str, bytes]:
     c = s3.client()
-    keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket="corpora", Prefix=prefix)
-            for o in page.get("Contents", [])]
-    return {k[len(prefix):]: c.get_object(Bucket="corpora", Key=k)["Body"].read() for k in keys}
+    keys = [
+        o["Key"]
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket="corpora", Prefix=prefix)
+        for o in page.get("Contents", [])
+    ]
+    return {k[len(prefix) :]: c.get_object(Bucket="corpora", Key=k)["Body"].read() for k in keys}
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(tmp_path: Path, s3_env, dask_cluster) -> None:
+def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(
+    tmp_path: Path, s3_env, dask_cluster
+) -> None:
     from flows.launch import data_runner, with_results
     from flows.pipeline import pipeline, prepare
     from mllm.resolve import resolve
@@ -438,15 +546,16 @@ def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(tmp_p
     for i in range(4):
         c.put_object(Bucket="corpora", Key=f"books/{i}.txt", Body=make_text(2500, seed=i).encode())
     c.put_object(Bucket="corpora", Key="books/_SUCCESS", Body=b"")
-    trained = pipeline(recipe="smoke", source="s3://corpora/books/", storage_url="s3://corpora/run-a",
-                       overrides=FAST)
+    trained = pipeline(recipe="smoke", source="s3://corpora/books/", storage_url="s3://corpora/run-a", overrides=FAST)
     assert trained.trained is not None and trained.data.raw_files == 4
     # The same data stages with the per-file work on the cluster's two worker processes.
     cfg = resolve("smoke", overrides=FAST + [f"data.task_runner={address}"], source="s3://corpora/books/")
     from distributed import get_task_stream
 
     with get_task_stream(client) as stream:
-        on_dask = with_results(prepare, "s3://corpora/run-b", data_runner(cfg.data.task_runner))(cfg, "s3://corpora/run-b")
+        on_dask = with_results(prepare, "s3://corpora/run-b", data_runner(cfg.data.task_runner))(
+            cfg, "s3://corpora/run-b"
+        )
     assert len({t["worker"] for t in stream.data}) == 2 and len(stream.data) >= 5, stream.data[:3]
     a, b = _objects(s3_env, "run-a/tokens/"), _objects(s3_env, "run-b/tokens/")
     made = {k for k in a if k.endswith((packs.PACK_FILE, packs.COUNTS_FILE))}
@@ -466,8 +575,21 @@ def test_a_stored_copy_changed_in_storage_is_written_again(tmp_path: Path) -> No
     _books(folder, 2)
     root = tmp_path / "storage"
     for source in (book, folder):
-        assert _cli("prepare", "--recipe", "smoke", "--source", str(source), "--storage", str(root), "--set",
-                    "data.split.span_bytes=2048", cwd=tmp_path).returncode == 0
+        assert (
+            _cli(
+                "prepare",
+                "--recipe",
+                "smoke",
+                "--source",
+                str(source),
+                "--storage",
+                str(root),
+                "--set",
+                "data.split.span_bytes=2048",
+                cwd=tmp_path,
+            ).returncode
+            == 0
+        )
     import hashlib
 
     single = root / "raw" / f"{hashlib.sha256(book.read_bytes()).hexdigest()}.txt"
@@ -477,8 +599,18 @@ def test_a_stored_copy_changed_in_storage_is_written_again(tmp_path: Path) -> No
     single.write_bytes(bytes(data))
     many.write_bytes(many.read_bytes()[:-10])  # cut short
     for source in (book, folder):
-        out = _cli("prepare", "--recipe", "smoke", "--source", str(source), "--storage", str(root), "--set",
-                   "data.split.span_bytes=2048", cwd=tmp_path)
+        out = _cli(
+            "prepare",
+            "--recipe",
+            "smoke",
+            "--source",
+            str(source),
+            "--storage",
+            str(root),
+            "--set",
+            "data.split.span_bytes=2048",
+            cwd=tmp_path,
+        )
         assert out.returncode == 0, out.stderr
     assert single.read_bytes() == book.read_bytes() and many.read_bytes() == (folder / "book00.txt").read_bytes()
 
@@ -492,14 +624,19 @@ def test_another_text_field_of_the_same_records_is_another_corpus(tmp_path: Path
     folder = tmp_path / "records"
     folder.mkdir()
     for part in range(2):
-        lines = [json.dumps({"title": f"THE TITLE NUMBER {i}", "body": make_text(200, seed=i, gutenberg=False).lower()})
-                 for i in range(part * 20, part * 20 + 20)]
+        lines = [
+            json.dumps({"title": f"THE TITLE NUMBER {i}", "body": make_text(200, seed=i, gutenberg=False).lower()})
+            for i in range(part * 20, part * 20 + 20)
+        ]
         (folder / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
     root = str(tmp_path / "storage")
     made = {}
     for field in ("body", "title", "body"):
-        cfg = resolve("smoke", overrides=[f"data.text_field={field}", "data.split.span_bytes=64",
-                                          "data.split.val_fraction=0.3"], source=str(folder))
+        cfg = resolve(
+            "smoke",
+            overrides=[f"data.text_field={field}", "data.split.span_bytes=64", "data.split.val_fraction=0.3"],
+            source=str(folder),
+        )
         made.setdefault(field, []).append(with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root))
     body, title = made["body"][0], made["title"][0]
     assert body.raw_sha256 != title.raw_sha256 and body.tokens.key != title.tokens.key

@@ -13,15 +13,22 @@ import numpy as np
 import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
-
 from textdata import make_text
+
 from flows.pipeline import pipeline
 
 pytestmark = pytest.mark.integration
 
-FAST = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "train.batch_size=256",
-        "data.vocab.min_freq=1", "model.n_embd=16", "sample.probes=[war, prince, nosuchword]",
-        "sample.neighbours=3"]
+FAST = [
+    "train.max_steps=60",
+    "train.eval_interval=30",
+    "train.checkpoint_interval=30",
+    "train.batch_size=256",
+    "data.vocab.min_freq=1",
+    "model.n_embd=16",
+    "sample.probes=[war, prince, nosuchword]",
+    "sample.neighbours=3",
+]
 
 
 def _paragraphs(n: int, seed: int = 3) -> str:
@@ -63,8 +70,9 @@ def test_cbow_smoke_trains_evaluates_exports_and_registers_a_model_that_answers(
     # gensim reads the exported vectors; the served model answers with the same neighbours.
     from gensim.models import KeyedVectors
 
-    w2v = mlflow.artifacts.download_artifacts(run_id=r.mlflow_run_id, artifact_path="embeddings/vectors.w2v.txt",
-                                              dst_path=str(tmp_path / "a"))
+    w2v = mlflow.artifacts.download_artifacts(
+        run_id=r.mlflow_run_id, artifact_path="embeddings/vectors.w2v.txt", dst_path=str(tmp_path / "a")
+    )
     kv = KeyedVectors.load_word2vec_format(w2v)
     assert kv.vector_size == 16 and "war" in kv.key_to_index
     model = mlflow.pyfunc.load_model("models:/cbow-smoke@champion", dst_path=str(tmp_path))
@@ -73,19 +81,35 @@ def test_cbow_smoke_trains_evaluates_exports_and_registers_a_model_that_answers(
 
     # The CLI prints neighbours, and names the nearest spelling of a word the vocabulary lacks.
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow.get_tracking_uri())
-    out = prewarmed.run("flows.cli", ["sample", "--model", "cbow-smoke@champion", "--prompt", "war prince", "--neighbours", "3"],
-                        env=env, timeout=300)
+    out = prewarmed.run(
+        "flows.cli",
+        ["sample", "--model", "cbow-smoke@champion", "--prompt", "war prince", "--neighbours", "3"],
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == answer
-    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "prinse"],
-                        env=env, timeout=300)
+    out = prewarmed.run(
+        "flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "prinse"], env=env, timeout=300
+    )
     assert out.returncode == 2 and "'prinse' is not in the vocabulary; did you mean 'prince'?" in out.stderr
     # A prompt is tokenized as the corpus was (basic_english: lower case, ':' dropped).
-    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "War: PRINCE", "--neighbours", "3"],
-                        env=env, timeout=300)
+    out = prewarmed.run(
+        "flows.cli",
+        ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "War: PRINCE", "--neighbours", "3"],
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0 and out.stdout.splitlines()[0] == answer, out.stderr[-2000:]
     # Sampling options of a language model do not apply to neighbours: refused, not ignored.
-    out = prewarmed.run("flows.cli", ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "war", "--method", "top-p", "--top-p", "0.9"],
-                        env=env, timeout=300)
-    assert out.returncode == 2 and ("model answers with nearest neighbours: --method, --top-p do not apply "
-                                    "(--neighbours sets how many)") in out.stderr, out.stderr[-2000:]
+    out = prewarmed.run(
+        "flows.cli",
+        ["sample", "--checkpoint", r.trained.best_checkpoint, "--prompt", "war", "--method", "top-p", "--top-p", "0.9"],
+        env=env,
+        timeout=300,
+    )
+    assert (
+        out.returncode == 2
+        and ("model answers with nearest neighbours: --method, --top-p do not apply (--neighbours sets how many)")
+        in out.stderr
+    ), out.stderr[-2000:]

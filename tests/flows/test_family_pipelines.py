@@ -34,16 +34,21 @@ def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> Non
 
     def key() -> str:
         env = dict(os.environ, PYTHONPATH=str(copy))
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120,
-                             cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path
+        )
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
     before = key()
     assert key() == before  # the same code, the same key
     windows = copy / "mllm" / "lm" / "windows.py"
-    windows.write_text(windows.read_text().replace("return windows(self.ids, self.take() * self.stride, self.window)",
-                                                   "return windows(self.ids, self.stride * self.take(), self.window)"))
+    windows.write_text(
+        windows.read_text().replace(
+            "return windows(self.ids, self.take() * self.stride, self.window)",
+            "return windows(self.ids, self.stride * self.take(), self.window)",
+        )
+    )
     assert key() != before
 
 
@@ -51,9 +56,8 @@ def test_editing_any_mllm_source_changes_the_training_key(tmp_path: Path) -> Non
 
 
 def test_count_rnn_runs_through_the_pipeline_and_its_model_counts(tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
     from commands import cli
+    from mlflow.tracking import MlflowClient
 
     storage = tmp_path / "storage"
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-
 from commands import cli, one_line_error, temporary_server_home
 from textdata import make_text
 
@@ -39,8 +38,14 @@ def test_an_mlflow_server_that_is_down_fails_in_seconds_before_any_stage(corpus,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     started = time.monotonic()
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus),
-              env={**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"})
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        env={**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"},
+    )
     took = time.monotonic() - started
     one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer", "MLFLOW_TRACKING_URI")
     assert "storage unreachable" not in out.stderr  # it blames the right server
@@ -50,19 +55,28 @@ def test_an_mlflow_server_that_is_down_fails_in_seconds_before_any_stage(corpus,
 
 def test_checkpoint_errors_name_the_real_cause(tmp_path, own_stores):
     from textdata import write_char_ids
+
     from mllm.config import RunConfig
     from mllm.train import train
 
     write_char_ids(tmp_path, 600)
-    cfg = RunConfig.model_validate({
-        "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0},
-        "train": {"max_steps": 2, "batch_size": 4, "window": 8, "eval_interval": 2, "eval_batches": 1},
-        "paths": {"train_ids": str(tmp_path / "train.npy"), "val_ids": str(tmp_path / "val.npy"),
-                  "vocab": str(tmp_path / "vocab.json"), "checkpoint_dir": str(tmp_path / "ckpt")}})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0},
+            "train": {"max_steps": 2, "batch_size": 4, "window": 8, "eval_interval": 2, "eval_batches": 1},
+            "paths": {
+                "train_ids": str(tmp_path / "train.npy"),
+                "val_ids": str(tmp_path / "val.npy"),
+                "vocab": str(tmp_path / "vocab.json"),
+                "checkpoint_dir": str(tmp_path / "ckpt"),
+            },
+        }
+    )
     checkpoint = train(cfg).checkpoint
     if not __import__("torch").cuda.is_available():
-        out = prewarmed.run("mllm.sample", ["--checkpoint", checkpoint, "--prompt", "the ", "--device", "cuda"],
-                            timeout=120)
+        out = prewarmed.run(
+            "mllm.sample", ["--checkpoint", checkpoint, "--prompt", "the ", "--device", "cuda"], timeout=120
+        )
         line = one_line_error(out, "no CUDA GPU is visible", "cpu")
         assert "corrupt" not in line
     env, *_ = own_stores
@@ -113,8 +127,11 @@ def test_a_worker_with_other_training_code_refuses_the_job_naming_both_commits()
 def test_runs_from_an_image_record_its_commit_and_reproduce_names_changed_versions(monkeypatch):
     from tasks.tracking import provenance
 
-    monkeypatch.setattr(provenance, "git_info", lambda path=".": {"commit": None, "branch": None, "dirty": None,
-                                                                 "diff": None, "remote": None})
+    monkeypatch.setattr(
+        provenance,
+        "git_info",
+        lambda path=".": {"commit": None, "branch": None, "dirty": None, "diff": None, "remote": None},
+    )
     monkeypatch.setenv("MLLM_GIT_COMMIT", "d" * 40)  # infra/Dockerfile's build argument
     assert provenance.code_git_info()["commit"] == "d" * 40
     tags = {**provenance.versions(), "version.torch": "0.0.1", "git.commit": "x"}
@@ -155,8 +172,19 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stor
     corpus.write_text(make_text().lower())
     # The first checkpoint says training runs; 350 steps after it leave seconds to interrupt it. A
     # checkpoint every 50 steps, not 5: the run that resumes writes 7 rather than 79 (4 s here).
-    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
-            "--set", "train.checkpoint_interval=50", "--set", "train.eval_interval=400"]
+    args = [
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--set",
+        "train.max_steps=400",
+        "--set",
+        "train.checkpoint_interval=50",
+        "--set",
+        "train.eval_interval=400",
+    ]
     proc = _interruptible(args, env)
     _first_checkpoint(storage, proc)
     sent = time.monotonic()
@@ -166,12 +194,19 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stor
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
     assert [line for line in stderr.splitlines() if "error" in line.lower()] == [
         "error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
-        "from them"], stderr[-3000:]
+        "from them"
+    ], stderr[-3000:]
     assert "storage unreachable" not in stderr and "Crash detected" not in stderr
-    assert took < 15, took  # seconds, not the minutes of a client retrying a dead server (docs/cli.md: within 15 s at load 12)
+    assert took < 15, (
+        took
+    )  # seconds, not the minutes of a client retrying a dead server (docs/cli.md: within 15 s at load 12)
     with sqlite3.connect(prefect / "prefect.db") as db:
-        states = dict(db.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
-                                 "WHERE f.name IN ('pipeline', 'train')").fetchall())
+        states = dict(
+            db.execute(
+                "SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
+                "WHERE f.name IN ('pipeline', 'train')"
+            ).fetchall()
+        )
     assert states == {"pipeline": "CANCELLED", "train": "CANCELLED"}
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
@@ -191,9 +226,11 @@ def test_ctrl_c_cancels_the_run_in_seconds_and_the_same_command_resumes(own_stor
     assert samples.read_text().startswith("--- prompt 'he '\nhe ")
     # A prompt the user gives keeps its clear error.
     [checkpoint] = storage.glob("runs/*/checkpoints/best.pt")
-    line = one_line_error(cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=session),
-                          "the prompt has characters that are not in the model's vocabulary: 'T' (its "
-                          "training corpus, normalised as the prompt was, had none of them)")
+    line = one_line_error(
+        cli("sample", "--checkpoint", str(checkpoint), "--prompt", "The ", env=session),
+        "the prompt has characters that are not in the model's vocabulary: 'T' (its "
+        "training corpus, normalised as the prompt was, had none of them)",
+    )
     assert "leave them out of the prompt" in line
 
 
@@ -202,8 +239,20 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback(corpus, own_stores):
     import time
 
     env, _, _, storage = own_stores
-    proc = _interruptible(["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=400",
-                           "--set", "train.checkpoint_interval=5"], env)
+    proc = _interruptible(
+        [
+            "run",
+            "--recipe",
+            "smoke",
+            "--source",
+            str(corpus),
+            "--set",
+            "train.max_steps=400",
+            "--set",
+            "train.checkpoint_interval=5",
+        ],
+        env,
+    )
     _first_checkpoint(storage, proc)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(0.05)
@@ -237,14 +286,21 @@ def test_a_kill_9_to_the_command_ends_its_temporary_prefect_server_too(tmp_path)
         "async def app(scope, receive, send):\n"
         "    if scope['type'] == 'http':\n"
         "        await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
-        "        await send({'type': 'http.response.body', 'body': b'ok'})\n")
+        "        await send({'type': 'http.response.body', 'body': b'ok'})\n"
+    )
     port = free_port()
-    command = ("import sys, time\nfrom flows.cli.temporary_start import _InItsOwnGroup\n"
-               "server = _InItsOwnGroup.Popen(args=[sys.executable, '-m', 'uvicorn', '--app-dir', sys.argv[1], "
-               "'tiny:app', '--port', sys.argv[2], '--log-level', 'error'])\n"
-               "print(server.pid, flush=True)\ntime.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", command, str(tmp_path), str(port)], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    command = (
+        "import sys, time\nfrom flows.cli.temporary_start import _InItsOwnGroup\n"
+        "server = _InItsOwnGroup.Popen(args=[sys.executable, '-m', 'uvicorn', '--app-dir', sys.argv[1], "
+        "'tiny:app', '--port', sys.argv[2], '--log-level', 'error'])\n"
+        "print(server.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", command, str(tmp_path), str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     server = int(proc.stdout.readline())
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
@@ -274,10 +330,16 @@ def test_every_command_that_reads_runs_says_when_nothing_is_tracked_there_and_cr
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     root = tmp_path / "elsewhere" / "storage"
-    for args in (["runs"], ["lineage", "smoke@champion"], ["sample", "--model", "smoke@champion"],
-                 ["reproduce", "0" * 32]):
+    for args in (
+        ["runs"],
+        ["lineage", "smoke@champion"],
+        ["sample", "--model", "smoke@champion"],
+        ["reproduce", "0" * 32],
+    ):
         out = prewarmed.run("flows.cli", [*args, "--storage", str(root)], env=env, cwd=tmp_path, timeout=120)
-        one_line_error(out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist")
+        one_line_error(
+            out, f"the MLflow store {tmp_path / 'elsewhere' / 'mlflow.db'} (beside the storage root) does not exist"
+        )
         assert "INFO" not in out.stderr, out.stderr  # no MLflow lines about creating tables
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "mlflow.db").exists()
 
@@ -291,8 +353,13 @@ def test_every_command_that_reads_the_tracking_server_fails_in_seconds_when_it_i
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     down = {**env, "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}
-    for args in (["runs"], ["runs", "--json"], ["sample", "--model", "smoke@champion"], ["sample", "--run", "0" * 32],
-                 ["reproduce", "0" * 32]):
+    for args in (
+        ["runs"],
+        ["runs", "--json"],
+        ["sample", "--model", "smoke@champion"],
+        ["sample", "--run", "0" * 32],
+        ["reproduce", "0" * 32],
+    ):
         started = time.monotonic()
         out = cli(*args, env=down)
         one_line_error(out, f"MLflow tracking server http://127.0.0.1:{port} does not answer")
@@ -323,8 +390,17 @@ def test_sampling_a_file_that_is_no_checkpoint_is_one_line(what, tmp_path, own_s
     one_line_error(out, needle)
 
 
-CONTENT_CASES = ["empty", "white space", "binary", "latin-1", "utf-16 without bom", "sha256", "damaged gzip",
-                 "tsv without a pair", "cuda device"]
+CONTENT_CASES = [
+    "empty",
+    "white space",
+    "binary",
+    "latin-1",
+    "utf-16 without bom",
+    "sha256",
+    "damaged gzip",
+    "tsv without a pair",
+    "cuda device",
+]
 
 
 @pytest.mark.parametrize("case", CONTENT_CASES)
@@ -362,9 +438,17 @@ def test_a_bad_file_is_one_line_before_prefect_starts(case, own_stores, tmp_path
             pytest.skip("this machine has a CUDA GPU")
         src.write_bytes(text)
         extra = ["--set", "train.device=cuda"]
-    needle = {"empty": "is empty", "white space": "only white space", "binary": "binary", "latin-1": "not UTF-8",
-              "utf-16 without bom": "UTF-16", "sha256": "0" * 64, "damaged gzip": "gzip-compressed",
-              "tsv without a pair": "no valid pair", "cuda device": "no CUDA GPU"}[case]
+    needle = {
+        "empty": "is empty",
+        "white space": "only white space",
+        "binary": "binary",
+        "latin-1": "not UTF-8",
+        "utf-16 without bom": "UTF-16",
+        "sha256": "0" * 64,
+        "damaged gzip": "gzip-compressed",
+        "tsv without a pair": "no valid pair",
+        "cuda device": "no CUDA GPU",
+    }[case]
     out = cli("run", "--recipe", recipe, "--source", str(src), *extra, env=env)
     one_line_error(out, needle)
     # Found before Prefect started: not one of its lines, no database, no stage output.
@@ -385,8 +469,12 @@ def test_a_compressed_source_is_decompressed(own_stores, tmp_path):
 
     env, _, _, storage = own_stores
     text = make_text(400).encode()
-    packers = {"gzip": __import__("gzip").compress, "bzip2": __import__("bz2").compress,
-               "xz": __import__("lzma").compress, "zstd": lambda b: pa.compress(b, codec="zstd", asbytes=True)}
+    packers = {
+        "gzip": __import__("gzip").compress,
+        "bzip2": __import__("bz2").compress,
+        "xz": __import__("lzma").compress,
+        "zstd": lambda b: pa.compress(b, codec="zstd", asbytes=True),
+    }
     for name, pack in packers.items():
         packed = pack(text)
         src = tmp_path / f"corpus.txt.{name}"
@@ -408,8 +496,10 @@ def test_two_runs_of_one_training_at_once_on_a_new_tracking_store_train_it_once(
 
     env, _, _, storage = own_stores
     args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=60", "--force"]
-    procs = [prewarmed.start("flows.cli", args, {**os.environ, **env, "PREFECT_HOME": str(tmp_path / f"prefect-{i}")})
-             for i in range(2)]
+    procs = [
+        prewarmed.start("flows.cli", args, {**os.environ, **env, "PREFECT_HOME": str(tmp_path / f"prefect-{i}")})
+        for i in range(2)
+    ]
     for p, (stdout, stderr) in zip(procs, [p.communicate(timeout=600) for p in procs]):
         assert p.returncode == 0, stderr[-3000:]
         assert "Traceback" not in stderr and "val loss" in stdout
@@ -442,8 +532,17 @@ def test_a_prefect_server_that_does_not_answer_is_named_not_blamed_on_storage(co
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = cli("run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=5",
-              env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}, timeout=300)
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--set",
+        "train.max_steps=5",
+        env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"},
+        timeout=300,
+    )
     one_line_error(out, f"the Prefect server http://127.0.0.1:{port}/api does not answer", "stack up")
     assert "storage unreachable" not in out.stderr
     assert not (storage / "runs").exists()  # nothing trained

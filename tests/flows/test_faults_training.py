@@ -10,7 +10,6 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-
 from commands import cli, one_line_error, temporary_server_home
 
 pytestmark = pytest.mark.integration
@@ -36,9 +35,23 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
     env["PREFECT_API_URL"] = ""
     temporary_server_home(prefect)  # a user's home after their first run: its database exists
     # No periodic checkpoint before the signal: by steps or by minutes, none would come.
-    args = ["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=1500",
-            "--set", "train.checkpoint_interval=1500", "--set", "train.checkpoint_minutes=60",
-            "--set", "train.eval_interval=1500", "--set", "train.log_interval=10"]
+    args = [
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--set",
+        "train.max_steps=1500",
+        "--set",
+        "train.checkpoint_interval=1500",
+        "--set",
+        "train.checkpoint_minutes=60",
+        "--set",
+        "train.eval_interval=1500",
+        "--set",
+        "train.log_interval=10",
+    ]
     proc = prewarmed.start("flows.cli", args, {**os.environ, "COLUMNS": "200", **env}, new_session=True)
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     deadline = time.monotonic() + 300
@@ -55,12 +68,17 @@ def test_sigterm_to_a_training_loses_no_step_since_the_last_one_logged(corpus, o
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
     assert [line for line in stderr.splitlines() if "error" in line.lower() or "Crash" in line] == [
         "error: interrupted: finished stages and the last checkpoint are kept; run the same command to continue "
-        "from them"], stderr[-3000:]
+        "from them"
+    ], stderr[-3000:]
     assert "websocket" not in stderr.lower() and "does not answer" not in stderr, stderr[-3000:]
     assert took < 10, took
     with sqlite3.connect(prefect / "prefect.db") as db:
-        states = dict(db.execute("SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
-                                 "WHERE f.name IN ('pipeline', 'train')").fetchall())
+        states = dict(
+            db.execute(
+                "SELECT f.name, r.state_type FROM flow_run r JOIN flow f ON f.id = r.flow_id "
+                "WHERE f.name IN ('pipeline', 'train')"
+            ).fetchall()
+        )
     assert states == {"pipeline": "CANCELLED", "train": "CANCELLED"}
     [ckpt] = storage.glob("runs/*/checkpoints/last.pt")
     import torch
@@ -123,8 +141,20 @@ def test_a_tracking_server_killed_mid_training_and_back_gets_every_metric(corpus
         standby.wait_ready()
         MlflowClient(standby.url).search_experiments()
         env = {**env, "MLLM_METRICS_RETRY_S": "1"}
-        proc = _start_training(["run", "--recipe", "smoke", "--source", str(corpus), "--set", "train.max_steps=3000",
-                                "--set", "train.log_interval=10"], env)
+        proc = _start_training(
+            [
+                "run",
+                "--recipe",
+                "smoke",
+                "--source",
+                str(corpus),
+                "--set",
+                "train.max_steps=3000",
+                "--set",
+                "train.log_interval=10",
+            ],
+            env,
+        )
         _wait_for_logged_step(client, proc, 100)
         killed = _kill(server)
         # Back once the training has met the dead server (its next metric request, within 2 s).
@@ -140,7 +170,9 @@ def test_a_tracking_server_killed_mid_training_and_back_gets_every_metric(corpus
         print(f"killed at step >= 100; command finished normally {took:.1f} s after the kill")
         assert "Traceback" not in stderr and "Retrying" not in stderr and "storage unreachable" not in stderr
         assert stderr.count(f"the MLflow tracking server {proxy.url} stopped answering at step") == 1, stderr[-3000:]
-        assert "answers again: sent the metrics held since step" in stderr, [l for l in stderr.splitlines() if "MLflow" in l]
+        assert "answers again: sent the metrics held since step" in stderr, [
+            line for line in stderr.splitlines() if "MLflow" in line
+        ]
         client = MlflowClient(standby.url)
         [run] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id])
         assert run.info.status == "FINISHED" and run.data.tags["decision"] == "promoted"
@@ -170,9 +202,12 @@ def test_a_tracking_server_that_stays_away_ends_the_run_in_one_line_and_is_told_
         stdout, stderr = proc.communicate(timeout=600)
         took = time.monotonic() - killed
         print(f"the command's outcome {took:.1f} s after the kill")
-        line = one_line_error(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr),
-                              f"the MLflow tracking server {proxy.url} stopped answering during the run",
-                              "the training is finished and kept in", "run the same command")
+        line = one_line_error(
+            subprocess.CompletedProcess(args, proc.returncode, stdout, stderr),
+            f"the MLflow tracking server {proxy.url} stopped answering during the run",
+            "the training is finished and kept in",
+            "run the same command",
+        )
         assert "storage unreachable" not in stderr and "Retrying" not in stderr
         assert json_steps(storage) == 800, line  # the training went on to its end
         assert took < 120, took
@@ -215,8 +250,9 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_empty_folder(corpus, own_stores,
-                                                                                          small_disk):
+def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_empty_folder(
+    corpus, own_stores, small_disk
+):
     import shutil
 
     env, _, _, _ = own_stores
@@ -237,8 +273,9 @@ def test_a_full_disk_is_one_line_naming_the_storage_root_with_no_retry_and_no_em
     assert again.returncode == 0 and "promoted to champion" in again.stdout, again.stderr[-3000:]
 
 
-def test_sibling_storage_roots_share_the_default_store_and_a_copy_of_the_text_keeps_the_champion(corpus, own_stores,
-                                                                                               tmp_path):
+def test_sibling_storage_roots_share_the_default_store_and_a_copy_of_the_text_keeps_the_champion(
+    corpus, own_stores, tmp_path
+):
     from mlflow.tracking import MlflowClient
 
     env, *_ = own_stores
@@ -276,25 +313,34 @@ def test_sibling_storage_roots_share_the_default_store_and_a_copy_of_the_text_ke
 def test_a_checkpoint_this_mllm_cannot_read_says_why_in_one_line(case, own_stores, tmp_path):
 
     import torch
-
     from textdata import write_char_ids
+
     from mllm.config import RunConfig
     from mllm.train import train
 
     env, *_ = own_stores
     write_char_ids(tmp_path, 300)
-    cfg = RunConfig.model_validate({
-        "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1},
-        "train": {"batch_size": 4, "window": 8, "max_steps": 2, "eval_interval": 2, "eval_batches": 1},
-        "paths": {"train_ids": str(tmp_path / "train.npy"), "val_ids": str(tmp_path / "val.npy"),
-                  "vocab": str(tmp_path / "vocab.json"), "checkpoint_dir": str(tmp_path / "ck")}})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1},
+            "train": {"batch_size": 4, "window": 8, "max_steps": 2, "eval_interval": 2, "eval_batches": 1},
+            "paths": {
+                "train_ids": str(tmp_path / "train.npy"),
+                "val_ids": str(tmp_path / "val.npy"),
+                "vocab": str(tmp_path / "vocab.json"),
+                "checkpoint_dir": str(tmp_path / "ck"),
+            },
+        }
+    )
     path = Path(train(cfg).checkpoint)
     state = torch.load(path, weights_only=True)
     assert state["format"] == 1  # every checkpoint says its format
-    needle = {"newer format": "was written by a newer mllm (checkpoint format 2; this one reads formats up to 1): "
-                              "upgrade mllm-pipeline",
-              "config field": "has a config this mllm cannot read: model.n_layer:",
-              "empty file": "is empty (0 bytes)"}[case]
+    needle = {
+        "newer format": "was written by a newer mllm (checkpoint format 2; this one reads formats up to 1): "
+        "upgrade mllm-pipeline",
+        "config field": "has a config this mllm cannot read: model.n_layer:",
+        "empty file": "is empty (0 bytes)",
+    }[case]
     if case == "newer format":
         torch.save({**state, "format": 2}, path)
     elif case == "config field":
@@ -311,14 +357,26 @@ def test_a_missing_extra_is_named_with_its_brackets_and_recipes_say_which_need_o
     env, *_ = own_stores
     listed = cli("recipes", env=env).stdout
     assert [line.split()[0] for line in listed.splitlines() if "mllm-pipeline[embeddings]" in line] == [
-        "cbow", "cbow-smoke"]
+        "cbow",
+        "cbow-smoke",
+    ]
     assert {line.split()[0] for line in listed.splitlines() if "mllm-pipeline[seq2seq]" in line} >= {"seq2seq-smoke"}
     # An environment without gensim: a module that is not there, first on the path.
     (tmp_path / "missing").mkdir()
-    (tmp_path / "missing" / "gensim.py").write_text('raise ModuleNotFoundError("No module named gensim", name="gensim")\n')
+    (tmp_path / "missing" / "gensim.py").write_text(
+        'raise ModuleNotFoundError("No module named gensim", name="gensim")\n'
+    )
     path = os.pathsep.join([str(tmp_path / "missing"), os.environ.get("PYTHONPATH", "")])
-    out = cli("run", "--recipe", "cbow-smoke", "--source", str(corpus), "--set", "train.max_steps=5",
-              env={**env, "PYTHONPATH": path})
+    out = cli(
+        "run",
+        "--recipe",
+        "cbow-smoke",
+        "--source",
+        str(corpus),
+        "--set",
+        "train.max_steps=5",
+        env={**env, "PYTHONPATH": path},
+    )
     one_line_error(out, "pip install 'mllm-pipeline[embeddings]'")
 
 
@@ -345,8 +403,14 @@ def test_a_symbolic_link_loop_is_called_one(form, own_stores, tmp_path):
 def test_the_readme_synopsis_names_options_that_exist(own_stores):
     env, *_ = own_stores
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    synopsis = readme[readme.index("## The CLI"):readme.index("```", readme.index("## The CLI") + 20)]
-    for command, option in [(("run",), "--tag"), (("run",), "--force"), (("sample",), "--storage"),
-                            (("schedule",), "--timezone"), (("stack", "up"), "--pool"), (("stack", "up"), "--storage")]:
+    synopsis = readme[readme.index("## The CLI") : readme.index("```", readme.index("## The CLI") + 20)]
+    for command, option in [
+        (("run",), "--tag"),
+        (("run",), "--force"),
+        (("sample",), "--storage"),
+        (("schedule",), "--timezone"),
+        (("stack", "up"), "--pool"),
+        (("stack", "up"), "--storage"),
+    ]:
         assert option in synopsis, option
         assert option in cli(*command, "--help", env=env).stdout, (command, option)

@@ -32,10 +32,18 @@ def test_trainings_side_by_side_each_see_gpus_of_their_own(worker) -> None:
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ",".join(b)
         assert a == ["4"] and b == ["5", "6"]
         # A training in another process (the worker's next flow run) sees the one left, in its environment.
-        code = ("from flows import gpus; import os\n"
-                "with gpus.own_devices(1, 'auto'): print(os.environ['CUDA_VISIBLE_DEVICES'])")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        code = (
+            "from flows import gpus; import os\n"
+            "with gpus.own_devices(1, 'auto'): print(os.environ['CUDA_VISIBLE_DEVICES'])"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=120,
+        )
         assert out.stdout.strip() == "7", out.stderr
     assert "CUDA_VISIBLE_DEVICES" not in os.environ  # given back as it was
     with gpus.own_devices(1, "auto") as again:

@@ -14,9 +14,8 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 import commands
+import pytest
 from commands import PASSWORD, TOKEN, cli, files_holding
 from textdata import make_text
 
@@ -62,8 +61,12 @@ def _upstream(events: list) -> dict[str, set[str]]:
     return {e.resource.id: {r.id for r in e.related if r.role == "asset"} for e in events if e.event == MATERIALIZED}
 
 
-def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_auth_server, own_stores, prefect_api,  # noqa: F811
-                                                                        tmp_path):
+def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(
+    basic_auth_server,
+    own_stores,
+    prefect_api,
+    tmp_path,
+):
     folder, port = basic_auth_server
     (folder / "corpus.txt").write_text(make_text(3000, seed=1))
     other = tmp_path / "other.txt"
@@ -75,14 +78,17 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     # The first corpus is downloaded with a password in its URL and the run has a secret tag:
     # neither may reach the terminal, storage, MLflow or Prefect (checked below).
     secret_source = f"http://reader:{PASSWORD}@127.0.0.1:{port}/corpus.txt"
-    runs = [cli("run", "--recipe", "smoke", "--source", source, "--set", "train.max_steps=10", *tag, env=env)
-            for source, tag in ((secret_source, ("--tag", f"token={TOKEN}")), (str(other), ()))]
+    runs = [
+        cli("run", "--recipe", "smoke", "--source", source, "--set", "train.max_steps=10", *tag, env=env)
+        for source, tag in ((secret_source, ("--tag", f"token={TOKEN}")), (str(other), ()))
+    ]
     for out in runs:
         assert out.returncode == 0, out.stderr[-3000:]
         assert "val loss" in out.stdout
     # A bad URL with credentials: the error line names the URL, not the password.
-    bad = cli("prepare", "--recipe", "smoke", "--source", f"https://reader:{PASSWORD}@127.0.0.1:{port}/nope.txt",
-              env=env)
+    bad = cli(
+        "prepare", "--recipe", "smoke", "--source", f"https://reader:{PASSWORD}@127.0.0.1:{port}/nope.txt", env=env
+    )
     assert bad.returncode == 2 and "error:" in bad.stderr
 
     out = cli("lineage", "smoke/1", env=env)
@@ -100,9 +106,17 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     assert (storage / "raw" / f"{corpus['sha256']}.txt").is_file()
     assert corpus["source"] == f"http://127.0.0.1:{port}/corpus.txt"
     assert corpus["bytes"] == len((folder / "corpus.txt").read_bytes())
-    for needle in (corpus["sha256"], corpus["source"], chain["run"]["run_id"], chain["split"]["key"],
-                   chain["training"]["key"], chain["training"]["config_digest"], chain["training"]["code_digest"],
-                   chain["vocabulary"]["digest"], chain["tokens"]["key"]):
+    for needle in (
+        corpus["sha256"],
+        corpus["source"],
+        chain["run"]["run_id"],
+        chain["split"]["key"],
+        chain["training"]["key"],
+        chain["training"]["config_digest"],
+        chain["training"]["code_digest"],
+        chain["vocabulary"]["digest"],
+        chain["tokens"]["key"],
+    ):
         assert needle in text, needle
     # The training key is shown in clear (a digest, not a secret) and names the run's folder.
     assert (storage / "runs" / chain["training"]["key"]).is_dir()
@@ -205,15 +219,17 @@ def test_lineage_follows_a_model_to_its_corpus_and_reports_broken_links(basic_au
     assert changed["prefect"]["status"] == "missing"
 
 
-def test_lineage_refuses_what_names_no_model_in_one_line(own_stores):  # noqa: F811
+def test_lineage_refuses_what_names_no_model_in_one_line(own_stores):
     env = own_stores[0]
     from mlflow.tracking import MlflowClient
 
     MlflowClient(env["MLFLOW_TRACKING_URI"]).search_experiments()  # a store, with no model in it
-    for args, needle in ((["lineage", "smoke@champion"], "no model 'smoke' with alias 'champion'"),
-                         (["lineage", "not-a-run"], "neither MODEL@ALIAS"),
-                         (["lineage", "--corpus", "xyz"], "no sha256 prefix"),
-                         (["lineage"], "give a model")):
+    for args, needle in (
+        (["lineage", "smoke@champion"], "no model 'smoke' with alias 'champion'"),
+        (["lineage", "not-a-run"], "neither MODEL@ALIAS"),
+        (["lineage", "--corpus", "xyz"], "no sha256 prefix"),
+        (["lineage"], "give a model"),
+    ):
         out = cli(*args, env=env, timeout=120)
         assert out.returncode == 2, (args, out.stdout, out.stderr[-2000:])
         assert "Traceback" not in out.stderr

@@ -6,22 +6,27 @@ import json
 from pathlib import Path
 
 import numpy as np
+import prewarmed
 import pyarrow as pa
 import pyarrow.parquet as pq
-import prewarmed
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
 from prefect.client.schemas.sorting import TaskRunSort
-
 from textdata import make_text
+
 from flows.pipeline import pipeline
 from mllm.data.vocab import Vocab
 
 pytestmark = pytest.mark.integration
 
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+]
 
 
 def _run(source: Path, root: Path, extra: list[str] = ()):
@@ -30,8 +35,11 @@ def _run(source: Path, root: Path, extra: list[str] = ()):
 
 def _task_states(name: str) -> list[str]:
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)),
-                                     sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=50)
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+            limit=50,
+        )
     return [r.state.name for r in runs if r.state]
 
 
@@ -70,8 +78,11 @@ def test_pipeline_writes_every_stage_and_a_usable_checkpoint(corpus: Path, tmp_p
     assert r.evaluation.tokens == len(val) - 1 or r.evaluation.tokens == len(val)
     assert (Path(r.trained.run_dir) / "samples" / "greedy.txt").is_file()
 
-    out = prewarmed.run("mllm.sample", ["--checkpoint", r.trained.checkpoint, "--prompt", "The ", "--max-new-tokens", "30", "--method", "top-p"],
-                        timeout=120)
+    out = prewarmed.run(
+        "mllm.sample",
+        ["--checkpoint", r.trained.checkpoint, "--prompt", "The ", "--max-new-tokens", "30", "--method", "top-p"],
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout.removesuffix("\n")
     assert text.startswith("The ") and len(text) == 4 + 30  # one character per new token
@@ -93,8 +104,9 @@ def test_second_run_reuses_every_data_stage_and_skips_training(corpus: Path, tmp
     assert f"since champion v{first.champion.version}" in second.reason
     # Forced, training finds its finished checkpoint and does not train again, as the skip's
     # reason says (and `--force`'s help); the model is the champion's equal, so the champion stays.
-    assert second.reason.endswith("--force evaluates, registers and judges it again, reusing that training "
-                                  "(another --storage trains anew)")
+    assert second.reason.endswith(
+        "--force evaluates, registers and judges it again, reusing that training (another --storage trains anew)"
+    )
     third = pipeline(recipe="smoke", source=str(corpus), storage_url=str(root), overrides=FAST, force=True)
     assert third.trained.resumed_from_step == first.trained.steps
     assert third.decision == "kept" and _task_states("evaluate")[0] == "Cached"
@@ -115,8 +127,16 @@ def test_runs_with_other_inputs_never_share_outputs(corpus: Path, tmp_path: Path
 
 
 def test_test_split_and_word_tokenizer(corpus: Path, tmp_path: Path) -> None:
-    r = _run(corpus, tmp_path / "storage", ["data.tokenizer.kind=word", "data.split.test_fraction=0.1",
-                                            "data.split.contiguous=false", "data.split.shuffle_chunk=64"])
+    r = _run(
+        corpus,
+        tmp_path / "storage",
+        [
+            "data.tokenizer.kind=word",
+            "data.split.test_fraction=0.1",
+            "data.split.contiguous=false",
+            "data.split.shuffle_chunk=64",
+        ],
+    )
     s = r.data.splits
     n = r.data.tokens.n_tokens
     assert s.test is not None
@@ -153,7 +173,9 @@ def test_changed_data_trains_a_challenger_judged_on_the_same_split(corpus: Path,
     assert (second.decision == "promoted") == (second.evaluation.score < score.value)
     client = MlflowClient()
     champion = client.get_model_version_by_alias("smoke", "champion")
-    assert str(champion.version) == (second.champion.version if second.decision == "promoted" else first.champion.version)
+    assert str(champion.version) == (
+        second.champion.version if second.decision == "promoted" else first.champion.version
+    )
     tags = client.get_run(second.mlflow_run_id).data.tags
     assert tags["decision"] == second.decision and "both on this run's validation split" in tags["decision.reason"]
     # Once more on the same text: that model exists, champion or not; nothing to train.

@@ -13,8 +13,8 @@ import mlflow.pyfunc
 import prewarmed
 import pytest
 from mlflow.tracking import MlflowClient
-
 from textdata import make_text
+
 from flows.pipeline import pipeline, summary
 from mllm.resolve import resolve
 from tasks.tracking.tracker import flatten
@@ -22,8 +22,13 @@ from tasks.tracking.tracker import flatten
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+]
 
 
 def git(path: Path, *args: str) -> str:
@@ -31,8 +36,12 @@ def git(path: Path, *args: str) -> str:
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Path, tmp_path: Path,  # noqa: F811
-                                                     monkeypatch) -> None:
+def test_pipeline_run_is_recorded_in_mlflow_over_http(
+    mlflow_server,
+    corpus: Path,
+    tmp_path: Path,
+    monkeypatch,
+) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     secret = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
@@ -74,12 +83,23 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     assert tags["data.raw_sha256"] == r.data.raw_sha256
 
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)} | {
-        a.path for a in client.list_artifacts(run.info.run_id, "samples")}
-    assert {"config.yaml", "vocab.json", "evaluation.md", "loss_curve.png", "samples/greedy.txt",
-            "samples/top-k.txt", "samples/prompts.json"} <= artifacts
+        a.path for a in client.list_artifacts(run.info.run_id, "samples")
+    }
+    assert {
+        "config.yaml",
+        "vocab.json",
+        "evaluation.md",
+        "loss_curve.png",
+        "samples/greedy.txt",
+        "samples/top-k.txt",
+        "samples/prompts.json",
+    } <= artifacts
     for path in artifacts - {"loss_curve.png", "samples"}:
-        text = Path(mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path=path,
-                                                        dst_path=str(tmp_path / "a"), tracking_uri=mlflow_server.url)).read_text()
+        text = Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run.info.run_id, artifact_path=path, dst_path=str(tmp_path / "a"), tracking_uri=mlflow_server.url
+            )
+        ).read_text()
         assert secret not in text
     assert secret not in json.dumps([run.data.params, tags])
 
@@ -94,8 +114,12 @@ def test_pipeline_run_is_recorded_in_mlflow_over_http(mlflow_server, corpus: Pat
     temporary.mkdir()
     env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server.url, TMPDIR=str(temporary))
     for how in (["--model", "smoke@champion"], ["--run", r.mlflow_run_id]):
-        out = prewarmed.run("flows.cli", ["sample", *how, "--prompt", "The ", "--method", "greedy", "--max-new-tokens", "15"],
-                            env=env, timeout=300)
+        out = prewarmed.run(
+            "flows.cli",
+            ["sample", *how, "--prompt", "The ", "--method", "greedy", "--max-new-tokens", "15"],
+            env=env,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.rstrip("\n") == text
         assert not list(temporary.iterdir()), list(temporary.iterdir())
@@ -122,7 +146,8 @@ def _scratch_repo(tmp_path: Path) -> Path:
 
 
 def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_training_it_reused_registers_nothing(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from servers import run_s3_server
 
     repo = _scratch_repo(tmp_path)
@@ -132,8 +157,13 @@ def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_tra
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with run_s3_server(tmp_path / "s3") as s3:
         s3.client().create_bucket(Bucket="runs")
-        env = dict(os.environ, **s3.env, PYTHONPATH=str(repo), MLFLOW_TRACKING_URI=tracking,
-                   PREFECT_HOME=str(tmp_path / "prefect"))
+        env = dict(
+            os.environ,
+            **s3.env,
+            PYTHONPATH=str(repo),
+            MLFLOW_TRACKING_URI=tracking,
+            PREFECT_HOME=str(tmp_path / "prefect"),
+        )
 
         def cli(*args: str) -> subprocess.CompletedProcess:
             return prewarmed.run("flows.cli", [*args, "--storage", "s3://runs/r"], env, repo, 600)
@@ -158,8 +188,10 @@ def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_tra
         client = MlflowClient(tracking)
 
         def registry() -> list[tuple[str, list[str]]]:
-            return sorted((str(v.version), sorted(client.get_model_version("smoke", v.version).aliases))
-                          for v in client.search_model_versions("name = 'smoke'"))
+            return sorted(
+                (str(v.version), sorted(client.get_model_version("smoke", v.version).aliases))
+                for v in client.search_model_versions("name = 'smoke'")
+            )
 
         before = registry()
         assert before == [("1", ["champion"])]
@@ -167,22 +199,29 @@ def test_reproducing_a_skipped_run_on_s3_reruns_its_commit_compares_with_the_tra
         assert out.returncode == 0, out.stderr[-3000:]
         assert registry() == before  # no version registered, no alias moved
         lines = out.stdout.splitlines()  # the reproduction's own output, then the comparison
-        lines = lines[next(i for i, line in enumerate(lines) if line.startswith("reproduced ")):]
+        lines = lines[next(i for i, line in enumerate(lines) if line.startswith("reproduced ")) :]
         assert "(registered nothing)" in lines[0]
-        assert any(line == "model: not registered (reproduces run " + skipped["run_id"]
-                   + ": registered nothing, no alias moved)" for line in out.stdout.splitlines())
+        assert any(
+            line
+            == "model: not registered (reproduces run " + skipped["run_id"] + ": registered nothing, no alias moved)"
+            for line in out.stdout.splitlines()
+        )
         assert f"compared with run {trained['run_id']}" in lines[1]
         row = next(line.split() for line in lines if line.startswith("final_val_loss"))
         assert row[1] != "-" and float(row[3]) < 1e-6  # the training it reused, matched
 
-        [new] = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                                   filter_string=f"tags.reproduces = '{skipped['run_id']}'")
+        [new] = client.search_runs(
+            [client.get_experiment_by_name("smoke").experiment_id],
+            filter_string=f"tags.reproduces = '{skipped['run_id']}'",
+        )
         assert new.data.tags["decision"] == "reproduction" and "model_version" not in new.data.tags
         assert new.data.tags["storage.root"].startswith("s3://runs/r/reproductions/")
         assert new.data.tags["git.commit"] == first
         old = client.get_run(trained["run_id"])
         # It trains in the precision the original ran in, whatever `auto` would pick today.
-        assert new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
+        assert (
+            new.data.params["train.dtype"] == old.data.params["train.dtype_used"] == new.data.params["train.dtype_used"]
+        )
         # And eager as it ran (a short run: `auto` did not compile), whatever `auto` would decide today.
         assert old.data.params["train.compile_used"] == "False" and new.data.params["train.compile"].lower() == "false"
         assert new.data.metrics["final_val_loss"] == pytest.approx(old.data.metrics["final_val_loss"], abs=1e-6)

@@ -21,7 +21,9 @@ def test_a_relative_source_resolves_to_an_absolute_path_and_a_url_stays(tmp_path
     # keyed by content digests, and the training's) is the same.
     assert resolve("smoke", source="book.txt") == resolve("smoke", source=str(tmp_path / "data" / "book.txt"))
     assert resolve("smoke", source=["../data/*.txt", "s3://b/x.txt"]).data.source == [
-        str(tmp_path / "data" / "*.txt"), "s3://b/x.txt"]
+        str(tmp_path / "data" / "*.txt"),
+        "s3://b/x.txt",
+    ]
     assert resolve("smoke", overrides=["data.source=./book.txt"]).data.source == str(tmp_path / "data" / "book.txt")
 
 
@@ -33,6 +35,9 @@ def test_an_older_run_with_a_relative_source_is_reproduced_from_its_absolute_tag
     recorded_source(absolute, {"data.source": "/elsewhere.txt"}, "r1")
     assert absolute["data"]["source"] == "/x/book.txt"  # recorded absolute: as it is
     folder = {"data": {"source": ["books/", "s3://b/more/"]}}
-    with pytest.raises(UserError, match=r"relative to the folder it ran in \(books/, s3://b/more/\).*"
-                                        r"--set data.sha256=abc"):
+    with pytest.raises(
+        UserError,
+        match=r"relative to the folder it ran in \(books/, s3://b/more/\).*"
+        r"--set data.sha256=abc",
+    ):
         recorded_source(folder, {"data.source": "books/ and 1 more", "data.raw_sha256": "abc"}, "r1")

@@ -20,8 +20,14 @@ from flows.search.space import check_space, parse_space
 from mllm import UserError
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["train.max_steps=40", "train.eval_interval=10", "train.checkpoint_interval=10", "train.log_interval=10",
-        "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+FAST = [
+    "train.max_steps=40",
+    "train.eval_interval=10",
+    "train.checkpoint_interval=10",
+    "train.log_interval=10",
+    "sample.max_new_tokens=10",
+    "sample.methods=[greedy]",
+]
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -34,9 +40,17 @@ def _sets(overrides: list[str]) -> list[str]:
 
 # --- the space -----------------------------------------------------------------------------
 
+
 def test_space_specs_are_lists_and_ranges() -> None:
-    space = parse_space(["model.n_layer=1, 2,3", "train.lr=log:1e-4..1e-2", "model.hidden_size=int:16..64",
-                         "train.dropout=0..0.5", "sample.methods=[greedy],[top-p, greedy]"])
+    space = parse_space(
+        [
+            "model.n_layer=1, 2,3",
+            "train.lr=log:1e-4..1e-2",
+            "model.hidden_size=int:16..64",
+            "train.dropout=0..0.5",
+            "sample.methods=[greedy],[top-p, greedy]",
+        ]
+    )
     assert space["model.n_layer"].choices == ("1", "2", "3")
     lr = space["train.lr"]
     assert (lr.low, lr.high, lr.log, lr.integer) == (1e-4, 1e-2, True, False)
@@ -49,30 +63,36 @@ def test_space_specs_are_lists_and_ranges() -> None:
     assert base.recipe == "smoke"
 
 
-@pytest.mark.parametrize("items, needle", [
-    ([], "give at least one --space"),
-    (["train.lr"], "malformed --space"),
-    (["train.lr=1e-2..1e-4"], "the low end 1e-2 is not below the high end 1e-4"),
-    (["train.lr=1e-3..1e-3"], "not below"),
-    (["train.lr=log:0..1e-2"], "a log: range needs both ends above 0"),
-    (["train.lr=log:-1..1"], "above 0"),
-    (["model.hidden_size=int:16..6.5e1"], "must be integers"),
-    (["train.lr=cube:1..2"], "unknown range kind 'cube'"),
-    (["train.lr=1e-3,,2e-3"], "empty value"),
-    (["train.lr=1e-3,1e-3"], "twice"),
-    (["train.lr=1e-3", "train.lr=2e-3"], "given twice"),
-])
+@pytest.mark.parametrize(
+    "items, needle",
+    [
+        ([], "give at least one --space"),
+        (["train.lr"], "malformed --space"),
+        (["train.lr=1e-2..1e-4"], "the low end 1e-2 is not below the high end 1e-4"),
+        (["train.lr=1e-3..1e-3"], "not below"),
+        (["train.lr=log:0..1e-2"], "a log: range needs both ends above 0"),
+        (["train.lr=log:-1..1"], "above 0"),
+        (["model.hidden_size=int:16..6.5e1"], "must be integers"),
+        (["train.lr=cube:1..2"], "unknown range kind 'cube'"),
+        (["train.lr=1e-3,,2e-3"], "empty value"),
+        (["train.lr=1e-3,1e-3"], "twice"),
+        (["train.lr=1e-3", "train.lr=2e-3"], "given twice"),
+    ],
+)
 def test_malformed_spaces_are_refused(items: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         parse_space(items)
 
 
-@pytest.mark.parametrize("items, sets, needle", [
-    (["train.bogus=1,2"], [], "train.bogus: unknown field"),
-    (["model.block_size=8,16"], [], "model.block_size: a field of the gpt family"),
-    (["train.lr=1e-3,fast"], [], "--space train.lr=1e-3,fast: recipe smoke with --set: train.lr"),
-    (["train.lr=1e-4..1e-2"], ["train.lr=1e-3"], "in both --set and --space"),
-])
+@pytest.mark.parametrize(
+    "items, sets, needle",
+    [
+        (["train.bogus=1,2"], [], "train.bogus: unknown field"),
+        (["model.block_size=8,16"], [], "model.block_size: a field of the gpt family"),
+        (["train.lr=1e-3,fast"], [], "--space train.lr=1e-3,fast: recipe smoke with --set: train.lr"),
+        (["train.lr=1e-4..1e-2"], ["train.lr=1e-3"], "in both --set and --space"),
+    ],
+)
 def test_spaces_that_do_not_fit_the_recipe_are_refused(items: list[str], sets: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         check_space("smoke", parse_space(items), sets)
@@ -80,20 +100,36 @@ def test_spaces_that_do_not_fit_the_recipe_are_refused(items: list[str], sets: l
 
 # --- the training loop's hook --------------------------------------------------------------
 
+
 def test_training_stops_where_its_eval_hook_says_with_its_checkpoint_written(tmp_path: Path) -> None:
     from textdata import write_char_ids
 
-    from mllm.runtime.checkpoint import read_checkpoint
     from mllm.config import RunConfig
+    from mllm.runtime.checkpoint import read_checkpoint
     from mllm.train import train
 
     write_char_ids(tmp_path, 600)
-    cfg = RunConfig.model_validate({
-        "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1},
-        "train": {"batch_size": 8, "window": 16, "max_steps": 40, "log_interval": 5, "eval_interval": 5,
-                  "eval_batches": 2, "checkpoint_interval": 100, "lr": 3e-3},
-        "paths": {"train_ids": str(tmp_path / "train.npy"), "val_ids": str(tmp_path / "val.npy"),
-                  "vocab": str(tmp_path / "vocab.json"), "checkpoint_dir": str(tmp_path / "ckpt")}})
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1},
+            "train": {
+                "batch_size": 8,
+                "window": 16,
+                "max_steps": 40,
+                "log_interval": 5,
+                "eval_interval": 5,
+                "eval_batches": 2,
+                "checkpoint_interval": 100,
+                "lr": 3e-3,
+            },
+            "paths": {
+                "train_ids": str(tmp_path / "train.npy"),
+                "val_ids": str(tmp_path / "val.npy"),
+                "vocab": str(tmp_path / "vocab.json"),
+                "checkpoint_dir": str(tmp_path / "ckpt"),
+            },
+        }
+    )
     asked: list[tuple[int, float]] = []
 
     def hook(step: int, val_loss: float) -> bool:
@@ -114,6 +150,7 @@ def test_training_stops_where_its_eval_hook_says_with_its_checkpoint_written(tmp
 
 # --- bad input at the command line ---------------------------------------------------------
 
+
 def _make_study(path: Path, name: str, space: str, recipe: str) -> None:
     import optuna
 
@@ -122,16 +159,20 @@ def _make_study(path: Path, name: str, space: str, recipe: str) -> None:
     st.set_user_attr("recipe", recipe)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--space", "train.nonsense=1,2"], "train.nonsense: unknown field"),
-    (["--space", "train.lr=1e-2..1e-4"], "the low end 1e-2 is not below the high end 1e-4"),
-    (["--space", "train.lr=log:0..1e-2"], "a log: range needs both ends above 0"),
-    (["--space", "train.lr=1e-4..1e-2", "--trials", "0"], "--trials 0: give at least 1"),
-    (["--space", "train.lr=1e-4..1e-2", "--study", "mine"], "study mine in"),
-    (["--space", "train.lr=1e-4..1e-2", "--model", "a/b"], "--model 'a/b' is not a model name"),
-])
-def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
-                                                               tmp_path: Path, empty_mlflow_store: bytes) -> None:
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--space", "train.nonsense=1,2"], "train.nonsense: unknown field"),
+        (["--space", "train.lr=1e-2..1e-4"], "the low end 1e-2 is not below the high end 1e-4"),
+        (["--space", "train.lr=log:0..1e-2"], "a log: range needs both ends above 0"),
+        (["--space", "train.lr=1e-4..1e-2", "--trials", "0"], "--trials 0: give at least 1"),
+        (["--space", "train.lr=1e-4..1e-2", "--study", "mine"], "study mine in"),
+        (["--space", "train.lr=1e-4..1e-2", "--model", "a/b"], "--model 'a/b' is not a model name"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(
+    args: list[str], needle: str, corpus: Path, tmp_path: Path, empty_mlflow_store: bytes
+) -> None:
     root = tmp_path / "storage"
     if "mine" in args:  # a study of that name searching another space
         _make_study(tmp_path / "optuna.db", "mine", "model.n_layer=1,2", "smoke")
@@ -149,6 +190,7 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], 
 
 # --- real searches -------------------------------------------------------------------------
 
+
 def _runs(client, parent_id: str) -> dict[str, object]:
     experiment = client.get_run(parent_id).info.experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent_id}'")
@@ -156,17 +198,26 @@ def _runs(client, parent_id: str) -> dict[str, object]:
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains(corpus: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains(corpus: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
     from flows.search.flow import search
 
     root = tmp_path / "storage"
     # A fixed study name: the sampler's seed follows it, so the learning rates drawn are the same each time.
-    result = search(recipe="smoke", space=["train.lr=log:1e-5..3e-2"], trials_n=5, sampler="random",
-                    pruner="median", study="prune-test", source=str(corpus), storage_url=str(root),
-                    overrides=FAST, startup_trials=1, model="prune-test-model")
+    result = search(
+        recipe="smoke",
+        space=["train.lr=log:1e-5..3e-2"],
+        trials_n=5,
+        sampler="random",
+        pruner="median",
+        study="prune-test",
+        source=str(corpus),
+        storage_url=str(root),
+        overrides=FAST,
+        startup_trials=1,
+        model="prune-test-model",
+    )
     states = [o.state for o in result.outcomes]
     assert len(states) == 5 and states[0] == "complete", states
     assert "pruned" in states and states.count("complete") >= 2, states
@@ -201,17 +252,34 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
     assert sorted(v.run_id for v in versions) == sorted(o.mlflow_run_id for o in done)
 
     folder = root / "searches" / "prune-test"
-    assert {p.name for p in folder.iterdir()} >= {"search.md", "search.csv", "search.json", "history.png",
-                                                  "params.png", "best.yaml"}
+    assert {p.name for p in folder.iterdir()} >= {
+        "search.md",
+        "search.csv",
+        "search.json",
+        "history.png",
+        "params.png",
+        "best.yaml",
+    }
     assert sorted(a.path for a in client.list_artifacts(result.mlflow_run_id)) == sorted(
-        ["best.yaml", "history.png", "params.png", "search.csv", "search.json", "search.md"])
+        ["best.yaml", "history.png", "params.png", "search.csv", "search.json", "search.md"]
+    )
 
     # The same call again continues the study: nothing more to run, the same trials.
-    again = search(recipe="smoke", space=["train.lr=log:1e-5..3e-2"], trials_n=5, sampler="random",
-                   pruner="median", study="prune-test", source=str(corpus), storage_url=str(root),
-                   overrides=FAST, startup_trials=1)
+    again = search(
+        recipe="smoke",
+        space=["train.lr=log:1e-5..3e-2"],
+        trials_n=5,
+        sampler="random",
+        pruner="median",
+        study="prune-test",
+        source=str(corpus),
+        storage_url=str(root),
+        overrides=FAST,
+        startup_trials=1,
+    )
     assert [(o.number, o.state, o.params) for o in again.outcomes] == [
-        (o.number, o.state, o.params) for o in result.outcomes]
+        (o.number, o.state, o.params) for o in result.outcomes
+    ]
     assert again.mlflow_run_id == result.mlflow_run_id
 
     # The best trial's recipe trains, with the best trial's config, through `run --recipe FILE`.
@@ -223,8 +291,7 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
     assert mine.data.params["train.max_steps"] == "40"
 
 
-def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point(tmp_path: Path,
-                                                                                 monkeypatch) -> None:
+def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point(tmp_path: Path, monkeypatch) -> None:
     # As a sweep's point (docs/sweeps.md): the retry finds the training in storage and records it;
     # the failed attempt's run goes to the trash, its curve kept in the run that stands for the trial.
     from mlflow.entities import Metric
@@ -276,24 +343,56 @@ def _trial_states(db: Path) -> list[str]:
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_search(
-        how: int, corpus: Path, tmp_path: Path) -> None:
+    how: int, corpus: Path, tmp_path: Path
+) -> None:
     from mlflow.tracking import MlflowClient
 
     from mllm.runtime.checkpoint import read_checkpoint
 
     root = tmp_path / "storage"
     steps = 300
-    args = ["search", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root),
-            "--space", "train.lr=1e-3..3e-3", "--trials", "2", "--sampler", "random", "--pruner", "none",
-            *_sets([f"train.max_steps={steps}", "train.eval_interval=100", "train.checkpoint_interval=20",
-                    "train.log_interval=20", "sample.max_new_tokens=10", "sample.methods=[greedy]"])]
+    args = [
+        "search",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(root),
+        "--space",
+        "train.lr=1e-3..3e-3",
+        "--trials",
+        "2",
+        "--sampler",
+        "random",
+        "--pruner",
+        "none",
+        *_sets(
+            [
+                f"train.max_steps={steps}",
+                "train.eval_interval=100",
+                "train.checkpoint_interval=20",
+                "train.log_interval=20",
+                "sample.max_new_tokens=10",
+                "sample.methods=[greedy]",
+            ]
+        ),
+    ]
     started = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not list(root.glob("runs/*/checkpoints/last.pt")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read()[-3000:] if proc.stderr else ""
+            )
             time.sleep(0.05)
         if how == signal.SIGKILL:
             os.killpg(proc.pid, signal.SIGKILL)  # the search and all it started in its group, at once
@@ -316,7 +415,9 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
 
     import optuna
 
-    st = optuna.load_study(study_name=out.stdout.split("study: ")[1].split()[0], storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    st = optuna.load_study(
+        study_name=out.stdout.split("study: ")[1].split()[0], storage=f"sqlite:///{tmp_path / 'optuna.db'}"
+    )
     dead, resumed, second = st.trials
     assert resumed.params == dead.params and resumed.user_attrs["resumes"] == 0
     # The same params, the same training folder: on from the step its checkpoint held, to the end.
@@ -346,7 +447,9 @@ def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_
         assert len(dead) == 1 and dead[0].state.is_crashed(), dead
         assert "took over trial 0" in dead[0].state.message
         crashed = sorted(r.name for r in runs if r.state.is_crashed())
-        assert [n for n in crashed if n.startswith("search-smoke-")] and [n for n in crashed if n.endswith("-train")], crashed
+        assert [n for n in crashed if n.startswith("search-smoke-")] and [n for n in crashed if n.endswith("-train")], (
+            crashed
+        )
 
 
 def _flow_runs_since(started: float) -> list:
@@ -356,13 +459,18 @@ def _flow_runs_since(started: float) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
 
     with get_client(sync_client=True) as client:
-        return client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc))))
+        return client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc))
+            )
+        )
 
 
 def _dead_run(client, study: str) -> str:
-    (run,) = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                                f"tags.`search.study` = '{study}' and tags.`search.trial` = '0'")
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id],
+        f"tags.`search.study` = '{study}' and tags.`search.trial` = '0'",
+    )
     return run.info.run_id
 
 
@@ -374,8 +482,12 @@ def test_pruners_step_in_evaluations_of_the_recipe() -> None:
 
     cfg = resolve("smoke", overrides=["train.eval_interval=10", "train.max_steps=40"])
     kinds = {name: type(make_pruner(name, cfg, 3)) for name in ("median", "halving", "hyperband", "none")}
-    assert kinds == {"median": optuna.pruners.MedianPruner, "halving": optuna.pruners.SuccessiveHalvingPruner,
-                     "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
+    assert kinds == {
+        "median": optuna.pruners.MedianPruner,
+        "halving": optuna.pruners.SuccessiveHalvingPruner,
+        "hyperband": optuna.pruners.HyperbandPruner,
+        "none": optuna.pruners.NopPruner,
+    }
     # Hyperband's brackets run from one evaluation to the whole training, in steps.
     hyperband = make_pruner("hyperband", cfg, 3)
     assert (hyperband._min_resource, hyperband._max_resource) == (10, 40)
@@ -385,14 +497,18 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
     from mllm.resolve import recipe_file_overrides as as_overrides
     from mllm.resolve import resolve
 
-    cfg = resolve("smoke", overrides=["train.lr=0.0123", "model.hidden_size=48", "sample.methods=[greedy]"],
-                  source=str(tmp_path / "corpus.txt"))
+    cfg = resolve(
+        "smoke",
+        overrides=["train.lr=0.0123", "model.hidden_size=48", "sample.methods=[greedy]"],
+        source=str(tmp_path / "corpus.txt"),
+    )
     path = tmp_path / "best.yaml"
     path.write_text("# a comment\n" + cfg.to_yaml(paths=False))
     name, sets = as_overrides(str(path), ["train.max_steps=7"])
     assert name == "smoke" and sets[-1] == "train.max_steps=7"
-    assert resolve(name, overrides=sets) == cfg.model_copy(update={"train": cfg.train.model_copy(
-        update={"max_steps": 7})})
+    assert resolve(name, overrides=sets) == cfg.model_copy(
+        update={"train": cfg.train.model_copy(update={"max_steps": 7})}
+    )
     assert as_overrides("smoke", ["a=1"]) == ("smoke", ["a=1"])  # a shipped name stays a name
     path.write_text("recipe: mine\ntrain: {lr: 0.1}\n")
     with pytest.raises(UserError, match="names recipe 'mine', not a shipped one"):
@@ -436,7 +552,8 @@ def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no
 
 
 def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_study_stops_at_its_trials(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # The PostgreSQL path's bookkeeping (flows/search/flow.py claim and on_stale) on Optuna's heartbeats,
     # here over SQLite: the second trial's search "dies" (no more beats), the next ask fails it and
     # takes it again with its values, and the study then has its two trials.
@@ -449,8 +566,12 @@ def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rdb = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=1,
-                                         heartbeat_stale_trial_callback=on_stale(str(tmp_path), {}))
+        rdb = optuna.storages.RDBStorage(
+            f"sqlite:///{tmp_path / 'study.db'}",
+            heartbeat_interval=1,
+            grace_period=1,
+            heartbeat_stale_trial_callback=on_stale(str(tmp_path), {}),
+        )
     study = optuna.create_study(storage=rdb, study_name="beats")
     first = claim(study, 2)
     rdb.record_heartbeat(first._trial_id)

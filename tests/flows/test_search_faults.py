@@ -23,8 +23,9 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for s in overrides for a in ("--set", s)]
 
 
-def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_pruned(corpus: Path,
-                                                                                         tmp_path: Path) -> None:
+def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_pruned(
+    corpus: Path, tmp_path: Path
+) -> None:
     from mlflow.tracking import MlflowClient
 
     from flows.search.flow import search
@@ -32,9 +33,18 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
     # Evaluations every 10 steps, the first log step at 40; no terminal (pytest's output), so the
     # training logs its progress as lines. The study's name fixes the sampler's draws: trial 0
     # trains at lr 0.03, trial 1 at 1e-05, whose val loss at step 10 is far above trial 0's.
-    result = search(recipe="smoke", space=["train.lr=0.03,1e-05"], trials_n=2, sampler="random", pruner="median",
-                    study="first-eval", source=str(corpus), storage_url=str(tmp_path / "storage"),
-                    overrides=[*TINY, "train.eval_interval=10", "train.log_interval=40"], startup_trials=1)
+    result = search(
+        recipe="smoke",
+        space=["train.lr=0.03,1e-05"],
+        trials_n=2,
+        sampler="random",
+        pruner="median",
+        study="first-eval",
+        source=str(corpus),
+        storage_url=str(tmp_path / "storage"),
+        overrides=[*TINY, "train.eval_interval=10", "train.log_interval=40"],
+        startup_trials=1,
+    )
     (done, pruned) = result.outcomes
     assert (done.params["train.lr"], done.state, done.step) == ("0.03", "complete", 40)
     assert (pruned.params["train.lr"], pruned.state, pruned.step, pruned.error) == ("1e-05", "pruned", 10, None)
@@ -49,10 +59,26 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
 def test_a_search_with_a_failed_trial_exits_1_after_its_table_as_a_sweep_does(corpus: Path, tmp_path: Path) -> None:
     # A window longer than the validation split resolves, then fails in training (as in
     # tests/test_sweep.py); the study's name fixes the draws: trial 0 that window, trial 1 16.
-    out = cli("search", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
-              "--space", "train.window=16,5000", "--trials", "2", "--sampler", "random", "--pruner", "none",
-              "--study", "one-of-two-fails",
-              *_sets([*TINY, "train.eval_interval=20", "train.log_interval=20"]))
+    out = cli(
+        "search",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(tmp_path / "storage"),
+        "--space",
+        "train.window=16,5000",
+        "--trials",
+        "2",
+        "--sampler",
+        "random",
+        "--pruner",
+        "none",
+        "--study",
+        "one-of-two-fails",
+        *_sets([*TINY, "train.eval_interval=20", "train.log_interval=20"]),
+    )
     assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-3000:])
     assert "Traceback" not in out.stdout + out.stderr
     assert "best: trial 1" in out.stdout and "study: one-of-two-fails" in out.stdout  # the table and the rest first
@@ -73,21 +99,39 @@ def test_a_space_field_with_one_value_is_refused_before_anything_runs(space: lis
     here = tmp_path / "here"
     here.mkdir()
     out = cli("search", "--recipe", "smoke", *[a for s in space for a in ("--space", s)], "--trials", "3", cwd=here)
-    one_line_error(out, "--space model.hidden_size=48 has one value: nothing to search",
-                   "--set model.hidden_size=48")
+    one_line_error(out, "--space model.hidden_size=48 has one value: nothing to search", "--set model.hidden_size=48")
     assert list(here.iterdir()) == []  # no study, no storage
 
 
-def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process(corpus: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process(corpus: Path, tmp_path: Path) -> None:
     import psutil
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp))
-    bench = subprocess.Popen([sys.executable, "-m", "benchmarks.search", "--quick", "--grid-points", "2",
-                              "--fields", "1", "--steps", "20", "--pruners", "median", "--source", str(corpus)],
-                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.search",
+            "--quick",
+            "--grid-points",
+            "2",
+            "--fields",
+            "1",
+            "--steps",
+            "20",
+            "--pruners",
+            "median",
+            "--source",
+            str(corpus),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     family: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300
@@ -128,14 +172,18 @@ def test_a_dead_search_found_by_its_heartbeat_has_its_flow_runs_crashed_only_onc
     started = psutil.Process(ended.pid).create_time()
     ended.wait()
     me = psutil.Process()
-    cases = {"gone": {"host": socket.gethostname(), "pid": ended.pid, "started": started},
-             "alive": {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()},
-             "elsewhere": {"host": "another-machine", "pid": ended.pid, "started": started}}
+    cases = {
+        "gone": {"host": socket.gethostname(), "pid": ended.pid, "started": started},
+        "alive": {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()},
+        "elsewhere": {"host": "another-machine", "pid": ended.pid, "started": started},
+    }
     with get_client(sync_client=True) as client:
         runs = {case: client.create_flow_run(searching, name=f"dead-search-{case}", state=Running()) for case in cases}
         try:
             for case, process in cases.items():
-                trial = SimpleNamespace(number=3, user_attrs={PROCESS_ATTR: {"flow_run": str(runs[case].id), **process}})
+                trial = SimpleNamespace(
+                    number=3, user_attrs={PROCESS_ATTR: {"flow_run": str(runs[case].id), **process}}
+                )
                 assert crash_flow_runs(trial, known_dead=False) == ([f"dead-search-{case}"] if case == "gone" else [])
             states = {case: client.read_flow_run(run.id).state for case, run in runs.items()}
         finally:  # none left in flight on the session's server

@@ -18,8 +18,14 @@ from mllm import UserError
 
 pytestmark = pytest.mark.integration
 
-FAST = ["train.max_steps=6", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+FAST = [
+    "train.max_steps=6",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=10",
+    "sample.methods=[greedy]",
+]
 
 
 def cli(*args: str, timeout: int = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -32,49 +38,65 @@ def _sets(overrides: list[str]) -> list[str]:
 
 def test_grid_values_are_split_outside_brackets_and_expanded_first_field_slowest() -> None:
     grid = parse_grid(["train.lr=1e-3, 3e-3", "sample.methods=[greedy],[top-p, greedy]", "model.n_layer=1"])
-    assert grid == {"train.lr": ["1e-3", "3e-3"], "sample.methods": ["[greedy]", "[top-p, greedy]"],
-                    "model.n_layer": ["1"]}
+    assert grid == {
+        "train.lr": ["1e-3", "3e-3"],
+        "sample.methods": ["[greedy]", "[top-p, greedy]"],
+        "model.n_layer": ["1"],
+    }
     assert [list(p.values()) for p in expand(grid)] == [
-        ["1e-3", "[greedy]", "1"], ["1e-3", "[top-p, greedy]", "1"],
-        ["3e-3", "[greedy]", "1"], ["3e-3", "[top-p, greedy]", "1"]]
+        ["1e-3", "[greedy]", "1"],
+        ["1e-3", "[top-p, greedy]", "1"],
+        ["3e-3", "[greedy]", "1"],
+        ["3e-3", "[top-p, greedy]", "1"],
+    ]
     assert split_values("'a,b',c") == ["'a,b'", "c"]
     # Each value is a --set of its own, parsed as YAML into the point's config.
     cfgs = resolve_points("smoke", grid)
     assert [(c.train.lr, c.sample.methods, c.model.n_layer) for c in cfgs][1] == (1e-3, ["top-p", "greedy"], 1)
 
 
-@pytest.mark.parametrize("items, needle", [
-    ([], "give at least one --grid"),
-    (["train.lr"], "malformed --grid"),
-    (["train.lr=1e-3", "train.lr=3e-3"], "given twice"),
-    (["train.lr="], "empty value"),
-    (["train.lr=1e-3,,3e-3"], "empty value"),
-    (["train.lr=1e-3,1e-3"], "twice"),
-])
+@pytest.mark.parametrize(
+    "items, needle",
+    [
+        ([], "give at least one --grid"),
+        (["train.lr"], "malformed --grid"),
+        (["train.lr=1e-3", "train.lr=3e-3"], "given twice"),
+        (["train.lr="], "empty value"),
+        (["train.lr=1e-3,,3e-3"], "empty value"),
+        (["train.lr=1e-3,1e-3"], "twice"),
+    ],
+)
 def test_malformed_grids_are_refused(items: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         parse_grid(items)
 
 
-@pytest.mark.parametrize("grid, sets, needle", [
-    (["train.bogus=1,2"], [], "train.bogus: unknown field"),
-    (["train.lr=1e-3,fast"], [], "point train.lr=fast: recipe smoke with --set: train.lr"),
-    (["model.block_size=8,16"], [], "model.block_size: a field of the gpt family"),
-    (["train.lr=1e-3,0.001"], [], "same config"),
-    (["train.lr=1e-3,3e-3"], ["train.lr=1e-2"], "in both --set and --grid"),
-])
+@pytest.mark.parametrize(
+    "grid, sets, needle",
+    [
+        (["train.bogus=1,2"], [], "train.bogus: unknown field"),
+        (["train.lr=1e-3,fast"], [], "point train.lr=fast: recipe smoke with --set: train.lr"),
+        (["model.block_size=8,16"], [], "model.block_size: a field of the gpt family"),
+        (["train.lr=1e-3,0.001"], [], "same config"),
+        (["train.lr=1e-3,3e-3"], ["train.lr=1e-2"], "in both --set and --grid"),
+    ],
+)
 def test_points_that_do_not_resolve_are_refused(grid: list[str], sets: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
         resolve_points("smoke", parse_grid(grid), sets)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--grid", "train.lr=1e-3,3e-3", "--grid", "train.nonsense=1"], "train.nonsense: unknown field"),
-    ([], "give at least one --grid"),
-    (["--grid", "train.lr=1e-3", "--model", "two words"], "--model 'two words' is not a model name"),
-])
-def test_bad_input_is_one_line_and_exit_2_before_anything_runs(args: list[str], needle: str, corpus: Path,
-                                                               tmp_path: Path, empty_mlflow_store: bytes) -> None:
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--grid", "train.lr=1e-3,3e-3", "--grid", "train.nonsense=1"], "train.nonsense: unknown field"),
+        ([], "give at least one --grid"),
+        (["--grid", "train.lr=1e-3", "--model", "two words"], "--model 'two words' is not a model name"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(
+    args: list[str], needle: str, corpus: Path, tmp_path: Path, empty_mlflow_store: bytes
+) -> None:
     root = tmp_path / "storage"
     out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(root), *args)
     assert out.returncode == 2, (out.stdout, out.stderr)
@@ -94,11 +116,19 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
     from flows.sweep.flow import sweep
 
     root = tmp_path / "storage"
-    result = sweep(recipe="smoke", grid=["train.lr=1e-3,1e-2", "data.split.val_fraction=0.1,0.2"],
-                   source=str(corpus), storage_url=str(root), overrides=FAST)
+    result = sweep(
+        recipe="smoke",
+        grid=["train.lr=1e-3,1e-2", "data.split.val_fraction=0.1,0.2"],
+        source=str(corpus),
+        storage_url=str(root),
+        overrides=FAST,
+    )
     assert [o.label for o in result.outcomes] == [
-        "train.lr=1e-3 data.split.val_fraction=0.1", "train.lr=1e-3 data.split.val_fraction=0.2",
-        "train.lr=1e-2 data.split.val_fraction=0.1", "train.lr=1e-2 data.split.val_fraction=0.2"]
+        "train.lr=1e-3 data.split.val_fraction=0.1",
+        "train.lr=1e-3 data.split.val_fraction=0.2",
+        "train.lr=1e-2 data.split.val_fraction=0.1",
+        "train.lr=1e-2 data.split.val_fraction=0.2",
+    ]
     assert all(o.ok and o.headline == "val_bits_per_byte" and o.higher_is_better is False for o in result.outcomes)
 
     # The data stages ran once per distinct data config: one text, two splits; four trainings.
@@ -109,8 +139,7 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
     parent = client.get_run(result.mlflow_run_id)
     assert parent.info.run_name.startswith("sweep-smoke-") and parent.info.status == "FINISHED"
     assert parent.data.params["grid.train.lr"] == "1e-3,1e-2"
-    children = client.search_runs([parent.info.experiment_id],
-                                  f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'")
+    children = client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'")
     assert {r.info.run_id for r in children} == {o.mlflow_run_id for o in result.outcomes}
     assert len(children) == 4
     for o in result.outcomes:
@@ -121,10 +150,15 @@ def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpu
         assert run.data.params["train.lr"] == str(float(o.point["train.lr"]))
 
     assert sorted(a.path for a in client.list_artifacts(result.mlflow_run_id)) == [
-        "sweep.csv", "sweep.json", "sweep.md", "sweep.png"]
+        "sweep.csv",
+        "sweep.json",
+        "sweep.md",
+        "sweep.png",
+    ]
     rows = list(csv.DictReader((Path(result.outputs) / "sweep.csv").read_text().splitlines()))
     assert [(r["train.lr"], r["data.split.val_fraction"], r["mlflow_run_id"]) for r in rows] == [
-        (o.point["train.lr"], o.point["data.split.val_fraction"], o.mlflow_run_id) for o in result.outcomes]
+        (o.point["train.lr"], o.point["data.split.val_fraction"], o.mlflow_run_id) for o in result.outcomes
+    ]
     assert [float(r["score"]) for r in rows] == [o.score for o in result.outcomes]
     assert json.loads((Path(result.outputs) / "sweep.json").read_text())[0]["status"] == "ok"
     assert (Path(result.outputs) / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -143,16 +177,33 @@ def test_a_failing_point_is_marked_and_the_sweep_exits_1_after_the_others(corpus
     # A window longer than the validation split resolves, then fails in training. As at a terminal
     # (MLLM_PROGRESS): the bar of points, a line for the failed point, the table; none of Prefect's
     # lines, nor those of the temporary server it starts (no PREFECT_API_URL, as for a new user).
-    out = cli("sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
-              "--grid", "train.window=5000,16", *_sets(FAST), "--model", "sweep-of-windows",
-              env={"MLLM_PROGRESS": "1", "PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect")})
+    out = cli(
+        "sweep",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(tmp_path / "storage"),
+        "--grid",
+        "train.window=5000,16",
+        *_sets(FAST),
+        "--model",
+        "sweep-of-windows",
+        env={"MLLM_PROGRESS": "1", "PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect")},
+    )
     assert out.returncode == 1, (out.stdout, out.stderr)
     assert "Traceback" not in out.stdout + out.stderr
-    assert not [line for line in out.stderr.splitlines() if " | INFO " in line or " | ERROR " in line
-                or "docs.prefect.io" in line], out.stderr
+    assert not [
+        line
+        for line in out.stderr.splitlines()
+        if " | INFO " in line or " | ERROR " in line or "docs.prefect.io" in line
+    ], out.stderr
     assert "points" in out.stderr and "2/2 ended, 1 failed" in out.stderr, out.stderr
     failures = [line for line in out.stderr.splitlines() if line.startswith("failed:")]
-    assert len(failures) == 1 and failures[0].startswith("failed: train.window=5000: the validation split has"), out.stderr
+    assert len(failures) == 1 and failures[0].startswith("failed: train.window=5000: the validation split has"), (
+        out.stderr
+    )
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["point", "val_bits_per_byte", "val", "loss", "mlflow", "run"]
     failed, done = lines[1].split(), lines[2].split()
@@ -175,8 +226,9 @@ def test_plot_and_table_name_the_fields_and_the_headline_and_mark_a_failed_point
 
     grid = {"model.arch": ["rnn", "lstm"], "data.window": ["4", "8"]}
     ok = dict(ok=True, headline="accuracy", higher_is_better=True, val_loss=0.5)
-    outcomes = [PointOutcome(point=p, score=0.9 - i / 10, mlflow_run_id=f"run{i}", **ok)
-                for i, p in enumerate(expand(grid)[:3])]
+    outcomes = [
+        PointOutcome(point=p, score=0.9 - i / 10, mlflow_run_id=f"run{i}", **ok) for i, p in enumerate(expand(grid)[:3])
+    ]
     outcomes.append(PointOutcome(point=expand(grid)[3], ok=False, error="out of memory"))
     ax = figure("r", grid, outcomes).axes[0]
     # Names against numbers: the numbers go along the axis and the names are the lines (the seed's figure).
@@ -248,8 +300,9 @@ def test_the_stacks_prefect_server_answers_503_only_for_a_database_it_cannot_rea
     assert not retryable(FileNotFoundError("ui/index.html"))
 
 
-def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attempt_logged(tmp_path: Path,
-                                                                                         monkeypatch) -> None:
+def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attempt_logged(
+    tmp_path: Path, monkeypatch
+) -> None:
     # The retry reuses or resumes the failed attempt's training, which logged the curve (sent late
     # when the tracking server came back): the attempt goes to the trash, its curve stays.
     from mlflow.entities import Metric
@@ -266,8 +319,11 @@ def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attem
     parent = client.create_run(experiment).info.run_id
     tags = {PARENT_TAG: parent, POINT_TAG: "train.lr=0.003"}
     failed, retry = (client.create_run(experiment, tags=tags).info.run_id for _ in range(2))
-    client.log_batch(failed, metrics=[Metric("train_loss", 3.0 - s / 100, 0, s) for s in range(10, 60, 10)]
-                     + [Metric("system/cpu_utilization_percentage", 50.0, 0, 0)])
+    client.log_batch(
+        failed,
+        metrics=[Metric("train_loss", 3.0 - s / 100, 0, s) for s in range(10, 60, 10)]
+        + [Metric("system/cpu_utilization_percentage", 50.0, 0, 0)],
+    )
     client.log_batch(retry, metrics=[Metric("train_loss", 2.5, 0, 50), Metric("val_loss", 2.6, 0, 50)])
     client.set_terminated(failed, "FAILED")
     root = str(tmp_path / "storage")
@@ -286,7 +342,8 @@ def test_the_run_that_stands_for_a_retried_point_gets_the_steps_its_failed_attem
     outage.keep_unsent(root, failed, [{"step": 80, "train_loss": 2.2}])
     outage.note_unfinished(root, failed, "FAILED", "away")
     outage.keep_unsent(root, retry, [{"step": 90, "train_loss": 2.1}])
-    outage.settle_unfinished(client, root, functools.partial(log_records, client),
-                             functools.partial(deleted_run, client))
+    outage.settle_unfinished(
+        client, root, functools.partial(log_records, client), functools.partial(deleted_run, client)
+    )
     assert max(m.step for m in client.get_metric_history(retry, "train_loss")) == 90
     assert not list((tmp_path / "storage" / "tracking").glob("*/*.json"))

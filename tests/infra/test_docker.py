@@ -25,13 +25,13 @@ import numpy as np
 import prewarmed
 import pytest
 import yaml
+from servers import REPO, BuiltImage, S3Server, background, build_image, quiet_env, run_s3_server, serving
+from textdata import make_text
 
 import mllm.train
-from textdata import make_text
 from flows.stack import servers as stack
 from mllm import storage
 from mllm.config import RunConfig
-from servers import REPO, BuiltImage, S3Server, background, build_image, quiet_env, run_s3_server, serving
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +41,13 @@ KEY_ID = "mllm-test-key"
 SECRET = f"mllm-test-secret-{uuid.uuid4().hex}"  # searched for wherever a run leaves a record
 CPU = ["train.device=cpu"]
 # Long enough to kill in the middle (about 20 s of training on one thread), checkpoints every 50 steps.
-LONG = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50", "train.log_interval=10",
-        "sample.max_new_tokens=20"]
+LONG = [
+    "train.max_steps=400",
+    "train.eval_interval=100",
+    "train.checkpoint_interval=50",
+    "train.log_interval=10",
+    "sample.max_new_tokens=20",
+]
 
 
 @dataclass
@@ -61,9 +66,17 @@ class DockerStack:
     def env(self, **extra: str) -> dict[str, str]:
         """What the pipeline runs with: the servers, and storage credentials of its own."""
         base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "MLLM_"))}
-        return {**base, "PREFECT_API_URL": self.api, "MLFLOW_TRACKING_URI": self.mlflow,
-                "AWS_ENDPOINT_URL": self.s3.url, "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "MLLM_LOST_AFTER_S": "120", **extra}
+        return {
+            **base,
+            "PREFECT_API_URL": self.api,
+            "MLFLOW_TRACKING_URI": self.mlflow,
+            "AWS_ENDPOINT_URL": self.s3.url,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "MLLM_LOST_AFTER_S": "120",
+            **extra,
+        }
 
     def cli(self, *args: str, cwd: Path, **extra: str) -> subprocess.Popen:
         return prewarmed.start("flows.cli", list(args), self.env(**extra), cwd)
@@ -83,8 +96,9 @@ class DockerStack:
         for name, value in {**self.pool_defaults, **changes}.items():
             template["variables"]["properties"][name]["default"] = value
         with temporary_settings({PREFECT_API_URL: self.api}), get_client(sync_client=True) as client:
-            client.create_work_pool(WorkPoolCreate(name=POOL, type="docker", base_job_template=template),
-                                    overwrite=True)
+            client.create_work_pool(
+                WorkPoolCreate(name=POOL, type="docker", base_job_template=template), overwrite=True
+            )
 
 
 def _args(*sets: str) -> list[str]:
@@ -107,23 +121,64 @@ def docker_stack(docker_engine, training_image, mlflow_server, tmp_path_factory)
     port = stack.free_port()
     api = f"http://127.0.0.1:{port}/api"
     db = home / "prefect.db"
-    server_env = {**quiet_env(home / "server"), "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{db}",
-                  "PREFECT_UI_API_URL": api}
-    with run_s3_server(home / "s3") as s3, serving(
+    server_env = {
+        **quiet_env(home / "server"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{db}",
+        "PREFECT_UI_API_URL": api,
+    }
+    with (
+        run_s3_server(home / "s3") as s3,
+        serving(
             [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            f"{api}/health", home / "prefect-server.log", server_env, timeout=180):
+            f"{api}/health",
+            home / "prefect-server.log",
+            server_env,
+            timeout=180,
+        ),
+    ):
         s3.client().create_bucket(Bucket=BUCKET)
         s3.client().put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
-        ds = DockerStack(api, db, mlflow_server.url, s3, training_image, template, home / "worker.log", home, creds,
-                         dict(image=training_image.name, image_pull_policy="Always", network_mode="host",
-                              volumes=[f"{creds}:/home/mllm/.aws/credentials:ro"], auto_remove=False,
-                              env={"OMP_NUM_THREADS": "1"}))
+        ds = DockerStack(
+            api,
+            db,
+            mlflow_server.url,
+            s3,
+            training_image,
+            template,
+            home / "worker.log",
+            home,
+            creds,
+            dict(
+                image=training_image.name,
+                image_pull_policy="Always",
+                network_mode="host",
+                volumes=[f"{creds}:/home/mllm/.aws/credentials:ro"],
+                auto_remove=False,
+                env={"OMP_NUM_THREADS": "1"},
+            ),
+        )
         ds.set_pool_defaults()
         # The worker: prefect-docker, on the host; no storage credentials in its environment.
         worker_env = {k: v for k, v in quiet_env(home / "worker").items() if not k.startswith("AWS_")}
         worker_env.update(PREFECT_API_URL=api, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_PREFETCH_SECONDS="5")
-        worker = background([sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "docker",
-                             "--name", "docker-test-worker"], None, ds.worker_log, worker_env)
+        worker = background(
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "worker",
+                "start",
+                "--pool",
+                POOL,
+                "--type",
+                "docker",
+                "--name",
+                "docker-test-worker",
+            ],
+            None,
+            ds.worker_log,
+            worker_env,
+        )
         try:
             worker.wait_ready(120, ready=lambda: stack._worker_online(api, POOL, worker.pid))
             yield ds
@@ -147,8 +202,11 @@ def _wait_for(what: str, condition, timeout: float, proc: subprocess.Popen):
 
 
 def _containers(engine, image: str, **filters) -> list:
-    return [c for c in engine.containers.list(all=True, filters={"label": "io.prefect.version", **filters})
-            if c.attrs["Config"]["Image"] == image]
+    return [
+        c
+        for c in engine.containers.list(all=True, filters={"label": "io.prefect.version", **filters})
+        if c.attrs["Config"]["Image"] == image
+    ]
 
 
 @dataclass
@@ -164,11 +222,26 @@ def killed_run(docker_stack: DockerStack, docker_engine, tmp_path_factory) -> Ki
     """`run --train-on` the docker pool; `docker kill` of the training container once it has
     written a checkpoint; the pipeline submits the run again and it finishes."""
     cwd = tmp_path_factory.mktemp("killed-run")
-    proc = docker_stack.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-                            f"s3://{BUCKET}/docker", "--train-on", POOL, *_args(*CPU, *LONG), cwd=cwd)
+    proc = docker_stack.cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus.txt",
+        "--storage",
+        f"s3://{BUCKET}/docker",
+        "--train-on",
+        POOL,
+        *_args(*CPU, *LONG),
+        cwd=cwd,
+    )
     try:
-        _wait_for("checkpoint", lambda: any(k.endswith("checkpoints/last.pt") for k in docker_stack.keys("docker/runs/")),
-                  420, proc)
+        _wait_for(
+            "checkpoint",
+            lambda: any(k.endswith("checkpoints/last.pt") for k in docker_stack.keys("docker/runs/")),
+            420,
+            proc,
+        )
         running = _containers(docker_engine, docker_stack.image.name, status="running")
         assert len(running) == 1, running
         running[0].kill()
@@ -181,7 +254,8 @@ def killed_run(docker_stack: DockerStack, docker_engine, tmp_path_factory) -> Ki
 
 
 def test_a_killed_container_resumes_from_its_checkpoint_with_the_losses_of_an_uninterrupted_run(
-        killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
+    killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path
+) -> None:
     from mlflow.tracking import MlflowClient
     from prefect import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
@@ -198,13 +272,16 @@ def test_a_killed_container_resumes_from_its_checkpoint_with_the_losses_of_an_un
     assert f"Pulling image {image.name!r}" in docker_stack.worker_log.read_text()
 
     # Checkpoints in the bucket; the training ends where an uninterrupted one ends.
-    run = next(k for k in docker_stack.keys("docker/runs/") if k.endswith("checkpoints/last.pt")).split("/checkpoints/")[0]
+    run = next(k for k in docker_stack.keys("docker/runs/") if k.endswith("checkpoints/last.pt")).split(
+        "/checkpoints/"
+    )[0]
     keys = docker_stack.keys(f"{run}/")
     assert {f"{run}/checkpoints/best.pt", f"{run}/trained.json"} <= set(keys)
     trained = json.loads(docker_stack.s3.client().get_object(Bucket=BUCKET, Key=f"{run}/trained.json")["Body"].read())
     assert trained["steps"] == 400 and trained["resumed_from_step"] >= 50
-    job = RunConfig.model_validate(yaml.safe_load(
-        docker_stack.s3.client().get_object(Bucket=BUCKET, Key=f"{run}/config.yaml")["Body"].read()))
+    job = RunConfig.model_validate(
+        yaml.safe_load(docker_stack.s3.client().get_object(Bucket=BUCKET, Key=f"{run}/config.yaml")["Body"].read())
+    )
     with pytest.MonkeyPatch.context() as mp:  # this process reads the job's inputs from the bucket
         for k, v in docker_stack.env().items():
             if k.startswith("AWS_"):
@@ -227,13 +304,17 @@ def test_a_killed_container_resumes_from_its_checkpoint_with_the_losses_of_an_un
     # Prefect: two training flow runs on the pool, the killed one Crashed.
     with temporary_settings({PREFECT_API_URL: docker_stack.api}), get_client(sync_client=True) as prefect:
         trains = prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
-    finished = sorted(t.state.type.value for t in trains if t.work_pool_name == POOL and
-                      t.parameters["root"] == f"s3://{BUCKET}/docker")
+    finished = sorted(
+        t.state.type.value
+        for t in trains
+        if t.work_pool_name == POOL and t.parameters["root"] == f"s3://{BUCKET}/docker"
+    )
     assert finished == ["COMPLETED", "CRASHED"]
 
 
 def test_no_secret_in_prefect_docker_inspect_image_history_or_logs(
-        killed_run: KilledRun, docker_stack: DockerStack, docker_engine, mlflow_server) -> None:
+    killed_run: KilledRun, docker_stack: DockerStack, docker_engine, mlflow_server
+) -> None:
     assert killed_run.returncode == 0, killed_run.err[-3000:]  # the secret did reach the storage
     places = {}
     for path in docker_stack.prefect_db.parent.glob("prefect.db*"):  # the database and its WAL
@@ -259,7 +340,8 @@ def test_no_secret_in_prefect_docker_inspect_image_history_or_logs(
 
 
 def test_an_image_of_another_commit_refuses_the_job_in_one_line(
-        docker_stack: DockerStack, registry, tmp_path: Path) -> None:
+    docker_stack: DockerStack, registry, tmp_path: Path
+) -> None:
     # Another commit: this one plus a change to the training code, built and pushed as the
     # pipeline's own image is.
     other = tmp_path / "other"
@@ -267,15 +349,39 @@ def test_an_image_of_another_commit_refuses_the_job_in_one_line(
     subprocess.run(["git", "-C", str(other), "checkout", "--quiet", docker_stack.image.commit], check=True)
     with open(other / "mllm" / "train.py", "a") as f:
         f.write("\n# another commit\n")
-    subprocess.run(["git", "-C", str(other), "-c", "user.name=test", "-c", "user.email=test@localhost", "commit",
-                    "--quiet", "-am", "another commit"], check=True)
+    subprocess.run(
+        [
+            "git",
+            "-C",
+            str(other),
+            "-c",
+            "user.name=test",
+            "-c",
+            "user.email=test@localhost",
+            "commit",
+            "--quiet",
+            "-am",
+            "another commit",
+        ],
+        check=True,
+    )
     image = build_image(other, registry, tmp_path / "build.log")
     assert image.commit != docker_stack.image.commit
     docker_stack.set_pool_defaults(image=image.name, auto_remove=True)
     try:
-        proc = docker_stack.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-                                f"s3://{BUCKET}/docker", "--train-on", POOL, *_args(*CPU, "train.max_steps=5"),
-                                cwd=tmp_path)
+        proc = docker_stack.cli(
+            "run",
+            "--recipe",
+            "smoke",
+            "--source",
+            f"s3://{BUCKET}/corpus.txt",
+            "--storage",
+            f"s3://{BUCKET}/docker",
+            "--train-on",
+            POOL,
+            *_args(*CPU, "train.max_steps=5"),
+            cwd=tmp_path,
+        )
         out, err = proc.communicate(timeout=300)
     finally:
         docker_stack.set_pool_defaults()  # the stack's own image and credentials again
@@ -287,12 +393,24 @@ def test_an_image_of_another_commit_refuses_the_job_in_one_line(
 
 
 def test_a_gpu_on_a_docker_host_without_the_gpu_runtime_fails_in_one_line(
-        docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
+    docker_stack: DockerStack, docker_engine, tmp_path: Path
+) -> None:
     if "nvidia" in docker_engine.info().get("Runtimes", {}):
         pytest.skip("this Docker host has the NVIDIA runtime: a GPU request would be granted")
     # train.device left at auto: the pipeline asks the pool for one GPU.
-    proc = docker_stack.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-                            f"s3://{BUCKET}/docker", "--train-on", POOL, *_args("train.max_steps=5"), cwd=tmp_path)
+    proc = docker_stack.cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus.txt",
+        "--storage",
+        f"s3://{BUCKET}/docker",
+        "--train-on",
+        POOL,
+        *_args("train.max_steps=5"),
+        cwd=tmp_path,
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
@@ -302,14 +420,17 @@ def test_a_gpu_on_a_docker_host_without_the_gpu_runtime_fails_in_one_line(
 
 
 def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_global_batch(
-        killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path) -> None:
+    killed_run: KilledRun, docker_stack: DockerStack, docker_engine, tmp_path: Path
+) -> None:
     """`python -m mllm.train` under `torchrun --nnodes 2`, a container a node (one process each,
     c10d rendezvous on loopback, gloo), against one process whose batch is their global batch."""
     import torch
 
     s3 = docker_stack.s3.client()
     run = next(k for k in docker_stack.keys("docker/runs/") if k.endswith("/config.yaml")).rsplit("/", 1)[0]
-    job = RunConfig.model_validate(yaml.safe_load(s3.get_object(Bucket=BUCKET, Key=f"{run}/config.yaml")["Body"].read()))
+    job = RunConfig.model_validate(
+        yaml.safe_load(s3.get_object(Bucket=BUCKET, Key=f"{run}/config.yaml")["Body"].read())
+    )
     job.train.max_steps, job.train.eval_interval, job.train.checkpoint_interval, job.train.log_interval = 20, 10, 10, 5
     job.model.dropout = 0.0  # the ranks' dropout masks would differ from the single process's
     job.paths.checkpoint_dir = f"s3://{BUCKET}/ddp/checkpoints"
@@ -326,25 +447,55 @@ def test_two_containers_as_two_torchrun_nodes_train_as_one_process_with_their_gl
             events = tmp_path / f"node{node}"
             events.mkdir()
             events.chmod(0o777)  # the image's user writes there
-            nodes.append(docker_engine.containers.run(
-                docker_stack.image.name, detach=True, network_mode="host", labels={"mllm-test": "ddp"},
-                command=["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mllm-ddp-test",
-                         "--rdzv-conf", f"is_host={str(node == 0).lower()}",
-                         # The rendezvous tells nodes apart by host name and process id, and two
-                         # containers on the host network share the name and start torchrun under
-                         # the same PID: without an address of its own each, the second node passes
-                         # for the first and the rendezvous waits forever for a second node.
-                         "--local-addr", f"127.0.0.{node + 1}",
-                         "-m", "mllm.train", "--config", "/job/config.yaml", "--no-resume",
-                         "--events", "/events/events.jsonl"],
-                # gloo's own connections go over loopback: without a named interface it takes the
-                # host name's address, which the containers do not share (and hangs).
-                environment={"AWS_ENDPOINT_URL": docker_stack.s3.url, "AWS_DEFAULT_REGION": "us-east-1",
-                             "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
-                volumes={creds: {"bind": "/home/mllm/.aws/credentials", "mode": "ro"},
-                         str(tmp_path / "job"): {"bind": "/job", "mode": "ro"},
-                         str(events): {"bind": "/events", "mode": "rw"}}))
+            nodes.append(
+                docker_engine.containers.run(
+                    docker_stack.image.name,
+                    detach=True,
+                    network_mode="host",
+                    labels={"mllm-test": "ddp"},
+                    command=[
+                        "torchrun",
+                        "--nnodes",
+                        "2",
+                        "--nproc-per-node",
+                        "1",
+                        "--rdzv-backend",
+                        "c10d",
+                        "--rdzv-endpoint",
+                        f"127.0.0.1:{port}",
+                        "--rdzv-id",
+                        "mllm-ddp-test",
+                        "--rdzv-conf",
+                        f"is_host={str(node == 0).lower()}",
+                        # The rendezvous tells nodes apart by host name and process id, and two
+                        # containers on the host network share the name and start torchrun under
+                        # the same PID: without an address of its own each, the second node passes
+                        # for the first and the rendezvous waits forever for a second node.
+                        "--local-addr",
+                        f"127.0.0.{node + 1}",
+                        "-m",
+                        "mllm.train",
+                        "--config",
+                        "/job/config.yaml",
+                        "--no-resume",
+                        "--events",
+                        "/events/events.jsonl",
+                    ],
+                    # gloo's own connections go over loopback: without a named interface it takes the
+                    # host name's address, which the containers do not share (and hangs).
+                    environment={
+                        "AWS_ENDPOINT_URL": docker_stack.s3.url,
+                        "AWS_DEFAULT_REGION": "us-east-1",
+                        "OMP_NUM_THREADS": "1",
+                        "GLOO_SOCKET_IFNAME": "lo",
+                    },
+                    volumes={
+                        creds: {"bind": "/home/mllm/.aws/credentials", "mode": "ro"},
+                        str(tmp_path / "job"): {"bind": "/job", "mode": "ro"},
+                        str(events): {"bind": "/events", "mode": "rw"},
+                    },
+                )
+            )
         deadline = time.monotonic() + 240
         # Every container reloaded each time (any() over a generator would stop at the first running one).
         while time.monotonic() < deadline and any([c.reload() or c.status != "exited" for c in nodes]):
@@ -389,8 +540,8 @@ def _loss(checkpoint: str, ids, window: int) -> float:
     """The model's mean loss on the first 64 windows of `ids`."""
     import torch
 
-    from mllm.runtime.checkpoint import load_checkpoint
     from mllm.lm.windows import windows
+    from mllm.runtime.checkpoint import load_checkpoint
 
     model = load_checkpoint(checkpoint).model
     starts = np.arange(64) * window

@@ -24,13 +24,44 @@ INFRA = Path(__file__).resolve().parents[2] / "infra"
 VALUES = {"image": "mllm-pipeline:test", "gpus": 2, "env": {"MLFLOW_TRACKING_URI": "http://x"}}
 # Every variable of the workers' default templates (prefect-docker 0.7.4, prefect-kubernetes
 # 0.8.0), less the one each template fills itself.
-DOCKER_STANDARD = {"command", "env", "labels", "name", "image", "registry_credentials",
-                   "image_pull_policy", "networks", "network_mode", "auto_remove", "volumes",
-                   "stream_output", "mem_limit", "memswap_limit", "privileged"}
-K8S_STANDARD = {"name", "env", "labels", "command", "annotations", "namespace", "image",
-                "service_account_name", "image_pull_policy", "backoff_limit", "finished_job_ttl",
-                "job_watch_timeout_seconds", "pod_watch_timeout_seconds", "stream_output",
-                "cluster_config", "cpu_request", "cpu_limit", "memory_request", "memory_limit"}
+DOCKER_STANDARD = {
+    "command",
+    "env",
+    "labels",
+    "name",
+    "image",
+    "registry_credentials",
+    "image_pull_policy",
+    "networks",
+    "network_mode",
+    "auto_remove",
+    "volumes",
+    "stream_output",
+    "mem_limit",
+    "memswap_limit",
+    "privileged",
+}
+K8S_STANDARD = {
+    "name",
+    "env",
+    "labels",
+    "command",
+    "annotations",
+    "namespace",
+    "image",
+    "service_account_name",
+    "image_pull_policy",
+    "backoff_limit",
+    "finished_job_ttl",
+    "job_watch_timeout_seconds",
+    "pod_watch_timeout_seconds",
+    "stream_output",
+    "cluster_config",
+    "cpu_request",
+    "cpu_limit",
+    "memory_request",
+    "memory_limit",
+}
 
 
 def _template(name: str) -> dict:
@@ -44,8 +75,10 @@ def _config_class(kind: str):
     try:
         if kind == "docker":
             from prefect_docker.worker import DockerWorkerJobConfiguration
+
             return DockerWorkerJobConfiguration
         from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
         return KubernetesWorkerJobConfiguration
     except ImportError:
         pass
@@ -104,8 +137,10 @@ def test_docker_template_requests_the_gpus():
     assert docker_types.HostConfig(version="1.44", **none)["DeviceRequests"] == []
 
 
-@pytest.mark.parametrize("device, nproc, expected", [("cpu", 2, []), ("auto", 1, [{"count": 1, "capabilities": [["gpu"]]}]),
-                                                     ("cuda", 2, GPU_REQUEST)])
+@pytest.mark.parametrize(
+    "device, nproc, expected",
+    [("cpu", 2, []), ("auto", 1, [{"count": 1, "capabilities": [["gpu"]]}]), ("cuda", 2, GPU_REQUEST)],
+)
 def test_the_pipeline_asks_the_docker_pool_for_one_gpu_a_rank_and_none_on_cpu(device, nproc, expected):
     from flows.dispatch import gpu_variables
     from mllm.config import RunConfig
@@ -120,7 +155,7 @@ def test_kubernetes_template_requests_the_gpus():
     config = render("kubernetes")
     pod = config.job_manifest["spec"]["template"]["spec"]
     container = pod["containers"][0]
-    assert container["name"] == "prefect-job"          # the name the kubernetes worker looks for
+    assert container["name"] == "prefect-job"  # the name the kubernetes worker looks for
     assert container["image"] == "mllm-pipeline:test"
     assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "2"
     env = container["env"]
@@ -143,8 +178,7 @@ def test_server_accepts_the_template(prefect_server, kind):
 
     name = f"test-infra-{kind}"
     with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=_template(kind)),
-                                overwrite=True)
+        client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=_template(kind)), overwrite=True)
         pool = client.read_work_pool(name)
     assert pool.type == kind
     gpus = "gpus" if kind == "kubernetes" else "device_requests"
@@ -195,8 +229,10 @@ def test_compose_has_no_default_password_and_publishes_on_loopback_only():
             assert str(port).startswith("127.0.0.1:"), (name, port)
         assert svc.get("network_mode") != "host", name
 
-    made = [subprocess.run(["bash", str(INFRA / "make-env.sh")], check=True, capture_output=True, text=True).stdout
-            for _ in range(2)]
+    made = [
+        subprocess.run(["bash", str(INFRA / "make-env.sh")], check=True, capture_output=True, text=True).stdout
+        for _ in range(2)
+    ]
     envs = [dict(line.split("=", 1) for line in out.splitlines()) for out in made]
     assert set(envs[0]) == secret
     for key in ("POSTGRES_PASSWORD", "MINIO_ROOT_PASSWORD"):
@@ -219,8 +255,11 @@ def test_dockerfile_installs_with_the_constraints():
     assert {".venv", ".git", "storage", "mlruns", "benchmarks/out"} <= set(ignored)
 
 
-@pytest.mark.parametrize("script", sorted([*(INFRA / "paperspace").glob("*.sh"), *(INFRA / "docker").glob("*.sh"), *INFRA.glob("*.sh")]),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "script",
+    sorted([*(INFRA / "paperspace").glob("*.sh"), *(INFRA / "docker").glob("*.sh"), *INFRA.glob("*.sh")]),
+    ids=lambda p: p.name,
+)
 def test_shell_scripts_parse(script):
     bash = shutil.which("bash")
     if bash is None:

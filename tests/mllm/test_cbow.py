@@ -6,7 +6,6 @@ import math
 import random
 import sys
 from collections import Counter
-
 from pathlib import Path
 
 import numpy as np
@@ -16,38 +15,66 @@ import torch.nn as nn
 from pydantic import ValidationError
 
 from mllm import UserError
-from mllm.embeddings.cbow import (CBOW, PAD_ID, BasicEnglishTokenizer, CbowBatches, CbowConfig, basic_english,
-                       contexts, noise_distribution, paragraph_ids, sample_centres, split_by_paragraph,
-                       split_paragraphs)
-from mllm.runtime.epochs import check_offsets, load_offsets, save_array
 from mllm.data.vocab import Vocab
-from mllm.embeddings.wordsim import (HEADLINE, METRICS, WordVectors, evaluate_cbow, evaluate_loss, load_analogies, load_pairs, missing_word, neighbours_table, rank,
-                          read_parquet, spearman, write_parquet, write_word2vec)
+from mllm.embeddings.cbow import (
+    CBOW,
+    PAD_ID,
+    BasicEnglishTokenizer,
+    CbowBatches,
+    CbowConfig,
+    basic_english,
+    contexts,
+    noise_distribution,
+    paragraph_ids,
+    sample_centres,
+    split_by_paragraph,
+    split_paragraphs,
+)
+from mllm.embeddings.wordsim import (
+    HEADLINE,
+    METRICS,
+    WordVectors,
+    evaluate_cbow,
+    evaluate_loss,
+    load_analogies,
+    load_pairs,
+    missing_word,
+    neighbours_table,
+    rank,
+    read_parquet,
+    spearman,
+    write_parquet,
+    write_word2vec,
+)
+from mllm.runtime.epochs import check_offsets, load_offsets, save_array
 
 # -----------------------------------------------------------------------------
 # basic_english: torchtext's rules, one special character at a time
 
 
-@pytest.mark.parametrize("text, tokens", [
-    ("Hello World", ["hello", "world"]),
-    ("it's", ["it", "'", "s"]),                                   # ' split off
-    ('he said "yes" twice', ["he", "said", "yes", "twice"]),      # " removed
-    ("end. next", ["end", ".", "next"]),
-    ("a,b", ["a", ",", "b"]),
-    ("(quietly)", ["(", "quietly", ")"]),
-    ("stop!", ["stop", "!"]),
-    ("why?no", ["why", "?", "no"]),
-    ("one;two", ["one", "two"]),                                  # ; becomes a space
-    ("time:now", ["time", "now"]),                                # : becomes a space
-    ("line<br />break", ["line", "break"]),                       # <br /> becomes a space
-    ("LINE<BR />Break", ["line", "break"]),                       # after lower-casing, so it matches
-    ("<br/>", ["<br/>"]),                                          # only the exact "<br />"
-    ("tabs\tand\nnew  lines", ["tabs", "and", "new", "lines"]),
-    ("Don't (really)! Said: \"no\"; ok?", ["don", "'", "t", "(", "really", ")", "!", "said", "no", "ok", "?"]),
-    ("well-known 1812 naïve", ["well-known", "1812", "naïve"]),   # - and digits are word characters
-    ("...", [".", ".", "."]),
-    ("", []),
-])
+@pytest.mark.parametrize(
+    "text, tokens",
+    [
+        ("Hello World", ["hello", "world"]),
+        ("it's", ["it", "'", "s"]),  # ' split off
+        ('he said "yes" twice', ["he", "said", "yes", "twice"]),  # " removed
+        ("end. next", ["end", ".", "next"]),
+        ("a,b", ["a", ",", "b"]),
+        ("(quietly)", ["(", "quietly", ")"]),
+        ("stop!", ["stop", "!"]),
+        ("why?no", ["why", "?", "no"]),
+        ("one;two", ["one", "two"]),  # ; becomes a space
+        ("time:now", ["time", "now"]),  # : becomes a space
+        ("line<br />break", ["line", "break"]),  # <br /> becomes a space
+        ("LINE<BR />Break", ["line", "break"]),  # after lower-casing, so it matches
+        ("<br/>", ["<br/>"]),  # only the exact "<br />"
+        ("tabs\tand\nnew  lines", ["tabs", "and", "new", "lines"]),
+        ('Don\'t (really)! Said: "no"; ok?', ["don", "'", "t", "(", "really", ")", "!", "said", "no", "ok", "?"]),
+        ("well-known 1812 naïve", ["well-known", "1812", "naïve"]),  # - and digits are word characters
+        ("...", [".", ".", "."]),
+        ("", []),
+    ],
+)
 def test_basic_english_follows_torchtext_rules(text, tokens):
     assert basic_english(text) == tokens
 
@@ -57,12 +84,12 @@ def test_basic_english_keeps_case_without_normalize():
 
 
 def test_paragraphs_are_blank_line_blocks_of_the_raw_text_for_any_chunking():
-    text = "First line\r\nstill first.\r\n\r\nSecond \"one\".\r\n   \r\n\r\n\tThird\rpara\r\r4th\n\n\n"
+    text = 'First line\r\nstill first.\r\n\r\nSecond "one".\r\n   \r\n\r\n\tThird\rpara\r\r4th\n\n\n'
     want = ["First line\nstill first.", 'Second "one".', "\tThird\npara", "4th"]
     assert list(split_paragraphs([text])) == want
     rng = random.Random(0)
     for n in (1, 2, 3):
-        assert list(split_paragraphs(text[i:i + n] for i in range(0, len(text), n))) == want
+        assert list(split_paragraphs(text[i : i + n] for i in range(0, len(text), n))) == want
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(text)), 6))
         assert list(split_paragraphs(text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]))) == want
@@ -175,7 +202,7 @@ def test_an_epoch_visits_every_sample_once_and_ranks_share_it():
 def test_noise_follows_unigram_to_the_three_quarters():
     ids = np.array([1] * 16 + [2] * 1 + [0] * 50)
     p = noise_distribution(ids, 4, 0.75, skip_unk=True)
-    assert p[0] == 0 and p[3] == 0 and p[1] / p[2] == pytest.approx(16 ** 0.75)
+    assert p[0] == 0 and p[3] == 0 and p[1] / p[2] == pytest.approx(16**0.75)
     neg = _batches().next()[2]
     assert neg.shape == (64, 3) and neg.min() >= 1  # <unk> is never drawn
 
@@ -239,7 +266,8 @@ def test_evaluate_cbow_reports_both_embeddings_and_the_heldout_loss():
     assert set(METRICS) | {f"centre_{k}" for k in METRICS} | {"val_loss"} == set(m) and HEADLINE in METRICS
     assert m["val_loss"] == pytest.approx(evaluate_loss(model, val))
     assert {(row["embedding"], row["rank"]) for row in r["neighbours"]} == {
-        (e, k) for e in ("context", "centre") for k in (1, 2, 3)}
+        (e, k) for e in ("context", "centre") for k in (1, 2, 3)
+    }
     assert r["notes"] == ["'tigers' is not in the vocabulary; did you mean 'tiger'?"]
 
 
@@ -256,8 +284,11 @@ def test_config_is_strict():
         CbowConfig(objective="hierarchical")
 
 
-TOPICS = {"animals": "cat dog horse cow sheep goat".split(), "numbers": "one two three four five six".split(),
-          "colours": "red green blue yellow white black".split()}
+TOPICS = {
+    "animals": "cat dog horse cow sheep goat".split(),
+    "numbers": "one two three four five six".split(),
+    "colours": "red green blue yellow white black".split(),
+}
 
 
 @pytest.mark.parametrize("objective", ["softmax", "negative"])
@@ -267,8 +298,9 @@ def test_a_few_hundred_steps_make_related_words_neighbours(objective):
     paragraphs = []
     for _ in range(300):
         words = TOPICS[rng.choice(list(TOPICS))]
-        paragraphs.append([rng.choice(words) if rng.random() < 0.7 else rng.choice(["the", "and", "of"])
-                           for _ in range(12)])
+        paragraphs.append(
+            [rng.choice(words) if rng.random() < 0.7 else rng.choice(["the", "and", "of"]) for _ in range(12)]
+        )
     vocab = Vocab.build({t: 1 for p in paragraphs for t in p})
     ids, offsets = paragraph_ids(paragraphs, vocab)
     torch.manual_seed(0)
@@ -303,17 +335,29 @@ def test_spearman_matches_the_textbook_with_ties():
 
 def _toy_vectors():
     e = np.eye(5)
-    vectors = {"man": e[0], "woman": e[1], "king": (e[0] + e[2]) / 2 ** 0.5,
-               "queen": (e[1] + e[2]) / 2 ** 0.5, "apple": e[3], "pear": e[3] + 0.2 * e[4],
-               "<unk>": e[1] - e[0] + (e[0] + e[2]) / 2 ** 0.5}  # = king - man + woman
+    vectors = {
+        "man": e[0],
+        "woman": e[1],
+        "king": (e[0] + e[2]) / 2**0.5,
+        "queen": (e[1] + e[2]) / 2**0.5,
+        "apple": e[3],
+        "pear": e[3] + 0.2 * e[4],
+        "<unk>": e[1] - e[0] + (e[0] + e[2]) / 2**0.5,
+    }  # = king - man + woman
     return WordVectors(list(vectors), np.array(list(vectors.values())))
 
 
 def test_pairs_evaluation_gives_the_known_spearman_and_coverage():
     vecs = _toy_vectors()
     # Cosines: apple/pear 0.98, king/queen 0.5, man/king 0.71, man/apple 0.
-    pairs = [("apple", "pear", 9.0), ("man", "king", 7.0), ("king", "queen", 5.0), ("man", "apple", 1.0),
-             ("man", "zebra", 3.0), ("<unk>", "queen", 8.0)]
+    pairs = [
+        ("apple", "pear", 9.0),
+        ("man", "king", 7.0),
+        ("king", "queen", 5.0),
+        ("man", "apple", 1.0),
+        ("man", "zebra", 3.0),
+        ("<unk>", "queen", 8.0),
+    ]
     r = vecs.evaluate_pairs(pairs)
     assert r["spearman"] == pytest.approx(1.0) and r["pairs"] == 4 and r["coverage"] == pytest.approx(4 / 6)
     r = vecs.evaluate_pairs([(a, b, -s) for a, b, s in pairs])
@@ -322,10 +366,12 @@ def test_pairs_evaluation_gives_the_known_spearman_and_coverage():
 
 def test_analogies_answer_3cosadd_without_the_question_words():
     vecs = _toy_vectors()
-    questions = [("family", "man", "king", "woman", "queen"),     # king - man + woman = queen
-                 ("family", "man", "woman", "king", "queen"),     # the same, the other way
-                 ("fruit", "man", "king", "apple", "pear"),       # wrong: royal apple is no pear...
-                 ("family", "man", "king", "woman", "zebra")]     # not covered
+    questions = [
+        ("family", "man", "king", "woman", "queen"),  # king - man + woman = queen
+        ("family", "man", "woman", "king", "queen"),  # the same, the other way
+        ("fruit", "man", "king", "apple", "pear"),  # wrong: royal apple is no pear...
+        ("family", "man", "king", "woman", "zebra"),
+    ]  # not covered
     r = vecs.evaluate_analogies(questions)
     assert r["questions"] == 3 and r["coverage"] == pytest.approx(3 / 4)
     # ...but with apple itself excluded, pear is the nearest word left: 3 of 3. Without the
@@ -339,8 +385,13 @@ def test_the_shipped_sets_load_from_gensim():
     pytest.importorskip("gensim", reason="the embeddings extra (WordSim-353 and SimLex-999 ship in gensim)")
     ws, sl, an = load_pairs("wordsim353"), load_pairs("simlex999"), load_analogies()
     assert (len(ws), len(sl), len(an)) == (353, 999, 19544)
-    assert ws[0] == ("love", "sex", 6.77) and an[0] == ("capital-common-countries", "athens", "greece",
-                                                         "baghdad", "iraq")
+    assert ws[0] == ("love", "sex", 6.77) and an[0] == (
+        "capital-common-countries",
+        "athens",
+        "greece",
+        "baghdad",
+        "iraq",
+    )
 
 
 def test_missing_gensim_is_a_one_line_user_error(monkeypatch):
@@ -351,13 +402,19 @@ def test_missing_gensim_is_a_one_line_user_error(monkeypatch):
 
 
 def test_a_probe_word_not_in_the_vocabulary_gets_one_line_and_a_spelling():
-    assert missing_word("natasha", ["natásha", "pierre"]) == "'natasha' is not in the vocabulary; did you mean 'natásha'?"
+    assert (
+        missing_word("natasha", ["natásha", "pierre"]) == "'natasha' is not in the vocabulary; did you mean 'natásha'?"
+    )
     assert missing_word("zzzz", ["natásha"]) == "'zzzz' is not in the vocabulary"
     vecs = _toy_vectors()
     rows, notes = neighbours_table({"context": vecs, "centre": vecs}, ["kings", "apple"], k=2)
     assert notes == ["'kings' is not in the vocabulary; did you mean 'king'?"]
     assert [(r["embedding"], r["neighbour"]) for r in rows] == [
-        ("context", "pear"), ("context", "man"), ("centre", "pear"), ("centre", "man")]
+        ("context", "pear"),
+        ("context", "man"),
+        ("centre", "pear"),
+        ("centre", "man"),
+    ]
 
 
 def test_gensim_loads_the_exported_vectors(tmp_path):

@@ -36,8 +36,14 @@ print(json.dumps({"dtype": str(opt.parts["muon"].ns_dtype), "why": opt.parts["mu
 
 def _muon(tmp_path: Path, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in machine.CPU_ENV}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**clean, "MLLM_CACHE_DIR": str(tmp_path), **env})
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**clean, "MLLM_CACHE_DIR": str(tmp_path), **env},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -51,12 +57,15 @@ def test_muon_follows_the_measured_speed_under_the_avx2_variables(tmp_path):
     assert limited["entries"] == plain["entries"] + 1
     assert limited["dtype"] == "torch.float32", limited
     assert limited["why"].startswith("float32: bf16 probed no faster (an iteration: bfloat16 "), limited
-    ms = {k: float(v.split()[0]) for k, v in (p.split(" ", 1) for p in limited["why"][:-1].split("(an iteration: ")[1]
-                                                           .split(", "))}
+    ms = {
+        k: float(v.split()[0])
+        for k, v in (p.split(" ", 1) for p in limited["why"][:-1].split("(an iteration: ")[1].split(", "))
+    }
     assert ms["bfloat16"] > ms["float32"], limited
     # Without them, the choice follows what was measured there too (bf16 only where it won).
-    assert plain["why"].startswith("bfloat16: bf16 probed faster" if plain["dtype"] == "torch.bfloat16"
-                                   else "float32: bf16 probed no faster"), plain
+    assert plain["why"].startswith(
+        "bfloat16: bf16 probed faster" if plain["dtype"] == "torch.bfloat16" else "float32: bf16 probed no faster"
+    ), plain
 
 
 def test_the_variables_are_part_of_a_trainings_key(monkeypatch):
@@ -66,6 +75,7 @@ def test_the_variables_are_part_of_a_trainings_key(monkeypatch):
     plain = layout.train_key("splits", "vocab", cfg, "code", machine.cpu_env())
     # Without the variables the key is what it was before they entered it: no training is repeated.
     from mllm import storage
+
     assert plain == storage.digest(["train", "splits", "vocab", cfg.model.model_dump(), cfg.train.model_dump(), "code"])
     for name, value in AVX2.items():
         monkeypatch.setenv(name, value)

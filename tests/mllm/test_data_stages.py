@@ -16,17 +16,49 @@ import pyarrow.parquet as pq
 import pytest
 
 from mllm import UserError
-from mllm.data import corpus, splits, tokens
 from mllm.config import SplitConfig, TokenizerConfig
+from mllm.data import corpus, splits, tokens
 from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg
 from mllm.data.vocab import Vocab
 
 # Every case the char tokenizer's normalisation has to get right: CRLF and lone CR, runs of
 # newlines and spaces (also across a dropped character), characters outside the kept set (ASCII
 # punctuation, controls, tab), and non-ASCII of every UTF-8 length.
-PIECES = ["Well", ",", " ", "  ", "\n", "\n\n\n", "\r\n", "\r\n\r\n", "\r", " \n \n ", "\t", "(", ")", "&",
-          "Prince", "1805", "?!", "-", ";", ".", "é", "naïve", "—", "☃", "😀", "\x0b", "\x7f", "~",
-          " é ", "\n—\n", "Genoa", "and", "Lucca"]
+PIECES = [
+    "Well",
+    ",",
+    " ",
+    "  ",
+    "\n",
+    "\n\n\n",
+    "\r\n",
+    "\r\n\r\n",
+    "\r",
+    " \n \n ",
+    "\t",
+    "(",
+    ")",
+    "&",
+    "Prince",
+    "1805",
+    "?!",
+    "-",
+    ";",
+    ".",
+    "é",
+    "naïve",
+    "—",
+    "☃",
+    "😀",
+    "\x0b",
+    "\x7f",
+    "~",
+    " é ",
+    "\n—\n",
+    "Genoa",
+    "and",
+    "Lucca",
+]
 
 
 def special_text(n: int, seed: int) -> str:
@@ -127,13 +159,15 @@ def test_write_splits_routes_every_token_once(tmp_path: Path) -> None:
     raw.write_text(special_text(5000, 6), encoding="utf-8")
     (tmp_path / "tokens").mkdir()
     (tmp_path / "split").mkdir()
-    tok, n, _ = tokens.tokenize_text(str(raw), TokenizerConfig(kind="word", strip_gutenberg=False),
-                                     str(tmp_path / "tokens"))
+    tok, n, _ = tokens.tokenize_text(
+        str(raw), TokenizerConfig(kind="word", strip_gutenberg=False), str(tmp_path / "tokens")
+    )
     vocab = Vocab.build(tokens.count_tokens(str(tmp_path / "tokens")))
     cfg = SplitConfig(contiguous=False, shuffle_chunk=50, val_fraction=0.2, test_fraction=0.1)
     plan = splits.split_plan(n, cfg)
-    written = {w.name: w for w in splits.write_splits(str(tmp_path / "tokens"), vocab, tok, plan,
-                                                      str(tmp_path / "split"))}
+    written = {
+        w.name: w for w in splits.write_splits(str(tmp_path / "tokens"), vocab, tok, plan, str(tmp_path / "split"))
+    }
     all_ids = np.array(vocab.encode([t for ts in tok.tokenize(read_chunks(str(raw))) for t in ts]))
     for name in ("train", "val", "test"):
         want = np.concatenate([all_ids[a:b] for a, b, s in plan if s == name])
@@ -150,9 +184,17 @@ def test_write_splits_routes_every_token_once(tmp_path: Path) -> None:
 TEXT = "Prince Andrew said: “Moscow, 1812” — naïve ☃ 😀.\r\nNext line.\n" * 200
 
 
-@pytest.mark.parametrize("encoding,bom", [("utf-16-le", codecs.BOM_UTF16_LE), ("utf-16-be", codecs.BOM_UTF16_BE),
-                                          ("utf-32-le", codecs.BOM_UTF32_LE), ("utf-32-be", codecs.BOM_UTF32_BE),
-                                          ("utf-8", codecs.BOM_UTF8), ("utf-8", b"")])
+@pytest.mark.parametrize(
+    "encoding,bom",
+    [
+        ("utf-16-le", codecs.BOM_UTF16_LE),
+        ("utf-16-be", codecs.BOM_UTF16_BE),
+        ("utf-32-le", codecs.BOM_UTF32_LE),
+        ("utf-32-be", codecs.BOM_UTF32_BE),
+        ("utf-8", codecs.BOM_UTF8),
+        ("utf-8", b""),
+    ],
+)
 def test_download_stores_utf8_and_pins_the_source_bytes(encoding: str, bom: bytes, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(corpus, "BLOCK", 7)  # a BOM and characters split between reads
     src = tmp_path / "src.txt"
@@ -167,14 +209,20 @@ def test_download_stores_utf8_and_pins_the_source_bytes(encoding: str, bom: byte
     assert "".join(read_chunks(str(src), chunk_chars=5)) == TEXT.replace("\r\n", "\n")
 
 
-@pytest.mark.parametrize("case", ["utf16-no-bom-le", "utf16-no-bom-be", "latin1", "binary", "truncated-utf16",
-                                  "bom-only", "folder"])
+@pytest.mark.parametrize(
+    "case", ["utf16-no-bom-le", "utf16-no-bom-be", "latin1", "binary", "truncated-utf16", "bom-only", "folder"]
+)
 def test_download_refuses_what_it_cannot_read_and_writes_nothing(case: str, tmp_path: Path) -> None:
     src = tmp_path / "src.txt"
-    want = {"utf16-no-bom-le": r"UTF-16 .*iconv -f utf-16le -t utf-8",
-            "utf16-no-bom-be": r"UTF-16 .*iconv -f utf-16be -t utf-8",
-            "latin1": r"not UTF-8 .*offset 6\b.*iconv -f latin1", "binary": "looks binary",
-            "truncated-utf16": "truncated", "bom-only": "empty", "folder": "is a folder: give the text file"}[case]
+    want = {
+        "utf16-no-bom-le": r"UTF-16 .*iconv -f utf-16le -t utf-8",
+        "utf16-no-bom-be": r"UTF-16 .*iconv -f utf-16be -t utf-8",
+        "latin1": r"not UTF-8 .*offset 6\b.*iconv -f latin1",
+        "binary": "looks binary",
+        "truncated-utf16": "truncated",
+        "bom-only": "empty",
+        "folder": "is a folder: give the text file",
+    }[case]
     if case.startswith("utf16-no-bom"):
         src.write_bytes(TEXT.encode("utf-16-le" if case.endswith("le") else "utf-16-be"))
     elif case == "latin1":
@@ -198,16 +246,20 @@ def test_download_refuses_what_it_cannot_read_and_writes_nothing(case: str, tmp_
 
 
 def book(title: str, body: str) -> str:
-    return (f"The Project Gutenberg eBook of {title}\n\nThis eBook is for the use of anyone anywhere.\n"
-            f"*** START OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n"
-            + body +
-            f"*** END OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n\n"
-            "Section 1. General Terms of Use and Redistributing Project Gutenberg licence.\n" * 3)
+    return (
+        f"The Project Gutenberg eBook of {title}\n\nThis eBook is for the use of anyone anywhere.\n"
+        f"*** START OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n"
+        + body
+        + f"*** END OF THE PROJECT GUTENBERG EBOOK {title.upper()} ***\n\n"
+        "Section 1. General Terms of Use and Redistributing Project Gutenberg licence.\n" * 3
+    )
 
 
 def three_books() -> tuple[str, list[str]]:
-    bodies = [f"\nCHAPTER I\n\n{word} was here. " * 50 + f"\nThe end of {word}.\n\n"
-              for word in ("Natasha", "Hamlet", "Ishmael")]
+    bodies = [
+        f"\nCHAPTER I\n\n{word} was here. " * 50 + f"\nThe end of {word}.\n\n"
+        for word in ("Natasha", "Hamlet", "Ishmael")
+    ]
     return "".join(book(t, b) for t, b in zip(("War and Peace", "Hamlet", "Moby Dick"), bodies)), bodies
 
 
@@ -216,7 +268,7 @@ def test_strip_gutenberg_keeps_every_book_of_a_concatenation() -> None:
     assert "".join(strip_gutenberg([text])) == "".join(bodies)
     rng = random.Random(7)
     for n in (1, 3, 17, 400):
-        assert "".join(strip_gutenberg(text[i:i + n] for i in range(0, len(text), n))) == "".join(bodies)
+        assert "".join(strip_gutenberg(text[i : i + n] for i in range(0, len(text), n))) == "".join(bodies)
     assert "".join(strip_gutenberg(cut(text, rng))) == "".join(bodies)
 
 

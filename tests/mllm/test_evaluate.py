@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mllm.config import model_config
-from mllm.lm.evaluate import evaluate, ngram_baseline
 from mllm.families.base import build_model
+from mllm.lm.evaluate import evaluate, ngram_baseline
 
 
 class BigramTable(nn.Module):
@@ -88,9 +88,9 @@ def test_gpt_reads_consecutive_windows_of_its_block_size():
     total = 0.0
     with torch.no_grad():
         for start in range(0, 29, 8):  # windows of 8 targets, the last one 5
-            x = torch.from_numpy(ids[None, start:start + 8].astype(np.int64))
-            y = torch.from_numpy(ids[None, start + 1:start + 9].astype(np.int64))
-            logits, _, _ = model(x[:, :y.size(1)], y)
+            x = torch.from_numpy(ids[None, start : start + 8].astype(np.int64))
+            y = torch.from_numpy(ids[None, start + 1 : start + 9].astype(np.int64))
+            logits, _, _ = model(x[:, : y.size(1)], y)
             total += F.cross_entropy(logits[0], y[0], reduction="sum").item()
     # A window wider than the block is cut to it: a GPT has no positions past block_size.
     result = evaluate(model, ids, window=64, batch_size=3)

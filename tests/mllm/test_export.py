@@ -21,18 +21,19 @@ pytest.importorskip("transformers")
 onnxruntime = pytest.importorskip("onnxruntime")
 gguf = pytest.importorskip("gguf")
 
-from mllm.config import RunConfig  # noqa: E402
-from mllm.export import VOCAB, export  # noqa: E402
-from mllm.export import gguf as export_gguf  # noqa: E402
-from mllm.export.tokenizer import fast_tokenizer  # noqa: E402
-from mllm.families.base import build_model, family_of  # noqa: E402
-from mllm.lm.generate import generate  # noqa: E402
-from mllm.resolve import resolve  # noqa: E402
-from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from mllm.train import train  # noqa: E402
-from mllm.data.text import BpeTokenizer, build_tokenizer  # noqa: E402
-from mllm.data.vocab import UNK, Vocab  # noqa: E402
-from textdata import make_text, write_char_ids  # noqa: E402
+from textdata import make_text, write_char_ids  # noqa: E402 (imported once the optional libraries above are found)
+
+from mllm.config import RunConfig  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.data.text import BpeTokenizer, build_tokenizer  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.data.vocab import UNK, Vocab  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.export import VOCAB, export  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.export import gguf as export_gguf  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.export.tokenizer import fast_tokenizer  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.families.base import build_model, family_of  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.lm.generate import generate  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.resolve import resolve  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402 (imported once the optional libraries above are found)
+from mllm.train import train  # noqa: E402 (imported once the optional libraries above are found)
 
 WAR_AND_PEACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "warandpeace.txt"
 BLOCK = 256
@@ -58,15 +59,37 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=sorted(PIECES))
 def trained(request, data_dir, tmp_path_factory) -> str:
     """A smoke GPT with one piece set, trained here for a few dozen steps: its best checkpoint."""
-    model = {"arch": "gpt", "n_embd": 32, "n_head": 2, "n_layer": 2, "block_size": BLOCK, "dropout": 0.0,
-             **PIECES[request.param]}
-    cfg = RunConfig.model_validate({
-        "model": model,
-        "train": {"batch_size": 8, "window": 64, "max_steps": 40, "log_interval": 20, "eval_interval": 20,
-                  "eval_batches": 2, "checkpoint_interval": 20, "optimizer": "adamw", "lr": 1e-2},
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"),
-                  "checkpoint_dir": str(tmp_path_factory.mktemp(request.param))}})
+    model = {
+        "arch": "gpt",
+        "n_embd": 32,
+        "n_head": 2,
+        "n_layer": 2,
+        "block_size": BLOCK,
+        "dropout": 0.0,
+        **PIECES[request.param],
+    }
+    cfg = RunConfig.model_validate(
+        {
+            "model": model,
+            "train": {
+                "batch_size": 8,
+                "window": 64,
+                "max_steps": 40,
+                "log_interval": 20,
+                "eval_interval": 20,
+                "eval_batches": 2,
+                "checkpoint_interval": 20,
+                "optimizer": "adamw",
+                "lr": 1e-2,
+            },
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(tmp_path_factory.mktemp(request.param)),
+            },
+        }
+    )
     return train(cfg).best_checkpoint
 
 
@@ -81,8 +104,9 @@ def _hf_equals_mllm(loaded, window: torch.Tensor, out: Path) -> list[int]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     done = export(loaded, "hf", str(out), {"corpus_sha256": "ab" * 32, "mlflow_run": "run123"})
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md",
-            VOCAB} <= set(done["files"]) and done["libraries"]["transformers"]
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md", VOCAB} <= set(
+        done["files"]
+    ) and done["libraries"]["transformers"]
     card = (out / "README.md").read_text()
     assert "ab" * 32 in card and "run123" in card
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -98,14 +122,14 @@ def _hf_equals_mllm(loaded, window: torch.Tensor, out: Path) -> list[int]:
     mine = generate(loaded.model, prompt, 200, method="greedy", dtype="float32")
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False, eos_token_id=None)
-    assert got[0, len(prompt):].tolist() == mine
+    assert got[0, len(prompt) :].tolist() == mine
     # The same text, as mllm's sample_text writes it and transformers' tokenizer decodes it.
     assert tokenizer.decode(got[0]) == loaded.tokenizer.detokenize(loaded.vocab.decode(prompt + mine))
     eos = loaded.vocab.stoi.get("<eos>")
     if eos is not None:
         stopped = generate(loaded.model, prompt, 200, method="greedy", dtype="float32", eos_id=eos)
         with torch.no_grad():
-            got = hf.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False)[0, len(prompt):].tolist()
+            got = hf.generate(torch.tensor([prompt]), max_new_tokens=200, do_sample=False)[0, len(prompt) :].tolist()
         assert (got[:-1] if got and got[-1] == eos else got) == stopped
     return mine
 
@@ -144,8 +168,15 @@ text = sys.stdin.read()
 ids = tok(text)["input_ids"]
 print(json.dumps({{"ids": ids, "text": tok.decode(ids), "arch": type(model).__name__}}))
 """
-    run = subprocess.run([sys.executable, "-I", "-S", "-c", script], input=text, capture_output=True, text=True,
-                         timeout=300, cwd=tmp_path, env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)})
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     tokens = loaded.tokenizer.split(text)
@@ -168,8 +199,11 @@ def _tokenizers() -> list:
     text = make_text(3000, gutenberg=False) + " Ünïcode — “quotes” <br /> tabs\tand\nlines"
     out = []
     for kind, normalize in (("char", True), ("char", False), ("word", True), ("word", False)):
-        out.append(build_tokenizer(RunConfig.model_validate({}).data.tokenizer.model_copy(
-            update={"kind": kind, "normalize": normalize})))
+        out.append(
+            build_tokenizer(
+                RunConfig.model_validate({}).data.tokenizer.model_copy(update={"kind": kind, "normalize": normalize})
+            )
+        )
     out.append(BpeTokenizer.train([text], 300))
     return out
 
@@ -179,7 +213,7 @@ def test_the_hf_tokenizer_encodes_and_decodes_as_mllms(tok):
     text = WAR_AND_PEACE.read_text(encoding="utf-8")[:10_000] if WAR_AND_PEACE.exists() else make_text(2000)
     tokens = tok.split(text)
     # A vocabulary from the text's first half: the second half has tokens it lacks (<unk>).
-    vocab = Vocab.build(Counter(tokens[:len(tokens) // 2] if tok.kind != "bpe" else tok._itos), specials=["<eos>"])
+    vocab = Vocab.build(Counter(tokens[: len(tokens) // 2] if tok.kind != "bpe" else tok._itos), specials=["<eos>"])
     if tok.kind == "bpe":
         vocab = Vocab([UNK, "<eos>", *[t for t in tok._itos if t not in (UNK, "<eos>")]])
     hf = fast_tokenizer(tok, vocab)
@@ -199,8 +233,9 @@ def _checkpoint(recipe: str, folder: Path, std: float | None = None, source: str
     tokenizer, extra = build_tokenizer(cfg.data.tokenizer), {}
     words = "the war and the peace said the prince to the princess".split()
     vocab = Vocab([UNK, "<pad>", "<bos>", "<eos>", *dict.fromkeys(words + list("abcdefghijklmnopqrstuvwxyz "))])
-    sizes = {f: len(vocab) for f in ("vocab_size", "src_vocab_size", "tgt_vocab_size")
-             if f in type(cfg.model).model_fields}
+    sizes = {
+        f: len(vocab) for f in ("vocab_size", "src_vocab_size", "tgt_vocab_size") if f in type(cfg.model).model_fields
+    }
     if family_of(cfg).data == "pairs":
         extra = {"src_vocab": vocab.to_json(), "src_tokenizer": tokenizer.to_json()}
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={**sizes, **model, "dropout": 0.0})})
@@ -213,14 +248,26 @@ def _checkpoint(recipe: str, folder: Path, std: float | None = None, source: str
             elif p.dim() == 2:
                 p.normal_(0, std)
     url = str(folder / f"{recipe}.pt")
-    save_checkpoint(url, {"model": net.state_dict(), "step": 0, "config": cfg.to_dict(), "vocab": vocab.to_json(),
-                          "vocab_digest": vocab.digest, "tokenizer": tokenizer.to_json(), **extra})
+    save_checkpoint(
+        url,
+        {
+            "model": net.state_dict(),
+            "step": 0,
+            "config": cfg.to_dict(),
+            "vocab": vocab.to_json(),
+            "vocab_digest": vocab.digest,
+            "tokenizer": tokenizer.to_json(),
+            **extra,
+        },
+    )
     return url
 
 
 ONNX_CASES = {
-    "gpt-every-piece": ("default", {"qk_norm": True, "value_embeds": True, "residual_scalars": True,
-                                    "logit_softcap": 15.0, "norm": "rmsnorm"}),
+    "gpt-every-piece": (
+        "default",
+        {"qk_norm": True, "value_embeds": True, "residual_scalars": True, "logit_softcap": 15.0, "norm": "rmsnorm"},
+    ),
     "gpt-nanogpt": ("default", {"positions": "learned", "mlp": "gelu", "bias": True}),
     "gpt-sinusoidal": ("default", {"positions": "sinusoidal"}),
     "lstm": ("smoke", {}),
@@ -310,13 +357,15 @@ def test_onnxruntime_gives_the_models_logits(case, tmp_path):
         assert np.abs(ours.numpy() - theirs).max() < 1e-4
 
 
-@pytest.mark.parametrize("pieces,arch", [({}, "nemotron"), ({"mlp": "gelu"}, "gptneox"),
-                                         ({"positions": "learned", "mlp": "gelu", "bias": True}, "gpt2")])
+@pytest.mark.parametrize(
+    "pieces,arch",
+    [({}, "nemotron"), ({"mlp": "gelu"}, "gptneox"), ({"positions": "learned", "mlp": "gelu", "bias": True}, "gpt2")],
+)
 def test_gguf_holds_the_checkpoints_tensors(pieces, arch, tmp_path):
     loaded = load_checkpoint(_checkpoint("default", tmp_path, **pieces))
     export(loaded, "gguf", str(tmp_path / "gguf"))
     reader = gguf.GGUFReader(str(tmp_path / "gguf" / "model.gguf"))
-    field = lambda name: reader.fields[name].contents()  # noqa: E731
+    field = lambda name: reader.fields[name].contents()  # noqa: E731 (a one-line helper, named where it is used)
     c, sd = loaded.model.config, loaded.model.state_dict()
     assert field("general.architecture") == arch
     assert field(f"{arch}.block_count") == c.n_layer and field(f"{arch}.context_length") == c.block_size
@@ -330,20 +379,23 @@ def test_gguf_holds_the_checkpoints_tensors(pieces, arch, tmp_path):
     assert np.array_equal(tensors["blk.1.ffn_up.weight"], sd["transformer.h.1.mlp.c_fc.weight"].numpy())
     qkv = sd["transformer.h.0.attn.c_attn.weight"].numpy()
     if arch == "nemotron":
-        assert np.array_equal(tensors["blk.0.attn_k.weight"], qkv[c.n_embd:2 * c.n_embd])
+        assert np.array_equal(tensors["blk.0.attn_k.weight"], qkv[c.n_embd : 2 * c.n_embd])
     else:
         assert np.array_equal(tensors["blk.0.attn_qkv.weight"], qkv)
     for name, t in export_gguf.tensors(loaded.model).items():
         assert np.array_equal(tensors[name], t.numpy()), name
 
 
-@pytest.mark.parametrize("recipe,pieces,fmt,named", [
-    ("default", {"qk_norm": True}, "hf", "qk_norm"),
-    ("default", {"norm": "rmsnorm"}, "gguf", "norm: rmsnorm"),
-    ("default", {"value_embeds": True}, "gguf", "value_embeds"),
-    ("default", {"positions": "learned", "logit_softcap": 15.0}, "hf", "logit_softcap"),
-    ("smoke", {}, "hf", "lstm"),
-])
+@pytest.mark.parametrize(
+    "recipe,pieces,fmt,named",
+    [
+        ("default", {"qk_norm": True}, "hf", "qk_norm"),
+        ("default", {"norm": "rmsnorm"}, "gguf", "norm: rmsnorm"),
+        ("default", {"value_embeds": True}, "gguf", "value_embeds"),
+        ("default", {"positions": "learned", "logit_softcap": 15.0}, "hf", "logit_softcap"),
+        ("smoke", {}, "hf", "lstm"),
+    ],
+)
 def test_a_piece_no_format_holds_is_refused_in_one_line_and_nothing_is_written(recipe, pieces, fmt, named, tmp_path):
     url = _checkpoint(recipe, tmp_path, **pieces)
     out, before = tmp_path / "out", sorted(tmp_path.iterdir())

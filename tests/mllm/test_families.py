@@ -13,22 +13,23 @@ import pytest
 import torch
 
 from mllm import UserError
-from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
-from mllm.config import RunConfig, SECTIONS, archs
-from mllm.resolve import validate
-from mllm.families.base import FAMILY_MODULES, families, family_of
-from mllm.families.base import build_model
-from mllm.resolve import resolve
-from mllm.sample import answer
+from mllm.config import SECTIONS, RunConfig, archs
 from mllm.data.text import build_tokenizer
 from mllm.data.vocab import UNK, Vocab
+from mllm.families.base import FAMILY_MODULES, build_model, families, family_of
+from mllm.resolve import resolve, validate
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
+from mllm.sample import answer
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where a family may be named: its own package of models and its module in mllm/families, the
 # config union and the registry of families.
 FAMILY_PACKAGES = {Path("mllm", m.rpartition(".")[2]) for m in FAMILY_MODULES}
-ALLOWED = {Path("mllm/config.py"), Path("mllm/families/base.py"),
-           *(Path(*m.split(".")).with_suffix(".py") for m in FAMILY_MODULES)}
+ALLOWED = {
+    Path("mllm/config.py"),
+    Path("mllm/families/base.py"),
+    *(Path(*m.split(".")).with_suffix(".py") for m in FAMILY_MODULES),
+}
 
 
 def _shared_modules() -> list[Path]:
@@ -75,8 +76,12 @@ def test_the_rule_catches_a_family_branch(tmp_path: Path) -> None:
 
 def test_every_section_has_one_family_and_every_family_its_headline() -> None:
     found = families()
-    assert {f.name for f in found} == {"language model", "word embeddings", "sequence-to-sequence",
-                                       "sequence experiments"}
+    assert {f.name for f in found} == {
+        "language model",
+        "word embeddings",
+        "sequence-to-sequence",
+        "sequence experiments",
+    }
     for section in SECTIONS.values():
         fam = family_of(section.model_construct())
         assert section in fam.sections
@@ -118,14 +123,25 @@ def _checkpoint(recipe: str, folder: Path) -> str:
     cfg = cfg.model_copy(update={"model": model})
     torch.manual_seed(0)
     url = str(folder / f"{recipe}.pt")
-    save_checkpoint(url, {"model": build_model(model).state_dict(), "step": 0, "config": cfg.to_dict(),
-                          "vocab": vocab.to_json(), "vocab_digest": vocab.digest, "tokenizer": tokenizer.to_json(),
-                          **extra})
+    save_checkpoint(
+        url,
+        {
+            "model": build_model(model).state_dict(),
+            "step": 0,
+            "config": cfg.to_dict(),
+            "vocab": vocab.to_json(),
+            "vocab_digest": vocab.digest,
+            "tokenizer": tokenizer.to_json(),
+            **extra,
+        },
+    )
     return url
 
 
-@pytest.mark.parametrize("recipe,prompt", [("smoke", "the "), ("cbow-smoke", "war peace"),
-                                           ("seq2seq-smoke", "twenty-one"), ("sequences-smoke", "7 8 9")])
+@pytest.mark.parametrize(
+    "recipe,prompt",
+    [("smoke", "the "), ("cbow-smoke", "war peace"), ("seq2seq-smoke", "twenty-one"), ("sequences-smoke", "7 8 9")],
+)
 def test_python_m_mllm_sample_answers_on_a_checkpoint_of_every_family(recipe: str, prompt: str, tmp_path: Path):
     url = _checkpoint(recipe, tmp_path)
     out = prewarmed.run("mllm.sample", ["--checkpoint", url, "--prompt", prompt], timeout=120)
@@ -185,9 +201,13 @@ def test_a_counting_rnn_learns_to_count_and_samples_the_next_number(from_scratch
     cfg = resolve("count-rnn", overrides=[f"model.from_scratch={str(from_scratch).lower()}"])
     made = family_of(cfg).make_data(cfg.data, str(tmp_path))
     assert made["sequences"] == 118
-    paths = {"train_ids": str(tmp_path / "train.npz"), "val_ids": str(tmp_path / "val.npz"),
-             "vocab": str(tmp_path / "vocab.json"), "tokenizer": str(tmp_path / "tokenizer.json"),
-             "checkpoint_dir": str(tmp_path / "ck")}
+    paths = {
+        "train_ids": str(tmp_path / "train.npz"),
+        "val_ids": str(tmp_path / "val.npz"),
+        "vocab": str(tmp_path / "vocab.json"),
+        "tokenizer": str(tmp_path / "tokenizer.json"),
+        "checkpoint_dir": str(tmp_path / "ck"),
+    }
     job = RunConfig.model_validate({**cfg.to_dict(), "paths": paths})
     result = train(job)
     loaded = load_checkpoint(result.checkpoint)

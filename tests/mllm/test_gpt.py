@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
+from mllm.data.text import CharTokenizer
+from mllm.data.vocab import Vocab
 from mllm.families.base import build_model
 from mllm.lm.generate import generate
-from mllm.data.text import CharTokenizer
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.transformer import causal_attention, causal_mask, explicit_attention, sinusoidal_positions
-from mllm.data.vocab import Vocab
 
 COMBINATIONS = [(p, a) for p in ("learned", "sinusoidal") for a in ("sdpa", "explicit")]
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs! "
@@ -166,13 +166,24 @@ def trained():
     """Each combination trained 40 steps on TEXT, from the same seed: (model, losses)."""
     data = torch.tensor([CHARS.index(ch) for ch in TEXT * 3])
     starts = torch.arange(0, len(TEXT), 3)
-    x = torch.stack([data[s:s + 32] for s in starts])
-    y = torch.stack([data[s + 1:s + 33] for s in starts])
+    x = torch.stack([data[s : s + 32] for s in starts])
+    y = torch.stack([data[s + 1 : s + 33] for s in starts])
     runs = {}
     for positions, attention in COMBINATIONS:
         torch.manual_seed(0)
-        model = build_model(model_config(arch="gpt", vocab_size=len(CHARS), n_embd=32, n_layer=1, n_head=2,
-                                         block_size=32, dropout=0.1, positions=positions, attention=attention))
+        model = build_model(
+            model_config(
+                arch="gpt",
+                vocab_size=len(CHARS),
+                n_embd=32,
+                n_layer=1,
+                n_head=2,
+                block_size=32,
+                dropout=0.1,
+                positions=positions,
+                attention=attention,
+            )
+        )
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         losses = []
         for _ in range(40):
@@ -197,8 +208,11 @@ def test_greedy_decoding_agrees_with_and_without_cache_and_either_attention(trai
     explicit = with_attention(sdpa, "explicit")
     prompt = [CHARS.index(ch) for ch in "the quick"]
     # Within the block (9 + 23 = 32 positions) the cache and recomputation see the same context.
-    runs = {(a, c): generate(m, prompt, 23, use_cache=c) for a, m in (("sdpa", sdpa), ("explicit", explicit))
-            for c in (True, False)}
+    runs = {
+        (a, c): generate(m, prompt, 23, use_cache=c)
+        for a, m in (("sdpa", sdpa), ("explicit", explicit))
+        for c in (True, False)
+    }
     assert len(set(map(tuple, runs.values()))) == 1, runs
     # Past it the cache is refilled, the same way for either attention.
     assert generate(explicit, prompt, 60) == generate(sdpa, prompt, 60)
@@ -210,15 +224,27 @@ def test_greedy_decoding_agrees_with_and_without_cache_and_either_attention(trai
 
 def test_a_checkpoint_from_before_the_fields_loads_as_learned_sdpa(tmp_path):
     vocab = Vocab.build({ch: TEXT.count(ch) for ch in TEXT})
-    cfg = RunConfig(model=model_config(arch="gpt", vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2,
-                                       block_size=64, dropout=0.0))
+    cfg = RunConfig(
+        model=model_config(
+            arch="gpt", vocab_size=len(vocab), n_embd=16, n_layer=1, n_head=2, block_size=64, dropout=0.0
+        )
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     old = cfg.to_dict()
     del old["model"]["positions"], old["model"]["attention"]  # as written before they existed
     url = str(tmp_path / "best.pt")
-    save_checkpoint(url, {"model": model.state_dict(), "step": 1, "config": old, "vocab": vocab.to_json(),
-                          "vocab_digest": vocab.digest, "tokenizer": CharTokenizer(normalize=True).to_json()})
+    save_checkpoint(
+        url,
+        {
+            "model": model.state_dict(),
+            "step": 1,
+            "config": old,
+            "vocab": vocab.to_json(),
+            "vocab_digest": vocab.digest,
+            "tokenizer": CharTokenizer(normalize=True).to_json(),
+        },
+    )
     loaded = load_checkpoint(url)
     assert (loaded.config.model.positions, loaded.config.model.attention) == ("learned", "sdpa")
     idx = torch.randint(0, len(vocab), (1, 64))

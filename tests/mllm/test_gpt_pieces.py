@@ -8,16 +8,25 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
-from mllm.runtime import speed
 from mllm.config import model_config
 from mllm.families.base import build_model
-from mllm.resolve import validate
 from mllm.lm.generate import generate
 from mllm.lm.gpt_pieces import Rotary, qk_norm, softcap, value_layers
+from mllm.resolve import validate
+from mllm.runtime import speed
 from mllm.runtime.optim import muon_split
 
-ALL = dict(positions="rotary", norm="rmsnorm", qk_norm=True, mlp="relu2", zero_init_proj=True,
-           logit_softcap=15.0, tie_weights=False, value_embeds=True, residual_scalars=True)
+ALL = dict(
+    positions="rotary",
+    norm="rmsnorm",
+    qk_norm=True,
+    mlp="relu2",
+    zero_init_proj=True,
+    logit_softcap=15.0,
+    tie_weights=False,
+    value_embeds=True,
+    residual_scalars=True,
+)
 
 
 def gpt(**kw):
@@ -71,7 +80,7 @@ def test_rotary_scores_depend_on_the_offset_only():
     torch.manual_seed(0)
     q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
     rot = Rotary(32, 8).double()
-    score = lambda i, j: (rot(q, i) * rot(k, j)).sum().item()  # noqa: E731
+    score = lambda i, j: (rot(q, i) * rot(k, j)).sum().item()  # noqa: E731 (a one-line helper, named where it is used)
     assert score(3, 1) == pytest.approx(score(12, 10)) == pytest.approx(score(25, 23))
     assert score(3, 1) != pytest.approx(score(3, 2))
 
@@ -202,7 +211,10 @@ def test_residual_scalars_start_as_the_plain_gpt_and_scale_each_layers_input():
     for g, r in zip(grads, torch.autograd.grad(F.cross_entropy(ref.view(-1, 11), idx.view(-1)), scalars)):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
         assert g.abs().min() > 0  # every layer's pair learns
-    assert [n for n, p in scaled.named_parameters() if p.dim() < 2 and "lambdas" in n] == ["resid_lambdas", "x0_lambdas"]
+    assert [n for n, p in scaled.named_parameters() if p.dim() < 2 and "lambdas" in n] == [
+        "resid_lambdas",
+        "x0_lambdas",
+    ]
 
 
 def test_the_defaults_are_nanogpts_gpt():
@@ -213,8 +225,13 @@ def test_the_defaults_are_nanogpts_gpt():
     rotary = gpt(**ALL)
     assert "wpe" not in rotary.transformer and not [k for k in rotary.state_dict() if "rotary" in k]
     assert rotary.lm_head.weight is not rotary.transformer.wte.weight
-    assert rotary.speed_variant == {"positions": "rotary", "norm": "rmsnorm", "qk_norm": True, "mlp": "relu2",
-                                    "logit_softcap": 15.0}
+    assert rotary.speed_variant == {
+        "positions": "rotary",
+        "norm": "rmsnorm",
+        "qk_norm": True,
+        "mlp": "relu2",
+        "logit_softcap": 15.0,
+    }
     assert gpt(positions="sinusoidal").speed_variant == {}  # its probe keys predate the variants
     # mllm.speed's probe keys tell the variants apart (no parameter shape does), not the defaults.
     assert speed._shape(gpt(qk_norm=True)) != speed._shape(gpt())
@@ -222,9 +239,16 @@ def test_the_defaults_are_nanogpts_gpt():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "explicit"])
-@pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(positions="rotary", mlp="relu2"),
-                                    dict(value_embeds=True, residual_scalars=True), ALL],
-                         ids=["rotary", "the-default-recipes", "value-embeds-residual-scalars", "all"])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        dict(positions="rotary"),
+        dict(positions="rotary", mlp="relu2"),
+        dict(value_embeds=True, residual_scalars=True),
+        ALL,
+    ],
+    ids=["rotary", "the-default-recipes", "value-embeds-residual-scalars", "all"],
+)
 def test_the_cache_equals_the_full_forward(attention, pieces):
     model = shaken(gpt(attention=attention, **pieces)).eval()
     idx = torch.randint(0, 11, (2, 16))
@@ -252,14 +276,22 @@ def test_cached_decoding_equals_recomputation_with_every_piece(attention):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("pieces", [dict(positions="rotary"), dict(norm="rmsnorm", qk_norm=True),
-                                    dict(mlp="relu2", zero_init_proj=True), dict(logit_softcap=10.0),
-                                    dict(value_embeds=True, residual_scalars=True), ALL],
-                         ids=["rotary", "norms", "relu2-zero", "softcap", "value-embeds-scalars", "all"])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        dict(positions="rotary"),
+        dict(norm="rmsnorm", qk_norm=True),
+        dict(mlp="relu2", zero_init_proj=True),
+        dict(logit_softcap=10.0),
+        dict(value_embeds=True, residual_scalars=True),
+        ALL,
+    ],
+    ids=["rotary", "norms", "relu2-zero", "softcap", "value-embeds-scalars", "all"],
+)
 def test_each_piece_learns(pieces):
     text = torch.tensor([i % 11 for i in range(400)]) * 7 % 11
-    x = torch.stack([text[s:s + 16] for s in range(0, 300, 7)])
-    y = torch.stack([text[s + 1:s + 17] for s in range(0, 300, 7)])
+    x = torch.stack([text[s : s + 16] for s in range(0, 300, 7)])
+    y = torch.stack([text[s + 1 : s + 17] for s in range(0, 300, 7)])
     torch.manual_seed(0)
     model = gpt(**pieces)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -26,16 +26,19 @@ import torch
 # repeat bit for bit (read once, when the first handle is made: before any CUDA work).
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-from mllm.config import RunConfig  # noqa: E402
-from mllm.data.vocab import Vocab  # noqa: E402
-from mllm.lm.generate import generate  # noqa: E402
-from mllm.runtime.checkpoint import load_checkpoint  # noqa: E402
-from mllm.runtime.optim import Muon, build_optimizer  # noqa: E402
-from mllm.train import train  # noqa: E402
-from textdata import write_char_ids  # noqa: E402
+from textdata import write_char_ids
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: these tests need a GPU")]
+from mllm.config import RunConfig
+from mllm.data.vocab import Vocab
+from mllm.lm.generate import generate
+from mllm.runtime.checkpoint import load_checkpoint
+from mllm.runtime.optim import Muon, build_optimizer
+from mllm.train import train
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: these tests need a GPU"),
+]
 
 GPT = {"arch": "gpt", "n_embd": 64, "n_head": 4, "n_layer": 2, "block_size": 64, "dropout": 0.0, "bias": False}
 # The default recipe's pieces (rotary, ReLU², Muon beside AdamW), at a size whose checkpoint is small.
@@ -60,16 +63,38 @@ def exact_float32():
 
 
 def config(data_dir: Path, ckpt: Path, model=GPT, **train_fields) -> RunConfig:
-    t = {"batch_size": 32, "window": 64, "max_steps": 200, "log_interval": 1, "eval_interval": 100,
-         "eval_batches": 8, "checkpoint_interval": 100, "optimizer": "adamw", "lr": 3e-3, "min_lr": 3e-4,
-         "lr_schedule": "cosine", "warmup_steps": 20, "grad_clip": 1.0, "device": "cuda", "compile": False,
-         "dtype": "float32", "checkpoint_minutes": None}
+    t = {
+        "batch_size": 32,
+        "window": 64,
+        "max_steps": 200,
+        "log_interval": 1,
+        "eval_interval": 100,
+        "eval_batches": 8,
+        "checkpoint_interval": 100,
+        "optimizer": "adamw",
+        "lr": 3e-3,
+        "min_lr": 3e-4,
+        "lr_schedule": "cosine",
+        "warmup_steps": 20,
+        "grad_clip": 1.0,
+        "device": "cuda",
+        "compile": False,
+        "dtype": "float32",
+        "checkpoint_minutes": None,
+    }
     t.update(train_fields)
-    return RunConfig.model_validate({
-        "model": model, "train": t,
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
-    })
+    return RunConfig.model_validate(
+        {
+            "model": model,
+            "train": t,
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(ckpt),
+            },
+        }
+    )
 
 
 def losses(records: list[dict]) -> list[float]:
@@ -84,7 +109,7 @@ def test_bf16_autocast_and_fused_adamw_follow_float32(data_dir, tmp_path):
     f32, bf16 = runs["float32"][0], runs["bfloat16"][0]
     assert (f32.dtype_used, bf16.dtype_used) == ("float32", "bfloat16")
     assert runs["auto"][0].dtype_used == "bfloat16" and runs["auto"][0].dtype_reason == "CUDA"
-    for result, records in runs.values():
+    for _, records in runs.values():
         assert all(math.isfinite(x) for x in losses(records)) and len(losses(records)) == 200
     # Learned well past a uniform guess, and bf16 within 3% of float32's validation loss.
     assert f32.val_loss < 0.5 * math.log(len(Vocab.load(str(data_dir / "vocab.json"))))
@@ -99,8 +124,9 @@ def test_compiled_steps_equal_eager_steps(data_dir, tmp_path):
     got = {}
     for compiled in (False, True):
         records: list[dict] = []
-        result = train(config(data_dir, tmp_path / str(compiled), max_steps=40, compile=compiled),
-                       on_metrics=records.extend)
+        result = train(
+            config(data_dir, tmp_path / str(compiled), max_steps=40, compile=compiled), on_metrics=records.extend
+        )
         assert result.compile_used is compiled
         got[compiled] = losses(records)
     # Inductor fuses and reorders float32 arithmetic: the same steps, within rounding.
@@ -122,8 +148,9 @@ def test_cached_greedy_decoding_equals_recomputation(pieces):
     cached = generate(model, prompt, 50, use_cache=True)
     assert len(cached) == 50 and len(set(cached)) > 3
     assert cached == generate(model, prompt, 50, use_cache=False)
-    assert generate(model, prompt, 50, method="top-p", top_p=0.9, seed=3) == \
-        generate(model, prompt, 50, method="top-p", top_p=0.9, seed=3, use_cache=False)
+    assert generate(model, prompt, 50, method="top-p", top_p=0.9, seed=3) == generate(
+        model, prompt, 50, method="top-p", top_p=0.9, seed=3, use_cache=False
+    )
 
 
 def test_muon_stacked_by_shape_follows_torchs_muon():
@@ -180,8 +207,19 @@ def test_resume_after_a_crash_on_the_gpu_reaches_the_same_weights(data_dir, tmp_
 
 
 def test_a_checkpoint_written_on_the_gpu_loads_and_samples(data_dir, tmp_path):
-    result = train(config(data_dir, tmp_path / "ck", DEFAULT_PIECES, max_steps=300, optimizer="muon",
-                          muon_lr=0.01, lr=2e-3, dtype="auto", checkpoint_interval=300))
+    result = train(
+        config(
+            data_dir,
+            tmp_path / "ck",
+            DEFAULT_PIECES,
+            max_steps=300,
+            optimizer="muon",
+            muon_lr=0.01,
+            lr=2e-3,
+            dtype="auto",
+            checkpoint_interval=300,
+        )
+    )
     raw = torch.load(result.checkpoint, weights_only=True)  # where its tensors were: the GPU
     assert next(iter(raw["model"].values())).device.type == "cuda"
     loaded = load_checkpoint(result.checkpoint, device="cuda")
@@ -193,9 +231,13 @@ def test_a_checkpoint_written_on_the_gpu_loads_and_samples(data_dir, tmp_path):
     assert result.val_loss < 2.0 and text.startswith(PROMPT) and len(text) > len(PROMPT) + 40
     # Read where no GPU is visible (a CPU machine's view): the same weights, the same float32
     # arithmetic in another order, the same greedy continuation.
-    there = subprocess.run([sys.executable, "-c", ON_A_CPU, str(result.checkpoint), json.dumps(ids)],
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
-                           timeout=300)
+    there = subprocess.run(
+        [sys.executable, "-c", ON_A_CPU, str(result.checkpoint), json.dumps(ids)],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert there.returncode == 0, there.stderr[-3000:]
     cpu = json.loads(there.stdout.splitlines()[-1])
     assert cpu["cuda"] is False and cpu["step"] == result.steps and cpu["device"] == "cpu"

@@ -6,8 +6,8 @@ import torch.nn as nn
 
 from mllm import UserError
 from mllm.config import model_config
-from mllm.lm.gpt import GPT
 from mllm.families.base import build_model
+from mllm.lm.gpt import GPT
 from mllm.lm.rnn import LSTM, RNN, LSTMCell, RecurrentLM, RNNCell
 
 
@@ -188,19 +188,22 @@ def test_loss_ignores_minus_one_targets():
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs! "
 
 
-@pytest.mark.parametrize("arch,extra", [
-    ("gpt", dict(n_embd=32, n_layer=1, n_head=2, block_size=32)),
-    ("lstm", dict(n_embd=16, hidden_size=48, n_layer=1)),
-    ("lstm", dict(n_embd=16, hidden_size=32, n_layer=1, from_scratch=True)),
-])
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("gpt", dict(n_embd=32, n_layer=1, n_head=2, block_size=32)),
+        ("lstm", dict(n_embd=16, hidden_size=48, n_layer=1)),
+        ("lstm", dict(n_embd=16, hidden_size=32, n_layer=1, from_scratch=True)),
+    ],
+)
 def test_tiny_model_overfits_tiny_text(arch, extra):
     torch.manual_seed(0)
     chars = sorted(set(TEXT))
     data = torch.tensor([chars.index(ch) for ch in TEXT * 3])
     window = 32
     starts = torch.arange(0, len(TEXT), 3)
-    x = torch.stack([data[s:s + window] for s in starts])
-    y = torch.stack([data[s + 1:s + window + 1] for s in starts])
+    x = torch.stack([data[s : s + window] for s in starts])
+    y = torch.stack([data[s + 1 : s + window + 1] for s in starts])
     y[:, :8] = -1  # a window's first characters have too little context to be certain
     model = build_model(model_config(arch=arch, vocab_size=len(chars), dropout=0.0, **extra))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from textdata import write_char_ids
+
 from mllm import UserError
 from mllm.config import RunConfig, TrainConfig, model_config
 from mllm.families.base import build_model
@@ -38,16 +38,24 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(tie):
     hidden, rest = muon_split(model)
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in hidden) == sorted(
-        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                                     "mlp.c_proj"))
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     others = {names[id(p)] for p in rest}
-    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
-            "transformer.h.0.ln_1.bias", "transformer.h.1.mlp.c_fc.bias"} <= others
+    assert {
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.ln_f.weight",
+        "transformer.h.0.ln_1.bias",
+        "transformer.h.1.mlp.c_fc.bias",
+    } <= others
     assert ("lm_head.weight" in others) != tie  # tied: the one tensor is wte's, listed once
     assert len(hidden) + len(rest) == len(list(model.parameters()))
 
-    opt = build_optimizer(model, TrainConfig(max_steps=1, optimizer="muon", lr=1e-3, muon_lr=0.05,
-                                             weight_decay=0.1), torch.device("cpu"))
+    opt = build_optimizer(
+        model, TrainConfig(max_steps=1, optimizer="muon", lr=1e-3, muon_lr=0.05, weight_decay=0.1), torch.device("cpu")
+    )
     assert isinstance(opt, Combined) and isinstance(opt.parts["muon"], torch.optim.Muon)
     assert [len(g["params"]) for g in opt.parts["muon"].param_groups] == [8]
     assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[1]["lr"] == 1e-3
@@ -110,15 +118,35 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def make_config(data_dir: Path, ckpt: Path, **train) -> RunConfig:
-    t = {"batch_size": 8, "window": 16, "max_steps": 8, "log_interval": 2, "eval_interval": 3,
-         "eval_batches": 2, "checkpoint_interval": 4, "optimizer": "muon", "lr": 3e-3, "muon_lr": 0.02,
-         "lr_schedule": "cosine", "warmup_steps": 2, "grad_clip": 0.5, "muon_weight_decay": 0.01}
+    t = {
+        "batch_size": 8,
+        "window": 16,
+        "max_steps": 8,
+        "log_interval": 2,
+        "eval_interval": 3,
+        "eval_batches": 2,
+        "checkpoint_interval": 4,
+        "optimizer": "muon",
+        "lr": 3e-3,
+        "muon_lr": 0.02,
+        "lr_schedule": "cosine",
+        "warmup_steps": 2,
+        "grad_clip": 0.5,
+        "muon_weight_decay": 0.01,
+    }
     t.update(train)
-    return RunConfig.model_validate({
-        "model": {**GPT, "dropout": 0.2}, "train": t,
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
-    })
+    return RunConfig.model_validate(
+        {
+            "model": {**GPT, "dropout": 0.2},
+            "train": t,
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(ckpt),
+            },
+        }
+    )
 
 
 def test_resume_with_muon_state_reaches_the_same_weights(data_dir, tmp_path):
@@ -169,11 +197,33 @@ def test_ddp_on_two_cpu_ranks_resumes_exactly_with_muon(data_dir, tmp_path):
     script.write_text(DDP_SCRIPT)
     # A constant rate: the script's stopped run is a 3-step training of its own, whose schedule
     # would end where the 6-step one is halfway.
-    cfg = make_config(data_dir, tmp_path, sampling="epoch", grad_accum=2, eval_interval=2, checkpoint_interval=3,
-                      lr_schedule="constant", warmup_steps=0)
+    cfg = make_config(
+        data_dir,
+        tmp_path,
+        sampling="epoch",
+        grad_accum=2,
+        eval_interval=2,
+        checkpoint_interval=3,
+        lr_schedule="constant",
+        warmup_steps=0,
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), cfg.model_dump_json(), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            cfg.model_dump_json(),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ranks 2 resumed_from 3 same True" in out.stdout

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from mllm import UserError
-from mllm.runtime import speed
-from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.config import RunConfig, model_config
+from mllm.data.text import CharTokenizer
+from mllm.data.vocab import Vocab
 from mllm.families.base import build_model
 from mllm.lm import decode
 from mllm.lm.generate import filter_top_k, filter_top_p, generate, next_token, sample_text
+from mllm.runtime import speed
+from mllm.runtime.checkpoint import load_checkpoint, save_checkpoint
 from mllm.sample import main
-from mllm.data.text import CharTokenizer
-from mllm.data.vocab import Vocab
 
 V = 13
 
@@ -27,8 +27,9 @@ def tiny(arch, seed=4, **kw):
     torch.manual_seed(seed)
     base = dict(vocab_size=V, n_embd=16, n_layer=2, n_head=2, block_size=16, hidden_size=16, dropout=0.0)
     fields = type(model_config(arch=arch)).model_fields  # the sizes of arch's own family
-    model = build_model(model_config(arch=arch, **{k: v for k, v in base.items() if k in fields and k not in kw},
-                                     **kw)).eval()
+    model = build_model(
+        model_config(arch=arch, **{k: v for k, v in base.items() if k in fields and k not in kw}, **kw)
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -69,7 +70,7 @@ def test_gpt_generates_past_block_size():
         seq.append(t)
     cached = generate(model, PROMPT, n)
     assert len(cached) == n and all(0 <= t < V for t in cached)
-    assert cached[:16 - len(PROMPT)] == plain[:16 - len(PROMPT)]
+    assert cached[: 16 - len(PROMPT)] == plain[: 16 - len(PROMPT)]
     # A prompt longer than the block is cropped to its end, not refused.
     long_prompt = plain[:30]
     assert generate(model, long_prompt, 5) == generate(model, long_prompt[-16:], 5)
@@ -108,7 +109,7 @@ def test_top_p_picks_only_the_smallest_set_reaching_p():
     probs = torch.tensor([0.06, 0.5, 0.04, 0.1, 0.3])  # sorted: 1 (0.5), 4 (0.3), 3 (0.1), 0, 2
     logits = probs.log()
     g = torch.Generator().manual_seed(0)
-    draw = lambda p: next_token(logits.expand(4000, 5), "top-p", top_p=p, generator=g)[:, 0]  # noqa: E731
+    draw = lambda p: next_token(logits.expand(4000, 5), "top-p", top_p=p, generator=g)[:, 0]  # noqa: E731 (a one-line helper, named where it is used)
     d = draw(0.75)  # 0.5 < 0.75 <= 0.8
     assert set(d.tolist()) == {1, 4}
     assert (d == 1).float().mean().item() == pytest.approx(0.5 / 0.8, abs=0.03)  # renormalised
@@ -230,9 +231,9 @@ def test_bf16_decoding_follows_float32_within_bf16_rounding(kw):
     with torch.inference_mode():
         logits, _, state = decoder(torch.tensor([PROMPT]), state=decoder.new_state(1))
         steps = [logits[0, -1]]
-        for t in seq[len(PROMPT):]:  # the cached one-token steps (the flat path for SDPA)
+        for t in seq[len(PROMPT) :]:  # the cached one-token steps (the flat path for SDPA)
             steps.append(decoder(torch.tensor([[t]]), state=state)[0][0, -1])
-    got, want = torch.stack(steps), full[len(PROMPT) - 1:]
+    got, want = torch.stack(steps), full[len(PROMPT) - 1 :]
     # bf16 keeps 8 bits of mantissa: each weight within 0.4%, each logit within a few percent of
     # the logits' spread, and the ranking of clear winners intact.
     assert (got - want).abs().max() < 0.03 * want.abs().max(), (got - want).abs().max()
@@ -269,7 +270,9 @@ def test_auto_decodes_small_models_in_float32_and_probes_large_ones_once(tmp_pat
         assert chosen.dtype == "float32" and chosen.probe_ms is None
         return
     assert set(chosen.probe_ms) == {"float32", "bfloat16"}
-    assert chosen.dtype == ("bfloat16" if chosen.probe_ms["bfloat16"] <= 0.9 * chosen.probe_ms["float32"] else "float32")
+    assert chosen.dtype == (
+        "bfloat16" if chosen.probe_ms["bfloat16"] <= 0.9 * chosen.probe_ms["float32"] else "float32"
+    )
     cache = json.loads((tmp_path / "speed.json").read_text())
     assert [e["value"] for e in cache.values()] == [chosen.probe_ms]
     monkeypatch.setattr(speed, "fast_bf16", lambda flags=None: False)
@@ -278,9 +281,13 @@ def test_auto_decodes_small_models_in_float32_and_probes_large_ones_once(tmp_pat
 
 def test_bad_arguments_are_user_errors():
     model = tiny("gpt")
-    for kw, words in [(dict(method="nucleus"), "unknown sampling method"), (dict(method="top-k"), "top_k"),
-                      (dict(method="top-p", top_p=1.5), "top_p"), (dict(temperature=-1.0), "temperature"),
-                      (dict(dtype="float16"), "decoding dtype")]:
+    for kw, words in [
+        (dict(method="nucleus"), "unknown sampling method"),
+        (dict(method="top-k"), "top_k"),
+        (dict(method="top-p", top_p=1.5), "top_p"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(dtype="float16"), "decoding dtype"),
+    ]:
         with pytest.raises(UserError, match=words):
             generate(model, PROMPT, 4, **kw)
     with pytest.raises(UserError, match="empty"):
@@ -297,13 +304,14 @@ def checkpoint(tmp_path_factory):
     """A checkpoint of a tiny LSTM that has learned TEXT by heart, saved as training saves it."""
     tokenizer = CharTokenizer(normalize=True)
     vocab = Vocab.build({ch: TEXT.count(ch) for ch in TEXT})
-    cfg = RunConfig(model=model_config(arch="lstm", vocab_size=len(vocab), n_embd=16, hidden_size=48,
-                                      n_layer=1, dropout=0.0))
+    cfg = RunConfig(
+        model=model_config(arch="lstm", vocab_size=len(vocab), n_embd=16, hidden_size=48, n_layer=1, dropout=0.0)
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model)
     data = torch.tensor(vocab.encode(list(TEXT * 4)))
-    x = torch.stack([data[s:s + 24] for s in range(len(TEXT))])
-    y = torch.stack([data[s + 1:s + 25] for s in range(len(TEXT))])
+    x = torch.stack([data[s : s + 24] for s in range(len(TEXT))])
+    y = torch.stack([data[s + 1 : s + 25] for s in range(len(TEXT))])
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -314,9 +322,18 @@ def checkpoint(tmp_path_factory):
         opt.step()
     torch.set_num_threads(threads)
     url = str(tmp_path_factory.mktemp("ckpt") / "best.pt")
-    save_checkpoint(url, {"model": model.state_dict(), "step": 150, "config": cfg.to_dict(),
-                          "vocab": vocab.to_json(), "vocab_digest": vocab.digest,
-                          "tokenizer": tokenizer.to_json(), "metrics": {"train_loss": loss.item()}})
+    save_checkpoint(
+        url,
+        {
+            "model": model.state_dict(),
+            "step": 150,
+            "config": cfg.to_dict(),
+            "vocab": vocab.to_json(),
+            "vocab_digest": vocab.digest,
+            "tokenizer": tokenizer.to_json(),
+            "metrics": {"train_loss": loss.item()},
+        },
+    )
     return url
 
 

@@ -11,18 +11,49 @@ import torch.nn as nn
 
 from mllm import UserError
 from mllm.config import DataConfig, NumbersConfig, Seq2SeqConfig
-from mllm.seq2seq.pairs import (PairBatches, PairSplit, load_side, load_split, make_batch, numbers_pairs, parse_tsv,
-                        prepare_pairs, read_pairs, read_tsv, split_pairs, vocab_sizes)
-from mllm.seq2seq.model import (BOS_ID, EOS_ID, PAD_ID, DecoderLayer, EncoderLayer, MultiHeadAttention,
-                          build_seq2seq, causal_mask, sinusoidal_positions)
+from mllm.seq2seq.model import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    DecoderLayer,
+    EncoderLayer,
+    MultiHeadAttention,
+    build_seq2seq,
+    causal_mask,
+    sinusoidal_positions,
+)
+from mllm.seq2seq.pairs import (
+    PairBatches,
+    PairSplit,
+    load_side,
+    load_split,
+    make_batch,
+    numbers_pairs,
+    parse_tsv,
+    prepare_pairs,
+    read_pairs,
+    read_tsv,
+    split_pairs,
+    vocab_sizes,
+)
 from mllm.seq2seq.translate import decode, evaluate, scores, translate
 
 ARCHS = ["seq2seq-rnn", "seq2seq-transformer"]
 
 
 def small(arch, **kw):
-    base = dict(arch=arch, src_vocab_size=12, tgt_vocab_size=12, n_embd=16, hidden_size=16, n_head=2,
-                n_layer=2, dropout=0.0, max_src_len=8, max_tgt_len=8)
+    base = dict(
+        arch=arch,
+        src_vocab_size=12,
+        tgt_vocab_size=12,
+        n_embd=16,
+        hidden_size=16,
+        n_head=2,
+        n_layer=2,
+        dropout=0.0,
+        max_src_len=8,
+        max_tgt_len=8,
+    )
     torch.manual_seed(0)
     return build_seq2seq(Seq2SeqConfig(**{**base, **kw})).eval()
 
@@ -85,8 +116,9 @@ def test_blocks_equal_torch_layers(pre):
     memory = enc(src, src_pad)
     torch.testing.assert_close(memory[keep], enc_ref(src, src_key_padding_mask=src_pad)[keep], atol=1e-5, rtol=0)
     y = dec(tgt, memory, causal_mask(5), tgt_pad, src_pad)
-    y_ref = dec_ref(tgt, memory, tgt_mask=torch.isinf(causal_mask(5)), tgt_key_padding_mask=tgt_pad,
-                    memory_key_padding_mask=src_pad)
+    y_ref = dec_ref(
+        tgt, memory, tgt_mask=torch.isinf(causal_mask(5)), tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad
+    )
     torch.testing.assert_close(y[~tgt_pad], y_ref[~tgt_pad], atol=1e-5, rtol=0)
 
 
@@ -223,7 +255,7 @@ def train(model, steps, lr, reverse=True):
     model.train()
     for i in range(steps):
         lo = (i * 64) % 1984
-        _, loss, _ = model(*make_batch(srcs[lo:lo + 64], tgts[lo:lo + 64]))
+        _, loss, _ = model(*make_batch(srcs[lo : lo + 64], tgts[lo : lo + 64]))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -248,8 +280,9 @@ def test_tiny_model_learns_to_copy_or_reverse(arch, reverse, steps):
 
 
 def test_tsv_counts_bad_lines(tmp_path):
-    pairs, bad = parse_tsv("hello\thallo\tCC-BY 2.0 (France) Attribution\nno tab here\n\tempty source\n"
-                           "empty target\t \nyes\tja\n")
+    pairs, bad = parse_tsv(
+        "hello\thallo\tCC-BY 2.0 (France) Attribution\nno tab here\n\tempty source\nempty target\t \nyes\tja\n"
+    )
     assert pairs == [("hello", "hallo"), ("yes", "ja")] and bad == 3
     path = tmp_path / "bad.tsv"
     path.write_text("one column\nanother\n")
@@ -269,9 +302,15 @@ def test_split_keeps_identical_sources_together():
 
 def pairs_data(numbers=None, target="char", shared_vocab=False, val_fraction=0.1) -> DataConfig:
     """A data section for parallel text: word source side, `target` tokens on the other."""
-    return DataConfig(tokenizer={"kind": "word", "normalize": False}, split={"val_fraction": val_fraction},
-                      pairs={"numbers": numbers, "shared_vocab": shared_vocab,
-                             "target_tokenizer": {"kind": target, "normalize": False}})
+    return DataConfig(
+        tokenizer={"kind": "word", "normalize": False},
+        split={"val_fraction": val_fraction},
+        pairs={
+            "numbers": numbers,
+            "shared_vocab": shared_vocab,
+            "target_tokenizer": {"kind": target, "normalize": False},
+        },
+    )
 
 
 def test_numbers_corpus_and_held_out_numbers(tmp_path):
@@ -302,6 +341,7 @@ def test_prepare_shared_vocab_and_length_limit(tmp_path):
 
 def test_batches_resume_exactly_and_cover_an_epoch():
     srcs, tgts = reverse_task(50, seed=0)
+
     def flat(seqs):
         return np.concatenate([np.array(s) for s in seqs]), np.cumsum([0] + [len(s) for s in seqs])
 
@@ -329,8 +369,11 @@ def test_translate_names_unknown_tokens_and_evaluate_scores(tmp_path):
     prepare_pairs(read_pairs(cfg)[0], cfg, str(tmp_path), max_src_len=20, max_tgt_len=40)
     src_tok, src_vocab = load_side(str(tmp_path), "src")
     tgt_tok, tgt_vocab = load_side(str(tmp_path), "tgt")
-    model = build_seq2seq(Seq2SeqConfig(arch="seq2seq-rnn", n_embd=8, hidden_size=8, n_layer=1, max_tgt_len=40,
-                                        **vocab_sizes(str(tmp_path))))
+    model = build_seq2seq(
+        Seq2SeqConfig(
+            arch="seq2seq-rnn", n_embd=8, hidden_size=8, n_layer=1, max_tgt_len=40, **vocab_sizes(str(tmp_path))
+        )
+    )
     with pytest.raises(UserError, match="'eleventy'"):
         translate(model, ["eleventy one"], src_tok, src_vocab, tgt_tok, tgt_vocab)
     [(src_tokens, _, text, attention)] = translate(model, ["twenty"], src_tok, src_vocab, tgt_tok, tgt_vocab)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from textdata import write_char_ids
-from mllm.runtime import compiling, speed
-from mllm.runtime.checkpoint import read_checkpoint
+
 from mllm.config import CbowConfig, RunConfig
 from mllm.families.base import build_model
+from mllm.runtime import compiling, speed
+from mllm.runtime.checkpoint import read_checkpoint
 from mllm.train import train
 
 GPT = {"arch": "gpt", "n_embd": 32, "n_head": 2, "n_layer": 2, "block_size": 32, "dropout": 0.0}
@@ -28,13 +28,30 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def config(data_dir: Path, ckpt: Path, **train) -> RunConfig:
-    t = {"batch_size": 16, "window": 32, "max_steps": 60, "log_interval": 10, "eval_interval": 60,
-         "eval_batches": 4, "optimizer": "adamw", "lr": 3e-3, "sampling": "random", "device": "cpu"}
-    return RunConfig.model_validate({
-        "model": GPT, "train": {**t, **train},
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
-    })
+    t = {
+        "batch_size": 16,
+        "window": 32,
+        "max_steps": 60,
+        "log_interval": 10,
+        "eval_interval": 60,
+        "eval_batches": 4,
+        "optimizer": "adamw",
+        "lr": 3e-3,
+        "sampling": "random",
+        "device": "cpu",
+    }
+    return RunConfig.model_validate(
+        {
+            "model": GPT,
+            "train": {**t, **train},
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(ckpt),
+            },
+        }
+    )
 
 
 def test_bf16_and_float32_learn_the_same_within_rounding(data_dir, tmp_path):
@@ -79,9 +96,14 @@ def _matmul_weights(r) -> float:
 
 
 def test_flops_per_target_counts_multiplied_weights_for_every_family():
-    lstm = build_model(RunConfig.model_validate({"model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16,
-                                                           "n_layer": 2, "vocab_size": 40},
-                                                 "train": {"max_steps": 1}}).model)
+    lstm = build_model(
+        RunConfig.model_validate(
+            {
+                "model": {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 2, "vocab_size": 40},
+                "train": {"max_steps": 1},
+            }
+        ).model
+    )
     looked_up = sum(m.weight.numel() for m in lstm.modules() if isinstance(m, torch.nn.Embedding))
     assert looked_up == 40 * 8
     x = torch.zeros(2, 16, dtype=torch.long)
@@ -99,9 +121,14 @@ def test_auto_is_float32_without_fast_bf16_and_otherwise_probes_once(tmp_path, m
     assert not speed.fast_bf16({"avx2", "avx512f"})
     assert speed.fast_bf16({"avx512f", "avx512_bf16"}) and speed.fast_bf16({"amx_bf16", "amx_tile"})
     monkeypatch.setenv("MLLM_CACHE_DIR", str(tmp_path / "cache"))
-    model = build_model(RunConfig.model_validate({
-        "model": {"arch": "gpt", "n_embd": 256, "n_head": 4, "n_layer": 2, "block_size": 128, "vocab_size": 65},
-        "train": {"max_steps": 1, "window": 128}}).model)
+    model = build_model(
+        RunConfig.model_validate(
+            {
+                "model": {"arch": "gpt", "n_embd": 256, "n_head": 4, "n_layer": 2, "block_size": 128, "vocab_size": 65},
+                "train": {"max_steps": 1, "window": 128},
+            }
+        ).model
+    )
     x = torch.randint(0, 65, (8, 128))
     before = [p.detach().clone() for p in model.parameters()]
     state = torch.get_rng_state()
@@ -124,8 +151,9 @@ def test_auto_is_float32_without_fast_bf16_and_otherwise_probes_once(tmp_path, m
     assert speed.choose_precision("auto", torch.device("cpu"), model, (x, x)) == first
     assert speed.choose_precision("float32", torch.device("cpu"), model, (x, x)).dtype == "float32"
     # A tiny model (2 layers of 32) is never timed: it stays float32 whatever the load.
-    tiny = build_model(RunConfig.model_validate({"model": {**GPT, "vocab_size": 65},
-                                                 "train": {"max_steps": 1, "window": 32}}).model)
+    tiny = build_model(
+        RunConfig.model_validate({"model": {**GPT, "vocab_size": 65}, "train": {"max_steps": 1, "window": 32}}).model
+    )
     small = speed.choose_precision("auto", torch.device("cpu"), tiny, (x[:, :32], x[:, :32]))
     assert small.dtype == "float32" and small.probe_ms is None and "small" in small.reason
 
@@ -157,8 +185,14 @@ def test_a_gpt_on_a_cpu_attends_with_the_kernel_this_machine_measured_faster(tmp
     def run(kernel: str, dtype: str):
         for d in dtypes:
             fast = {"matmul": 1.0, "sdpa": 2.0} if kernel == "matmul" else {"matmul": 2.0, "sdpa": 1.0}
-            speed._remember(["attention", "causal_attention", d, 4, GPT["n_head"], 32, GPT["n_embd"] // GPT["n_head"]], fast, busy=False)
-        assert ("written out" if kernel == "matmul" else "sdpa") in speed.choose_attention(model, torch.device("cpu"), (x, y))
+            speed._remember(
+                ["attention", "causal_attention", d, 4, GPT["n_head"], 32, GPT["n_embd"] // GPT["n_head"]],
+                fast,
+                busy=False,
+            )
+        assert ("written out" if kernel == "matmul" else "sdpa") in speed.choose_attention(
+            model, torch.device("cpu"), (x, y)
+        )
         assert model.attention_kernels[torch.float32] == kernel
         model.zero_grad(set_to_none=True)
         with speed.Precision(dtype, "").autocast(torch.device("cpu"))():
@@ -200,8 +234,7 @@ def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_fas
     # A gain this machine measured before (seeded in the cache) makes even a short training
     # compile after its first eager steps; the compiled steps are then timed for real, the verdict
     # says which was faster, and the cache now holds what was measured here.
-    from mllm.families.base import family_of
-    from mllm.families.base import load_inputs
+    from mllm.families.base import family_of, load_inputs
 
     cfg = config(data_dir, tmp_path / "ckpt", max_steps=20)
     built, _, _, _, val, _ = load_inputs(cfg)  # the key is of the model and batch the training builds

@@ -7,9 +7,33 @@ from mllm import UserError
 from mllm.config import TokenizerConfig
 from mllm.data.text import build_tokenizer, read_chunks, strip_gutenberg, tokenizer_from_json
 
-WORDS = ["the", "prince", "said", "Andrew", "war", "peace", "Moscow", "and", "of", "to",
-         "it's", "don't", "(quietly)", '"yes"', "3", "1812", "naïve", "Über", "—", "<br />",
-         "x<br", "<BR />y", "so<br />on", "no\xa0break", "sep!\x1c\x1c"]
+WORDS = [
+    "the",
+    "prince",
+    "said",
+    "Andrew",
+    "war",
+    "peace",
+    "Moscow",
+    "and",
+    "of",
+    "to",
+    "it's",
+    "don't",
+    "(quietly)",
+    '"yes"',
+    "3",
+    "1812",
+    "naïve",
+    "Über",
+    "—",
+    "<br />",
+    "x<br",
+    "<BR />y",
+    "so<br />on",
+    "no\xa0break",
+    "sep!\x1c\x1c",
+]
 PUNCT = [".", ",", ";", ":", "!", "?", "-", "..."]
 SPACES = [" ", " ", " ", " ", "  ", "\n", "\n\n", "\n \n", "\t", "   \n"]
 
@@ -28,7 +52,7 @@ def make_text(n_words: int, seed: int = 0) -> str:
 def chunkings(text: str, seed: int = 0):
     """The text cut every n characters for small n, and at random places."""
     for n in (1, 2, 3, 7):
-        yield [text[i:i + n] for i in range(0, len(text), n)]
+        yield [text[i : i + n] for i in range(0, len(text), n)]
     rng = random.Random(seed)
     for _ in range(5):
         cuts = sorted(rng.sample(range(1, len(text)), min(20, len(text) - 1)))
@@ -40,10 +64,12 @@ def flat(token_lists):
 
 
 def gutenberg(body: str) -> str:
-    return ("The Project Gutenberg eBook of Something\n\nLicence text *** not a marker\n"
-            "*** START OF THE PROJECT GUTENBERG EBOOK SOMETHING ***\n"
-            + body +
-            "*** END OF THE PROJECT GUTENBERG EBOOK SOMETHING ***\n\nMore licence text.\n")
+    return (
+        "The Project Gutenberg eBook of Something\n\nLicence text *** not a marker\n"
+        "*** START OF THE PROJECT GUTENBERG EBOOK SOMETHING ***\n"
+        + body
+        + "*** END OF THE PROJECT GUTENBERG EBOOK SOMETHING ***\n\nMore licence text.\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +121,7 @@ def test_strip_gutenberg_keeps_only_the_book_for_any_chunking():
 
 def test_strip_gutenberg_passes_text_without_start_marker_unchanged():
     text = "Just a text.\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nstill here\n"
-    assert "".join(strip_gutenberg(text[i:i + 5] for i in range(0, len(text), 5))) == text
+    assert "".join(strip_gutenberg(text[i : i + 5] for i in range(0, len(text), 5))) == text
     long = make_text(40_000, seed=3)  # longer than the header we look for a START line in
     assert "".join(strip_gutenberg([long[:70_000], long[70_000:]])) == long
 
@@ -157,8 +183,27 @@ def test_word_tokenizer_basic_english():
     tok = build_tokenizer(TokenizerConfig(kind="word", normalize=True))
     text = 'Hello, World! It\'s "fine" (really);<br />Yes: NO?\n\n  End.'
     assert flat(tok.tokenize([text])) == [
-        "hello", ",", "world", "!", "it", "'", "s", '"', "fine", '"', "(", "really", ")", ";",
-        "yes", ":", "no", "?", "end", "."]
+        "hello",
+        ",",
+        "world",
+        "!",
+        "it",
+        "'",
+        "s",
+        '"',
+        "fine",
+        '"',
+        "(",
+        "really",
+        ")",
+        ";",
+        "yes",
+        ":",
+        "no",
+        "?",
+        "end",
+        ".",
+    ]
     assert tok.split("The  Prince.") == ["the", "prince", "."]
 
 
@@ -175,8 +220,9 @@ def test_word_detokenize_tidies_spaces_before_punctuation():
 # -- every tokenizer ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,normalize", [("char", True), ("char", False), ("word", True),
-                                            ("word", False), ("bpe", True)])
+@pytest.mark.parametrize(
+    "kind,normalize", [("char", True), ("char", False), ("word", True), ("word", False), ("bpe", True)]
+)
 def test_same_tokens_for_any_chunking(kind, normalize, bpe):
     tok = bpe if kind == "bpe" else build_tokenizer(TokenizerConfig(kind=kind, normalize=normalize))
     text = make_text(400, seed=2)
@@ -232,7 +278,8 @@ def test_bpe_fast_encoder_falls_back_where_tiktoken_would_differ():
     """A BPE whose merges tiktoken's rule would not follow (b+c before a+b, then ab+c: Hugging
     Face leaves "abc" as a|bc, tiktoken would join it): the encoder notices on its first text and
     keeps Hugging Face's ids."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers
 
     from mllm.data.fastbpe import FastEncoder
 
@@ -256,8 +303,9 @@ def test_bpe_training_is_deterministic(bpe):
     assert again.to_json() == bpe.to_json()
 
 
-@pytest.mark.parametrize("kind,normalize", [("char", True), ("char", False), ("word", True),
-                                            ("word", False), ("bpe", True)])
+@pytest.mark.parametrize(
+    "kind,normalize", [("char", True), ("char", False), ("word", True), ("word", False), ("bpe", True)]
+)
 def test_tokenizer_json_round_trip(kind, normalize, bpe):
     tok = bpe if kind == "bpe" else build_tokenizer(TokenizerConfig(kind=kind, normalize=normalize))
     s = tok.to_json()
@@ -270,11 +318,17 @@ def test_tokenizer_json_round_trip(kind, normalize, bpe):
     assert again.to_json() == s
 
 
-@pytest.mark.parametrize("bad", ["not json", "[1, 2]", '{"format": "mllm-vocab"}',
-                                 '{"format": "mllm-tokenizer", "version": 9, "kind": "char"}',
-                                 '{"format": "mllm-tokenizer", "version": 1, "kind": "morse"}',
-                                 '{"format": "mllm-tokenizer", "version": 1, "kind": "bpe",'
-                                 ' "hf_tokenizer": {"model": 3}}'])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        "[1, 2]",
+        '{"format": "mllm-vocab"}',
+        '{"format": "mllm-tokenizer", "version": 9, "kind": "char"}',
+        '{"format": "mllm-tokenizer", "version": 1, "kind": "morse"}',
+        '{"format": "mllm-tokenizer", "version": 1, "kind": "bpe", "hf_tokenizer": {"model": 3}}',
+    ],
+)
 def test_tokenizer_from_json_rejects_other_input(bad):
     with pytest.raises(UserError):
         tokenizer_from_json(bad)

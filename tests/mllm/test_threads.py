@@ -40,8 +40,10 @@ def test_a_busy_machine_gets_the_count_whose_steps_are_shortest_and_is_said_to_b
     assert not chooser.measuring and chooser.threads == 1 and chooser.busy
     # Two threads' first step took three times one thread's: left at once, no second round.
     assert chooser.times == {2: [], 1: [0.180] * 4}
-    assert said == ["threads: 1 thread of 2 (a step over 2.5x on 2, 180 ms on 1; measured: the first steps); the "
-                    "machine is busy: the training's threads ran 45% of the time"]
+    assert said == [
+        "threads: 1 thread of 2 (a step over 2.5x on 2, 180 ms on 1; measured: the first steps); the "
+        "machine is busy: the training's threads ran 45% of the time"
+    ]
     record = th.record(chooser, steps=300, resumed_from=0, total_steps=None)
     assert (record["threads"], record["busy"], record["cpu_share"]) == (1, True, 0.45)
     assert record["steps_planned"] == round(300 / 0.45)  # a time budget's steps with the CPU to itself
@@ -74,8 +76,9 @@ def test_a_step_time_that_drifts_is_measured_again_and_the_count_follows():
     assert until_measuring(chooser, {2: 0.150, 1: 0.090}, 2 * th.WINDOW) == th.WINDOW
     assert chooser.why == "a step went from 50 to 150 ms"
     said = feed(chooser, {2: 0.150, 1: 0.100}, share=0.5)
-    assert chooser.threads == 1 and said[0].startswith("threads: 1 thread of 2 (a step 150 ms on 2, 100 ms on 1; "
-                                                       "measured: a step went from 50 to 150 ms)")
+    assert chooser.threads == 1 and said[0].startswith(
+        "threads: 1 thread of 2 (a step 150 ms on 2, 100 ms on 1; measured: a step went from 50 to 150 ms)"
+    )
     assert chooser.gap == th.WINDOW  # a new count: watched closely again
     # It leaves: one thread's steps get faster, measured again, back to two, said once.
     assert until_measuring(chooser, {2: 0.050, 1: 0.060}, th.WINDOW) <= th.WINDOW

@@ -13,16 +13,16 @@ import prewarmed
 import pytest
 import torch
 import yaml
-
 from textdata import write_char_ids
+
 from mllm import UserError
-from mllm.runtime.checkpoint import Loaded, load_checkpoint
 from mllm.config import RunConfig
-from mllm.runtime.epochs import load_ids
+from mllm.data.vocab import Vocab
 from mllm.lm.windows import EpochWindows, RandomWindows, windows
+from mllm.runtime.checkpoint import Loaded, load_checkpoint
+from mllm.runtime.epochs import load_ids
 from mllm.runtime.optim import lr_factor
 from mllm.train import main, train
-from mllm.data.vocab import Vocab
 
 REPO = Path(__file__).resolve().parents[2]
 LSTM = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 2, "dropout": 0.3}
@@ -49,14 +49,30 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def make_config(data_dir: Path, ckpt: Path, model=LSTM, **train) -> RunConfig:
-    t = {"batch_size": 8, "window": 16, "max_steps": 8, "log_interval": 2, "eval_interval": 4,
-         "eval_batches": 2, "checkpoint_interval": 4, "optimizer": "adamw", "lr": 3e-3}
+    t = {
+        "batch_size": 8,
+        "window": 16,
+        "max_steps": 8,
+        "log_interval": 2,
+        "eval_interval": 4,
+        "eval_batches": 2,
+        "checkpoint_interval": 4,
+        "optimizer": "adamw",
+        "lr": 3e-3,
+    }
     t.update(train)
-    return RunConfig.model_validate({
-        "model": model, "train": t,
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)},
-    })
+    return RunConfig.model_validate(
+        {
+            "model": model,
+            "train": t,
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(ckpt),
+            },
+        }
+    )
 
 
 def weights(url) -> dict[str, torch.Tensor]:
@@ -64,6 +80,7 @@ def weights(url) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- data
+
 
 def test_windows_target_is_input_shifted_by_one():
     ids = np.arange(100, dtype=np.uint16)
@@ -114,8 +131,9 @@ def test_random_windows_resume_from_generator_state_and_split_between_ranks():
 
 
 def test_lr_warms_up_then_decays_to_min_lr():
-    cfg = RunConfig.model_validate({"train": {"max_steps": 100, "lr": 1e-3, "min_lr": 1e-4,
-                                              "lr_schedule": "cosine", "warmup_steps": 10}}).train
+    cfg = RunConfig.model_validate(
+        {"train": {"max_steps": 100, "lr": 1e-3, "min_lr": 1e-4, "lr_schedule": "cosine", "warmup_steps": 10}}
+    ).train
     f = lr_factor(cfg, 100)
     assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)
     assert f(10) == pytest.approx(1.0) and f(100) == pytest.approx(0.1)
@@ -124,11 +142,19 @@ def test_lr_warms_up_then_decays_to_min_lr():
 
 # ----------------------------------------------------------------------------- the loop
 
+
 @pytest.mark.parametrize("model,sampling", [(LSTM, "epoch"), (GPT, "random")], ids=["lstm-epoch", "gpt-random"])
 def test_resume_after_a_crash_reaches_the_same_weights(data_dir, tmp_path, model, sampling):
     # Cosine schedule, warmup, clipping, accumulation and dropout > 0: every piece of state counts.
-    kw = dict(sampling=sampling, max_steps=8, lr_schedule="cosine", warmup_steps=2, grad_clip=0.5,
-              grad_accum=2, eval_interval=3)
+    kw = dict(
+        sampling=sampling,
+        max_steps=8,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        grad_clip=0.5,
+        grad_accum=2,
+        eval_interval=3,
+    )
     straight_records = []
     straight = train(make_config(data_dir, tmp_path / "a", model, **kw), on_metrics=straight_records.extend)
 
@@ -148,7 +174,7 @@ def test_resume_after_a_crash_reaches_the_same_weights(data_dir, tmp_path, model
     assert resumed.resumed_from_step == 4 and resumed.steps == straight.steps == 8
     a, b = weights(straight.checkpoint), weights(resumed.checkpoint)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    timeless = lambda records: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]  # noqa: E731
+    timeless = lambda records: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu")} for r in records]  # noqa: E731 (a one-line helper, named where it is used)
     assert timeless(resumed_records) == timeless(r for r in straight_records if r["step"] > 4)
     assert resumed.val_loss == straight.val_loss
 
@@ -161,8 +187,16 @@ def test_losses_equal_the_plain_loop(data_dir, tmp_path, model):
     # so after 30 steps the losses agree to float32 rounding, far inside any seed-to-seed change.
     from mllm.families.base import build_model
 
-    kw = dict(sampling="random", max_steps=30, log_interval=1, lr_schedule="cosine", warmup_steps=3,
-              grad_clip=0.5, weight_decay=0.1, eval_interval=10)
+    kw = dict(
+        sampling="random",
+        max_steps=30,
+        log_interval=1,
+        lr_schedule="cosine",
+        warmup_steps=3,
+        grad_clip=0.5,
+        weight_decay=0.1,
+        eval_interval=10,
+    )
     cfg = make_config(data_dir, tmp_path, model, **kw)
     records = []
     train(cfg, on_metrics=records.extend)
@@ -192,8 +226,11 @@ def test_losses_equal_the_plain_loop(data_dir, tmp_path, model):
 
 def test_metrics_arrive_as_one_list_per_log_step(data_dir, tmp_path):
     calls, progress = [], []
-    result = train(make_config(data_dir, tmp_path, max_steps=8, log_interval=2, eval_interval=4),
-                   on_metrics=calls.append, on_progress=progress.append)
+    result = train(
+        make_config(data_dir, tmp_path, max_steps=8, log_interval=2, eval_interval=4),
+        on_metrics=calls.append,
+        on_progress=progress.append,
+    )
     assert [(p["step"], p["total_steps"]) for p in progress] == [(2, 8), (4, 8), (6, 8), (8, 8)]
     assert [[r["step"] for r in c] for c in calls] == [[2], [4, 4], [6], [8, 8]]
     train_keys = {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
@@ -231,8 +268,18 @@ def test_time_budget_stops_training(data_dir, tmp_path):
 
 def test_minutes_alone_set_a_cosine_schedule_that_runs_out_with_them(data_dir, tmp_path):
     records, progress = [], []
-    cfg = make_config(data_dir, tmp_path, max_steps=None, max_minutes=0.05, lr_schedule="cosine", min_lr=3e-5,
-                      log_interval=1, eval_interval=10**6, checkpoint_interval=10**6, compile=False)
+    cfg = make_config(
+        data_dir,
+        tmp_path,
+        max_steps=None,
+        max_minutes=0.05,
+        lr_schedule="cosine",
+        min_lr=3e-5,
+        log_interval=1,
+        eval_interval=10**6,
+        checkpoint_interval=10**6,
+        compile=False,
+    )
     result = train(cfg, on_metrics=records.extend, on_progress=progress.append)
     assert result.stop_reason == "max_minutes" and 3.0 <= result.elapsed_s < 4.0
     # The rate follows the clock down from its peak to min_lr at the budget's end (not held at the
@@ -247,8 +294,10 @@ def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path
     def saved_steps(minutes):
         seen = []
         last = tmp_path / str(minutes) / "last.pt"
-        train(make_config(data_dir, last.parent, max_steps=6, checkpoint_interval=1000, checkpoint_minutes=minutes),
-              on_progress=lambda p: seen.append(load_checkpoint(str(last)).step if last.exists() else None))
+        train(
+            make_config(data_dir, last.parent, max_steps=6, checkpoint_interval=1000, checkpoint_minutes=minutes),
+            on_progress=lambda p: seen.append(load_checkpoint(str(last)).step if last.exists() else None),
+        )
         return seen
 
     assert saved_steps(None) == [None, None, 6]  # by steps only: nothing before the end
@@ -256,12 +305,24 @@ def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path
 
 
 def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_path):
-    cfg = make_config(data_dir, tmp_path, max_steps=10_000, checkpoint_interval=10_000, checkpoint_minutes=None,
-                      log_interval=1, eval_interval=10_000)
+    cfg = make_config(
+        data_dir,
+        tmp_path,
+        max_steps=10_000,
+        checkpoint_interval=10_000,
+        checkpoint_minutes=None,
+        log_interval=1,
+        eval_interval=10_000,
+    )
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mllm.train", "--config", str(tmp_path / "run.yaml")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mllm.train", "--config", str(tmp_path / "run.yaml")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     logged = []
     for line in proc.stdout:
         logged.append(int(line.split(":")[0].split()[1]))
@@ -272,7 +333,6 @@ def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_p
     assert proc.returncode == -15, stderr[-2000:]  # then Python's default: the signal ends the process
     step = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
     assert 20 <= step < 10_000  # no step printed before the signal is lost
-
 
 
 def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
@@ -310,7 +370,8 @@ def _compiler_processes(parent: int) -> list[int]:
 
 
 def test_a_signal_to_the_whole_group_while_inductor_compiles_stops_in_seconds_at_the_last_finished_step(
-        data_dir, tmp_path, monkeypatch):
+    data_dir, tmp_path, monkeypatch
+):
     # `timeout`, a batch scheduler or a terminal signal every process of the command's group: the
     # g++ that inductor waits for dies of it too. A compilation takes minutes on a busy machine,
     # and a dead compiler used to fail the task: both give way to the signal, as at any step.
@@ -326,8 +387,15 @@ def test_a_signal_to_the_whole_group_while_inductor_compiles_stops_in_seconds_at
     # signal ends only counts as an instruction set missing. The g++ that gets the signal below
     # compiles the model's kernels, and dying fails the compilation.
     valid_vec_isa_list()
-    cfg = make_config(data_dir, tmp_path, max_steps=1000, compile=True, checkpoint_interval=1000,
-                      checkpoint_minutes=None, eval_interval=1000)
+    cfg = make_config(
+        data_dir,
+        tmp_path,
+        max_steps=1000,
+        compile=True,
+        checkpoint_interval=1000,
+        checkpoint_minutes=None,
+        eval_interval=1000,
+    )
     sent: list[float] = []
 
     def group_signal() -> None:
@@ -361,6 +429,7 @@ def test_a_signal_to_the_whole_group_while_inductor_compiles_stops_in_seconds_at
     # drew are drawn again on resume.
     assert state["step"] == 0 and state["data_state"] == {"batches": 0}
 
+
 DDP_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from mllm.config import RunConfig
@@ -389,14 +458,29 @@ def test_ddp_on_two_cpu_ranks_resumes_exactly(data_dir, tmp_path):
     script.write_text(DDP_SCRIPT)
     cfg = make_config(data_dir, tmp_path, sampling="epoch", grad_accum=2, eval_interval=2, checkpoint_interval=3)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), cfg.model_dump_json(), str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            cfg.model_dump_json(),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ranks 2 resumed_from 3 same True" in out.stdout
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
 
 def test_checkpoint_round_trip_gives_the_trained_model(data_dir, tmp_path):
     result = train(make_config(data_dir, tmp_path, model=GPT, max_steps=4))
@@ -442,6 +526,7 @@ def test_another_vocabulary_is_refused(data_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- the CLI
 
+
 def run_cli(*args, cwd=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return prewarmed.run("mllm.train", [*args], env=env, cwd=cwd, timeout=300)
@@ -458,7 +543,7 @@ def test_cli_trains_and_resumes(data_dir, tmp_path):
     first = run_cli("--config", str(config))
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert [l.split(":")[0] for l in lines if "tok/s" in l and "loss" in l][:2] == ["step 2", "step 4"]
+    assert [line.split(":")[0] for line in lines if "tok/s" in line and "loss" in line][:2] == ["step 2", "step 4"]
     assert lines[-1].startswith("done: 4 steps (max_steps)")
     assert (tmp_path / "ck" / "last.pt").exists()
     more = run_cli("--config", str(config), "--set", "train.max_steps=6")
@@ -467,13 +552,19 @@ def test_cli_trains_and_resumes(data_dir, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("change,message", [
-    (["--set", "train.lrr=1"], "train.lrr: unknown field"),
-    (["--set", "train.lr=-1"], "train.lr: Input should be greater than 0"),
-    (["--set", "paths=null"], "has no paths section"),
-    (["--set", "paths.train_ids=/nowhere/train.npy"], "train ids (paths.train_ids) not found at /nowhere/train.npy"),
-    (["--set", "paths.vocab=OTHER"], "was trained with another vocabulary"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (["--set", "train.lrr=1"], "train.lrr: unknown field"),
+        (["--set", "train.lr=-1"], "train.lr: Input should be greater than 0"),
+        (["--set", "paths=null"], "has no paths section"),
+        (
+            ["--set", "paths.train_ids=/nowhere/train.npy"],
+            "train ids (paths.train_ids) not found at /nowhere/train.npy",
+        ),
+        (["--set", "paths.vocab=OTHER"], "was trained with another vocabulary"),
+    ],
+)
 def test_cli_bad_config_exits_2_with_one_line(data_dir, tmp_path, capsys, change, message):
     config = write_config(tmp_path / "run.yaml", make_config(data_dir, tmp_path / "ck", max_steps=2))
     assert main(["--config", str(config)]) == 0

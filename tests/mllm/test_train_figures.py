@@ -23,12 +23,28 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def make_config(data_dir: Path, ckpt: Path, **train_) -> RunConfig:
-    t = {"batch_size": 4, "window": 16, "max_steps": 8, "log_interval": 2, "eval_interval": 3, "eval_batches": 2,
-         "checkpoint_interval": 4, "lr": 3e-3}
-    return RunConfig.model_validate({
-        "model": GPT, "train": {**t, **train_},
-        "paths": {"train_ids": str(data_dir / "train.npy"), "val_ids": str(data_dir / "val.npy"),
-                  "vocab": str(data_dir / "vocab.json"), "checkpoint_dir": str(ckpt)}})
+    t = {
+        "batch_size": 4,
+        "window": 16,
+        "max_steps": 8,
+        "log_interval": 2,
+        "eval_interval": 3,
+        "eval_batches": 2,
+        "checkpoint_interval": 4,
+        "lr": 3e-3,
+    }
+    return RunConfig.model_validate(
+        {
+            "model": GPT,
+            "train": {**t, **train_},
+            "paths": {
+                "train_ids": str(data_dir / "train.npy"),
+                "val_ids": str(data_dir / "val.npy"),
+                "vocab": str(data_dir / "vocab.json"),
+                "checkpoint_dir": str(ckpt),
+            },
+        }
+    )
 
 
 def whole(checkpoint: str) -> tuple[float, float]:
@@ -61,8 +77,9 @@ def test_a_resumed_training_says_where_from_and_its_figures_cover_every_run(data
     assert result.tokens_per_s == pytest.approx(tokens / seconds)
     # Each logged interval's figures by the same definition: its MFU from its rate, as the result's.
     logged = [r for r in records if "mfu" in r]
-    assert logged and all(r["mfu"] / r["tokens_per_s"] == pytest.approx(result.mfu / result.tokens_per_s)
-                          for r in logged)
+    assert logged and all(
+        r["mfu"] / r["tokens_per_s"] == pytest.approx(result.mfu / result.tokens_per_s) for r in logged
+    )
     assert f"{result.tokens_per_s:,.0f} tok/s, mfu {result.mfu:.1%} over the training" in result.done_line()
     # Run again once finished: nothing trains, and the figures are the same, not the last interval's.
     again = train(cfg, on_notice=said.append)
@@ -72,7 +89,9 @@ def test_a_resumed_training_says_where_from_and_its_figures_cover_every_run(data
 
 def test_a_time_budget_reports_its_end_to_the_progress_bar(data_dir, tmp_path):
     seen: list[dict] = []
-    train(make_config(data_dir, tmp_path / "budget", max_steps=None, max_minutes=0.02, log_interval=1),
-          on_progress=seen.append)
+    train(
+        make_config(data_dir, tmp_path / "budget", max_steps=None, max_minutes=0.02, log_interval=1),
+        on_progress=seen.append,
+    )
     assert seen and all(p["budget_s"] == pytest.approx(1.2) for p in seen)
     assert all(p["elapsed_s"] > 0 for p in seen)

@@ -52,8 +52,13 @@ def test_encode_array_matches_encode_for_arrow_inputs():
     tokens = ["a", "q", " ", "d", "c", "a", "<unk>"]
     want = np.array(v.encode(tokens), dtype=np.int32)
     arr = pa.array(tokens)
-    for given in (tokens, arr, pa.chunked_array([arr[:3], arr[3:]]), arr.cast(pa.large_string()),
-                  arr.dictionary_encode()):
+    for given in (
+        tokens,
+        arr,
+        pa.chunked_array([arr[:3], arr[3:]]),
+        arr.cast(pa.large_string()),
+        arr.dictionary_encode(),
+    ):
         got = v.encode_array(given)
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, want)
@@ -79,14 +84,19 @@ def test_json_round_trip_and_storage(tmp_path):
     assert state["format"] == "mllm-vocab" and state["version"] == 1 and state["tokens"] == v.itos
 
 
-@pytest.mark.parametrize("bad", [
-    "not json", "[1, 2, 3]", '{"tokens": ["<unk>"]}',
-    '{"format": "mllm-vocab", "version": 2, "tokens": ["<unk>"]}',
-    '{"format": "mllm-vocab", "version": 1, "tokens": ["a", "<unk>"]}',
-    '{"format": "mllm-vocab", "version": 1, "tokens": ["<unk>", "a", "a"]}',
-    '{"format": "mllm-vocab", "version": 1, "tokens": ["<unk>", 3]}',
-    '{"format": "mllm-vocab", "version": 1}',
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        "[1, 2, 3]",
+        '{"tokens": ["<unk>"]}',
+        '{"format": "mllm-vocab", "version": 2, "tokens": ["<unk>"]}',
+        '{"format": "mllm-vocab", "version": 1, "tokens": ["a", "<unk>"]}',
+        '{"format": "mllm-vocab", "version": 1, "tokens": ["<unk>", "a", "a"]}',
+        '{"format": "mllm-vocab", "version": 1, "tokens": ["<unk>", 3]}',
+        '{"format": "mllm-vocab", "version": 1}',
+    ],
+)
 def test_from_json_on_other_input_is_a_user_error(bad):
     with pytest.raises(UserError):
         Vocab.from_json(bad)

@@ -20,8 +20,12 @@ for name, path in given["sockets"].items():
 ctx = ssl.create_default_context()
 ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
 for port in given["ports"]:
-    req = urllib.request.Request(f"https://127.0.0.1:{port}/api/work_pools/local", method="PATCH",
-                                 data=b'{"concurrency_limit": 5}', headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"https://127.0.0.1:{port}/api/work_pools/local",
+        method="PATCH",
+        data=b'{"concurrency_limit": 5}',
+        headers={"Content-Type": "application/json"},
+    )
     try:
         out[str(port)] = urllib.request.urlopen(req, context=ctx, timeout=30).status
     except urllib.error.HTTPError as e:

@@ -22,8 +22,10 @@ def test_a_queued_or_live_run_is_never_crashed_and_a_gone_or_reused_one_is(prefe
         client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
         flow_id = client.create_flow_from_name("orphans")
         deployment = client.create_deployment(flow_id, pool, work_pool_name=pool)
-        runs = {name: client.create_flow_run_from_deployment(deployment, name=f"{pool}-{name}")
-                for name in ("queued", "running", "gone", "reused", "unstarted")}
+        runs = {
+            name: client.create_flow_run_from_deployment(deployment, name=f"{pool}-{name}")
+            for name in ("queued", "running", "gone", "reused", "unstarted")
+        }
         # The queued run waited: its worker starts its process well after the run was created.
         time.sleep(5.5)
 
@@ -38,10 +40,16 @@ def test_a_queued_or_live_run_is_never_crashed_and_a_gone_or_reused_one_is(prefe
         try:
             ended = subprocess.Popen(["true"])
             ended.wait()
-            pids = {"queued": process_of("queued").pid, "running": process_of("running").pid,
-                    "gone": ended.pid, "reused": process_of(None).pid}
+            pids = {
+                "queued": process_of("queued").pid,
+                "running": process_of("running").pid,
+                "gone": ended.pid,
+                "reused": process_of(None).pid,
+            }
             for name, run in runs.items():
-                client.set_flow_run_state(run.id, Pending() if name in ("queued", "unstarted") else Running(), force=True)
+                client.set_flow_run_state(
+                    run.id, Pending() if name in ("queued", "unstarted") else Running(), force=True
+                )
                 if name in pids:
                     client.update_flow_run(run.id, infrastructure_pid=str(pids[name]))
 
@@ -49,8 +57,13 @@ def test_a_queued_or_live_run_is_never_crashed_and_a_gone_or_reused_one_is(prefe
 
             assert sorted(marked) == [f"{pool}-gone", f"{pool}-reused"], marked
             states = {name: client.read_flow_run(run.id).state_type.value for name, run in runs.items()}
-            assert states == {"queued": "PENDING", "running": "RUNNING", "gone": "CRASHED", "reused": "CRASHED",
-                              "unstarted": "PENDING"}, states
+            assert states == {
+                "queued": "PENDING",
+                "running": "RUNNING",
+                "gone": "CRASHED",
+                "reused": "CRASHED",
+                "unstarted": "PENDING",
+            }, states
         finally:
             for proc in alive:
                 proc.kill()

@@ -21,26 +21,42 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, DeploymentFilter, DeploymentFilterId,
-                                            FlowFilter, FlowFilterName)
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowFilter,
+    FlowFilterName,
+)
 from prefect.client.schemas.sorting import FlowRunSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from servers import S3Server, run_s3_server
+from textdata import make_text
 
 import mllm.train
-from textdata import make_text
 from flows.stack import servers as stack
 from mllm import storage
 from mllm.config import RunConfig
-from servers import S3Server, run_s3_server
 
 pytestmark = pytest.mark.integration
 
 BUCKET = "mllm-test"
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+]
 # Long enough (about 20 s on one thread) to kill in the middle, checkpoints every 50 steps.
-LONG = ["train.max_steps=400", "train.eval_interval=100", "train.checkpoint_interval=50",
-        "train.log_interval=10", "sample.max_new_tokens=20"]
+LONG = [
+    "train.max_steps=400",
+    "train.eval_interval=100",
+    "train.checkpoint_interval=50",
+    "train.log_interval=10",
+    "sample.max_new_tokens=20",
+]
 
 
 @dataclass
@@ -54,7 +70,9 @@ class Stack:
         return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
     def cli(self, *args: str, cwd: Path, **env: str) -> subprocess.Popen:
-        return prewarmed.start("flows.cli", list(args), {**os.environ, **self.env, "MLLM_LOST_AFTER_S": "8", **env}, cwd)
+        return prewarmed.start(
+            "flows.cli", list(args), {**os.environ, **self.env, "MLLM_LOST_AFTER_S": "8", **env}, cwd
+        )
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +96,14 @@ def stack_env(s3, tmp_path_factory):
     # paid by each queued run of the schedule and of the UI's form below).
     mp.setenv("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "1")
     try:
-        state = stack.up(home, f"s3://{BUCKET}/mlflow", pool="local", prefect_port=0, mlflow_port=0,
-                         worker_env={"OMP_NUM_THREADS": "1", "MLLM_LOG_EVERY_S": "1",
-                                     "PREFECT_WORKER_QUERY_SECONDS": "1"})
+        state = stack.up(
+            home,
+            f"s3://{BUCKET}/mlflow",
+            pool="local",
+            prefect_port=0,
+            mlflow_port=0,
+            worker_env={"OMP_NUM_THREADS": "1", "MLLM_LOG_EVERY_S": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"},
+        )
         for k, v in state["env"].items():
             mp.setenv(k, v)
         with temporary_settings({PREFECT_API_URL: state["env"]["PREFECT_API_URL"]}):
@@ -121,9 +144,19 @@ def _uninterrupted(trained: dict, folder: Path) -> mllm.train.TrainResult:
 
 
 def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_env: Stack, tmp_path: Path) -> None:
-    proc = stack_env.cli("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt",
-                         "--storage", f"s3://{BUCKET}/pool", "--train-on", "local",
-                         *[a for s in LONG for a in ("--set", s)], cwd=tmp_path)
+    proc = stack_env.cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus.txt",
+        "--storage",
+        f"s3://{BUCKET}/pool",
+        "--train-on",
+        "local",
+        *[a for s in LONG for a in ("--set", s)],
+        cwd=tmp_path,
+    )
     try:
         _wait_for("checkpoint", lambda: _checkpoint(stack_env, "pool/runs/"), 240, proc)
         worker = next(s for s in stack.load(stack_env.home)["services"] if s.name == "worker")
@@ -172,17 +205,29 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
     # Prefect: the pipeline's flow run, and inside it the two training flow runs of the pool.
     with get_client(sync_client=True) as prefect:
         parent = prefect.read_flow_run(logged.data.tags["prefect.flow_run_id"])
-        trains = [t for t in prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
-                  if t.parent_task_run_id and prefect.read_task_run(t.parent_task_run_id).flow_run_id == parent.id]
+        trains = [
+            t
+            for t in prefect.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])))
+            if t.parent_task_run_id and prefect.read_task_run(t.parent_task_run_id).flow_run_id == parent.id
+        ]
     assert parent.state.is_completed()
     assert sorted(t.state.type.value for t in trains) == ["COMPLETED", "CRASHED"]
     assert all(t.work_pool_name == "local" and t.deployment_id is not None for t in trains)
 
 
 def test_storage_outage_retries_then_fails_clearly_and_a_rerun_reuses_what_finished(
-        stack_env: Stack, tmp_path: Path) -> None:
-    args = ("run", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus2.txt", "--storage",
-            f"s3://{BUCKET}/outage", *[a for s in LONG for a in ("--set", s)])
+    stack_env: Stack, tmp_path: Path
+) -> None:
+    args = (
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus2.txt",
+        "--storage",
+        f"s3://{BUCKET}/outage",
+        *[a for s in LONG for a in ("--set", s)],
+    )
     # botocore tries each request twice instead of five times (each storage call then gives up
     # in seconds, not tens of seconds); Prefect's retries of the stage come on top, a second after
     # each failure (MLLM_TRAIN_RETRY_DELAY_S; 5 s by default).
@@ -225,8 +270,14 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     other = subprocess.Popen(["sleep", "60"], start_new_session=True)
     ours = stack.Service("worker", ["sleep", "61"], str(tmp_path / "logs" / "worker.log")).start()
     try:
-        stack.save(tmp_path, [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"),
-                                                   pid=other.pid)], {}, "local", "storage", {})
+        stack.save(
+            tmp_path,
+            [ours, stack.Service("mlflow-server", ["mlflow", "server"], str(tmp_path / "m.log"), pid=other.pid)],
+            {},
+            "local",
+            "storage",
+            {},
+        )
         out = prewarmed.run("flows.cli", ["stack", "status", "--home", str(tmp_path)], timeout=60)
         assert out.returncode == 1 and "mlflow-server   NOT RUNNING" in out.stdout
         assert stack.down(tmp_path) == [("mlflow-server", False), ("worker", True)]
@@ -257,12 +308,16 @@ def _post(url: str, body: dict) -> dict:
 
 def _deployment_runs(deployment_id) -> list:
     with get_client(sync_client=True) as prefect:
-        return prefect.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
-                                      sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+        return prefect.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+            sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+        )
 
 
 def _decisions(client: MlflowClient) -> list[tuple[str, str]]:
-    runs = client.search_runs([client.get_experiment_by_name("smoke").experiment_id], order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id], order_by=["attributes.start_time ASC"]
+    )
     return [(r.data.tags.get("decision"), r.data.tags.get("decision.reason", "")) for r in runs]
 
 
@@ -270,7 +325,9 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     # A folder of books on S3 where new ones land: the schedule retrains on an added file only.
     source, root = f"s3://{BUCKET}/weekly/", f"s3://{BUCKET}/scheduled"
     for i in range(3):
-        stack_env.s3.client().put_object(Bucket=BUCKET, Key=f"weekly/book{i}.txt", Body=make_text(3000, seed=11 + i).encode())
+        stack_env.s3.client().put_object(
+            Bucket=BUCKET, Key=f"weekly/book{i}.txt", Body=make_text(3000, seed=11 + i).encode()
+        )
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
     fast = FAST + ["data.split.span_bytes=1024"]  # these books give 45 spans, 4 of them val; with the fourth 60 and 5
 
@@ -279,8 +336,20 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
 
     # A model of its own (--model): the stack's "smoke" champion is of other tests' corpora, which
     # share no file with these books, so they would not be judged against it at all.
-    out = cli("schedule", "--recipe", "smoke", "--interval", "10", "--source", source, "--storage", root,
-              "--model", "weekly-smoke", *[a for s in fast for a in ("--set", s)])
+    out = cli(
+        "schedule",
+        "--recipe",
+        "smoke",
+        "--interval",
+        "10",
+        "--source",
+        source,
+        "--storage",
+        root,
+        "--model",
+        "weekly-smoke",
+        *[a for s in fast for a in ("--set", s)],
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("pipeline/smoke: every 10 s on pool 'local'")
     with get_client(sync_client=True) as prefect:
@@ -289,8 +358,11 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     # 10 s ahead of its time (PREFECT_WORKER_PREFETCH_SECONDS): the first at once, the second 10 s
     # later (it waits for the first's slot); paused then, the schedule drops the runs no worker took,
     # and the third, 10 s later still, costs no run of its own.
-    _wait_for("two scheduled runs taken by the worker",
-              lambda: sum(r.state.name not in ("Scheduled", "Late") for r in _deployment_runs(deployment.id)) >= 2, 300)
+    _wait_for(
+        "two scheduled runs taken by the worker",
+        lambda: sum(r.state.name not in ("Scheduled", "Late") for r in _deployment_runs(deployment.id)) >= 2,
+        300,
+    )
     assert cli("schedule", "--recipe", "smoke", "--pause").returncode == 0
     assert "PAUSED" in cli("schedule", "list").stdout
     _wait_for("the runs to end", lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)), 300)
@@ -298,37 +370,50 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     assert len(runs) >= 2 and all(r.state.is_completed() for r in runs)
     # The first scheduled run trains and is its model's first champion; the next ones find a model
     # trained on the same data, config and code, and skip.
-    decisions = _decisions(client)[-len(_deployment_runs(deployment.id)):]
+    decisions = _decisions(client)[-len(_deployment_runs(deployment.id)) :]
     assert decisions[0] == ("promoted", "no champion yet")
     assert {d for d, _ in decisions[1:]} == {"skipped"} and "unchanged since" in decisions[1][1]
     first = client.get_model_version_by_alias("weekly-smoke", "champion").version
     with get_client(sync_client=True) as prefect:
-        artifacts = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["decision-smoke"])))
-    assert any("**skipped**" in a.data for a in artifacts) and any(f"**{decisions[0][0]}**" in a.data for a in artifacts)
+        artifacts = prefect.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["decision-smoke"]))
+        )
+    assert any("**skipped**" in a.data for a in artifacts) and any(
+        f"**{decisions[0][0]}**" in a.data for a in artifacts
+    )
 
     # A new book in the folder; a run started the way the UI's form does: its parameters as JSON.
     stack_env.s3.client().put_object(Bucket=BUCKET, Key="weekly/book3.txt", Body=make_text(3000, seed=20).encode())
     schema = deployment.parameter_openapi_schema["properties"]
     assert "smoke" in schema["recipe"]["enum"] and schema["force"]["type"] == "boolean"
-    form = {"recipe": "smoke", "source": source, "storage_url": root, "overrides": fast, "train_on": None,
-            "force": False, "model": "weekly-smoke"}
+    form = {
+        "recipe": "smoke",
+        "source": source,
+        "storage_url": root,
+        "overrides": fast,
+        "train_on": None,
+        "force": False,
+        "model": "weekly-smoke",
+    }
     with get_client(sync_client=True) as prefect:
         run = prefect.create_flow_run_from_deployment(deployment.id, parameters=form)
-    final = _wait_for("the UI's run", lambda: (r := _flow_run(run.id)).state.is_final() and r, 240)
+    final = _wait_for("the UI's run", lambda run=run: (r := _flow_run(run.id)).state.is_final() and r, 240)
     assert final.state.is_completed(), final.state.message
     decision, reason = _decisions(client)[-1]
     assert decision in ("promoted", "kept") and "both on this run's validation split" in reason
     champion = client.get_model_version_by_alias("weekly-smoke", "champion")
     assert (champion.version != first) == (decision == "promoted")
-    last = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                              order_by=["attributes.start_time DESC"], max_results=1)[0]
+    last = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id], order_by=["attributes.start_time DESC"], max_results=1
+    )[0]
     p = last.data.params
     assert (p["corpus.files"], p["corpus.new"], p["corpus.reused"], p["corpus.tokenized"]) == ("4", "1", "3", "1")
     # The worker ran the flow in a temporary folder; the commit is still that of the code it ran.
     repo = Path(__file__).resolve().parents[2]
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    last = client.search_runs([client.get_experiment_by_name("smoke").experiment_id],
-                              order_by=["attributes.start_time DESC"], max_results=1)[0]
+    last = client.search_runs(
+        [client.get_experiment_by_name("smoke").experiment_id], order_by=["attributes.start_time DESC"], max_results=1
+    )[0]
     assert last.data.tags["git.commit"] == head
 
 
@@ -340,8 +425,13 @@ def _flow_run(flow_run_id):
 def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     # Prefect's own CLI, as a user runs it (forked from the interpreter that has imported it already).
-    out = prewarmed.run("prefect", ["--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
-                        {**os.environ, **stack_env.env, "PREFECT_HOME": str(tmp_path / "prefect")}, repo, timeout=180)
+    out = prewarmed.run(
+        "prefect",
+        ["--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
+        {**os.environ, **stack_env.env, "PREFECT_HOME": str(tmp_path / "prefect")},
+        repo,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     with get_client(sync_client=True) as prefect:
         for name in ("default", "smoke", "warandpeace-lstm", "warandpeace-gpt", "shakespeare-gpt", "cbow"):
@@ -350,21 +440,35 @@ def test_prefect_yaml_deploys_every_recipe_with_a_form(stack_env: Stack, tmp_pat
             assert [s.active for s in d.schedules] == [False]  # paused until resumed
             assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": "."}}]
             assert d.global_concurrency_limit.limit == 1
-            assert set(d.parameter_openapi_schema["properties"]) >= {"recipe", "source", "overrides", "train_on", "force"}
+            assert set(d.parameter_openapi_schema["properties"]) >= {
+                "recipe",
+                "source",
+                "overrides",
+                "train_on",
+                "force",
+            }
 
 
 def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: Stack, tmp_path: Path) -> None:
-    out = prewarmed.run("flows.cli", ["schedule", "--recipe", "default", "--cron", "0 3 1 1 *", "--storage", f"s3://{BUCKET}/form"],
-                        env={**os.environ, **stack_env.env}, cwd=tmp_path, timeout=120)
+    out = prewarmed.run(
+        "flows.cli",
+        ["schedule", "--recipe", "default", "--cron", "0 3 1 1 *", "--storage", f"s3://{BUCKET}/form"],
+        env={**os.environ, **stack_env.env},
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     with get_client(sync_client=True) as prefect:
         deployment = prefect.read_deployment_by_name("pipeline/default")
         bad = {"overrides": {"overrides": ["train.nope=1"]}, "storage_url": {"storage_url": "s3://no-such-bucket-9/x"}}
-        runs = {field: prefect.create_flow_run_from_deployment(deployment.id, parameters=params)
-                for field, params in bad.items()}
+        runs = {
+            field: prefect.create_flow_run_from_deployment(deployment.id, parameters=params)
+            for field, params in bad.items()
+        }
     for field, run in runs.items():
-        final = _wait_for(f"the form's run with a bad {field}", lambda: (r := _flow_run(run.id)).state.is_final() and r,
-                          240)
+        final = _wait_for(
+            f"the form's run with a bad {field}", lambda run=run: (r := _flow_run(run.id)).state.is_final() and r, 240
+        )
         message = final.state.message
         assert final.state.is_failed() and field in message and "--" not in message, message
     assert "no-such-bucket-9" not in {b["Name"] for b in stack_env.s3.client().list_buckets()["Buckets"]}
@@ -374,22 +478,50 @@ def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, 
     # `mllm-pipeline search --train-on POOL`: trials trained side by side on the stack's pool, with an
     # object-store root (the study then lives in optuna.db in the current folder); the median pruner
     # stops a worker's training at an evaluation, asked through storage (tasks/trials.py).
-    sets = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30",
-            "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+    sets = [
+        "train.max_steps=60",
+        "train.eval_interval=30",
+        "train.checkpoint_interval=30",
+        "sample.max_new_tokens=10",
+        "sample.methods=[greedy]",
+    ]
     # This study's name seeds the random sampler: its trials draw lr 2.1e-3 and 1.1e-3 side by side,
     # then 2.2e-6, hopeless at step 30 against the first two (drawn again the same in every run).
-    proc = stack_env.cli("search", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus2.txt",
-                         "--storage", f"s3://{BUCKET}/search", "--train-on", "local", "--pruner", "median",
-                         "--startup-trials", "1", "--sampler", "random", "--study", "pool-prune-193",
-                         "--parallel", "2", "--trials", "3", "--space", "train.lr=log:1e-6..3e-3",
-                         *[a for s in sets for a in ("--set", s)], cwd=tmp_path)
+    proc = stack_env.cli(
+        "search",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus2.txt",
+        "--storage",
+        f"s3://{BUCKET}/search",
+        "--train-on",
+        "local",
+        "--pruner",
+        "median",
+        "--startup-trials",
+        "1",
+        "--sampler",
+        "random",
+        "--study",
+        "pool-prune-193",
+        "--parallel",
+        "2",
+        "--trials",
+        "3",
+        "--space",
+        "train.lr=log:1e-6..3e-3",
+        *[a for s in sets for a in ("--set", s)],
+        cwd=tmp_path,
+    )
     out, err = proc.communicate(timeout=500)
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "optuna.db").exists()
     parent_id = re.search(r"search mlflow run: (\w+)", out).group(1)
     client = MlflowClient(stack_env.env["MLFLOW_TRACKING_URI"])
-    trials = client.search_runs([client.get_run(parent_id).info.experiment_id],
-                                f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    trials = client.search_runs(
+        [client.get_run(parent_id).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent_id}'"
+    )
     assert len(trials) == 3 and all(r.data.tags["train.pool"] == "local" for r in trials)
     state = {r.data.tags["search.trial"]: (r.data.tags["trial_state"], r.data.tags.get("trial.step")) for r in trials}
     failed = [line for line in err.splitlines() if line.startswith("failed:")]
@@ -410,11 +542,14 @@ def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, 
 
 
 def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then_up_at_once_works(
-        stack_env: Stack, tmp_path: Path) -> None:
+    stack_env: Stack, tmp_path: Path
+) -> None:
     home = stack_env.home
     state = stack.load(home)
-    ports = [int(state["env"][k].rstrip("/").removesuffix("/api").rsplit(":", 1)[1])
-             for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")]
+    ports = [
+        int(state["env"][k].rstrip("/").removesuffix("/api").rsplit(":", 1)[1])
+        for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")
+    ]
     env = {**os.environ, **stack_env.env, "MLLM_STACK_HOME": str(home)}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
@@ -448,9 +583,11 @@ def test_stack_up_restarts_a_killed_mlflow_server_reusing_the_rest_and_down_then
         run = _post(f"{api}/flow_runs/", {"flow_id": flow["id"], "name": "busy-otter", "state": {"type": "RUNNING"}})
         refused = cli("down")
         assert refused.returncode == 2 and cli("status").returncode == 0
-        assert refused.stderr.strip() == ("error: flow runs use the stack: pipeline/busy-otter (RUNNING); let them "
-                                          "finish (or cancel them), or stop the stack under them with `mllm-pipeline "
-                                          "stack down --force`")
+        assert refused.stderr.strip() == (
+            "error: flow runs use the stack: pipeline/busy-otter (RUNNING); let them "
+            "finish (or cancel them), or stop the stack under them with `mllm-pipeline "
+            "stack down --force`"
+        )
         _post(f"{api}/flow_runs/{run['id']}/set_state", {"state": {"type": "COMPLETED"}, "force": True})
         assert (down := cli("down")).returncode == 0, down.stderr
 

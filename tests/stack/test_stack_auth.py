@@ -25,7 +25,8 @@ import prewarmed
 import pytest
 from textdata import make_text
 
-from flows.stack import servers as stack, auth as stack_auth
+from flows.stack import auth as stack_auth
+from flows.stack import servers as stack
 from flows.stack.certs import sign_server
 from flows.stack.processes import free_port
 from mllm import UserError
@@ -33,8 +34,13 @@ from mllm import UserError
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,16 +71,22 @@ def test_users_file_is_private_and_each_secret_random(tmp_path: Path) -> None:
     users_file = tmp_path / "auth" / "users.json"
     assert _mode(users_file) == 0o600 and _mode(users_file.parent) == 0o700
     users = stack_auth.read_users(tmp_path)["users"]
-    assert {n: u["role"] for n, u in users.items()} == {"stack-admin": "admin", "stack-worker": "worker", "ana": "viewer"}
+    assert {n: u["role"] for n, u in users.items()} == {
+        "stack-admin": "admin",
+        "stack-worker": "worker",
+        "ana": "viewer",
+    }
     assert len({u["secret"] for u in users.values()}) == 3 and len(first) >= 40
     assert users["ana"]["hash"].startswith("$2a$") and first not in users["ana"]["hash"]
     second = stack_auth.rotate_user(tmp_path, "ana")
     assert second != first and stack_auth.read_users(tmp_path)["users"]["ana"]["secret"] == second
-    for bad, match in ((lambda: stack_auth.add_user(tmp_path, "ana", "viewer"), "exists already"),
-                       (lambda: stack_auth.add_user(tmp_path, "bob", "root"), "give one of admin, worker, viewer"),
-                       (lambda: stack_auth.add_user(tmp_path, "b c", "viewer"), "use letters"),
-                       (lambda: stack_auth.remove_user(tmp_path, "stack-worker"), "the stack's own"),
-                       (lambda: stack_auth.remove_user(tmp_path, "nobody"), "no user 'nobody'")):
+    for bad, match in (
+        (lambda: stack_auth.add_user(tmp_path, "ana", "viewer"), "exists already"),
+        (lambda: stack_auth.add_user(tmp_path, "bob", "root"), "give one of admin, worker, viewer"),
+        (lambda: stack_auth.add_user(tmp_path, "b c", "viewer"), "use letters"),
+        (lambda: stack_auth.remove_user(tmp_path, "stack-worker"), "the stack's own"),
+        (lambda: stack_auth.remove_user(tmp_path, "nobody"), "no user 'nobody'"),
+    ):
         with pytest.raises(UserError, match=match):
             bad()
     stack_auth.remove_user(tmp_path, "ana")
@@ -124,8 +136,12 @@ def test_proxy_configuration_is_valid_and_holds_hashes_only(tmp_path: Path, cadd
         assert user["secret"] not in text and user["hash"] not in text and name not in text
     assert f"reverse_proxy unix/{stack_auth.gate_socket(tmp_path)}" in text and "X-Stack-Server prefect" in text
     assert "@foreign not host" in text
-    done = subprocess.run([caddy, "validate", "--config", str(config), "--adapter", "caddyfile"],
-                          capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)})
+    done = subprocess.run(
+        [caddy, "validate", "--config", str(config), "--adapter", "caddyfile"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HOME": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert ends["api"] == "https://127.0.0.1:4200/api" and ends["tracking"] == "https://127.0.0.1:5000"
     # A plain loopback stack: nothing of this, and no certificate options.
@@ -170,8 +186,16 @@ def secured(tmp_path_factory) -> Secured:
     mp.setenv("HOME", str(root / "home"))
     mp.setenv("MLLM_STACK_LOGIN_TRIES", "1000")  # this module tries many wrong passwords on purpose
     try:
-        stack.up(home, str(storage), pool="local", prefect_port=0, mlflow_port=0, auth=True, local_worker=True,
-                 worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"})
+        stack.up(
+            home,
+            str(storage),
+            pool="local",
+            prefect_port=0,
+            mlflow_port=0,
+            auth=True,
+            local_worker=True,
+            worker_env={"OMP_NUM_THREADS": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"},
+        )
         for name, role in (("vic", "viewer"), ("wendy", "worker")):
             prewarmed.run("flows.cli", ["stack", "user", "add", name, "--role", role, "--home", str(home)], check=True)
         yield Secured(home, storage, {u: _worker_env(home, u) for u in ("vic", "wendy", "stack-admin")}, [])
@@ -184,8 +208,9 @@ def _open(req: urllib.request.Request, ca: str):
     """The response to `req`, its 503s tried again as Prefect's and MLflow's own clients do: a
     server that answers "busy" (CI, 2026-11-28: the secured stack's Prefect, a deployment created
     seconds after the stack came up) has not decided anything about the caller."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                         urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)))
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca))
+    )
     for attempt in range(4):
         try:
             return opener.open(req, timeout=60)
@@ -197,8 +222,12 @@ def _open(req: urllib.request.Request, ca: str):
 
 
 def _call(url: str, ca: str, user: tuple[str, str] | None, method: str = "GET", body: dict | None = None) -> int:
-    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     if user:
         req.add_header("Authorization", stack_auth.basic(*user))
     try:
@@ -220,8 +249,13 @@ def _socket(url: str, ca: str, user: tuple[str, str] | None) -> str:
     # printed; two misses in a row read "no answer in 30 s" in the table, naming route and caller.
     for _ in range(2):
         try:
-            with connect(url, ssl=ssl.create_default_context(cafile=ca), additional_headers=headers,
-                         subprotocols=["prefect"], open_timeout=30) as ws:
+            with connect(
+                url,
+                ssl=ssl.create_default_context(cafile=ca),
+                additional_headers=headers,
+                subprotocols=["prefect"],
+                open_timeout=30,
+            ) as ws:
                 ws.send(json.dumps({"type": "auth", "token": f"{user[0]}:{user[1]}" if user else None}))
                 return "101 open" if json.loads(ws.recv(timeout=30))["type"] == "auth_success" else "101 refused"
         except InvalidStatus as e:
@@ -238,57 +272,127 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
     api, tracking, ca = env["PREFECT_API_URL"], env["MLFLOW_TRACKING_URI"], env["PREFECT_API_SSL_CERT_FILE"]
     wendy = tuple(env["PREFECT_API_AUTH_STRING"].split(":", 1))
     vic = tuple(secured.users["vic"]["PREFECT_API_AUTH_STRING"].split(":", 1))
-    callers = {"none": None, "wrong password": ("vic", "not-the-secret"), "unknown user": ("eve", "x" * 43),
-               "viewer": vic, "worker": wendy}
+    callers = {
+        "none": None,
+        "wrong password": ("vic", "not-the-secret"),
+        "unknown user": ("eve", "x" * 43),
+        "viewer": vic,
+        "worker": wendy,
+    }
     ws = api.replace("https://", "wss://")
     # The worker's own objects to act on: a flow, a deployment, an experiment with a run and an artifact.
     flow = _json(f"{api}/flows/", ca, wendy, {"name": "routes-check"})
-    deployment = _json(f"{api}/deployments/", ca, wendy, {"name": "train-d", "flow_id": flow["id"],
-                                                          "entrypoint": "flows.training:train"})
+    deployment = _json(
+        f"{api}/deployments/",
+        ca,
+        wendy,
+        {"name": "train-d", "flow_id": flow["id"], "entrypoint": "flows.training:train"},
+    )
     experiment = _json(f"{tracking}/api/2.0/mlflow/experiments/create", ca, wendy, {"name": "routes-check"})
     run = _json(f"{tracking}/api/2.0/mlflow/runs/create", ca, wendy, {"experiment_id": experiment["experiment_id"]})
     run_id = run["run"]["info"]["run_id"]
     artifact = f"{tracking}/api/2.0/mlflow-artifacts/artifacts/{experiment['experiment_id']}/{run_id}/artifacts/a.txt"
     assert _put(artifact, ca, wendy, b"hello") == 200
     _json(f"{tracking}/api/2.0/mlflow/registered-models/create", ca, wendy, {"name": "routes-model"})
-    _json(f"{tracking}/api/2.0/mlflow/model-versions/create", ca, wendy,
-          {"name": "routes-model", "source": f"runs:/{run_id}/model", "run_id": run_id})
+    _json(
+        f"{tracking}/api/2.0/mlflow/model-versions/create",
+        ca,
+        wendy,
+        {"name": "routes-model", "source": f"runs:/{run_id}/model", "run_id": run_id},
+    )
     routes = [
         ("Prefect", "read flow runs", lambda u: _call(f"{api}/flow_runs/filter", ca, u, "POST", {})),
         ("Prefect", "read logs", lambda u: _call(f"{api}/logs/filter", ca, u, "POST", {})),
-        ("Prefect", "create a deployment", lambda u: _call(f"{api}/deployments/", ca, u, "POST",
-                                                           {"name": "train-x", "flow_id": flow["id"],
-                                                            "entrypoint": "flows.training:train"})),
-        ("Prefect", "create a flow run", lambda u: _call(f"{api}/deployments/{deployment['id']}/create_flow_run",
-                                                         ca, u, "POST", {})),
-        ("Prefect", "clear the database", lambda u: _call(f"{api}/admin/database/clear", ca, u, "POST",
-                                                          {"confirm": False})),
+        (
+            "Prefect",
+            "create a deployment",
+            lambda u: _call(
+                f"{api}/deployments/",
+                ca,
+                u,
+                "POST",
+                {"name": "train-x", "flow_id": flow["id"], "entrypoint": "flows.training:train"},
+            ),
+        ),
+        (
+            "Prefect",
+            "create a flow run",
+            lambda u: _call(f"{api}/deployments/{deployment['id']}/create_flow_run", ca, u, "POST", {}),
+        ),
+        (
+            "Prefect",
+            "clear the database",
+            lambda u: _call(f"{api}/admin/database/clear", ca, u, "POST", {"confirm": False}),
+        ),
         ("Prefect", "events websocket in", lambda u: _socket(f"{ws}/events/in", ca, u)),
         ("Prefect", "events websocket out", lambda u: _socket(f"{ws}/events/out", ca, u)),
-        ("MLflow", "read experiments", lambda u: _call(f"{tracking}/api/2.0/mlflow/experiments/search?max_results=5",
-                                                       ca, u)),
-        ("MLflow", "log a metric", lambda u: _call(f"{tracking}/api/2.0/mlflow/runs/log-metric", ca, u, "POST",
-                                                   {"run_id": run_id, "key": "m", "value": 1, "timestamp": 0})),
-        ("MLflow", "set an alias", lambda u: _call(f"{tracking}/api/2.0/mlflow/registered-models/alias", ca, u,
-                                                   "POST", {"name": "routes-model", "alias": "champion",
-                                                            "version": "1"})),
+        (
+            "MLflow",
+            "read experiments",
+            lambda u: _call(f"{tracking}/api/2.0/mlflow/experiments/search?max_results=5", ca, u),
+        ),
+        (
+            "MLflow",
+            "log a metric",
+            lambda u: _call(
+                f"{tracking}/api/2.0/mlflow/runs/log-metric",
+                ca,
+                u,
+                "POST",
+                {"run_id": run_id, "key": "m", "value": 1, "timestamp": 0},
+            ),
+        ),
+        (
+            "MLflow",
+            "set an alias",
+            lambda u: _call(
+                f"{tracking}/api/2.0/mlflow/registered-models/alias",
+                ca,
+                u,
+                "POST",
+                {"name": "routes-model", "alias": "champion", "version": "1"},
+            ),
+        ),
         ("MLflow", "download an artifact", lambda u: _call(artifact, ca, u)),
-        ("MLflow", "create a user", lambda u: _call(f"{tracking}/api/2.0/mlflow/users/create", ca, u, "POST",
-                                                    {"username": "mallory", "password": "p" * 20})),
-        ("MLflow", "delete an experiment", lambda u: _call(f"{tracking}/api/2.0/mlflow/experiments/delete", ca, u,
-                                                           "POST", {"experiment_id": experiment["experiment_id"]})),
+        (
+            "MLflow",
+            "create a user",
+            lambda u: _call(
+                f"{tracking}/api/2.0/mlflow/users/create", ca, u, "POST", {"username": "mallory", "password": "p" * 20}
+            ),
+        ),
+        (
+            "MLflow",
+            "delete an experiment",
+            lambda u: _call(
+                f"{tracking}/api/2.0/mlflow/experiments/delete",
+                ca,
+                u,
+                "POST",
+                {"experiment_id": experiment["experiment_id"]},
+            ),
+        ),
     ]
     table = {(server, what): {who: str(call(user)) for who, user in callers.items()} for server, what, call in routes}
     lines = ["| server | route | " + " | ".join(callers) + " |", "|---|---|" + "---|" * len(callers)]
     lines += [f"| {s} | {w} | " + " | ".join(answers.values()) + " |" for (s, w), answers in table.items()]
     print("\n".join(lines))
     (secured.home / "routes.md").write_text("\n".join(lines) + "\n")
-    writes = {"create a deployment", "create a flow run", "log a metric", "set an alias", "events websocket in",
-              "delete an experiment"}
-    for (server, what), answers in table.items():
+    writes = {
+        "create a deployment",
+        "create a flow run",
+        "log a metric",
+        "set an alias",
+        "events websocket in",
+        "delete an experiment",
+    }
+    for (_, what), answers in table.items():
         # The events-out stream takes its credential in its first message, as Prefect's client sends it.
         none = "1008 closed" if what == "events websocket out" else "401"
-        assert answers["none"] == none and answers["wrong password"] == answers["unknown user"] == "401", (what, answers)
+        assert answers["none"] == none and answers["wrong password"] == answers["unknown user"] == "401", (
+            what,
+            answers,
+        )
         if what in writes:
             assert answers["viewer"] == "403", (what, answers)
         if what in ("read flow runs", "read logs", "read experiments", "download an artifact"):
@@ -305,8 +409,12 @@ def test_routes_refused_without_credentials_with_a_wrong_password_and_to_a_viewe
 
 
 def _json(url: str, ca: str, user: tuple[str, str], body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": stack_auth.basic(*user)})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": stack_auth.basic(*user)},
+    )
     with _open(req, ca) as r:
         return json.loads(r.read())
 
@@ -327,8 +435,20 @@ def _plain(url: str) -> int:
 
 def test_a_worker_trains_on_the_pool_and_a_viewer_loads_the_champion(secured: Secured, tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_text(make_text(6000))
-    done = secured.cli("run", "--recipe", "smoke", "--source", "corpus.txt", "--storage", str(secured.storage / "w"),
-                       "--train-on", "local", *[a for s in FAST for a in ("--set", s)], user="wendy", cwd=tmp_path)
+    done = secured.cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        "corpus.txt",
+        "--storage",
+        str(secured.storage / "w"),
+        "--train-on",
+        "local",
+        *[a for s in FAST for a in ("--set", s)],
+        user="wendy",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "model: smoke v1 (promoted to champion" in done.stdout
     run_id = next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("mlflow run:"))
@@ -352,8 +472,14 @@ print(json.dumps({{"steps": max(steps), "tasks": [t.state.type.value for t in ta
                   "flows": [f.state.type.value for f in flows], "text": text,
                   "params": run.data.params, "tags": run.data.tags}}))
 """
-    read = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=secured.env("vic"),
-                          cwd=tmp_path, timeout=300)
+    read = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=secured.env("vic"),
+        cwd=tmp_path,
+        timeout=300,
+    )
     secured.terminal += [read.stdout, read.stderr]
     assert read.returncode == 0, read.stderr[-3000:]
     seen = json.loads(read.stdout.strip().splitlines()[-1])
@@ -373,9 +499,11 @@ def _odd_proxies(caddy: str, home: Path, folder: Path) -> tuple[dict[str, int], 
     would answer it with whichever of its certificates names that address."""
     ends = stack_auth.secured(home)
     tls, back = home / "auth" / "tls", ends["sockets"]
-    sites = {"expired": (sign_server(tls, ["127.0.0.1"], *_days(-30, -1)), back["mlflow"], ""),
-             "other host": (sign_server(tls, ["10.9.8.7"], *_days(0, 1)), back["prefect"], ""),
-             "other version": (None, back["prefect"], '\thandle /api/admin/version {\n\t\trespond "\\"3.7.2\\"" 200\n\t}')}
+    sites = {
+        "expired": (sign_server(tls, ["127.0.0.1"], *_days(-30, -1)), back["mlflow"], ""),
+        "other host": (sign_server(tls, ["10.9.8.7"], *_days(0, 1)), back["prefect"], ""),
+        "other version": (None, back["prefect"], '\thandle /api/admin/version {\n\t\trespond "\\"3.7.2\\"" 200\n\t}'),
+    }
     ports, procs = {}, []
     for name, (pems, backend, extra) in sites.items():
         port, site = free_port(), folder / name.replace(" ", "-")
@@ -387,13 +515,34 @@ def _odd_proxies(caddy: str, home: Path, folder: Path) -> tuple[dict[str, int], 
             cert.write_bytes(pems[0])
             key.write_bytes(pems[1])
             key.chmod(0o600)
-        (site / "Caddyfile").write_text("\n".join([
-            "{", "\tadmin off", "\tauto_https off", "\tdefault_sni 10.9.8.7" if name == "other host" else "",
-            f"\tstorage file_system {site / 'data'}", "}",
-            f"https://127.0.0.1:{port} {{", f"\ttls {cert} {key}", extra, f"\treverse_proxy unix/{backend} {{",
-            "\t\theader_up -Authorization", "\t}", "}"]) + "\n")
-        procs.append(subprocess.Popen([caddy, "run", "--config", str(site / "Caddyfile"), "--adapter", "caddyfile"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "HOME": str(site)}))
+        (site / "Caddyfile").write_text(
+            "\n".join(
+                [
+                    "{",
+                    "\tadmin off",
+                    "\tauto_https off",
+                    "\tdefault_sni 10.9.8.7" if name == "other host" else "",
+                    f"\tstorage file_system {site / 'data'}",
+                    "}",
+                    f"https://127.0.0.1:{port} {{",
+                    f"\ttls {cert} {key}",
+                    extra,
+                    f"\treverse_proxy unix/{backend} {{",
+                    "\t\theader_up -Authorization",
+                    "\t}",
+                    "}",
+                ]
+            )
+            + "\n"
+        )
+        procs.append(
+            subprocess.Popen(
+                [caddy, "run", "--config", str(site / "Caddyfile"), "--adapter", "caddyfile"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "HOME": str(site)},
+            )
+        )
         ports[name] = port
     deadline = time.monotonic() + 30
     while not all(_listening(p) for p in ports.values()):
@@ -410,46 +559,84 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_one_line_for_each_refused_credential_role_certificate_and_version(secured: Secured, tmp_path: Path,
-                                                                          caddy: str) -> None:
+def test_one_line_for_each_refused_credential_role_certificate_and_version(
+    secured: Secured, tmp_path: Path, caddy: str
+) -> None:
     (tmp_path / "corpus.txt").write_text(make_text(2000))
-    args = ("run", "--recipe", "smoke", "--source", "corpus.txt", "--storage", str(tmp_path / "store"),
-            *[a for s in FAST for a in ("--set", s)])
+    args = (
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        "corpus.txt",
+        "--storage",
+        str(tmp_path / "store"),
+        *[a for s in FAST for a in ("--set", s)],
+    )
     wrong = {"PREFECT_API_AUTH_STRING": "vic:wrong"}
     (tmp_path / "odd").mkdir()
     odd, proxies = _odd_proxies(caddy, secured.home, tmp_path / "odd")
     at = {k: f"https://127.0.0.1:{p}" for k, p in odd.items()}
     from importlib.metadata import version
 
-    cases = {"viewer": ({}, "does not let user 'vic' do this (403"),
-             "wrong Prefect password": (wrong, "Prefect server https://127.0.0.1"),
-             "wrong MLflow password": ({**wrong, "MLFLOW_TRACKING_PASSWORD": "wrong"}, "MLflow server https://"),
-             # No credential at all: the pre-flight's 401 (Prefect's /api/admin/version, MLflow's first call).
-             "no Prefect credential": ({"PREFECT_API_AUTH_STRING": ""},
-                                       ("did not take the credential of no user (PREFECT_API_AUTH_STRING is not set) "
-                                        "(401): set PREFECT_API_AUTH_STRING to NAME:SECRET")),
-             "no MLflow credential": ({"MLFLOW_TRACKING_USERNAME": "", "MLFLOW_TRACKING_PASSWORD": ""},
-                                      ("did not take the credential of no user (MLFLOW_TRACKING_USERNAME is not set) "
-                                       "(401): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")),
-             "no CA": ({"PREFECT_API_SSL_CERT_FILE": "", "MLFLOW_TRACKING_SERVER_CERT_PATH": ""},
-                       "has a certificate this client does not trust"),
-             "expired": ({"MLFLOW_TRACKING_URI": at["expired"]},
-                         (f"the MLflow server {at['expired']} has a certificate that is out of its validity period "
-                          "(certificate has expired): on the stack's machine `mllm-pipeline stack up` makes")),
-             "other host": ({"PREFECT_API_URL": at["other host"] + "/api"},
-                            (f"the Prefect server {at['other host']}/api has a certificate for other addresses (IP "
-                             "address mismatch, certificate is not valid for '127.0.0.1'")),
-             # A name the certificate lacks: Caddy has no certificate to offer and ends the handshake.
-             "other name": ({"PREFECT_API_URL": at["other host"].replace("127.0.0.1", "localhost") + "/api"},
-                            "has a certificate for other addresses (no certificate of the server names this address"),
-             "other version": ({"PREFECT_API_URL": at["other version"] + "/api"},
-                               (f"the Prefect server {at['other version']}/api runs Prefect 3.7.2 and this client "
-                                f"Prefect {version('prefect')}: install prefect==3.7.2 here"))}
+    cases = {
+        "viewer": ({}, "does not let user 'vic' do this (403"),
+        "wrong Prefect password": (wrong, "Prefect server https://127.0.0.1"),
+        "wrong MLflow password": ({**wrong, "MLFLOW_TRACKING_PASSWORD": "wrong"}, "MLflow server https://"),
+        # No credential at all: the pre-flight's 401 (Prefect's /api/admin/version, MLflow's first call).
+        "no Prefect credential": (
+            {"PREFECT_API_AUTH_STRING": ""},
+            (
+                "did not take the credential of no user (PREFECT_API_AUTH_STRING is not set) "
+                "(401): set PREFECT_API_AUTH_STRING to NAME:SECRET"
+            ),
+        ),
+        "no MLflow credential": (
+            {"MLFLOW_TRACKING_USERNAME": "", "MLFLOW_TRACKING_PASSWORD": ""},
+            (
+                "did not take the credential of no user (MLFLOW_TRACKING_USERNAME is not set) "
+                "(401): set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+            ),
+        ),
+        "no CA": (
+            {"PREFECT_API_SSL_CERT_FILE": "", "MLFLOW_TRACKING_SERVER_CERT_PATH": ""},
+            "has a certificate this client does not trust",
+        ),
+        "expired": (
+            {"MLFLOW_TRACKING_URI": at["expired"]},
+            (
+                f"the MLflow server {at['expired']} has a certificate that is out of its validity period "
+                "(certificate has expired): on the stack's machine `mllm-pipeline stack up` makes"
+            ),
+        ),
+        "other host": (
+            {"PREFECT_API_URL": at["other host"] + "/api"},
+            (
+                f"the Prefect server {at['other host']}/api has a certificate for other addresses (IP "
+                "address mismatch, certificate is not valid for '127.0.0.1'"
+            ),
+        ),
+        # A name the certificate lacks: Caddy has no certificate to offer and ends the handshake.
+        "other name": (
+            {"PREFECT_API_URL": at["other host"].replace("127.0.0.1", "localhost") + "/api"},
+            "has a certificate for other addresses (no certificate of the server names this address",
+        ),
+        "other version": (
+            {"PREFECT_API_URL": at["other version"] + "/api"},
+            (
+                f"the Prefect server {at['other version']}/api runs Prefect 3.7.2 and this client "
+                f"Prefect {version('prefect')}: install prefect==3.7.2 here"
+            ),
+        ),
+    }
     try:
         for case, (changes, expected) in cases.items():
             done = secured.cli(*args, user="vic", cwd=tmp_path, **changes)
             lines = done.stderr.strip().splitlines()
-            assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (case, done.stderr[-2000:])
+            assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, (
+                case,
+                done.stderr[-2000:],
+            )
             assert lines[0].startswith("error: ") and expected in lines[0], (case, lines[0])
             assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.parquet")), case
     finally:
@@ -463,8 +650,10 @@ def test_rotation_and_removal_take_effect_at_once_on_both_servers(secured: Secur
     tracking, ca = secured.users["wendy"]["MLFLOW_TRACKING_URI"], secured.users["wendy"]["PREFECT_API_SSL_CERT_FILE"]
 
     def answers(user: str, secret: str) -> tuple[int, int]:
-        return (_call(f"{api}/flow_runs/filter", ca, (user, secret), "POST", {}),
-                _call(f"{tracking}/api/2.0/mlflow/experiments/search?max_results=1", ca, (user, secret)))
+        return (
+            _call(f"{api}/flow_runs/filter", ca, (user, secret), "POST", {}),
+            _call(f"{tracking}/api/2.0/mlflow/experiments/search?max_results=1", ca, (user, secret)),
+        )
 
     prewarmed.run("flows.cli", ["stack", "user", "add", "tmp-worker", "--home", home], check=True)
     old = stack_auth.read_users(secured.home)["users"]["tmp-worker"]["secret"]
@@ -490,8 +679,11 @@ def test_no_secret_is_left_anywhere_it_should_not_be(secured: Secured) -> None:
         for path in top.rglob("*"):
             if path.is_file() and path not in allowed:
                 blob = path.read_bytes()
-                found += [(name, str(path)) for name, secret in canaries.items() if secret.encode() in blob
-                          or base64.b64encode(f"{name}:{secret}".encode()) in blob]
+                found += [
+                    (name, str(path))
+                    for name, secret in canaries.items()
+                    if secret.encode() in blob or base64.b64encode(f"{name}:{secret}".encode()) in blob
+                ]
     assert not found, found
     terminal = "\n".join(secured.terminal)
     assert not [n for n, s in canaries.items() if s in terminal]

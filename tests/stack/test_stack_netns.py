@@ -19,17 +19,23 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-from textdata import make_text
 from servers import quiet_env, serving
+from textdata import make_text
 
-from flows.stack import servers as stack, auth as stack_auth
+from flows.stack import auth as stack_auth
+from flows.stack import servers as stack
 from flows.stack.pools import ensure_pool
 from flows.stack.processes import Service, free_port
 
 pytestmark = pytest.mark.integration
 BUCKET = "mllm-netns"
-FAST = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-        "sample.max_new_tokens=20"]
+FAST = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "sample.max_new_tokens=20",
+]
 
 
 def _ip(*args: str) -> None:
@@ -51,7 +57,11 @@ def netns():
         _ip("link", "set", ns_if, "netns", name)
         _ip("addr", "add", f"{host_ip}/30", "dev", host_if)
         _ip("link", "set", host_if, "up")
-        for args in (("addr", "add", f"{ns_ip}/30", "dev", ns_if), ("link", "set", ns_if, "up"), ("link", "set", "lo", "up")):
+        for args in (
+            ("addr", "add", f"{ns_ip}/30", "dev", ns_if),
+            ("link", "set", ns_if, "up"),
+            ("link", "set", "lo", "up"),
+        ):
             _ip("netns", "exec", name, "ip", *args)
         yield name, host_ip, ns_ip
     finally:
@@ -67,24 +77,29 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
     ns, host_ip, ns_ip = netns
     port = free_port()
     s3 = f"http://{host_ip}:{port}"
-    aws = {"AWS_ENDPOINT_URL": s3, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "MLFLOW_S3_ENDPOINT_URL": s3}
+    aws = {
+        "AWS_ENDPOINT_URL": s3,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "MLFLOW_S3_ENDPOINT_URL": s3,
+    }
     moto = [sys.executable, "-m", "moto.server", "-H", host_ip, "-p", str(port)]
     home = tmp_path / "stack"
     mp = pytest.MonkeyPatch()
     with serving(moto, f"{s3}/moto-api/", tmp_path / "moto.log", quiet_env(tmp_path / "moto-home")):
         import boto3
 
-        client = boto3.client("s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing",
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3", endpoint_url=s3, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+        )
         client.create_bucket(Bucket=BUCKET)
         client.put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
         for k, v in {**aws, "HOME": str(tmp_path / "home")}.items():
             mp.setenv(k, v)
         worker = None
         try:
-            state = stack.up(home, f"s3://{BUCKET}/mlflow", pool="local", prefect_port=0, mlflow_port=0,
-                             listen=host_ip)
+            state = stack.up(home, f"s3://{BUCKET}/mlflow", pool="local", prefect_port=0, mlflow_port=0, listen=host_ip)
             api = state["env"]["PREFECT_API_URL"]
             assert api.startswith(f"https://{host_ip}:")
             # Only the listening address: the stack's processes listen on that port there alone, not on
@@ -93,54 +108,135 @@ def test_a_worker_across_the_boundary_trains_and_a_viewer_there_loads_the_champi
 
             stack_pids = {p for s in stack.load(home)["services"] if s.pid for p in (s.pid, *stack.descendants(s.pid))}
             api_port = int(api.split(":")[2].split("/")[0])
-            listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
-                         and c.laddr.port == api_port and c.pid in stack_pids}
+            listening = {
+                c.laddr.ip
+                for c in psutil.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == api_port and c.pid in stack_pids
+            }
             assert listening == {host_ip}, listening
             envs = {}
             for user, role in (("gpu-box", "worker"), ("vic", "viewer")):
-                prewarmed.run("flows.cli", ["stack", "user", "add", user, "--role", role, "--home", str(home)],
-                              check=True)
-                out = prewarmed.run("flows.cli", ["stack", "worker-env", "--home", str(home), "--user", user, "--with-storage-credentials"],
-                                    check=True).stdout
+                prewarmed.run(
+                    "flows.cli", ["stack", "user", "add", user, "--role", role, "--home", str(home)], check=True
+                )
+                out = prewarmed.run(
+                    "flows.cli",
+                    ["stack", "worker-env", "--home", str(home), "--user", user, "--with-storage-credentials"],
+                    check=True,
+                ).stdout
                 (tmp_path / f"{user}.env").write_text(out)
                 envs[user] = dict(line.split("=", 1) for line in out.splitlines())
             assert envs["gpu-box"]["AWS_ENDPOINT_URL"] == s3 and envs["gpu-box"]["PREFECT_WORK_POOL"] == "local"
-            clean = {k: v for k, v in os.environ.items()
-                     if not k.startswith(("PREFECT_", "MLFLOW_", "AWS_"))}
+            clean = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "AWS_"))}
 
             def env_of(user: str) -> dict[str, str]:
-                return {**clean, **quiet_env(tmp_path / f"{user}-home"), **envs[user], "OMP_NUM_THREADS": "1",
-                        "PREFECT_WORKER_QUERY_SECONDS": "1", "MLLM_LOG_EVERY_S": "1"}
+                return {
+                    **clean,
+                    **quiet_env(tmp_path / f"{user}-home"),
+                    **envs[user],
+                    "OMP_NUM_THREADS": "1",
+                    "PREFECT_WORKER_QUERY_SECONDS": "1",
+                    "MLLM_LOG_EVERY_S": "1",
+                }
 
             # From the other side: no credential, plain HTTP.
             for _ in range(20):  # the proxy's TLS listener may still be coming up on the new address
-                probe = subprocess.run(_in_ns(ns, ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert",
-                                                   envs["vic"]["PREFECT_API_SSL_CERT_FILE"], f"{api}/flow_runs/filter",
-                                                   "-X", "POST", "-d", "{}"]), capture_output=True, text=True)
+                probe = subprocess.run(
+                    _in_ns(
+                        ns,
+                        [
+                            "curl",
+                            "-sS",
+                            "-o",
+                            "/dev/null",
+                            "-w",
+                            "%{http_code}",
+                            "--cacert",
+                            envs["vic"]["PREFECT_API_SSL_CERT_FILE"],
+                            f"{api}/flow_runs/filter",
+                            "-X",
+                            "POST",
+                            "-d",
+                            "{}",
+                        ],
+                    ),
+                    capture_output=True,
+                    text=True,
+                )
                 if probe.stdout != "000":
                     break
                 time.sleep(0.5)
-            plain = subprocess.run(_in_ns(ns, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                                               api.replace("https://", "http://") + "/health"]),
-                                   capture_output=True, text=True)
+            plain = subprocess.run(
+                _in_ns(
+                    ns,
+                    [
+                        "curl",
+                        "-s",
+                        "-o",
+                        "/dev/null",
+                        "-w",
+                        "%{http_code}",
+                        api.replace("https://", "http://") + "/health",
+                    ],
+                ),
+                capture_output=True,
+                text=True,
+            )
             if shutil.which("curl"):
                 assert probe.stdout == "401" and plain.stdout == "400", (probe.returncode, probe.stderr, plain)
             # A real worker there, of a pool an admin made (a worker credential makes no pool), from the
             # file's settings alone.
             stack_auth.register(home)
             ensure_pool(api, "gpu", stack_auth.open_url)
-            worker = Service("gpu-worker", _in_ns(ns, [sys.executable, "-m", "prefect", "worker", "start", "--pool",
-                                                       "gpu", "--type", "process", "--name", "gpu-box"]),
-                             str(tmp_path / "gpu-worker.log"), env=env_of("gpu-box")).start()
+            worker = Service(
+                "gpu-worker",
+                _in_ns(
+                    ns,
+                    [
+                        sys.executable,
+                        "-m",
+                        "prefect",
+                        "worker",
+                        "start",
+                        "--pool",
+                        "gpu",
+                        "--type",
+                        "process",
+                        "--name",
+                        "gpu-box",
+                    ],
+                ),
+                str(tmp_path / "gpu-worker.log"),
+                env=env_of("gpu-box"),
+            ).start()
             stack_auth.register(home)
             worker.wait_ready(180, ready=lambda: stack._worker_online(api, "gpu", worker.pid))
             (tmp_path / "run").mkdir()
-            done = subprocess.run(_in_ns(ns, [sys.executable, "-m", "flows.cli", "run", "--recipe", "smoke",
-                                              "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-                                              f"s3://{BUCKET}/ns", "--train-on", "gpu",
-                                              *[a for s in FAST for a in ("--set", s)]]),
-                                  cwd=tmp_path / "run", env=env_of("gpu-box"), capture_output=True, text=True,
-                                  timeout=900)
+            done = subprocess.run(
+                _in_ns(
+                    ns,
+                    [
+                        sys.executable,
+                        "-m",
+                        "flows.cli",
+                        "run",
+                        "--recipe",
+                        "smoke",
+                        "--source",
+                        f"s3://{BUCKET}/corpus.txt",
+                        "--storage",
+                        f"s3://{BUCKET}/ns",
+                        "--train-on",
+                        "gpu",
+                        *[a for s in FAST for a in ("--set", s)],
+                    ],
+                ),
+                cwd=tmp_path / "run",
+                env=env_of("gpu-box"),
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             assert done.returncode == 0, done.stderr[-3000:]
             assert "model: smoke v1 (promoted to champion" in done.stdout
             run_id = next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("mlflow run:"))
@@ -159,8 +255,14 @@ model = mlflow.pyfunc.load_model("models:/smoke@champion")
 print(json.dumps({{"steps": max(steps), "trains": [(t.work_pool_name, t.state.type.value) for t in trains],
                   "tasks": sorted({{t.state.type.value for t in tasks}}), "n_tasks": len(tasks), "text": text}}))
 """
-            read = subprocess.run(_in_ns(ns, [sys.executable, "-c", script]), env=env_of("vic"), capture_output=True,
-                                  text=True, cwd=tmp_path / "run", timeout=300)
+            read = subprocess.run(
+                _in_ns(ns, [sys.executable, "-c", script]),
+                env=env_of("vic"),
+                capture_output=True,
+                text=True,
+                cwd=tmp_path / "run",
+                timeout=300,
+            )
             assert read.returncode == 0, read.stderr[-3000:]
             seen = json.loads(read.stdout.strip().splitlines()[-1])
             assert seen["steps"] == 12 and seen["trains"] == [["gpu", "COMPLETED"]] and seen["text"]
@@ -172,8 +274,11 @@ print(json.dumps({{"steps": max(steps), "trains": [(t.work_pool_name, t.state.ty
             for path in home.rglob("*"):
                 if path.is_file() and path.name not in ("users.json",):
                     assert secret.encode() not in path.read_bytes(), path
-            for key in [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
-                        for o in page.get("Contents", [])]:
+            for key in [
+                o["Key"]
+                for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+                for o in page.get("Contents", [])
+            ]:
                 assert secret.encode() not in client.get_object(Bucket=BUCKET, Key=key)["Body"].read(), key
             assert secret not in done.stdout + done.stderr + read.stdout + read.stderr
             assert secret not in Path(worker.log).read_text()
@@ -181,8 +286,13 @@ print(json.dumps({{"steps": max(steps), "trains": [(t.work_pool_name, t.state.ty
             worker_log = Path(worker.log).read_text()
             assert "HTTP 401" not in worker_log and "Unable to connect" not in worker_log, worker_log[-3000:]
             audit = [json.loads(line) for line in (home / "auth/audit/audit.jsonl").read_text().splitlines()]
-            assert any(e["event"] == "websocket" and e["user"] == "gpu-box" and e["path"] == "/api/events/out"
-                       and e["source"] == ns_ip for e in audit)
+            assert any(
+                e["event"] == "websocket"
+                and e["user"] == "gpu-box"
+                and e["path"] == "/api/events/out"
+                and e["source"] == ns_ip
+                for e in audit
+            )
         finally:
             if worker is not None:
                 worker.stop()

@@ -21,7 +21,9 @@ import httpx
 import prewarmed
 import pytest
 
-from flows.stack import auth as stack_auth, policy, servers as stack
+from flows.stack import auth as stack_auth
+from flows.stack import policy
+from flows.stack import servers as stack
 from flows.stack.audit import TRIES
 
 pytestmark = pytest.mark.integration
@@ -40,8 +42,16 @@ def home(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("HOME", str(root / "home"))
     try:
-        stack.up(home, str(root / "storage"), pool="local", prefect_port=0, mlflow_port=0, auth=True,
-                 local_worker=True, worker_env={"OMP_NUM_THREADS": "1"})
+        stack.up(
+            home,
+            str(root / "storage"),
+            pool="local",
+            prefect_port=0,
+            mlflow_port=0,
+            auth=True,
+            local_worker=True,
+            worker_env={"OMP_NUM_THREADS": "1"},
+        )
         for name, role in ROLES.items():
             if name != "stack-admin":
                 stack_auth.add_user(home, name, role)
@@ -57,8 +67,9 @@ def _client(home: Path, user: str | None, secret: str | None = None) -> httpx.Cl
     auth = None
     if user:
         auth = (user, secret or stack_auth.credential(home, user)[1])
-    return httpx.Client(verify=ssl.create_default_context(cafile=ends["certs"]["ca"]), auth=auth, timeout=120,
-                        trust_env=False)
+    return httpx.Client(
+        verify=ssl.create_default_context(cafile=ends["certs"]["ca"]), auth=auth, timeout=120, trust_env=False
+    )
 
 
 def _base(home: Path, server: str) -> str:
@@ -68,14 +79,14 @@ def _base(home: Path, server: str) -> str:
 
 def _fill(template: str) -> str:
     # Placeholders that are no literal segment of any route (never "filter" or "count").
-    return re.sub(r"\{([^}:]+)(:path)?\}", lambda m: str(uuid.UUID(int=7)) if "id" in m.group(1) else "mx-7",
-                  template)
+    return re.sub(r"\{([^}:]+)(:path)?\}", lambda m: str(uuid.UUID(int=7)) if "id" in m.group(1) else "mx-7", template)
 
 
 def _body(server: str, rule: policy.Rule) -> bytes:
     if rule.check == "training":
-        return json.dumps({"entrypoint": policy.TRAINING_ENTRYPOINT, "name": "train-matrix",
-                           "flow_id": str(uuid.UUID(int=7))}).encode()
+        return json.dumps(
+            {"entrypoint": policy.TRAINING_ENTRYPOINT, "name": "train-matrix", "flow_id": str(uuid.UUID(int=7))}
+        ).encode()
     if rule.check == "results":
         return json.dumps({"name": policy.RESULTS_PREFIX + "matrix"}).encode()
     return b"{}" if rule.check == "jobvars" else b"{"  # the server refuses a broken body before acting
@@ -86,12 +97,17 @@ def _body(server: str, rule: policy.Rule) -> bytes:
 
 def test_route_lists_are_the_pinned_servers_own_and_each_has_a_rule() -> None:
     # In a process of its own: MLflow's auth app changes MLflow's Flask app where it is made.
-    listed = subprocess.run([sys.executable, "-c", "import json; from flows.stack import routes; "
-                             "print(json.dumps(routes.current()))"], capture_output=True, text=True, timeout=300)
+    listed = subprocess.run(
+        [sys.executable, "-c", "import json; from flows.stack import routes; print(json.dumps(routes.current()))"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert listed.returncode == 0, listed.stderr[-2000:]
     live = json.loads(listed.stdout.strip().splitlines()[-1])
     assert {s: [tuple(r) for r in found] for s, found in live.items()} == policy.routes(), (
-        "the servers' routes changed: run `python -m flows.stack.routes`, then review flows/stack/policy.py")
+        "the servers' routes changed: run `python -m flows.stack.routes`, then review flows/stack/policy.py"
+    )
     for server, found in live.items():
         for method, template in found:
             rule = policy.rule_for(server, method, template)
@@ -107,7 +123,8 @@ def test_docs_table_is_the_code() -> None:
     start, end = "<!-- policy table: generated -->\n", "<!-- end of the policy table -->"
     assert start in text and end in text
     assert text.split(start, 1)[1].split(end, 1)[0] == policy.render(), (
-        "docs/team-stack.md's policy table is not the code's: paste flows.stack.policy.render() there")
+        "docs/team-stack.md's policy table is not the code's: paste flows.stack.policy.render() there"
+    )
 
 
 def _cells(server: str) -> list[tuple[str, str, str, policy.Rule]]:
@@ -123,7 +140,8 @@ def _unsafe(method: str, template: str) -> bool:
     demo routes delete without a body), or MLflow's AI gateway and GenAI routes, which call model
     providers off this machine."""
     return (method in ("DELETE", "PUT") and "{" not in template) or any(
-        word in template for word in ("/gateway", "/genai", "/prompt-optimization", "/scorers", "/demo/"))
+        word in template for word in ("/gateway", "/genai", "/prompt-optimization", "/scorers", "/demo/")
+    )
 
 
 def _http_row(home: Path, user: str, server: str, cells) -> list[tuple]:
@@ -133,11 +151,13 @@ def _http_row(home: Path, user: str, server: str, cells) -> list[tuple]:
             if method == "WS" or (ROLES[user] == "admin" and _unsafe(method, template)):
                 continue
             body = None if method in ("GET", "DELETE") else _body(server, rule)
-            r = client.request(method, _base(home, server) + path, content=body,
-                               headers={"Content-Type": "application/json"})
+            r = client.request(
+                method, _base(home, server) + path, content=body, headers={"Content-Type": "application/json"}
+            )
             # The role's refusal; a body check's (the placeholders are no real objects) is not the matrix's.
             refused = r.headers.get("x-stack-gate") == "refused" and (
-                r.status_code != 403 or r.json()["detail"].startswith("forbidden: the role"))
+                r.status_code != 403 or r.json()["detail"].startswith("forbidden: the role")
+            )
             got.append((method, template, ROLES[user] in rule.roles, refused, r.status_code))
     return got
 
@@ -145,7 +165,9 @@ def _http_row(home: Path, user: str, server: str, cells) -> list[tuple]:
 def test_every_route_for_every_role_over_https(home: Path) -> None:
     wrong = []
     with ThreadPoolExecutor(3) as pool:
-        rows = [pool.submit(_http_row, home, user, server, _cells(server)) for user in ROLES for server in policy.routes()]
+        rows = [
+            pool.submit(_http_row, home, user, server, _cells(server)) for user in ROLES for server in policy.routes()
+        ]
         for user_server, row in zip([(u, s) for u in ROLES for s in policy.routes()], rows):
             for method, template, allowed, refused, status in row.result():
                 if allowed == refused or (refused and status != 403):
@@ -187,14 +209,22 @@ def test_every_websocket_for_every_role(home: Path) -> None:
 def _hello(pool: str) -> str:
     from prefect.client.schemas import worker_channel as wc
 
-    payload = {"consumer_id": str(uuid.uuid4()), "worker_name": "intruder", "worker_type": "process",
-               "heartbeat_interval_seconds": 30, "supported_channel_versions": [wc.WORK_POOL_WORKER_CHANNEL_VERSION],
-               "requested_capabilities": sorted(wc.SUPPORTED_WORKER_CHANNEL_CAPABILITIES),
-               "create_pool_if_not_found": True,
-               "default_base_job_template": {"job_configuration": {"command": "{{ command }}"}, "variables": {
-                   "properties": {"command": {"type": "string", "default": "sh -c 'id > /tmp/owned'"}}}}}
-    return wc.WorkerHelloFrame.model_validate({"type": "worker.hello.v1", "id": str(uuid.uuid4()),
-                                              "sent_at": "2026-11-29T00:00:00Z", "payload": payload}).model_dump_json()
+    payload = {
+        "consumer_id": str(uuid.uuid4()),
+        "worker_name": "intruder",
+        "worker_type": "process",
+        "heartbeat_interval_seconds": 30,
+        "supported_channel_versions": [wc.WORK_POOL_WORKER_CHANNEL_VERSION],
+        "requested_capabilities": sorted(wc.SUPPORTED_WORKER_CHANNEL_CAPABILITIES),
+        "create_pool_if_not_found": True,
+        "default_base_job_template": {
+            "job_configuration": {"command": "{{ command }}"},
+            "variables": {"properties": {"command": {"type": "string", "default": "sh -c 'id > /tmp/owned'"}}},
+        },
+    }
+    return wc.WorkerHelloFrame.model_validate(
+        {"type": "worker.hello.v1", "id": str(uuid.uuid4()), "sent_at": "2026-11-29T00:00:00Z", "payload": payload}
+    ).model_dump_json()
 
 
 def _pool(home: Path, name: str) -> httpx.Response:
@@ -226,9 +256,17 @@ def test_item2_a_viewer_deletes_nothing_whatever_the_path_ends_with(home: Path) 
     api = _base(home, "prefect") + "/api"
     with _client(home, "stack-admin") as admin, _client(home, "vic") as viewer:
         assert admin.post(f"{api}/variables/", json={"name": "count", "value": 1}).status_code in (201, 409)
-        assert admin.post(f"{api}/concurrency_limits/", json={"tag": "filter", "concurrency_limit": 1}).status_code in (200, 201)
-        for path in ("/variables/name/count", "/concurrency_limits/tag/filter", "/work_pools/local/queues/paginate",
-                     "/work_pools/local/workers/history", "/v2/concurrency_limits/count"):
+        assert admin.post(f"{api}/concurrency_limits/", json={"tag": "filter", "concurrency_limit": 1}).status_code in (
+            200,
+            201,
+        )
+        for path in (
+            "/variables/name/count",
+            "/concurrency_limits/tag/filter",
+            "/work_pools/local/queues/paginate",
+            "/work_pools/local/workers/history",
+            "/v2/concurrency_limits/count",
+        ):
             r = viewer.delete(api + path)
             assert r.status_code == 403 and r.headers["x-stack-gate"] == "refused", (path, r.status_code)
         assert admin.get(f"{api}/variables/name/count").status_code == 200
@@ -239,32 +277,55 @@ def test_item3_a_worker_runs_no_command_of_its_own_and_changes_no_pool(home: Pat
     api = _base(home, "prefect") + "/api"
     with _client(home, "stack-admin") as admin, _client(home, "wok") as worker:
         flow = admin.post(f"{api}/flows/", json={"name": "train"}).json()["id"]
-        dep = admin.post(f"{api}/deployments/", json={"name": "train-local", "flow_id": flow, "work_pool_name": "local",
-                                                      "entrypoint": policy.TRAINING_ENTRYPOINT}).json()["id"]
-        for variables, field in (({"command": "sh -c 'cat auth/users.json'"}, "'command'"),
-                                 ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env.LD_PRELOAD"),
-                                 ({"working_dir": "/"}, "'working_dir'"),
-                                 ({"env": {"MLFLOW_TRACKING_URI": "https://elsewhere.example"}}, "MLFLOW_TRACKING_URI")):
+        dep = admin.post(
+            f"{api}/deployments/",
+            json={
+                "name": "train-local",
+                "flow_id": flow,
+                "work_pool_name": "local",
+                "entrypoint": policy.TRAINING_ENTRYPOINT,
+            },
+        ).json()["id"]
+        for variables, field in (
+            ({"command": "sh -c 'cat auth/users.json'"}, "'command'"),
+            ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "env.LD_PRELOAD"),
+            ({"working_dir": "/"}, "'working_dir'"),
+            ({"env": {"MLFLOW_TRACKING_URI": "https://elsewhere.example"}}, "MLFLOW_TRACKING_URI"),
+        ):
             r = worker.post(f"{api}/deployments/{dep}/create_flow_run", json={"job_variables": variables})
             assert r.status_code == 403 and field in r.json()["detail"], (variables, r.text)
-        r = worker.post(f"{api}/flow_runs/", json={"flow_id": flow, "deployment_id": dep,
-                                                   "job_variables": {"command": "id"}})
+        r = worker.post(
+            f"{api}/flow_runs/", json={"flow_id": flow, "deployment_id": dep, "job_variables": {"command": "id"}}
+        )
         assert r.status_code == 403 and "'command'" in r.json()["detail"]
         template = {"job_configuration": {"command": "{{ command }}"}, "variables": {"properties": {}}}
-        for method, path, body in (("PATCH", "/work_pools/local", {"base_job_template": template}),
-                                   ("PATCH", "/work_pools/local", {"concurrency_limit": 5}),
-                                   ("POST", "/work_pools/", {"name": "mine", "type": "process"}),
-                                   ("POST", "/deployments/", {"name": "x", "flow_id": flow, "entrypoint": "evil.py:f",
-                                                              "work_pool_name": "local"}),
-                                   ("POST", "/deployments/", {"name": "train-local", "flow_id": flow,
-                                                              "entrypoint": policy.TRAINING_ENTRYPOINT,
-                                                              "pull_steps": [{"prefect.deployments.steps.run_shell_script":
-                                                                              {"script": "id"}}]})):
+        for method, path, body in (
+            ("PATCH", "/work_pools/local", {"base_job_template": template}),
+            ("PATCH", "/work_pools/local", {"concurrency_limit": 5}),
+            ("POST", "/work_pools/", {"name": "mine", "type": "process"}),
+            (
+                "POST",
+                "/deployments/",
+                {"name": "x", "flow_id": flow, "entrypoint": "evil.py:f", "work_pool_name": "local"},
+            ),
+            (
+                "POST",
+                "/deployments/",
+                {
+                    "name": "train-local",
+                    "flow_id": flow,
+                    "entrypoint": policy.TRAINING_ENTRYPOINT,
+                    "pull_steps": [{"prefect.deployments.steps.run_shell_script": {"script": "id"}}],
+                },
+            ),
+        ):
             r = worker.request(method, api + path, json=body)
             assert r.status_code == 403 and r.headers["x-stack-gate"] == "refused", (method, path, r.text)
         # What the worker may do: a run of the training with the safe variables.
-        ok = worker.post(f"{api}/deployments/{dep}/create_flow_run",
-                         json={"job_variables": {"env": {"MLLM_STORAGE": "/tmp/x"}, "gpus": 0}, "state": {"type": "CANCELLED"}})
+        ok = worker.post(
+            f"{api}/deployments/{dep}/create_flow_run",
+            json={"job_variables": {"env": {"MLLM_STORAGE": "/tmp/x"}, "gpus": 0}, "state": {"type": "CANCELLED"}},
+        )
         assert ok.status_code == 201, ok.text
     # The stack's pool has no command (nor working folder) a run could set, whatever it asks.
     template = _pool(home, "local").json()["base_job_template"]
@@ -280,19 +341,51 @@ def test_a_foreign_host_gets_421_and_unauthenticated_http2_writes_get_401(home: 
         assert admin.get(base + "/api/health", headers={"Host": "evil.example"}).status_code == 421
         assert admin.get(base + "/api/health").status_code == 200
     ca = stack_auth.secured(home)["certs"]["ca"]
-    absolute = subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", ca,
-                               "--request-target", "https://evil.example/api/health", base + "/api/health"],
-                              capture_output=True, text=True)
+    absolute = subprocess.run(
+        [
+            "curl",
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--cacert",
+            ca,
+            "--request-target",
+            "https://evil.example/api/health",
+            base + "/api/health",
+        ],
+        capture_output=True,
+        text=True,
+    )
     # An absolute-form target: Caddy takes the Host header's name; the request is the stack's, and
     # answered as one (401 without a credential), never an empty 200.
     assert absolute.stdout in ("401", "421"), absolute
     big = tmp_path / "body.json"
     big.write_text(json.dumps({"x": "y" * 200_000}))
     for _ in range(10):  # "sometimes" a stream error, before: never now
-        done = subprocess.run(["curl", "-sS", "--http2", "-o", "/dev/null", "-w", "%{http_version} %{http_code}",
-                               "--cacert", ca, "-X", "POST", "-H", "Content-Type: application/json",
-                               "--data-binary", f"@{big}", base + "/api/flow_runs/"],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            [
+                "curl",
+                "-sS",
+                "--http2",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_version} %{http_code}",
+                "--cacert",
+                ca,
+                "-X",
+                "POST",
+                "-H",
+                "Content-Type: application/json",
+                "--data-binary",
+                f"@{big}",
+                base + "/api/flow_runs/",
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0 and done.stdout == "2 401", (done.returncode, done.stdout, done.stderr)
 
 
@@ -313,10 +406,13 @@ def test_logs_private_each_secret_in_one_file_and_the_workers_events_stream_conn
     # The worker's events stream (Prefect sends its token inside the first message): connected.
     worker_log = (logs / "worker.log").read_text()
     assert "HTTP 401" not in worker_log and "Traceback" not in worker_log and "Unable to connect" not in worker_log
-    opened = [json.loads(line) for line in (home / "auth/audit/audit.jsonl").read_text().splitlines()
-              if '"websocket"' in line]
-    assert {("stack-worker", e["path"]) for e in opened} >= {("stack-worker", "/api/events/out"),
-                                                             ("stack-worker", "/api/events/in")}
+    opened = [
+        json.loads(line) for line in (home / "auth/audit/audit.jsonl").read_text().splitlines() if '"websocket"' in line
+    ]
+    assert {("stack-worker", e["path"]) for e in opened} >= {
+        ("stack-worker", "/api/events/out"),
+        ("stack-worker", "/api/events/in"),
+    }
 
 
 # -- item 4: nothing unauthenticated on TCP, a second local user gets nothing ---------------------
@@ -328,15 +424,23 @@ def test_nothing_unauthenticated_listens_and_a_second_local_user_gets_nothing(ho
     ends = stack_auth.secured(home)
     # Not the worker's: Prefect's runner listens on loopback for its flow runs' control channel,
     # each connection authenticated by a per-run secret token (prefect/runner/_control_channel.py).
-    pids = {p for s in stack.load(home)["services"] if s.pid and s.name != "worker"
-            for p in (s.pid, *stack.descendants(s.pid))}
-    listening = {c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN
-                 and c.pid in pids}
+    pids = {
+        p
+        for s in stack.load(home)["services"]
+        if s.pid and s.name != "worker"
+        for p in (s.pid, *stack.descendants(s.pid))
+    }
+    listening = {
+        c.laddr.port for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids
+    }
     cluster = home / "postgres" / "cluster.json"
     # The proxy's two ports, and PostgreSQL's (password authentication on), nothing else.
     allowed = set(ends["ports"].values()) | ({json.loads(cluster.read_text())["port"]} if cluster.exists() else set())
-    who = {c.laddr.port: " ".join(psutil.Process(c.pid).cmdline()[:6]) for c in psutil.net_connections("inet")
-           if c.status == psutil.CONN_LISTEN and c.pid in pids}
+    who = {
+        c.laddr.port: " ".join(psutil.Process(c.pid).cmdline()[:6])
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in pids
+    }
     assert listening <= allowed and set(ends["ports"].values()) <= listening, (who, allowed)
     for sock in [*ends["sockets"].values(), stack_auth.gate_socket(home)]:
         assert Path(sock).parent.stat().st_mode & 0o777 == 0o700, sock
@@ -346,10 +450,25 @@ def test_nothing_unauthenticated_listens_and_a_second_local_user_gets_nothing(ho
     subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", other], check=True)
     try:
         # What item 4 did: straight to the servers, or through the proxy with no credential.
-        given = {"sockets": {**ends["sockets"], "gate": str(stack_auth.gate_socket(home))},
-                 "ports": sorted(ends["ports"].values())}
-        done = subprocess.run(["runuser", "-u", other, "--", "python3", str(Path(__file__).with_name("local_user_probe.py")),
-                               json.dumps(given)], capture_output=True, text=True, timeout=120, cwd="/")
+        given = {
+            "sockets": {**ends["sockets"], "gate": str(stack_auth.gate_socket(home))},
+            "ports": sorted(ends["ports"].values()),
+        }
+        done = subprocess.run(
+            [
+                "runuser",
+                "-u",
+                other,
+                "--",
+                "python3",
+                str(Path(__file__).with_name("local_user_probe.py")),
+                json.dumps(given),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         seen = json.loads(done.stdout)
         assert {seen[k] for k in ("prefect", "mlflow", "gate")} <= {"PermissionError", "FileNotFoundError"}, seen
@@ -382,7 +501,7 @@ def test_writes_show_by_user_and_a_burst_of_wrong_passwords_is_throttled(home: P
         for i in range(50):
             wrong.auth = httpx.BasicAuth("vic", f"wrong-{i}")
             statuses.append(wrong.get(_base(home, "prefect") + "/api/flows/" + str(uuid.UUID(int=7))).status_code)
-    assert statuses[:TRIES] == [401] * TRIES and set(statuses[TRIES + 1:]) == {429}, statuses
+    assert statuses[:TRIES] == [401] * TRIES and set(statuses[TRIES + 1 :]) == {429}, statuses
     # Locked out, the right secret is refused too until the lock ends.
     with _client(home, "vic") as right:
         assert right.get(_base(home, "prefect") + "/api/health").status_code == 429

@@ -12,8 +12,9 @@ def tokens_of(chunks: list[str]) -> tuple[Tokens, str]:
     tok = CharTokenizer(normalize=True)
     out = "".join(t for piece in tok.tokenize(chunks) for t in piece)
     chars, lost = tok.take_loss()
-    return Tokens(key="k", url="u", tokenizer="t", n_tokens=len(out), n_chunks=1, raw_sha256="r", chars=chars,
-                  lost=lost), out
+    return Tokens(
+        key="k", url="u", tokenizer="t", n_tokens=len(out), n_chunks=1, raw_sha256="r", chars=chars, lost=lost
+    ), out
 
 
 def test_a_newline_turned_into_a_space_is_not_dropped_and_the_kinds_add_up_to_the_total():
@@ -37,6 +38,8 @@ def test_the_warning_of_prose_with_short_lines_names_what_is_lost_not_its_newlin
     # One a paragraph break, one a line where the dropped 'à' left two spaces; a line's newline is a space.
     assert kinds[WHITESPACE] == 30 + 40
     line = dropped_line(tokens)
-    assert line.startswith(f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: "
-                           f"non-ASCII {kinds['non-ASCII'] / tokens.chars:.1%}, ")
+    assert line.startswith(
+        f"the tokenizer's normalisation dropped {share:.1%} of the corpus's characters (most: "
+        f"non-ASCII {kinds['non-ASCII'] / tokens.chars:.1%}, "
+    )
     assert "'\\n'" not in line and WHITESPACE in line

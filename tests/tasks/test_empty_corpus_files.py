@@ -59,14 +59,21 @@ def test_the_download_stage_records_the_empty_files_it_left_out(tmp_path: Path) 
     raw = flow(name="download-empty-test")(lambda: download_source(d, root))()
     manifest = json.loads(Path(raw.manifest).read_text())
     assert sorted(Path(f["source"]).name for f in manifest["files"]) == ["a.py", "b.py"]
-    assert sorted(s["source"] for s in manifest["skipped"]) == [str(src / f"pkg{i:02d}" / "__init__.py")
-                                                                 for i in range(3)]
+    assert sorted(s["source"] for s in manifest["skipped"]) == [
+        str(src / f"pkg{i:02d}" / "__init__.py") for i in range(3)
+    ]
     assert {s["reason"] for s in manifest["skipped"]} == {"an empty file"}
-    data = Prepared.model_construct(raw_manifest=raw.manifest, raw_previous=None, raw_skipped=raw.skipped,
-                                    raw_duplicates=raw.duplicates, tokens=type("T", (), {"files_tokenized": 2})())
+    data = Prepared.model_construct(
+        raw_manifest=raw.manifest,
+        raw_previous=None,
+        raw_skipped=raw.skipped,
+        raw_duplicates=raw.duplicates,
+        tokens=type("T", (), {"files_tokenized": 2})(),
+    )
     changes = corpus_changes(data, root)
     assert (changes["files"], changes["skipped"], changes["empty"]) == (2, 3, 3)
     assert files_line(changes).endswith("; 3 left out (3 empty)")
     with pytest.raises(UserError, match="3 of the 5 files of .* are empty"):
-        flow(name="download-empty-fail-test")(lambda: download_source(DataConfig(source=str(src), bad_files="fail"),
-                                                                      root))()
+        flow(name="download-empty-fail-test")(
+            lambda: download_source(DataConfig(source=str(src), bad_files="fail"), root)
+        )()

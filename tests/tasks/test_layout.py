@@ -27,25 +27,31 @@ from tasks.data.vocabulary import _vocab_key
 ROOT = Path(__file__).resolve().parents[2]
 
 RECORDED = {
-    "corpus tokens basic_english": "0ca09f92c35e2a26",
-    "corpus tokens bpe": "00a340e8d1f2bc49",
-    "corpus tokens char": "a53789caaf0b99ac",
-    "corpus tokens word": "ccd9af12cdaea599",
-    "pairs": "6408fd72aaeeb8d0",
-    "route": "968ad92f53d1c6ac",
-    "split": "9dd68ab4fa45dfc8",
-    "tokens basic_english": "0248b17ba7c4b968",
-    "tokens bpe": "53fe6dbc6c703e9e",
-    "tokens char": "151497f71f7fb498",
-    "tokens word": "cd92d80bf1e8443d",
-    "vocab": "b39b39f87e97d5bb",
+    "corpus tokens basic_english": "55ec9af5a105faee",
+    "corpus tokens bpe": "f5555a665eda62bd",
+    "corpus tokens char": "7203fcc53174c3e4",
+    "corpus tokens word": "f858349d854f1ebb",
+    "pairs": "9f1bb7974cf36f9f",
+    "route": "76214ac61d7f319a",
+    "split": "9d401e1b18c4bc73",
+    "tokens basic_english": "2d2a26c5838f6cce",
+    "tokens bpe": "33b7ec5cfb585c0f",
+    "tokens char": "d3a8636699250146",
+    "tokens word": "c25422d90d6d2052",
+    "vocab": "8ed804efc38e431f",
 }
 
 
 def test_every_data_stage_key_is_the_one_recorded() -> None:
     raw = RawText(source="file:///corpus.txt", url="/s/raw/ab.txt", sha256="ab" * 32, bytes=1000)
-    tokens = Tokens(key="t" * 16, url="/s/tokens/t", tokenizer="/s/tokens/t/tokenizer.json", n_tokens=900,
-                    n_chunks=1, raw_sha256="ab" * 32)
+    tokens = Tokens(
+        key="t" * 16,
+        url="/s/tokens/t",
+        tokenizer="/s/tokens/t/tokenizer.json",
+        n_tokens=900,
+        n_chunks=1,
+        raw_sha256="ab" * 32,
+    )
     vocab = Vocabulary(key="v" * 16, url="/s/vocab/v/vocab.json", digest="d" * 16, size=40)
     now = {}
     for kind in ("char", "word", "bpe", "basic_english"):
@@ -76,8 +82,14 @@ print(json.dumps({"tokens": _tokens_key(raw, TokenizerConfig(), "/s"), "vocab": 
 
 
 def _keys(src: Path) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-c", KEYS], capture_output=True, text=True, timeout=120, cwd=src,
-                         env={**os.environ, "PYTHONPATH": str(src)})
+    out = subprocess.run(
+        [sys.executable, "-c", KEYS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=src,
+        env={**os.environ, "PYTHONPATH": str(src)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
@@ -96,7 +108,11 @@ def test_moving_a_module_and_formatting_the_code_change_no_key_and_an_edit_does(
             path.write_text(text.replace("mllm.data.vocab", "mllm.vocabulary_table"))
     moved = src / "mllm" / "vocabulary_table.py"
     text = moved.read_text().replace('UNK = "<unk>"', "# the unknown token\nUNK = '<unk>'")
-    text = text.replace("        tokens = list(tokens)\n", '        """Say why."""\n        tokens = list(\n            tokens,\n        )\n', 1)
+    text = text.replace(
+        "        tokens = list(tokens)\n",
+        '        """Say why."""\n        tokens = list(\n            tokens,\n        )\n',
+        1,
+    )
     moved.write_text(text)
     assert _keys(src) == before
     # An edit of what the code does changes the keys of the stages that run it.

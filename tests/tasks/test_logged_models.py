@@ -7,16 +7,23 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from servers import run_mlflow_server
 
 from flows.pipeline import pipeline
-from servers import run_mlflow_server
 
 pytestmark = pytest.mark.integration
 
 # An lr too small to move a float32 weight: every validation scores the same, so the best
 # checkpoint stays the first validation's (step 6) and the last one (step 12) is another.
-STILL = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "train.log_interval=3",
-         "train.lr=1e-12", "train.min_lr=0", "sample.max_new_tokens=10"]
+STILL = [
+    "train.max_steps=12",
+    "train.eval_interval=6",
+    "train.checkpoint_interval=6",
+    "train.log_interval=3",
+    "train.lr=1e-12",
+    "train.min_lr=0",
+    "sample.max_new_tokens=10",
+]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +36,8 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.mark.usefixtures("prefect_server")
 def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metrics(
-        mlflow_server, corpus: Path, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    mlflow_server, corpus: Path, tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url)
     # A file:// URL, as a user gives one: the download stage hands it back unchanged, the same
     # string object as the config's (a path is turned into a new URL string).
@@ -37,8 +45,11 @@ def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metric
     client = MlflowClient(mlflow_server.url)
     run = client.get_run(r.mlflow_run_id)
     mlflow.set_tracking_uri(mlflow_server.url)
-    found = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
-                                        filter_string=f"source_run_id = '{r.mlflow_run_id}'")
+    found = mlflow.search_logged_models(
+        experiment_ids=[run.info.experiment_id],
+        output_format="list",
+        filter_string=f"source_run_id = '{r.mlflow_run_id}'",
+    )
     by_kind = {m.tags["checkpoint.kind"]: m for m in found}
     assert set(by_kind) == {"best", "last"}, [m.tags for m in found]
     best, last = by_kind["best"], by_kind["last"]
@@ -69,8 +80,10 @@ def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metric
     with get_client(sync_client=True) as prefect:
         flow_run = prefect.read_flow_run(flow_run_id)
         # As the tab asks: the flow run's own task runs, not the stand-ins of its subflows.
-        task_runs = prefect.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-                                           task_run_filter=TaskRunFilter(subflow_runs=TaskRunFilterSubFlowRuns(exists_=False)))
+        task_runs = prefect.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(subflow_runs=TaskRunFilterSubFlowRuns(exists_=False)),
+        )
     assert flow_run.name.startswith("smoke-"), flow_run.name
     assert {t.task_key.split("-")[0] for t in task_runs} >= {"log_data", "log_outcome"}, [t.task_key for t in task_runs]
     kinds = {i.input_type for t in task_runs for inputs in t.task_inputs.values() for i in inputs}
@@ -78,7 +91,10 @@ def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metric
 
     # Ranked as MLflow ranks them: by the final validation loss, best first (this run's: the
     # session's server holds other tests' runs of the same recipe).
-    ranked = mlflow.search_logged_models(experiment_ids=[run.info.experiment_id], output_format="list",
-                                         filter_string=f"source_run_id = '{r.mlflow_run_id}'",
-                                         order_by=[{"field_name": "metrics.final_val_loss", "ascending": True}])
+    ranked = mlflow.search_logged_models(
+        experiment_ids=[run.info.experiment_id],
+        output_format="list",
+        filter_string=f"source_run_id = '{r.mlflow_run_id}'",
+        order_by=[{"field_name": "metrics.final_val_loss", "ascending": True}],
+    )
     assert ranked[0].model_id == best.model_id

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import prewarmed
 import pytest
-
-from textdata import make_text
 from servers import run_s3_server
+from textdata import make_text
 
 # The read timeout a hung store is waited out with (mllm.storage reads MLLM_S3_READ_TIMEOUT): the
 # production 10 s would only make the tests wait longer for the same fact.
@@ -27,8 +26,13 @@ pytestmark = pytest.mark.integration
 BUCKET = "mllm-objects"
 SECRET = "wrongSecretKey-Zq8v1xNn4"
 # Short trainings that checkpoint often: long enough to stop the store in the middle.
-LONG = ["train.max_steps=3000", "train.eval_interval=100", "train.checkpoint_interval=50", "train.log_interval=10",
-        "sample.max_new_tokens=20"]
+LONG = [
+    "train.max_steps=3000",
+    "train.eval_interval=100",
+    "train.checkpoint_interval=50",
+    "train.log_interval=10",
+    "sample.max_new_tokens=20",
+]
 
 
 def cli(*args: str, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -64,8 +68,11 @@ def stores(tmp_path: Path) -> dict[str, str]:
     (tmp_path / "mlflow").mkdir()
     (tmp_path / "corpus.txt").write_text(make_text(3000), encoding="utf-8")
     # No Prefect server named: the checks below prove that none started (`_nothing_started`).
-    return {"PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
-            "PREFECT_API_URL": ""}
+    return {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}",
+        "PREFECT_API_URL": "",
+    }
 
 
 def on_session_server(stores: dict[str, str]) -> dict[str, str]:
@@ -83,19 +90,32 @@ def _nothing_started(tmp_path: Path) -> None:
 
 
 def test_a_missing_bucket_is_one_line_before_prefect_starts_and_is_not_created(s3, stores, tmp_path):
-    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", "s3://nobucket2/x",
-              env={**s3.env, **stores})
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(tmp_path / "corpus.txt"),
+        "--storage",
+        "s3://nobucket2/x",
+        env={**s3.env, **stores},
+    )
     one_line_error(out, "bucket nobucket2 does not exist: create it or choose another --storage")
     assert "nobucket2" not in {b["Name"] for b in s3.client().list_buckets()["Buckets"]}
     _nothing_started(tmp_path)
 
 
 def test_no_credentials_for_the_storage_root_name_where_they_are_read(s3, stores, tmp_path):
-    env = {**s3.env, **stores, "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-           "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    env = {
+        **s3.env,
+        **stores,
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+    }
     del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
-    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", f"s3://{BUCKET}/x",
-              env=env)
+    out = cli(
+        "run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", f"s3://{BUCKET}/x", env=env
+    )
     one_line_error(out, f"no credentials for s3://{BUCKET}/x", "AWS_ACCESS_KEY_ID", "~/.aws/credentials")
     _nothing_started(tmp_path)
     assert "Contents" not in s3.client().list_objects_v2(Bucket=BUCKET, Prefix="x/")
@@ -108,43 +128,79 @@ def s3_checking_keys(tmp_path_factory):
     with run_s3_server(tmp_path_factory.mktemp("s3-auth"), env={"INITIAL_NO_AUTH_ACTION_COUNT": "5"}) as server:
         import boto3
 
-        iam = boto3.client("iam", endpoint_url=server.direct_url, aws_access_key_id="testing",
-                           aws_secret_access_key="testing", region_name="us-east-1")
+        iam = boto3.client(
+            "iam",
+            endpoint_url=server.direct_url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
         server.client().create_bucket(Bucket=BUCKET)
         server.client().put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(3000).encode())
         iam.create_user(UserName="trainer")
-        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=(
-            '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'))
+        iam.put_user_policy(
+            UserName="trainer",
+            PolicyName="s3",
+            PolicyDocument=(
+                '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
+            ),
+        )
         key = iam.create_access_key(UserName="trainer")["AccessKey"]
-        yield server, {**server.env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-                       "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        yield (
+            server,
+            {**server.env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]},
+        )
 
 
-def test_refused_credentials_are_one_line_for_the_storage_root_and_for_an_s3_source(s3_checking_keys, stores,
-                                                                                     tmp_path):
+def test_refused_credentials_are_one_line_for_the_storage_root_and_for_an_s3_source(s3_checking_keys, stores, tmp_path):
     server, good = s3_checking_keys
     wrong = {**good, **stores, "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": SECRET}
-    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage",
-              f"s3://{BUCKET}/x", env=wrong)
-    line = one_line_error(out, f"the credentials for s3://{BUCKET}/x were refused (InvalidAccessKeyId",
-                          "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment")
+    out = cli(
+        "run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", f"s3://{BUCKET}/x", env=wrong
+    )
+    line = one_line_error(
+        out,
+        f"the credentials for s3://{BUCKET}/x were refused (InvalidAccessKeyId",
+        "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment",
+    )
     assert SECRET not in out.stdout + out.stderr and "local copy" not in line
     _nothing_started(tmp_path)
 
     # The same keys on an S3 source: the same advice, not "pass a local copy".
-    out = cli("prepare", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-              str(tmp_path / "storage"), env=on_session_server(wrong))
+    out = cli(
+        "prepare",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus.txt",
+        "--storage",
+        str(tmp_path / "storage"),
+        env=on_session_server(wrong),
+    )
     line = one_line_error(out, f"the credentials for s3://{BUCKET}/corpus.txt were refused")
     assert "local copy" not in line and not (tmp_path / "storage").exists()
 
     # The user's own keys pass the same check, and the data stages run in the bucket.
-    out = cli("prepare", "--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--storage",
-              f"s3://{BUCKET}/ok", env={**good, **on_session_server(stores)})
+    out = cli(
+        "prepare",
+        "--recipe",
+        "smoke",
+        "--source",
+        f"s3://{BUCKET}/corpus.txt",
+        "--storage",
+        f"s3://{BUCKET}/ok",
+        env={**good, **on_session_server(stores)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import boto3
 
-    client = boto3.client("s3", endpoint_url=server.direct_url, aws_access_key_id=good["AWS_ACCESS_KEY_ID"],
-                          aws_secret_access_key=good["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=server.direct_url,
+        aws_access_key_id=good["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=good["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="ok/")["Contents"]]
     assert any(k.startswith("ok/raw/") for k in keys) and not any(".mllm-write-test" in k for k in keys)
 
@@ -172,12 +228,27 @@ def silent_endpoint():
 
 
 def test_a_storage_root_on_a_store_that_never_answers_fails_within_its_timeouts(silent_endpoint, stores, tmp_path):
-    env = {**stores, "AWS_ENDPOINT_URL": silent_endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1",
-           "MLLM_S3_READ_TIMEOUT": str(READ_S)}
+    env = {
+        **stores,
+        "AWS_ENDPOINT_URL": silent_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_MAX_ATTEMPTS": "1",
+        "MLLM_S3_READ_TIMEOUT": str(READ_S),
+    }
     start = time.monotonic()
-    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage",
-              f"s3://{BUCKET}/x", env=env, timeout=120)
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(tmp_path / "corpus.txt"),
+        "--storage",
+        f"s3://{BUCKET}/x",
+        env=env,
+        timeout=120,
+    )
     took = time.monotonic() - start
     one_line_error(out, "storage unreachable (ReadTimeoutError", silent_endpoint)
     # One attempt: the read timeout, and the CLI's own start.
@@ -191,10 +262,27 @@ def test_a_store_that_hangs_mid_training_ends_the_run_like_a_dead_one_and_keeps_
         # One attempt per request (AWS_MAX_ATTEMPTS=1) keeps the test short: the bound scales with it;
         # Prefect's two retries of the training come a second after each failure, not five.
         proc = prewarmed.start(
-            "flows.cli", ["run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"),
-                          "--storage", f"s3://{BUCKET}/hang", *[a for s in LONG for a in ("--set", s)]],
-            _env({**server.env, **on_session_server(stores), "AWS_MAX_ATTEMPTS": "1",
-                  "MLLM_S3_READ_TIMEOUT": str(READ_S), "MLLM_TRAIN_RETRY_DELAY_S": "1"}))
+            "flows.cli",
+            [
+                "run",
+                "--recipe",
+                "smoke",
+                "--source",
+                str(tmp_path / "corpus.txt"),
+                "--storage",
+                f"s3://{BUCKET}/hang",
+                *[a for s in LONG for a in ("--set", s)],
+            ],
+            _env(
+                {
+                    **server.env,
+                    **on_session_server(stores),
+                    "AWS_MAX_ATTEMPTS": "1",
+                    "MLLM_S3_READ_TIMEOUT": str(READ_S),
+                    "MLLM_TRAIN_RETRY_DELAY_S": "1",
+                }
+            ),
+        )
         stopped = None
         try:
             deadline = time.monotonic() + 240
@@ -235,8 +323,17 @@ def _keys(server, prefix: str, suffix: str) -> list[str]:
 def test_the_clis_own_advice_works_on_a_run_in_s3(s3, stores, tmp_path):
     env = {**s3.env, **on_session_server(stores)}
     fast = ["train.max_steps=12", "train.eval_interval=6", "train.checkpoint_interval=6", "sample.max_new_tokens=20"]
-    out = cli("run", "--recipe", "smoke", "--source", str(tmp_path / "corpus.txt"), "--storage", f"s3://{BUCKET}/advice",
-              *[a for s in fast for a in ("--set", s)], env=env)
+    out = cli(
+        "run",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(tmp_path / "corpus.txt"),
+        "--storage",
+        f"s3://{BUCKET}/advice",
+        *[a for s in fast for a in ("--set", s)],
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     checkpoint = next(line.split()[-1] for line in out.stdout.splitlines() if line.strip().startswith("checkpoint:"))
     run_id = next(line.split()[-1] for line in out.stdout.splitlines() if line.startswith("mlflow run:"))
@@ -252,13 +349,21 @@ def test_the_clis_own_advice_works_on_a_run_in_s3(s3, stores, tmp_path):
     import torch
 
     if not torch.cuda.is_available():  # --device with --model is honoured, so a missing GPU is refused
-        one_line_error(cli("sample", "--model", "smoke@champion", "--device", "cuda", *greedy, env=env),
-                       "no CUDA GPU is visible here", "auto")
-    one_line_error(cli("sample", "--checkpoint", checkpoint, "--method", "beam", "--top-p", "0.5", env=env),
-                   "--top-p does not apply to --method beam", "--method top-p")
+        one_line_error(
+            cli("sample", "--model", "smoke@champion", "--device", "cuda", *greedy, env=env),
+            "no CUDA GPU is visible here",
+            "auto",
+        )
+    one_line_error(
+        cli("sample", "--checkpoint", checkpoint, "--method", "beam", "--top-p", "0.5", env=env),
+        "--top-p does not apply to --method beam",
+        "--method top-p",
+    )
 
-    one_line_error(cli("lineage", "--corpus", "a" * 66, "--storage", f"s3://{BUCKET}/advice", env=env),
-                   "66 hex characters, a sha256 has 64")
+    one_line_error(
+        cli("lineage", "--corpus", "a" * 66, "--storage", f"s3://{BUCKET}/advice", env=env),
+        "66 hex characters, a sha256 has 64",
+    )
     # A recorded commit that the repository does not hold is a broken link, not "ok".
     from mlflow.tracking import MlflowClient
 
@@ -269,5 +374,7 @@ def test_the_clis_own_advice_works_on_a_run_in_s3(s3, stores, tmp_path):
     assert "commit ffffffffffff is not in the repository" in out.stdout and "broken links: code" in out.stdout
 
     # The time zone of an interval schedule is checked as a cron's is, and named.
-    one_line_error(cli("schedule", "--recipe", "smoke", "--interval", "60", "--timezone", "Mars/Olympus", env=env),
-                   "unknown --timezone 'Mars/Olympus'")
+    one_line_error(
+        cli("schedule", "--recipe", "smoke", "--interval", "60", "--timezone", "Mars/Olympus", env=env),
+        "unknown --timezone 'Mars/Olympus'",
+    )

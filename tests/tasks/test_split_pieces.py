@@ -11,11 +11,11 @@ import torch
 
 from mllm import UserError, storage
 from mllm.config import CbowConfig, model_config
-from mllm.runtime.epochs import CHAIN, ChainedIds, chain_digest, ids_digest, load_ids
 from mllm.embeddings.cbow import CbowBatches
+from mllm.families.base import build_model
 from mllm.lm.evaluate import evaluate, ngram_baseline
 from mllm.lm.windows import EpochWindows, RandomWindows, eval_starts, windows
-from mllm.families.base import build_model
+from mllm.runtime.epochs import CHAIN, ChainedIds, chain_digest, ids_digest, load_ids
 
 # Pieces of uneven sizes, one of a single token, so windows and contexts cross their ends.
 CUTS = [0, 1700, 1701, 4000, 4090, 6000]
@@ -31,8 +31,10 @@ def _stored(tmp_path: Path, seed: int = 0) -> tuple[np.ndarray, str]:
         np.save(url, flat[a:b])
         pieces.append({"url": url, "tokens": b - a, "sha256": storage.sha256_file(url)})
     manifest = str(tmp_path / "train.ids.json")
-    storage.write_json(manifest, {"format": CHAIN, "pieces": pieces, "tokens": len(flat),
-                                  "sha256": chain_digest([p["sha256"] for p in pieces])})
+    storage.write_json(
+        manifest,
+        {"format": CHAIN, "pieces": pieces, "tokens": len(flat), "sha256": chain_digest([p["sha256"] for p in pieces])},
+    )
     return flat, manifest
 
 
@@ -68,8 +70,9 @@ def test_windows_evaluation_and_every_rank_read_the_same_from_pieces(tmp_path: P
     assert np.array_equal(eval_starts(chain, 32, 50, 0), eval_starts(flat, 32, 50, 0))
     torch.manual_seed(0)
     model = build_model(model_config(arch="lstm", vocab_size=40, n_embd=8, hidden_size=16, n_layer=1)).eval()
-    assert evaluate(model, chain, window=32, batch_size=8, n_bytes=7000) == \
-        evaluate(model, flat, window=32, batch_size=8, n_bytes=7000)
+    assert evaluate(model, chain, window=32, batch_size=8, n_bytes=7000) == evaluate(
+        model, flat, window=32, batch_size=8, n_bytes=7000
+    )
     assert ngram_baseline(chain, chain[:900], 40, order=2) == ngram_baseline(flat, flat[:900], 40, order=2)
 
 
@@ -78,8 +81,9 @@ def test_cbow_batches_from_pieces_are_those_of_the_flat_array(tmp_path: Path) ->
     chain = load_ids(manifest)
     offsets = np.array([0, 500, 1695, 1702, 3000, 4093, 6000])  # paragraphs across the pieces' ends
     cfg = CbowConfig(vocab_size=40, objective="negative", n_negative=3, context=3)
-    a, b = (CbowBatches.from_config(cfg, ids, offsets, batch_size=64, seed=7, rank=1, world_size=2)
-            for ids in (chain, flat))
+    a, b = (
+        CbowBatches.from_config(cfg, ids, offsets, batch_size=64, seed=7, rank=1, world_size=2) for ids in (chain, flat)
+    )
     assert np.array_equal(a.centres, b.centres)
     for _ in range(30):
         assert all(torch.equal(x, y) for x, y in zip(a.next(), b.next()))
@@ -108,15 +112,20 @@ def test_a_changed_or_broken_piece_is_named(tmp_path: Path) -> None:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_cbow_trains_and_evaluates_on_a_folder_whose_splits_are_pieces(tmp_path: Path) -> None:
-    from flows.pipeline import pipeline
     from test_embeddings_pipeline import FAST, _paragraphs
+
+    from flows.pipeline import pipeline
 
     folder = tmp_path / "paragraphs"
     folder.mkdir()
     for i in range(3):
         (folder / f"part-{i}.txt").write_text(_paragraphs(2500, seed=10 + i))
-    r = pipeline(recipe="cbow-smoke", source=str(folder), storage_url=str(tmp_path / "storage"),
-                 overrides=FAST + ["data.split.span_bytes=2048"])
+    r = pipeline(
+        recipe="cbow-smoke",
+        source=str(folder),
+        storage_url=str(tmp_path / "storage"),
+        overrides=FAST + ["data.split.span_bytes=2048"],
+    )
     val = load_ids(r.data.splits.val.ids)
     assert isinstance(val, ChainedIds) and len(val.pieces) >= 1 and len(val) == r.data.splits.val.n_tokens
     offsets = np.load(r.data.splits.val.offsets)

@@ -22,18 +22,19 @@ import pandas as pd
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
-
 from textdata import write_char_ids
-from mllm.runtime.checkpoint import load_checkpoint
+
+from flows.stack.servers import free_port
 from mllm import UserError
 from mllm.config import RunConfig
 from mllm.lm.generate import sample_text
-from flows.stack.servers import free_port
 from mllm.redact import scrub
-from tasks.tracking import registry, tracker as tracking
+from mllm.runtime.checkpoint import load_checkpoint
+from tasks.tracking import registry
+from tasks.tracking import tracker as tracking
 from tasks.tracking.provenance import git_info
-from tasks.tracking.tracker import RunTracker, flatten
 from tasks.tracking.store import tracking_uri
+from tasks.tracking.tracker import RunTracker, flatten
 
 SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY"
 TINY = {"arch": "lstm", "n_embd": 8, "hidden_size": 16, "n_layer": 1, "dropout": 0.0}
@@ -85,8 +86,19 @@ def repo(tmp_path, home, monkeypatch) -> Path:
     git(r, "init", "-q", "-b", "main")
     (r / "train.py").write_text("lr = 1e-3\n")
     git(r, "add", "train.py")
-    git(r, "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
-        "commit", "-q", "-m", "first")
+    git(
+        r,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.com",
+        "-c",
+        "commit.gpgsign=false",
+        "commit",
+        "-q",
+        "-m",
+        "first",
+    )
     monkeypatch.chdir(r)
     return r
 
@@ -98,14 +110,16 @@ def uri(store, repo, monkeypatch) -> str:
 
 
 def git(path: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
 def config(**over) -> RunConfig:
     """A unique recipe name per test: each gets its own experiment and registered model."""
-    data = {"recipe": f"t-{uuid.uuid4().hex[:8]}", "model": TINY,
-            "train": {"max_steps": 4, "batch_size": 4, "window": 8}}
+    data = {
+        "recipe": f"t-{uuid.uuid4().hex[:8]}",
+        "model": TINY,
+        "train": {"max_steps": 4, "batch_size": 4, "window": 8},
+    }
     for key, value in over.items():
         data[key] = {**data.get(key, {}), **value}
     return RunConfig.model_validate(data)
@@ -113,11 +127,11 @@ def config(**over) -> RunConfig:
 
 def artifact_texts(run_id: str, dst: Path) -> dict[str, str]:
     folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, dst_path=str(dst)))
-    return {str(p.relative_to(folder)): p.read_text(errors="replace")
-            for p in folder.rglob("*") if p.is_file()}
+    return {str(p.relative_to(folder)): p.read_text(errors="replace") for p in folder.rglob("*") if p.is_file()}
 
 
 # ----------------------------------------------------------------------------- pure helpers
+
 
 def test_tracking_uri_env_first_else_sqlite_beside_the_storage_root(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
@@ -138,12 +152,25 @@ def test_tracking_uri_env_first_else_sqlite_beside_the_storage_root(tmp_path, mo
 
 
 def test_flatten_gives_one_string_param_per_leaf():
-    flat = flatten({"model": {"arch": "gpt", "n_layer": 2, "bias": True},
-                    "train": {"epochs": None, "lr": 1e-3}, "sample": {"methods": ["greedy"]},
-                    "vocab": {"specials": []}, "recipe": "smoke"})
-    assert flat == {"model.arch": "gpt", "model.n_layer": "2", "model.bias": "true",
-                    "train.epochs": "null", "train.lr": "0.001", "sample.methods": '["greedy"]',
-                    "vocab.specials": "[]", "recipe": "smoke"}
+    flat = flatten(
+        {
+            "model": {"arch": "gpt", "n_layer": 2, "bias": True},
+            "train": {"epochs": None, "lr": 1e-3},
+            "sample": {"methods": ["greedy"]},
+            "vocab": {"specials": []},
+            "recipe": "smoke",
+        }
+    )
+    assert flat == {
+        "model.arch": "gpt",
+        "model.n_layer": "2",
+        "model.bias": "true",
+        "train.epochs": "null",
+        "train.lr": "0.001",
+        "sample.methods": '["greedy"]',
+        "vocab.specials": "[]",
+        "recipe": "smoke",
+    }
     cfg = config()
     assert len(flatten(cfg.to_dict())) > 50 and flatten(cfg.to_dict())["model.arch"] == "lstm"
     assert "model.n_head" not in flatten(cfg.to_dict())  # the chosen family's fields only
@@ -152,22 +179,36 @@ def test_flatten_gives_one_string_param_per_leaf():
 def test_scrub_hides_env_secrets_url_userinfo_and_secret_named_options(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a secret-named variable, no secret
-    got = scrub({
-        "note": f"key is {SECRET}!",
-        "source": "s3://AKIAEXAMPLE:other-secret@bucket/raw.txt",
-        "endpoint": "https://user:pass@minio.local:9000/x",
-        "storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t", "sessionToken": "tok-123",
-                            "client_kwargs": {"endpoint_url": "http://minio:9000"}},
-        "tokenizer": {"kind": "char"}, "max_new_tokens": 200, "parallel": "false",
-        "yaml": "password: hunter22\nsorted(x, key=len)\n",
-    })
+    got = scrub(
+        {
+            "note": f"key is {SECRET}!",
+            "source": "s3://AKIAEXAMPLE:other-secret@bucket/raw.txt",
+            "endpoint": "https://user:pass@minio.local:9000/x",
+            "storage_options": {
+                "key": "AKIAEXAMPLE",
+                "secret": "s3cr3t",
+                "sessionToken": "tok-123",
+                "client_kwargs": {"endpoint_url": "http://minio:9000"},
+            },
+            "tokenizer": {"kind": "char"},
+            "max_new_tokens": 200,
+            "parallel": "false",
+            "yaml": "password: hunter22\nsorted(x, key=len)\n",
+        }
+    )
     assert got == {
         "note": "key is ***!",
         "source": "s3://***@bucket/raw.txt",
         "endpoint": "https://***@minio.local:9000/x",
-        "storage_options": {"key": "***", "secret": "***", "sessionToken": "***",
-                            "client_kwargs": {"endpoint_url": "http://minio:9000"}},
-        "tokenizer": {"kind": "char"}, "max_new_tokens": 200, "parallel": "false",
+        "storage_options": {
+            "key": "***",
+            "secret": "***",
+            "sessionToken": "***",
+            "client_kwargs": {"endpoint_url": "http://minio:9000"},
+        },
+        "tokenizer": {"kind": "char"},
+        "max_new_tokens": 200,
+        "parallel": "false",
         "yaml": "password: ***\nsorted(x, key=len)\n",
     }
 
@@ -183,11 +224,11 @@ def test_git_info_reports_commit_branch_and_the_diff_when_dirty(repo, tmp_path):
     assert "-lr = 1e-3" in info["diff"] and "+lr = 3e-4" in info["diff"] and "notes.txt" in info["diff"]
     outside = tmp_path / "plain"
     outside.mkdir()
-    assert git_info(str(outside)) == {"commit": None, "branch": None, "dirty": None, "diff": None,
-                                      "remote": None}
+    assert git_info(str(outside)) == {"commit": None, "branch": None, "dirty": None, "diff": None, "remote": None}
 
 
 # ----------------------------------------------------------------------------- runs
+
 
 def test_run_logs_the_whole_config_git_state_and_versions(uri, repo, tmp_path):
     cfg = config()
@@ -217,8 +258,19 @@ def test_a_run_with_the_default_stores_in_a_clean_checkout_stays_clean(repo, mon
     # which the project's .gitignore must cover, or every first run would be tagged dirty.
     (repo / ".gitignore").write_text((Path(__file__).resolve().parents[2] / ".gitignore").read_text())
     git(repo, "add", ".gitignore")
-    git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
-        "commit", "-q", "-m", "ignore")
+    git(
+        repo,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@example.com",
+        "-c",
+        "commit.gpgsign=false",
+        "commit",
+        "-q",
+        "-m",
+        "ignore",
+    )
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root = str(repo / "storage")
     for _ in range(2):  # the second run finds the store and its lock file made by the first
@@ -266,13 +318,21 @@ def test_metrics_go_in_one_request_per_call_with_their_steps(store, uri, tmp_pat
         monkeypatch.setattr(run.client, "log_batch", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
         before = store.requests("/runs/log-batch") if store.server_log else 0
         for step in (0, 10, 20):
-            run.log_metrics([{"step": step, "train_loss": 3.0 - step / 10, "lr": 1e-3,
-                              "grad_norm": 1.5, "tokens_per_s": 1000.0 + step}])
+            run.log_metrics(
+                [
+                    {
+                        "step": step,
+                        "train_loss": 3.0 - step / 10,
+                        "lr": 1e-3,
+                        "grad_norm": 1.5,
+                        "tokens_per_s": 1000.0 + step,
+                    }
+                ]
+            )
         run.log_metrics([{"step": 20, "val_loss": 2.5, "val_perplexity": 12.2, "val_bits_per_token": 3.6}])
         assert len(calls) == 4
         # 2,400 numbers in one call: as few requests as MLflow's 1,000-metric limit allows.
-        run.log_metrics([{"step": 100 + i, "train_loss": 1.0, "lr": 1e-4, "grad_norm": 0.5}
-                         for i in range(800)])
+        run.log_metrics([{"step": 100 + i, "train_loss": 1.0, "lr": 1e-4, "grad_norm": 0.5} for i in range(800)])
         assert len(calls) == 7 and [len(c["metrics"]) for c in calls[4:]] == [1000, 1000, 400]
         if store.server_log:  # what reached the server: one HTTP request per batch
             time.sleep(0.5)  # the access log line follows the response
@@ -283,13 +343,15 @@ def test_metrics_go_in_one_request_per_call_with_their_steps(store, uri, tmp_pat
     assert len(history) == 803 and history[10] == 2.0 and history[20] == 1.0 and history[899] == 1.0
     assert [(m.step, m.value) for m in client.get_metric_history(run.run_id, "val_loss")] == [(20, 2.5)]
     assert [m.step for m in client.get_metric_history(run.run_id, "tokens_per_s")] == [0, 10, 20]
-    png = Path(mlflow.artifacts.download_artifacts(run_id=run.run_id, artifact_path="loss_curve.png",
-                                                   dst_path=str(tmp_path / "art")))
+    png = Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=run.run_id, artifact_path="loss_curve.png", dst_path=str(tmp_path / "art")
+        )
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
 
-def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_once(store, uri, tmp_path,
-                                                                                       monkeypatch):
+def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_once(store, uri, tmp_path, monkeypatch):
     # The train task's on_metrics: at most one request every MLLM_METRICS_EVERY_S seconds while
     # training logs every few steps; an evaluation, a checkpoint's step (checkpoint_interval 30
     # here) and the end of training send what is held at once, each step once.
@@ -301,7 +363,7 @@ def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_
         real = run.client.log_batch
         monkeypatch.setattr(run.client, "log_batch", lambda *a, **kw: (calls.append(kw), real(*a, **kw)))
         on_metrics = run.metrics_after_resume()
-        loss = lambda step: [{"step": step, "train_loss": 3.0 - step / 100}]  # noqa: E731
+        loss = lambda step: [{"step": step, "train_loss": 3.0 - step / 100}]  # noqa: E731 (a one-line helper, named where it is used)
         for step in (10, 20):
             on_metrics(loss(step))
         assert calls == []  # held: the minute is not over
@@ -320,8 +382,16 @@ def test_a_trainings_metrics_are_paced_but_an_eval_or_a_checkpoint_step_goes_at_
         every(loss(40))
         every(loss(50))
         assert len(calls) == 5
-    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "train_loss")] == [10, 20, 25, 27, 30,
-                                                                                               35, 40, 50]
+    assert [m.step for m in MlflowClient(uri).get_metric_history(run.run_id, "train_loss")] == [
+        10,
+        20,
+        25,
+        27,
+        30,
+        35,
+        40,
+        50,
+    ]
     monkeypatch.setenv("MLLM_METRICS_EVERY_S", "soon")
     with pytest.raises(UserError, match="MLLM_METRICS_EVERY_S='soon': give seconds"):
         run.metrics_after_resume()
@@ -342,8 +412,11 @@ def test_the_delays_before_a_training_and_a_point_run_again_are_settings(monkeyp
     monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "0")
     assert (training_delay(), point_delay()) == (0.5, 0)
     monkeypatch.setenv("MLLM_TRAIN_RETRY_DELAY_S", "soon")
-    with pytest.raises(UserError, match=r"^MLLM_TRAIN_RETRY_DELAY_S='soon': give the seconds before a failed "
-                                        r"training runs again, 0 or more$"):
+    with pytest.raises(
+        UserError,
+        match=r"^MLLM_TRAIN_RETRY_DELAY_S='soon': give the seconds before a failed "
+        r"training runs again, 0 or more$",
+    ):
         training_delay()
     monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "-1")
     with pytest.raises(UserError, match=r"^MLLM_SWEEP_RETRY_DELAY_S='-1': give the seconds before a failed point"):
@@ -351,7 +424,8 @@ def test_the_delays_before_a_training_and_a_point_run_again_are_settings(monkeyp
 
 
 def test_a_failing_run_closed_beside_another_that_finished_first_still_is_not_retried_for_minutes(
-        failing_server, monkeypatch):
+    failing_server, monkeypatch
+):
     # A sweep's points close their failed MLflow runs in threads side by side, each inside
     # outage.fail_fast. One that finished first must not give the others MLflow's retries back: with
     # a server whose database is down (it answers 500) each would hold the sweep for 4 minutes.
@@ -395,8 +469,9 @@ def test_datasets_carry_our_digest_source_and_size(uri, tmp_path):
     sha = "9f" * 32  # a whole sha256: longer than MLflow's 36-character digest column
     with RunTracker(config(), str(tmp_path / "storage")) as run:
         run.log_dataset("raw", "https://example.com/corpus.txt", sha, "raw")
-        run.log_dataset("train", str(tmp_path / "storage" / "train.npy"), "0123456789abcdef",
-                        "training", n_tokens=90_000)
+        run.log_dataset(
+            "train", str(tmp_path / "storage" / "train.npy"), "0123456789abcdef", "training", n_tokens=90_000
+        )
         run.log_dataset("val", "s3://bucket/val.npy", "fedcba9876543210", "validation", n_tokens=10_000)
     inputs = {d.dataset.name: d for d in MlflowClient(uri).get_run(run.run_id).inputs.dataset_inputs}
     assert set(inputs) == {"raw", "train", "val"}
@@ -426,9 +501,11 @@ def test_no_secret_reaches_a_param_tag_artifact_dataset_or_log_line(uri, tmp_pat
     r = MlflowClient(uri).get_run(run.run_id)
     texts = artifact_texts(run.run_id, tmp_path / "art")
     everything = {
-        "params": json.dumps(r.data.params), "tags": json.dumps(r.data.tags),
+        "params": json.dumps(r.data.params),
+        "tags": json.dumps(r.data.tags),
         "datasets": json.dumps([d.dataset.source for d in r.inputs.dataset_inputs]),
-        "logs": caplog.text, **texts,
+        "logs": caplog.text,
+        **texts,
     }
     assert {name for name, text in everything.items() if SECRET in text or "AKIAEXAMPLE" in text} == set()
     # ...and they were there to hide: the redaction shows where.
@@ -441,6 +518,7 @@ def test_no_secret_reaches_a_param_tag_artifact_dataset_or_log_line(uri, tmp_pat
 
 # ----------------------------------------------------------------------------- the model
 
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     """A tiny character LSTM trained for a few steps on made-up text."""
@@ -448,11 +526,16 @@ def checkpoint(tmp_path_factory) -> str:
 
     d = tmp_path_factory.mktemp("trained")
     write_char_ids(d, 600)
-    cfg = config(train={"max_steps": 6, "eval_interval": 3, "eval_batches": 2, "log_interval": 2,
-                        "checkpoint_interval": 3},
-                 sample={"max_new_tokens": 12, "methods": ["greedy"]})
-    cfg.paths = {"train_ids": str(d / "train.npy"), "val_ids": str(d / "val.npy"),
-                 "vocab": str(d / "vocab.json"), "checkpoint_dir": str(d / "ckpt")}
+    cfg = config(
+        train={"max_steps": 6, "eval_interval": 3, "eval_batches": 2, "log_interval": 2, "checkpoint_interval": 3},
+        sample={"max_new_tokens": 12, "methods": ["greedy"]},
+    )
+    cfg.paths = {
+        "train_ids": str(d / "train.npy"),
+        "val_ids": str(d / "val.npy"),
+        "vocab": str(d / "vocab.json"),
+        "checkpoint_dir": str(d / "ckpt"),
+    }
     return train(cfg).checkpoint
 
 
@@ -460,9 +543,16 @@ def _scored(checkpoint: str, bits_per_byte: float):
     """An evaluation of the checkpoint as the evaluate stage hands it on (a language model's)."""
     from tasks.model import Evaluation
 
-    return Evaluation(split="val", checkpoint=checkpoint, loss=bits_per_byte, tokens=100, report="",
-                      headline="val_bits_per_byte", higher_is_better=False,
-                      metrics={"val_loss": bits_per_byte, "val_bits_per_byte": bits_per_byte})
+    return Evaluation(
+        split="val",
+        checkpoint=checkpoint,
+        loss=bits_per_byte,
+        tokens=100,
+        report="",
+        headline="val_bits_per_byte",
+        higher_is_better=False,
+        metrics={"val_loss": bits_per_byte, "val_bits_per_byte": bits_per_byte},
+    )
 
 
 def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(uri, checkpoint, tmp_path):
@@ -473,15 +563,30 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     corpus, other = ["a" * 64, "b" * 64], ["c" * 64]
     # The last two: a far better model of a corpus that shares no file with the champion's, under
     # the recipe's name (no rival: registered beside it) and under a name of its own (its first).
-    for loss, files, model_name in ((2.0, corpus, None), (2.5, corpus, None), (1.5, corpus, None),
-                                    (0.5, other, None), (0.5, other, f"{name}-other")):
+    for loss, files, model_name in (
+        (2.0, corpus, None),
+        (2.5, corpus, None),
+        (1.5, corpus, None),
+        (0.5, other, None),
+        (0.5, other, f"{name}-other"),
+    ):
         with RunTracker(cfg, str(tmp_path / "storage")) as run:
-            results.append(registry.log_model(run, _scored(checkpoint, loss), files=files,
-                                              model_name=model_name).model_dump(mode="json"))
+            results.append(
+                registry.log_model(run, _scored(checkpoint, loss), files=files, model_name=model_name).model_dump(
+                    mode="json"
+                )
+            )
             results[-1]["champion"] = str(client.get_model_version_by_alias(model_name or name, "champion").version)
     assert [(r["version"], r["promoted"], r["champion"]) for r in results] == [
-        ("1", True, "1"), ("2", False, "1"), ("3", True, "3"), ("4", False, "3"), ("1", True, "1")]
-    assert results[3]["reason"].startswith("not judged against champion v3, whose corpus shares no file with this run's")
+        ("1", True, "1"),
+        ("2", False, "1"),
+        ("3", True, "3"),
+        ("4", False, "3"),
+        ("1", True, "1"),
+    ]
+    assert results[3]["reason"].startswith(
+        "not judged against champion v3, whose corpus shares no file with this run's"
+    )
     assert results[4]["name"] == f"{name}-other" and results[4]["reason"] == "no champion yet"
     assert registry.current_champion(client, name).files == sorted(f[:16] for f in corpus)
     assert results[0]["previous"] is None
@@ -512,10 +617,18 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     from mlflow.exceptions import MlflowException
 
     refusals = []
-    for inputs, bad in ((["The "], {"method": "nope"}), (["The "], {"max_new_tokens": -5}),
-                        (["The "], {"max_new_tokens": 5000}), (["The "], {"top_p": 1.5}),
-                        (["The "], {"max_new_tokens": 5, "nope": 1}), (["The "], {"max_new_tokens": "abc"}),
-                        (["The "], {"seed": 1.5}), ([5], {}), (["The ", None], {}), (["Thé: "], {})):
+    for inputs, bad in (
+        (["The "], {"method": "nope"}),
+        (["The "], {"max_new_tokens": -5}),
+        (["The "], {"max_new_tokens": 5000}),
+        (["The "], {"top_p": 1.5}),
+        (["The "], {"max_new_tokens": 5, "nope": 1}),
+        (["The "], {"max_new_tokens": "abc"}),
+        (["The "], {"seed": 1.5}),
+        ([5], {}),
+        (["The ", None], {}),
+        (["Thé: "], {}),
+    ):
         with pytest.raises(MlflowException) as e:
             model.predict(inputs, params=bad)
         assert e.value.get_http_status_code() == 400 and not e.value.json_kwargs
@@ -523,19 +636,25 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     bound = "give a whole number from 1 to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)"
     assert refusals[:4] == [
         "parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam",
-        f"parameter max_new_tokens -5: {bound}", f"parameter max_new_tokens 5000: {bound}",
-        "parameter top_p 1.5: give a number above 0 and at most 1"]
-    assert refusals[4].startswith("unknown parameter nope: this model takes beam_width, drop_unsupported, "
-                                  "max_new_tokens, method")
+        f"parameter max_new_tokens -5: {bound}",
+        f"parameter max_new_tokens 5000: {bound}",
+        "parameter top_p 1.5: give a number above 0 and at most 1",
+    ]
+    assert refusals[4].startswith(
+        "unknown parameter nope: this model takes beam_width, drop_unsupported, max_new_tokens, method"
+    )
     # A value of the wrong type by its name and bounds, not in MLflow's words; a prompt that is not text.
     assert refusals[5:] == [
-        f"parameter max_new_tokens 'abc': {bound}", "parameter seed 1.5: give a whole number",
+        f"parameter max_new_tokens 'abc': {bound}",
+        "parameter seed 1.5: give a whole number",
         'the prompt 5 is not text (int): send each prompt as a string, e.g. {"inputs": ["The "]}',
         'the prompt None is not text (NoneType): send each prompt as a string, e.g. {"inputs": ["The "]}',
         "the prompt 'Thé: ' loses 'é' ':' to the normalisation its model's corpus had (the model reads 'Th '): "
-        "leave them out, or send the parameter drop_unsupported: true to sample from what is left"]
+        "leave them out, or send the parameter drop_unsupported: true to sample from what is left",
+    ]
     assert model.predict(["Thé: "], params={"drop_unsupported": True, "max_new_tokens": 7}) == [
-        sample_text(loaded, "Th ", "greedy", max_new_tokens=7)]
+        sample_text(loaded, "Th ", "greedy", max_new_tokens=7)
+    ]
 
 
 def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
@@ -556,31 +675,58 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'prefect' or name.startswith('prefect.'):\n"
         "            raise ImportError('prefect is not installed here')\n"
-        "sys.meta_path.insert(0, NoPrefect())\n")
-    env = {**os.environ, "PYTHONPATH": str(blocker), "MLFLOW_TRACKING_URI": uri,
-           # MLflow starts uvicorn by name, as from an activated environment.
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    load = ("import mlflow.pyfunc, json\n"
-            "try:\n    import prefect\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('prefect imported')\n"
-            f"m = mlflow.pyfunc.load_model('models:/{cfg.recipe}@champion')\n"
-            "print(json.dumps(m.predict(['The '], params={'max_new_tokens': 9})))\n")
-    out = subprocess.run([sys.executable, "-c", load], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)
+        "sys.meta_path.insert(0, NoPrefect())\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(blocker),
+        "MLFLOW_TRACKING_URI": uri,
+        # MLflow starts uvicorn by name, as from an activated environment.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    load = (
+        "import mlflow.pyfunc, json\n"
+        "try:\n    import prefect\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit('prefect imported')\n"
+        f"m = mlflow.pyfunc.load_model('models:/{cfg.recipe}@champion')\n"
+        "print(json.dumps(m.predict(['The '], params={'max_new_tokens': 9})))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", load], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [expected]
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{cfg.recipe}@champion",
-                               "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                              env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "models",
+            "serve",
+            "-m",
+            f"models:/{cfg.recipe}@champion",
+            "--env-manager",
+            "local",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         body = json.dumps({"inputs": ["The "], "params": {"max_new_tokens": 9}}).encode()
         deadline = time.monotonic() + 240
         while True:
             try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                                 headers={"Content-Type": "application/json"})
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/invocations", data=body, headers={"Content-Type": "application/json"}
+                )
                 with urllib.request.urlopen(request, timeout=60) as response:
                     answer = json.loads(response.read())
                 break
@@ -589,11 +735,18 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
                 assert time.monotonic() < deadline, "mlflow models serve did not answer in 240 s"
                 time.sleep(1)
         refused = {}
-        for name, inputs, params in (("bad", ["The "], {"method": "nope", "max_new_tokens": -5}),
-                                     ("unknown", ["The "], {"nope": 1}), ("type", ["The "], {"max_new_tokens": "abc"}),
-                                     ("number", [5], {}), ("dropped", ["Ünïcödé: 日本 "], {})):
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(
-                {"inputs": inputs, "params": params}).encode(), headers={"Content-Type": "application/json"})
+        for name, inputs, params in (
+            ("bad", ["The "], {"method": "nope", "max_new_tokens": -5}),
+            ("unknown", ["The "], {"nope": 1}),
+            ("type", ["The "], {"max_new_tokens": "abc"}),
+            ("number", [5], {}),
+            ("dropped", ["Ünïcödé: 日本 "], {}),
+        ):
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/invocations",
+                data=json.dumps({"inputs": inputs, "params": params}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(request, timeout=60)
             assert e.value.code == 400
@@ -606,29 +759,50 @@ def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(chec
     # The request's mistake in the message, and no traceback of the server's code beside it.
     assert all("stack_trace" not in r and r["error_code"] == "INVALID_PARAMETER_VALUE" for r in refused.values())
     assert refused["bad"]["message"].endswith(
-        "Error: parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam")
+        "Error: parameter method 'nope': a language model samples with greedy, temperature, top-k, top-p, beam"
+    )
     assert "unknown parameter nope: this model takes" in refused["unknown"]["message"]
-    assert refused["type"]["message"].endswith("Error: parameter max_new_tokens 'abc': give a whole number from 1 "
-                                               "to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)")
+    assert refused["type"]["message"].endswith(
+        "Error: parameter max_new_tokens 'abc': give a whole number from 1 "
+        "to 1024 (this server's bound: MLLM_SERVE_MAX_NEW_TOKENS sets it)"
+    )
     assert "the prompt 5 is not text (int): send each prompt as a string" in refused["number"]["message"]
     assert refused["dropped"]["message"].endswith(
         "loses 'Ü' 'ï' 'ö' 'é' ':' '日' '本' to the normalisation its model's corpus had (the model reads 'ncd '): "
-        "leave them out, or send the parameter drop_unsupported: true to sample from what is left")
+        "leave them out, or send the parameter drop_unsupported: true to sample from what is left"
+    )
     assert "prefect" not in (tmp_path / "serve.log").read_text().lower()
 
 
 # ----------------------------------------------------------------------------- what the UI shows
 
+
 def test_stage_digests_named_key_stay_in_clear_and_real_keys_do_not(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    got = scrub({"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
-                 "data.tokens_key": "09e82874a286feb5", "api_key": "sk-live-123456", "key": "AKIAEXAMPLE",
-                 "aws_secret_access_key": "abc", "secret_train_key": "x", "note": f"train.key={SECRET}",
-                 "line": "train.key=c492b81f6515010e api_key=sk-live-123456 http://u:pw@host/x"})
-    assert got == {"train.key": "c492b81f6515010e", "data.splits_key": "b89dbc854f529349",
-                   "data.tokens_key": "09e82874a286feb5", "api_key": "***", "key": "***",
-                   "aws_secret_access_key": "***", "secret_train_key": "***", "note": "train.key=***",
-                   "line": "train.key=c492b81f6515010e api_key=*** http://***@host/x"}
+    got = scrub(
+        {
+            "train.key": "c492b81f6515010e",
+            "data.splits_key": "b89dbc854f529349",
+            "data.tokens_key": "09e82874a286feb5",
+            "api_key": "sk-live-123456",
+            "key": "AKIAEXAMPLE",
+            "aws_secret_access_key": "abc",
+            "secret_train_key": "x",
+            "note": f"train.key={SECRET}",
+            "line": "train.key=c492b81f6515010e api_key=sk-live-123456 http://u:pw@host/x",
+        }
+    )
+    assert got == {
+        "train.key": "c492b81f6515010e",
+        "data.splits_key": "b89dbc854f529349",
+        "data.tokens_key": "09e82874a286feb5",
+        "api_key": "***",
+        "key": "***",
+        "aws_secret_access_key": "***",
+        "secret_train_key": "***",
+        "note": "train.key=***",
+        "line": "train.key=c492b81f6515010e api_key=*** http://***@host/x",
+    }
 
 
 def test_a_recipes_experiment_opens_in_the_model_training_view_and_shows_the_training_key(uri, tmp_path):
@@ -652,8 +826,10 @@ def test_system_metrics_are_sampled_beside_the_training_and_once_at_least(uri, t
         # Sampled while the work goes on: a second sample within a few intervals (more on a
         # loaded machine, where the monitor's thread waits its turn).
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(
-                MlflowClient(uri).get_metric_history(run.run_id, "system/system_memory_usage_megabytes")) < 2:
+        while (
+            time.monotonic() < deadline
+            and len(MlflowClient(uri).get_metric_history(run.run_id, "system/system_memory_usage_megabytes")) < 2
+        ):
             time.sleep(0.2)
     with RunTracker(cfg, root) as short:
         monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "60")

@@ -22,15 +22,20 @@ from mlflow.tracking import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName, TaskRunFilterStartTime
 from prefect.settings import PREFECT_API_URL, temporary_settings
-
-from textdata import make_text
 from servers import FaultProxy
+from textdata import make_text
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]  # this checkout's code, wherever the command runs
-STEPS = ["train.max_steps=60", "train.eval_interval=30", "train.checkpoint_interval=30", "train.log_interval=10",
-         "sample.max_new_tokens=10", "sample.methods=[greedy]"]
+STEPS = [
+    "train.max_steps=60",
+    "train.eval_interval=30",
+    "train.checkpoint_interval=30",
+    "train.log_interval=10",
+    "sample.max_new_tokens=10",
+    "sample.methods=[greedy]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,11 @@ def servers(prefect_server: str, mlflow_server) -> Iterator[dict]:
     prefect_proxy = FaultProxy(urlsplit(prefect_server).port).start()
     mlflow_proxy = FaultProxy(urlsplit(mlflow_server.url).port).start()
     try:
-        yield {"prefect": prefect_proxy, "mlflow": mlflow_proxy,
-               "env": {"PREFECT_API_URL": f"{prefect_proxy.url}/api", "MLFLOW_TRACKING_URI": mlflow_proxy.url}}
+        yield {
+            "prefect": prefect_proxy,
+            "mlflow": mlflow_proxy,
+            "env": {"PREFECT_API_URL": f"{prefect_proxy.url}/api", "MLFLOW_TRACKING_URI": mlflow_proxy.url},
+        }
     finally:
         prefect_proxy.stop()
         mlflow_proxy.stop()
@@ -49,6 +57,7 @@ def servers(prefect_server: str, mlflow_server) -> Iterator[dict]:
 
 def _when_training_starts(root: Path, fault) -> threading.Thread:
     """Call `fault()` once the first point's training has written a checkpoint."""
+
     def watch() -> None:
         deadline = time.monotonic() + 300
         while not list(root.glob("runs/*/checkpoints/last.pt")) and time.monotonic() < deadline:
@@ -63,10 +72,26 @@ def _when_training_starts(root: Path, fault) -> threading.Thread:
 def _sweep(servers: dict, tmp_path: Path, seed: int, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(make_text(3000, seed=seed))
-    args = ["sweep", "--recipe", "smoke", "--source", str(corpus), "--storage", str(tmp_path / "storage"),
-            "--grid", "train.lr=1e-3,3e-3", *[a for s in STEPS for a in ("--set", s)]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200", "PYTHONPATH": str(REPO), **servers["env"],
-           **(env or {})}
+    args = [
+        "sweep",
+        "--recipe",
+        "smoke",
+        "--source",
+        str(corpus),
+        "--storage",
+        str(tmp_path / "storage"),
+        "--grid",
+        "train.lr=1e-3,3e-3",
+        *[a for s in STEPS for a in ("--set", s)],
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "COLUMNS": "200",
+        "PYTHONPATH": str(REPO),
+        **servers["env"],
+        **(env or {}),
+    }
     return prewarmed.run("flows.cli", args, env, tmp_path, 600)
 
 
@@ -84,8 +109,9 @@ def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, t
     # about a minute) are in flows/__init__.py; waiting out a minute here would only re-measure them.
     prefect, mlflow = servers["prefect"], servers["mlflow"]
     before = prefect.answered_503, mlflow.answered_503
-    _when_training_starts(tmp_path / "storage", lambda: (prefect.unavailable(10, until_met=90),
-                                                         mlflow.unavailable(10, until_met=90)))
+    _when_training_starts(
+        tmp_path / "storage", lambda: (prefect.unavailable(10, until_met=90), mlflow.unavailable(10, until_met=90))
+    )
     # Requests to both during the window: the training's progress line goes to Prefect's API every
     # second, its metrics to MLflow every 2 s (MLLM_METRICS_EVERY_S). On a loaded machine a point
     # can spend all 10 s retrying Prefect and send MLflow nothing (seen once): a window no request
@@ -99,7 +125,8 @@ def test_both_servers_answering_503_during_a_sweep_fail_nothing(servers: dict, t
 
 
 def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing_is_left_failed(
-        servers: dict, tmp_path: Path) -> None:
+    servers: dict, tmp_path: Path
+) -> None:
     # With Prefect's client told to give up after 2 retries (2 + 4 s; a user's own setting wins over
     # the project's), Prefect answering 503 to every new flow run for 9 s fails the point that is
     # about to start one; the sweep runs that point once more (5 s later here: MLLM_SWEEP_RETRY_DELAY_S, past the
@@ -109,20 +136,33 @@ def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing
     _when_training_starts(tmp_path / "storage", lambda: prefect.unavailable(9, only="POST /api/flow_runs/ "))
     # As at a terminal (MLLM_PROGRESS): Prefect's lines, the failed attempt's traceback among them,
     # stay in its run record.
-    out = _sweep(servers, tmp_path, seed=12, env={"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_PROGRESS": "1",
-                                                   "MLLM_SWEEP_RETRY_DELAY_S": "5"})
+    out = _sweep(
+        servers,
+        tmp_path,
+        seed=12,
+        env={"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_PROGRESS": "1", "MLLM_SWEEP_RETRY_DELAY_S": "5"},
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert prefect.answered_503 > before
     assert "FAILED" not in out.stdout, out.stdout
     assert "Traceback" not in out.stderr and "failed" not in out.stderr, out.stderr
     assert "2/2 ended" in out.stderr
     # In Prefect's record: one point ran twice, and every point ended Completed.
-    with temporary_settings({PREFECT_API_URL: servers["env"]["PREFECT_API_URL"]}), \
-            get_client(sync_client=True) as client:
-        points = [r for r in client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(like_="point train.lr="), start_time=TaskRunFilterStartTime(after_=started)))]
-    assert sorted(r.run_count for r in points) == [1, 2] and all(r.state.is_completed() for r in points), \
-        [(r.name, r.run_count, r.state_name) for r in points]
+    with (
+        temporary_settings({PREFECT_API_URL: servers["env"]["PREFECT_API_URL"]}),
+        get_client(sync_client=True) as client,
+    ):
+        points = [
+            r
+            for r in client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    name=TaskRunFilterName(like_="point train.lr="), start_time=TaskRunFilterStartTime(after_=started)
+                )
+            )
+        ]
+    assert sorted(r.run_count for r in points) == [1, 2] and all(r.state.is_completed() for r in points), [
+        (r.name, r.run_count, r.state_name) for r in points
+    ]
     runs = _point_runs(servers, out)
     assert len(runs) == 2 and {r.info.status for r in runs} == {"FINISHED"}
     # The failed attempt's run is in MLflow's trash, naming the run that stands for its point.
@@ -131,22 +171,25 @@ def test_a_point_that_still_fails_of_a_503_runs_once_more_on_its_own_and_nothing
 
 
 def test_a_tracking_server_answering_503_during_training_is_named_as_answering_503_not_as_gone(
-        servers: dict, monkeypatch) -> None:
+    servers: dict, monkeypatch
+) -> None:
     # During training MLflow's client does not retry (outage.fail_fast): a busy server's 503 reaches
     # the pipeline at once. The warning and the error name what happened: the server answered, with
     # 503, so "start it again" would be the wrong advice.
     from mlflow.entities import Metric
 
     from tasks.tracking import outage
-
     from tasks.tracking import servers as tracking_servers
+
     proxy = servers["mlflow"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
     client = MlflowClient(proxy.url)
     run = client.create_run(client.create_experiment(f"busy-{time.time_ns()}"))
 
     def send(records: list[dict]) -> None:
-        client.log_batch(run.info.run_id, metrics=[Metric("train_loss", r["train_loss"], 0, r["step"]) for r in records])
+        client.log_batch(
+            run.info.run_id, metrics=[Metric("train_loss", r["train_loss"], 0, r["step"]) for r in records]
+        )
 
     held = outage.HeldMetrics(send, every_s=0.0)
     warnings: list[str] = []
@@ -167,8 +210,9 @@ def test_a_tracking_server_answering_503_during_training_is_named_as_answering_5
         proxy.unavailable(0)
         logging.getLogger("tasks.tracking.outage").removeHandler(catch)
     assert held.held and held.away_since_step == 7
-    assert f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable at step 7" \
-        in " ".join(warnings), warnings
+    assert f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable at step 7" in " ".join(warnings), (
+        warnings
+    )
     assert line.startswith(f"the MLflow tracking server {proxy.url} answered 503 Service Unavailable: ")
     assert "start it again" not in line and "stack status" in line
     held([])  # the server answers again: what was held is sent
