@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mllm.settings import Settings, seconds
+from mllm.settings import seconds
+from tasks.settings import TaskSettings
 
 
-class FlowSettings(Settings):
+class FlowSettings(TaskSettings):
+    """The tasks' settings (the servers' URLs, the flow run) and the flows' own."""
+
     storage: str | None = Field(
         None, validation_alias="MLLM_STORAGE", description="the storage root, a folder or URL [./storage]"
     )
@@ -76,14 +79,6 @@ class FlowSettings(Settings):
         description="where a search keeps its Optuna study [the stack's PostgreSQL, "
         "else optuna.db beside the storage root]",
     )
-    mlflow_tracking_uri: str = Field(
-        "",
-        validation_alias="MLFLOW_TRACKING_URI",
-        description="the MLflow store or server [mlflow.db beside the storage root]",
-    )
-    prefect_api_url: str = Field(
-        "", validation_alias="PREFECT_API_URL", description="the Prefect server [a temporary one per command]"
-    )
     prefect_api_auth_string: str | None = Field(
         None,
         validation_alias="PREFECT_API_AUTH_STRING",
@@ -97,11 +92,6 @@ class FlowSettings(Settings):
         validation_alias="PREFECT_API_TLS_INSECURE_SKIP_VERIFY",
         description="Prefect's client trusts any certificate",
     )
-    flow_run_id: str | None = Field(
-        None,
-        validation_alias="PREFECT__FLOW_RUN_ID",
-        description="the flow run a worker runs (set by Prefect's worker)",
-    )
 
 
 def settings() -> FlowSettings:
@@ -112,7 +102,6 @@ def markdown() -> str:
     """docs/settings.md's tables, one per layer, from the fields above and those of `mllm` and
     `tasks` (`python -m flows.settings` prints them)."""
     from mllm.settings import MllmSettings
-    from tasks.settings import TaskSettings
 
     out = []
     for title, cls in (

@@ -31,11 +31,26 @@ class Settings(BaseSettings):
 
     @classmethod
     def table(cls) -> list[tuple[str, str, str]]:
-        """(variable, default, meaning) of every field, for docs/settings.md."""
+        """(variable, default, meaning) of every field the class adds to its parent's, for
+        docs/settings.md."""
+        inherited = set(cls.__mro__[1].model_fields) if issubclass(cls.__mro__[1], BaseSettings) else set()
         return [
             (f.validation_alias, "" if f.default is None else str(f.default), f.description or "")
-            for f in cls.model_fields.values()
+            for name, f in cls.model_fields.items()
+            if name not in inherited
         ]
+
+
+CPU_ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "OPENBLAS_CORETYPE",
+)
 
 
 class MllmSettings(Settings):
@@ -74,6 +89,37 @@ class MllmSettings(Settings):
     cxx: str = Field(
         "g++", validation_alias="CXX", description="the C++ compiler torch.compile's CPU code is built with"
     )
+
+    # What changes which instructions and kernels torch, oneDNN and MKL use on this CPU (the speed
+    # cache and the training key take them: mllm/runtime/machine.py).
+    aten_cpu_capability: str | None = Field(
+        None, validation_alias="ATEN_CPU_CAPABILITY", description="torch's kernels' ISA (avx2, avx512, ...)"
+    )
+    onednn_max_cpu_isa: str | None = Field(
+        None, validation_alias="ONEDNN_MAX_CPU_ISA", description="oneDNN's highest ISA"
+    )
+    dnnl_max_cpu_isa: str | None = Field(
+        None, validation_alias="DNNL_MAX_CPU_ISA", description="as ONEDNN_MAX_CPU_ISA (its older name)"
+    )
+    onednn_default_fpmath_mode: str | None = Field(
+        None, validation_alias="ONEDNN_DEFAULT_FPMATH_MODE", description="oneDNN's implicit down-conversions"
+    )
+    dnnl_default_fpmath_mode: str | None = Field(
+        None, validation_alias="DNNL_DEFAULT_FPMATH_MODE", description="as ONEDNN_DEFAULT_FPMATH_MODE"
+    )
+    mkl_enable_instructions: str | None = Field(
+        None, validation_alias="MKL_ENABLE_INSTRUCTIONS", description="MKL's highest ISA"
+    )
+    mkl_cbwr: str | None = Field(None, validation_alias="MKL_CBWR", description="MKL's reproducible code path")
+    openblas_coretype: str | None = Field(None, validation_alias="OPENBLAS_CORETYPE", description="OpenBLAS's kernels")
+
+    def cpu_env(self) -> dict[str, str]:
+        """The variables above that are set, by name (empty, as usual, when none is)."""
+        return {
+            f.validation_alias: getattr(self, name)
+            for name, f in type(self).model_fields.items()
+            if f.validation_alias in CPU_ENV and getattr(self, name)
+        }
 
     @property
     def s3_endpoint(self) -> str | None:

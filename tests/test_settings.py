@@ -69,6 +69,7 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch) -> None:
         UserError, match=r"^MLLM_METRICS_RETRY_S='0': give the seconds between two looks .* more than 0$"
     ):
         task_settings()
+    monkeypatch.delenv("MLLM_METRICS_RETRY_S")
     monkeypatch.setenv("MLLM_TRAIN_RESTARTS", "-1")
     with pytest.raises(UserError, match=r"^MLLM_TRAIN_RESTARTS='-1': give how often a training"):
         flow_settings()

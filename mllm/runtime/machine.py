@@ -4,28 +4,19 @@ what it computes with (a CPU with AMX told to compute as an AVX2 one does emulat
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 from pathlib import Path
 
-# Variables that change which instructions and kernels torch, oneDNN and MKL use on this CPU:
-# under ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 an AMX CPU multiplies bf16 ten times slower
-# than float32. They key what is measured (the speed cache) and what is trained (the training key).
-CPU_ENV = (
-    "ATEN_CPU_CAPABILITY",
-    "ONEDNN_MAX_CPU_ISA",
-    "DNNL_MAX_CPU_ISA",
-    "ONEDNN_DEFAULT_FPMATH_MODE",
-    "DNNL_DEFAULT_FPMATH_MODE",
-    "MKL_ENABLE_INSTRUCTIONS",
-    "MKL_CBWR",
-    "OPENBLAS_CORETYPE",
-)
+from mllm.settings import CPU_ENV, settings  # noqa: F401 (CPU_ENV: its names, for the tests)
+
+# The variables that change which instructions and kernels torch, oneDNN and MKL use on this CPU
+# (under ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 an AMX CPU multiplies bf16 ten times
+# slower than float32) key what is measured (the speed cache) and what is trained (the training key).
 
 
 def cpu_env() -> dict[str, str]:
-    """The CPU_ENV variables set in this process (empty, as usual, when none is)."""
-    return {k: os.environ[k] for k in CPU_ENV if os.environ.get(k)}
+    """The variables of mllm.settings.CPU_ENV set in this process (empty, as usual, when none is)."""
+    return settings().cpu_env()
 
 
 def cpu_model() -> str:

@@ -139,7 +139,7 @@ def _digest(key: list) -> str:
         torch.get_num_threads(),
         torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     ]
-    if env := cpu_env():  # what the CPU computes with, as the environment limits it (machine.CPU_ENV)
+    if env := cpu_env():  # what the CPU computes with, as the environment limits it (mllm.settings.CPU_ENV)
         machine_key.append(env)
     return hashlib.sha256(json.dumps([machine_key, key], sort_keys=True, default=str).encode()).hexdigest()[:24]
 
