@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_checkpoint(args.checkpoint, device=args.device)
         options = {k: getattr(args, k) for k in OPTIONS if k != "use_cache"}
         check_method_options(options)
-        for line in prompt_losses(loaded, args.prompt):
-            print(f"warning: {line}", file=sys.stderr)
+        losses = prompt_losses(loaded, args.prompt)
         out = answer(loaded, args.prompt, use_cache=not args.no_cache, **options)
+        for line in losses:  # said once the model took the prompt: a refused one gets its error alone
+            print(f"warning: {line}", file=sys.stderr)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -277,9 +277,16 @@ def sample(
             loaded = load_checkpoint(checkpoint, device=device or "cpu")
             from mllm.sample import prompt_losses
 
-            for line in prompt_losses(loaded, prompts):  # the model samples from what is left
-                console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-            _print_answers(lambda p: answer(loaded, p, **options), prompts, prompt_file)
+            losses = prompt_losses(loaded, prompts)  # the model samples from what is left
+
+            def answered(p: list[str] | None) -> list[str]:
+                out = answer(loaded, p, **options)
+                for line in losses:  # said once the model took the prompt: a refused one gets its error alone
+                    console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+                losses.clear()
+                return out
+
+            _print_answers(answered, prompts, prompt_file)
             return
         from flows.launch import check_tracked
 

@@ -126,8 +126,10 @@ def worker_env(
 
 @stack_app.command("audit")
 def audit(
-    user: Annotated[Optional[str], typer.Option("--user", help="Only this user's entries.")] = None,
-    since: Annotated[Optional[str], typer.Option("--since", help="An ISO time, or an age: 30m, 2h, 1d.")] = None,
+    user: Annotated[Optional[str], typer.Option("--user", metavar="NAME", help="Only this user's entries.")] = None,
+    since: Annotated[
+        Optional[str], typer.Option("--since", metavar="WHEN", help="An ISO time, or an age: 30m, 2h, 1d.")
+    ] = None,
     failed: Annotated[bool, typer.Option("--failed", help="Only refused credentials and lockouts.")] = False,
     home: StackHome = None,
 ) -> None:

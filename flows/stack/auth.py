@@ -31,10 +31,13 @@ from pathlib import Path
 from flows.stack.certs import Certs, certificates, hosts_for
 from flows.stack.processes import _DIRECT, Service, unix_request, unix_url
 from flows.stack.state import load
+
+# The users' file's API, re-exported for the CLI and the tests (`stack_auth.add_user`).
+from flows.stack.users import BUILT_IN as BUILT_IN
+from flows.stack.users import INSTALL as INSTALL
 from flows.stack.users import (
     MLFLOW_ADMIN,
     STACK_ADMIN,
-    STACK_WORKER,  # noqa: F401 (re-exported: the modules that import it from here)
     _write_users,
     caddy_binary,
     credential,
@@ -43,6 +46,11 @@ from flows.stack.users import (
     private,
     read_users,
 )
+from flows.stack.users import ROLES as ROLES
+from flows.stack.users import STACK_WORKER as STACK_WORKER
+from flows.stack.users import add_user as add_user
+from flows.stack.users import remove_user as remove_user
+from flows.stack.users import rotate_user as rotate_user
 from mllm import UserError
 
 

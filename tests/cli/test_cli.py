@@ -444,7 +444,11 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "fresh" / "mlflow.db").exists() and list(root.glob("runs/*/checkpoints/best.pt"))
-    printed = out.stdout + out.stderr
+    # On a loaded machine (the suite's own workers) the training says so, and when it changes its
+    # threads: notices the terminal keeps (issue 64), not noise.
+    notice = ("the machine was busy", " - threads: ")
+    stderr = "\n".join(line for line in out.stderr.splitlines() if not any(n in line for n in notice))
+    printed = out.stdout + stderr
     for noise in (
         "MLflow database tables",
         "Updating database tables",
@@ -456,7 +460,7 @@ def test_a_first_run_at_a_terminal_prints_the_progress_and_the_outcome_and_nothi
         "Traceback",
     ):
         assert noise not in printed, (noise, printed)
-    bars = [line.split()[0] for line in out.stderr.splitlines() if line.strip()]
+    bars = [line.split()[0] for line in stderr.splitlines() if line.strip()]
     assert set(bars) == {"download", "tokenize", "train"}, out.stderr
     assert "model: terminal-smoke v1 (promoted to champion" in out.stdout, out.stdout
     assert f"checkpoint: {root}/runs/" in out.stdout

@@ -283,6 +283,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
         "tokenized": 0,
         "skipped": 1,
         "duplicates": 0,
+        "empty": 0,
     }
     # Each split is a manifest of the packs' pieces, which lie where they were routed.
     first_pieces = {name: read_chain(getattr(first.data.splits, name).ids)["pieces"] for name in ("train", "val")}
@@ -310,6 +311,7 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
         "tokenized": 1,
         "skipped": 1,
         "duplicates": 0,
+        "empty": 0,
     }
     states = _task_states("tokenize-pack")
     assert states[:2].count("Cached") == 1 and states[:2].count("Completed") == 1

@@ -348,7 +348,7 @@ def test_an_image_of_another_commit_refuses_the_job_in_one_line(
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(other)], check=True)
     subprocess.run(["git", "-C", str(other), "checkout", "--quiet", docker_stack.image.commit], check=True)
     with open(other / "mllm" / "train.py", "a") as f:
-        f.write("\n# another commit\n")
+        f.write("\nANOTHER_COMMIT = True\n")  # code, not a comment: a comment changes no key
     subprocess.run(
         [
             "git",
