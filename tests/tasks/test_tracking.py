@@ -418,6 +418,7 @@ def test_the_delays_before_a_training_and_a_point_run_again_are_settings(monkeyp
         r"training runs again, 0 or more$",
     ):
         training_delay()
+    monkeypatch.delenv("MLLM_TRAIN_RETRY_DELAY_S")  # the flows' settings read the tasks' too
     monkeypatch.setenv("MLLM_SWEEP_RETRY_DELAY_S", "-1")
     with pytest.raises(UserError, match=r"^MLLM_SWEEP_RETRY_DELAY_S='-1': give the seconds before a failed point"):
         point_delay()
