@@ -19,7 +19,6 @@ endpoint, storage root) as the run's `env` job variable and never a credential.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from typing import Any
@@ -39,6 +38,7 @@ import tasks
 from flows.settings import settings
 from mllm import UserError, storage
 from mllm.config import RunConfig
+from mllm.settings import environment
 from tasks.model import Prepared, Trained
 from tasks.model.train import parse_progress, train_job, training_code
 from tasks.tracking import store as tracking
@@ -107,9 +107,10 @@ def refuse_waiting_on_itself(client: Any, wp: Any) -> None:
 def job_env(root: str) -> dict[str, str]:
     """Settings the training job needs to find storage and MLflow: no credentials."""
     env = {"MLLM_STORAGE": root, "MLFLOW_TRACKING_URI": tracking.tracking_uri(root)}
+    here = environment()
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "MLFLOW_S3_ENDPOINT_URL"):
-        if os.environ.get(name):
-            env[name] = os.environ[name]
+        if here.get(name):
+            env[name] = here[name]
     # Never hand on a URL with user:password in it (the job variables are visible in the UI).
     return {k: v for k, v in env.items() if not (urlsplit(v).password or urlsplit(v).username)}
 

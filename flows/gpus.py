@@ -24,6 +24,7 @@ from typing import IO, Iterator
 
 from flows.settings import settings
 from mllm import UserError
+from mllm.settings import export
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,13 @@ def own_devices(n: int, device: str, logger: logging.Logger | None = None) -> It
             )
             said = True
         time.sleep(1.0)
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(d for d, _ in held)
-    logger.info(
-        "training on GPU %s of this worker's %s (CUDA_VISIBLE_DEVICES=%s)",
-        os.environ["CUDA_VISIBLE_DEVICES"],
-        ",".join(devices),
-        os.environ["CUDA_VISIBLE_DEVICES"],
-    )
+    shown = ",".join(d for d, _ in held)
+    before = export({"CUDA_VISIBLE_DEVICES": shown})
+    logger.info("training on GPU %s of this worker's %s (CUDA_VISIBLE_DEVICES=%s)", shown, ",".join(devices), shown)
     try:
         yield [d for d, _ in held]
     finally:
-        logger.info("GPU %s of this worker free again", os.environ["CUDA_VISIBLE_DEVICES"])
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        logger.info("GPU %s of this worker free again", shown)
+        export(before)
         for _, f in held:
             f.close()

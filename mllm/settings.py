@@ -4,7 +4,9 @@ only place in `mllm` that reads the environment (docs/settings.md is generated f
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Mapping
 
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -86,6 +88,14 @@ class MllmSettings(Settings):
     rank: int = Field(0, ge=0, validation_alias="RANK", description="this process's rank (set by torchrun)")
     local_rank: int = Field(0, ge=0, validation_alias="LOCAL_RANK", description="its rank on this machine (torchrun)")
     world_size: int = Field(1, ge=1, validation_alias="WORLD_SIZE", description="how many processes train (torchrun)")
+    # The served model (tasks/tracking/served_model.py) has mllm alone beside it.
+    serve_max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        validation_alias="MLLM_SERVE_MAX_NEW_TOKENS",
+        description="the most tokens the served model generates for one prompt [its recipe's]",
+        json_schema_extra={"fix": "give a whole number of tokens, 1 or more"},
+    )
     cxx: str = Field(
         "g++", validation_alias="CXX", description="the C++ compiler torch.compile's CPU code is built with"
     )
@@ -148,3 +158,32 @@ def environment() -> dict[str, str]:
     """A copy of the whole environment: what a child process is handed, and where the scrubber
     looks for the values of secrets (mllm/redact.py)."""
     return dict(os.environ)
+
+
+def export(values: Mapping[str, str | None]) -> dict[str, str | None]:
+    """Put `values` in this process's environment (None: unset it), for a library that reads its
+    settings there (MLflow's client, CUDA); returns what they were, for `export` to put back."""
+    before = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return before
+
+
+def export_defaults(values: Mapping[str, str]) -> dict[str, str]:
+    """`export` the `values` that are not set yet (the user's own setting wins); returns those set."""
+    missing = {k: v for k, v in values.items() if k not in os.environ}
+    export(missing)
+    return missing
+
+
+@contextlib.contextmanager
+def exported(values: Mapping[str, str | None]) -> Iterator[None]:
+    """`values` in the environment while the block runs, the environment as it was after."""
+    before = export(values)
+    try:
+        yield
+    finally:
+        export(before)

@@ -36,12 +36,6 @@ class TaskSettings(Settings):
         validation_alias="MLLM_GIT_COMMIT",
         description="the commit a run records where the code has no git checkout (set in the training image)",
     )
-    serve_max_new_tokens: int | None = Field(
-        None,
-        ge=1,
-        validation_alias="MLLM_SERVE_MAX_NEW_TOKENS",
-        description="the most tokens the served model generates for one prompt [its recipe's]",
-    )
     mlflow_tracking_uri: str = Field(
         "",
         validation_alias="MLFLOW_TRACKING_URI",

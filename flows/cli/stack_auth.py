@@ -97,7 +97,7 @@ def worker_env(
     """Print what a remote worker needs in docker --env-file form (KEY=VALUE lines): the servers'
     URLs, the user's credential, the CA file, the pool and the storage. Holds a secret: write it
     to a file only its owner reads."""
-    import os
+    from mllm.settings import environment
 
     with user_errors():
         folder = stack.stack_home(home)
@@ -111,13 +111,14 @@ def worker_env(
         env["PREFECT_WORK_POOL"] = state.get("pool", "local")
         if state.get("storage"):
             env["MLLM_STORAGE"] = state["storage"]
+        here = environment()
         for k in ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"):
-            if os.environ.get(k):
-                env[k] = os.environ[k]
+            if here.get(k):
+                env[k] = here[k]
         if with_storage_credentials:
             for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-                if os.environ.get(k):
-                    env[k] = os.environ[k]
+                if here.get(k):
+                    env[k] = here[k]
         for k, v in env.items():
             if "\n" in v:
                 raise UserError(f"{k} holds a line break, which docker's --env-file cannot carry")

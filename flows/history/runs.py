@@ -19,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from mllm import UserError, layout
 from mllm.resolve import flat_fields
+from mllm.settings import environment
 from tasks.tracking import store as tracking
 from tasks.tracking.provenance import PROCESS_TAG, process_gone, version_changes
 from tasks.tracking.served_model import DROP
@@ -197,7 +198,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         # Code from before `--reproduces` registers its model and judges it against the champion:
         # it gets a registry of its own, thrown away after, so the real one is never touched.
         env = dict(
-            os.environ,
+            environment(),
             PYTHONPATH=str(worktree),
             MLFLOW_TRACKING_URI=tracking_uri(root),
             MLFLOW_REGISTRY_URI=f"sqlite:///{out / 'throwaway-registry.db'}",

@@ -4,16 +4,16 @@ trust. Prefect's client (httpx) and MLflow's (requests) each report these their 
 
 from __future__ import annotations
 
-import os
 import ssl
 
 from mllm.failures import exception_chain
+from mllm.settings import environment
 
 _USERS = "`mllm-pipeline stack user list` on the stack's machine shows its users"
 
 
 def _who(variable: str, prefect: bool) -> str:
-    value = os.environ.get(variable, "")
+    value = environment().get(variable, "")
     name = value.split(":", 1)[0] if prefect else value
     return f"user {name!r}" if name else f"no user ({variable} is not set)"
 
@@ -32,7 +32,7 @@ def _tls(e: BaseException) -> str | None:
 
 
 def auth_line(exc: BaseException | None) -> str | None:
-    tracking = os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
+    tracking = environment().get("MLFLOW_TRACKING_URI", "").rstrip("/")
     chain = list(exception_chain(exc))
     for e in chain:
         why = _tls(e)
@@ -59,7 +59,7 @@ def tls_line(mlflow: bool, why: str) -> str:
         if mlflow
         else ("Prefect", "PREFECT_API_URL", "PREFECT_API_SSL_CERT_FILE")
     )
-    where = f"the {server} server {os.environ.get(url, '').rstrip('/')}"
+    where = f"the {server} server {environment().get(url, '').rstrip('/')}"
     low = why.lower()
     if "expired" in low or "not yet valid" in low:
         return (
@@ -103,7 +103,7 @@ def _detail(response) -> str | None:
 
 
 def prefect_refused(code: int, detail: str | None = None) -> str:
-    prefect = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    prefect = environment().get("PREFECT_API_URL", "").rstrip("/")
     who = _who("PREFECT_API_AUTH_STRING", True)
     if code == 401:
         return (
@@ -123,7 +123,7 @@ def prefect_refused(code: int, detail: str | None = None) -> str:
 
 
 def mlflow_refused(code: int) -> str:
-    tracking = os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
+    tracking = environment().get("MLFLOW_TRACKING_URI", "").rstrip("/")
     who = _who("MLFLOW_TRACKING_USERNAME", False)
     if code == 401:
         return (

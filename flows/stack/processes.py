@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from mllm.settings import environment
+
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
 
 
@@ -119,7 +121,7 @@ class Service:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
+                env={**environment(), **self.env},
                 start_new_session=True,
                 cwd=Path(self.log).parent,
             )

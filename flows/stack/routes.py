@@ -7,7 +7,6 @@ upgrade of either server; tests/stack/test_stack_policy.py fails until it is.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import tempfile
@@ -15,6 +14,7 @@ import warnings
 from pathlib import Path
 
 from flows.stack.policy import ROUTES
+from mllm.settings import exported
 
 # Prefect's UI and API documents, outside the API's OpenAPI document: served to any path.
 _PREFECT_EXTRA = [("GET", "/{ui:path}")]
@@ -43,21 +43,12 @@ def mlflow_routes() -> list[tuple[str, str]]:
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
         )
         settings = {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": "routes-listing-only"}
-        before = {k: os.environ.get(k) for k in settings}
-        os.environ.update(settings)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from mlflow.server import app
-                from mlflow.server.auth import create_app
+        with exported(settings), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from mlflow.server import app
+            from mlflow.server.auth import create_app
 
-                flask = create_app(app)
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            flask = create_app(app)
     found = set()
     for rule in flask.url_map.iter_rules():
         template = re.sub(r"<(?:path:)([^>]+)>", r"{\1:path}", rule.rule)

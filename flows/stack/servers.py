@@ -26,6 +26,7 @@ from flows.stack.pools import ensure_pool
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail, unix_url  # noqa: F401 (the stack's API)
 from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
 from mllm import UserError, storage
+from mllm.settings import environment
 
 # -- the stack ---------------------------------------------------------------------------------
 
@@ -50,9 +51,10 @@ def _port(wanted: int, what: str, option: str) -> int:
 
 
 def _quiet_env(home: Path) -> dict[str, str]:
-    # This shell's own setting of one of them (os.environ holds the defaults otherwise) wins.
+    # This shell's own setting of one of them wins.
+    here = environment()
     return {
-        **{k: os.environ.get(k, v) for k, v in QUIET_ENV.items()},
+        **{k: here.get(k, v) for k, v in QUIET_ENV.items()},
         "PREFECT_HOME": str(home / "prefect"),
         # The MLflow job runner starts a dozen processes for GenAI jobs this stack never runs.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
@@ -64,8 +66,9 @@ def _server_env(name: str, home: Path, api: str, db) -> dict[str, str]:
     if name == "prefect-server":
         return {**_quiet_env(home), "PREFECT_UI_API_URL": api, **db.prefect_env, **stack_auth.server_env(name, home)}
     mlflow_env = _quiet_env(home)
-    if os.environ.get("AWS_ENDPOINT_URL") and not os.environ.get("MLFLOW_S3_ENDPOINT_URL"):
-        mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+    here = environment()
+    if here.get("AWS_ENDPOINT_URL") and not here.get("MLFLOW_S3_ENDPOINT_URL"):
+        mlflow_env["MLFLOW_S3_ENDPOINT_URL"] = here["AWS_ENDPOINT_URL"]
     return {
         **mlflow_env,
         **db.mlflow_env,

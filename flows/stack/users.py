@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from flows.settings import settings
 from mllm import UserError
 
 ROLES = ("admin", "worker", "viewer")
@@ -76,7 +77,7 @@ def bcrypt_hash(secret: str) -> str:
 
 
 def caddy_binary() -> str:
-    found = os.environ.get("MLLM_CADDY") or shutil.which("caddy")
+    found = settings().caddy or shutil.which("caddy")
     if not found:
         raise UserError(
             f"a secured stack (--listen ADDRESS or --auth) puts Caddy in front of its servers, and "

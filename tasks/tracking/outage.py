@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from mllm import UserError, layout, storage
+from mllm.settings import export, export_defaults
 from tasks.settings import settings
 from tasks.tracking.servers import answers, how_failed, server, tracking_down
 
@@ -72,8 +73,7 @@ def fail_fast(timeout: float = 10.0) -> Iterator[None]:
     wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(int(timeout))}
     with _fast_lock:
         if _fast_blocks == 0:
-            _fast_set[:] = [k for k in wanted if k not in os.environ]
-            os.environ.update({k: wanted[k] for k in _fast_set})
+            _fast_set[:] = export_defaults(wanted)
         _fast_blocks += 1
     try:
         yield
@@ -81,8 +81,7 @@ def fail_fast(timeout: float = 10.0) -> Iterator[None]:
         with _fast_lock:
             _fast_blocks -= 1
             if _fast_blocks == 0:
-                for k in _fast_set:
-                    os.environ.pop(k, None)
+                export(dict.fromkeys(_fast_set))
                 _fast_set.clear()
 
 

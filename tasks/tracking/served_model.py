@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import logging
-import os
 import re
 import sys
 from typing import Any
@@ -73,14 +72,14 @@ DROP = "drop_unsupported"
 def max_new_tokens_bound(own: int) -> int:
     """The served model's bound on max_new_tokens: the setting (or its default), or the run's own
     sample.max_new_tokens when that is larger, so that a request without the parameter passes."""
-    given = os.environ.get(MAX_NEW_TOKENS_VAR, "").strip()
-    if not given:
-        return max(MAX_NEW_TOKENS, own)
-    if not given.isdigit() or int(given) < 1:
-        raise MlflowException.invalid_parameter_value(
-            f"{MAX_NEW_TOKENS_VAR}={given!r}: give a whole number of tokens, 1 or more"
-        )
-    return max(int(given), own)
+    from mllm import UserError
+    from mllm.settings import settings
+
+    try:
+        given = settings().serve_max_new_tokens
+    except UserError as e:
+        raise MlflowException.invalid_parameter_value(str(e)) from None
+    return max(MAX_NEW_TOKENS if given is None else given, own)
 
 
 def check_params(loaded: Any, params: dict[str, Any], max_new_tokens: int) -> None:
