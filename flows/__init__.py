@@ -1,8 +1,7 @@
 """Prefect flows and the CLI: compose the stages, choose where training runs."""
 
-import os
-
-# The one list of environment defaults for this project's processes and the servers it starts.
+# The one list of environment defaults for this project's processes and the servers it starts
+# (set by the entry points: flows.settings.process_defaults).
 # Both Prefect and MLflow try to send usage data home, which only fails (and logs an error) on a
 # machine without internet; a busy 2-core machine can take longer than Prefect's default 20 s to
 # start its temporary server.
@@ -13,6 +12,10 @@ QUIET_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
     "PYTHONUNBUFFERED": "1",
+    # MLflow prints a "View run" link when a run ends, and it opens MLflow 3.17's UI in its GenAI
+    # view; the CLI prints `run_url` instead (tasks/tracking/store.py), which asks for the
+    # model-training view.
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
     # Prefect's client retries a 502/503/429/408, a timeout and a dropped connection with back-off
     # doubling from 2 s, PREFECT_CLIENT_MAX_RETRIES times: its default of 5 gives up after about a
     # minute, less than a server on SQLite under a sweep (`database is locked`) or one restarting
@@ -25,12 +28,3 @@ QUIET_ENV = {
     # every client waiting out its 4 minutes before the same error.
     "PREFECT_CLIENT_MAX_RETRIES": "7",
 }
-
-for _name, _value in QUIET_ENV.items():
-    os.environ.setdefault(_name, _value)
-
-# An empty PREFECT_API_URL names no server, and is taken as unset: Prefect would start its
-# temporary server for the flows but aim its events client at the empty URL, logging an error
-# line for every event of the run.
-if not os.environ.get("PREFECT_API_URL", "x").strip():
-    del os.environ["PREFECT_API_URL"]

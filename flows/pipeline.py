@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from flows import dispatch
 from flows.launch import check_model_name, data_runner, preflight, storage_root, training_pool, with_results
+from flows.settings import process_defaults
 from flows.stack import orphans
 from flows.training import run_training, train
 from mllm import UserError, layout, storage
@@ -207,6 +208,7 @@ def pipeline(
             evaluates, registers nothing and moves no alias; the run is tagged `reproduces`.
         model: The registered model the run's model joins and is judged in [the recipe's name].
     """
+    process_defaults()  # a worker (a schedule's run) imports the flows without the CLI
     orphans.running_here(flow_run.get_id())  # for `stack up`, should the stack's database go down under it
     cfg = resolve(recipe, overrides=overrides, source=source)
     if model:

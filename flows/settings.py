@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mllm.settings import seconds
+from mllm.settings import environment, export, export_defaults, seconds
 from tasks.settings import TaskSettings
 
 
@@ -63,6 +63,9 @@ class FlowSettings(TaskSettings):
         description="failed logins a minute, per user and per address, before a "
         "secured stack's gate locks them out for 300 s",
     )
+    caddy: str | None = Field(
+        None, validation_alias="MLLM_CADDY", description="the Caddy program a secured stack runs [caddy on PATH]"
+    )
     postgres_bin: str | None = Field(
         None,
         validation_alias="MLLM_POSTGRES_BIN",
@@ -96,6 +99,19 @@ class FlowSettings(TaskSettings):
 
 def settings() -> FlowSettings:
     return FlowSettings.read()
+
+
+def process_defaults() -> None:
+    """Set up this process's environment for the pipeline: flows.QUIET_ENV's defaults (the user's
+    own setting wins), and an empty PREFECT_API_URL taken as unset (Prefect would start its
+    temporary server for the flows but aim its events client at the empty URL, logging an error
+    line for every event of the run). Run by the entry points, the CLI's before it imports Prefect
+    (which reads DO_NOT_TRACK and its settings when imported) and each flow a worker runs."""
+    from flows import QUIET_ENV
+
+    export_defaults(QUIET_ENV)
+    if not environment().get("PREFECT_API_URL", "x").strip():
+        export({"PREFECT_API_URL": None})
 
 
 def markdown() -> str:

@@ -7,6 +7,7 @@ from prefect import flow, get_run_logger
 
 from flows import dispatch, gpus
 from flows.launch import with_results
+from flows.settings import process_defaults
 from mllm.config import RunConfig
 from tasks.model import Prepared, Trained
 from tasks.model import train as training_stage
@@ -43,6 +44,7 @@ def train(
         code: The caller's training code (digest and commit): a worker with other code refuses the job.
         search: A search's trial: at each evaluation, ask the search's pruner through storage.
     """
+    process_defaults()  # a worker imports the flows without the CLI
     if code is not None:
         training_stage.check_training_code(code)
     # On a worker with several GPUs: GPUs of its own, one a rank, beside the worker's other trainings.

@@ -4,6 +4,7 @@ outside them reads the environment but to hand it on to a process it starts."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,25 +15,10 @@ import pytest
 from mllm import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-# Where the environment is handed on (to a child process, to torch, to MLflow's client), or set
-# before a library reads it: the only reads of os.environ outside the settings modules.
-HANDS_ON = {
-    "flows/dispatch.py",
-    "flows/history/runs.py",
-    "flows/__init__.py",
-    "flows/gpus.py",
-    "flows/stack/servers.py",
-    "flows/stack/processes.py",
-    "flows/cli/stack_auth.py",
-    "flows/stack/routes.py",  # MLflow's auth app, made only to list its routes, reads its settings there
-    "tasks/tracking/outage.py",
-    "tasks/tracking/store.py",
-    "mllm/settings.py",
-    # not yet through the settings (docs/settings.md says which variables)
-    "flows/stack/users.py",
-    "flows/stack/auth_errors.py",
-    "tasks/tracking/served_model.py",
-}
+# The only module that touches os.environ: the other settings modules read it through
+# pydantic-settings, and a child process's environment, or a setting handed to a library that reads
+# its own there (MLflow's client, CUDA), goes through its `environment`, `export` and `exported`.
+HANDS_ON = {"mllm/settings.py"}
 
 
 def test_the_docs_table_is_the_settings_classes() -> None:
@@ -77,3 +63,52 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch) -> None:
     monkeypatch.setenv("MLLM_SEARCH_GRACE_S", "2.5")
     s = flow_settings()
     assert (s.train_restarts, s.search_grace_s) == (3, 2.5)
+
+
+# Imports every module of the three packages in a fresh interpreter (a __main__ would run its
+# command) and prints what changed in the environment and in typer's classes.
+_IMPORT_ALL = """
+import importlib, os, pkgutil, sys
+import typer
+from typer._click.exceptions import NoSuchOption
+
+def typer_now():
+    return {(c.__name__, n): getattr(c, n) for c in (typer.core.TyperOption, typer.core.TyperArgument,
+            typer.core.TyperCommand, typer.core.TyperGroup, NoSuchOption) for n in vars(c)}
+
+env, typer_before = dict(os.environ), typer_now()
+for package in ("mllm", "tasks", "flows"):
+    for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."):
+        if not m.name.endswith("__main__"):
+            importlib.import_module(m.name)
+print(sorted(set(env.items()) ^ set(os.environ.items())))
+print(sorted(k for k, v in typer_now().items() if typer_before.get(k) is not v))
+"""
+
+
+def test_importing_the_packages_changes_no_environment_and_no_library() -> None:
+    from flows import QUIET_ENV
+
+    # As a Prefect worker imports the flows: none of the defaults set, PREFECT_API_URL empty.
+    # (DO_NOT_TRACK stays: without it, importing Prefect starts its analytics.)
+    env = {k: v for k, v in os.environ.items() if k not in QUIET_ENV or k == "DO_NOT_TRACK"}
+    env["PREFECT_API_URL"] = ""
+    out = subprocess.run(
+        [sys.executable, "-c", _IMPORT_ALL], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
+
+
+def test_the_entry_points_set_the_defaults_and_the_users_own_wins(monkeypatch) -> None:
+    from flows import QUIET_ENV
+    from flows.settings import process_defaults
+
+    for k in QUIET_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "2")
+    monkeypatch.setenv("PREFECT_API_URL", " ")
+    process_defaults()
+    assert os.environ["PREFECT_CLIENT_MAX_RETRIES"] == "2"
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
+    assert "PREFECT_API_URL" not in os.environ

@@ -1,5 +1,5 @@
 """`python -m flows.cli`: the same as the `mllm-pipeline` console script."""
 
-from flows.cli.main import main
+from flows.cli import main
 
 main()

@@ -13,6 +13,7 @@ import mlflow
 from fsspec.implementations.local import LocalFileSystem
 from mlflow.tracking import MlflowClient
 
+from mllm.settings import export_defaults
 from tasks.settings import settings
 
 
@@ -21,10 +22,6 @@ def _local_path(url: str) -> str | None:
         return None
     return os.path.abspath(LocalFileSystem._strip_protocol(url))
 
-
-# MLflow prints a "View run" link when a run ends, and it opens MLflow 3.17's UI in its GenAI
-# view; the CLI prints `run_url` instead, which asks for the model-training view.
-os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 _derived_uri: str | None = None
 
@@ -38,8 +35,9 @@ def tracking_uri(storage_root: str) -> str:
     if uri and uri != _derived_uri:  # set_tracking_uri exports what we chose: not the user's
         parts = urlsplit(uri)
         if parts.username or parts.password:
-            os.environ.setdefault("MLFLOW_TRACKING_USERNAME", parts.username or "")
-            os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", parts.password or "")
+            export_defaults(
+                {"MLFLOW_TRACKING_USERNAME": parts.username or "", "MLFLOW_TRACKING_PASSWORD": parts.password or ""}
+            )
             uri = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     else:
         path = local_store(storage_root)
