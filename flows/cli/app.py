@@ -7,46 +7,101 @@ import difflib
 from typing import Annotated, Optional
 
 import typer
+from typer._click.exceptions import NoSuchOption
 
 from mllm.resolve import absolute_source
 from mllm.storage import hide_credentials
 
-# typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and `--json true`
-# is then refused: a flag shows no type.
-_display_type = typer.core.TyperOption.display_type_rich
-typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
-# ... and an argument's Python type (`RUN_ID <str>`) beside its name, which says what it is: no type.
-typer.core.TyperArgument.display_type_rich = lambda self, ctx: None
-# ... and a required argument in braces (`reproduce {run_id}`), which reads as a literal or a
-# template: the usage line names it as click does, `RUN_ID`, an optional one `[RUN_ID]`.
-_usage_name = typer.core.TyperArgument._usage_display_name
-typer.core.TyperArgument._usage_display_name = lambda self: (
-    _usage_name(self).replace("{", "", 1).replace("}", "", 1) if self.required else _usage_name(self)
-)
 
-# An unknown option's suggestions: click's parser compares the whole `--name` with difflib's
-# cutoff of 0.6, so the `--` every option shares lifts a stranger over it (`--nosuch` suggested
-# `--source`, 0.625; the names alone score 0.5). The names are compared without it, and a hidden
-# option is never suggested.
-_no_such_option = typer._click.exceptions.NoSuchOption.__init__
+class _Option(typer.core.TyperOption):
+    def display_type_rich(self, ctx):
+        # typer 0.29 shows a flag's type as if the flag took a value (`--json <bool>`), and
+        # `--json true` is then refused: a flag shows no type.
+        return None if self.is_flag else super().display_type_rich(ctx)
 
 
-def _suggest(self, option_name, message=None, possibilities=None, ctx=None) -> None:
-    if possibilities and option_name.startswith("--") and ctx is not None:
-        names = [
-            o[2:]
-            for p in ctx.command.params
-            if not getattr(p, "hidden", False)
-            for o in [*p.opts, *p.secondary_opts]
-            if o.startswith("--")
-        ]
-        possibilities = ["--" + n for n in difflib.get_close_matches(option_name[2:], names)]
-    _no_such_option(self, option_name, message, possibilities, ctx)
+class _Argument(typer.core.TyperArgument):
+    def display_type_rich(self, ctx):
+        # ... and an argument's Python type (`RUN_ID <str>`) beside its name, which says what it is.
+        return None
+
+    def _usage_display_name(self) -> str:
+        # ... and a required argument in braces (`reproduce {run_id}`), which reads as a literal or
+        # a template: the usage line names it as click does, `RUN_ID`, an optional one `[RUN_ID]`.
+        name = super()._usage_display_name()
+        return name.replace("{", "", 1).replace("}", "", 1) if self.required else name
 
 
-typer._click.exceptions.NoSuchOption.__init__ = _suggest
+def _close_options(option_name: str, ctx) -> list[str]:
+    """An unknown option's suggestions: click's parser compares the whole `--name` with difflib's
+    cutoff of 0.6, so the `--` every option shares lifts a stranger over it (`--nosuch` suggested
+    `--source`, 0.625; the names alone score 0.5). The names are compared without it, and a
+    hidden option is never suggested."""
+    names = [
+        o[2:]
+        for p in ctx.command.params
+        if not getattr(p, "hidden", False)
+        for o in [*p.opts, *p.secondary_opts]
+        if o.startswith("--")
+    ]
+    return ["--" + n for n in difflib.get_close_matches(option_name[2:], names)]
+
+
+def _suggesting(parse_args, ctx, args):
+    """`parse_args` of a command, an unknown `--option` met with `_close_options`."""
+    try:
+        return parse_args(ctx, args)
+    except NoSuchOption as e:
+        if not (e.possibilities and e.option_name.startswith("--")):
+            raise
+        raise NoSuchOption(e.option_name, e.message, _close_options(e.option_name, ctx), ctx) from None
+
+
+class _Command(typer.core.TyperCommand):
+    def parse_args(self, ctx, args):
+        return _suggesting(super().parse_args, ctx, args)
+
+    def get_help_option(self, ctx):
+        return _own_option(super().get_help_option(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    """The app's command tree, each command, group and parameter typer made taking this module's
+    classes above (typer has no hook for its parameters' classes; its own are left as they are)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _own(self)
+
+    def parse_args(self, ctx, args):
+        return _suggesting(super().parse_args, ctx, args)
+
+    def get_help_option(self, ctx):
+        return _own_option(super().get_help_option(ctx))
+
+
+def _own_option(p):
+    """`p` with this module's class for it, when it is one of typer's own."""
+    if type(p) is typer.core.TyperOption:
+        p.__class__ = _Option
+    elif type(p) is typer.core.TyperArgument:
+        p.__class__ = _Argument
+    return p
+
+
+def _own(command) -> None:
+    for p in command.params:
+        _own_option(p)
+    for sub in getattr(command, "commands", {}).values():
+        if type(sub) is typer.core.TyperGroup:
+            sub.__class__ = _Group
+        elif type(sub) is typer.core.TyperCommand:
+            sub.__class__ = _Command
+        _own(sub)
+
 
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
