@@ -39,16 +39,15 @@ from tasks.model import generate as sample_stage
 from tasks.model.evaluate import describe
 from tasks.model.train import lineage_tags, train_key
 from tasks.tracking import outage
-from tasks.tracking.registry import (
+from tasks.tracking.champion import (
     Champion,
     Outcome,
     current_champion,
-    log_outcome,
-    log_skipped,
     shares_files,
     skip_reason,
     version_trained_on,
 )
+from tasks.tracking.registry import log_outcome, log_skipped
 from tasks.tracking.store import client as tracking_client
 from tasks.tracking.store import run_url
 from tasks.tracking.tracker import RunTracker, log_data

@@ -35,7 +35,7 @@ from tasks.model import Prepared
 from tasks.model import train as training_stage
 from tasks.tracking import outage
 from tasks.tracking import servers as tracking_servers
-from tasks.tracking.registry import current_champion
+from tasks.tracking.champion import current_champion
 from tasks.tracking.store import client as tracking_client
 from tasks.tracking.tracker import (
     RunTracker,

@@ -13,7 +13,7 @@ from mllm.runtime import checkpoint
 from tasks import assets
 from tasks.caching import forget_exception, retry_unless_mistake, stage_cache
 from tasks.model import Evaluation, Prepared, Trained
-from tasks.tracking.registry import ChampionScore
+from tasks.tracking.champion import ChampionScore
 
 
 def best_or_last(trained: Trained) -> str:

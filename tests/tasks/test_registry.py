@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from tasks.tracking.registry import (
+from tasks.tracking.champion import (
     Champion,
     ChampionScore,
     decide,
