@@ -13,6 +13,7 @@ from flows.stack import audit as stack_audit
 from flows.stack import auth as stack_auth
 from flows.stack import servers as stack
 from mllm import UserError
+from mllm.settings import environment
 
 user_app = typer.Typer(
     no_args_is_help=True,
@@ -97,8 +98,6 @@ def worker_env(
     """Print what a remote worker needs in docker --env-file form (KEY=VALUE lines): the servers'
     URLs, the user's credential, the CA file, the pool and the storage. Holds a secret: write it
     to a file only its owner reads."""
-    from mllm.settings import environment
-
     with user_errors():
         folder = stack.stack_home(home)
         state = stack.load(folder)

@@ -148,6 +148,38 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     commit = tags.get("git.commit")
     if not commit:
         raise UserError(f"run {run_id} recorded no git commit (it was not started from a git checkout)")
+    changed = _warn_of_differences(run_id, tags)
+    repo = repo or _repo_root()
+    if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        raise UserError(
+            f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
+            "or run reproduce from a clone that has it"
+        )
+    recipe, overrides, baseline = _reproduction_config(root, run)
+    storage = _reproduction_storage(root, run_id)
+    old_code = _run_at_commit(repo, commit, root, run_id, ["--recipe", recipe, "--storage", storage], overrides)
+    new = _latest_reproduction(root, run_id)
+    if old_code:  # what it says about a registration happened in the throwaway registry
+        c = client(root)
+        for tag in ("model_version", "champion.decision"):
+            if tag in new.data.tags:
+                c.delete_tag(new.info.run_id, tag)
+        c.set_tag(new.info.run_id, "decision", "reproduction")
+        c.set_tag(new.info.run_id, "decision.reason", f"reproduces run {run_id}: registered nothing, no alias moved")
+    return {
+        "original": run_id,
+        "reproduction": new.info.run_id,
+        "commit": commit,
+        "storage": storage,
+        "versions": changed,
+        "compared_with": baseline.info.run_id,
+        "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED},
+    }
+
+
+def _warn_of_differences(run_id: str, tags: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Warn of what the reproduction cannot repeat (uncommitted changes, other package versions);
+    the versions that differ, by package."""
     if tags.get("git.dirty") == "true":
         print(
             f"warning: run {run_id} was made with uncommitted changes (see its git.diff artifact); "
@@ -162,12 +194,13 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
             "differ for that reason alone",
             file=sys.stderr,
         )
-    repo = repo or _repo_root()
-    if subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
-        raise UserError(
-            f"commit {commit[:12]} of run {run_id} is not in {repo}: fetch it (git fetch) "
-            "or run reproduce from a clone that has it"
-        )
+    return changed
+
+
+def _reproduction_config(root: str, run: Any) -> tuple[str, list[str], Any]:
+    """(recipe, --set overrides, the run that trained): the recorded config again, on the recorded
+    data, in the precision and compile choice that training made."""
+    run_id, tags = run.info.run_id, run.data.tags
     cfg = _recorded_config(root, run_id)
     recorded_source(cfg, tags, run_id)
     sha = tags.get("data.raw_sha256")
@@ -186,11 +219,15 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
         cfg.setdefault("train", {})["compile"] = False
     recipe = cfg.pop("recipe", None) or run.data.params.get("recipe", "default")
     # JSON values: YAML reads them back exactly (a quoted prompt keeps its trailing space).
-    overrides = [f"{k}={json.dumps(v)}" for k, v in flat_fields(cfg).items()]
+    return recipe, [f"{k}={json.dumps(v)}" for k, v in flat_fields(cfg).items()], baseline
 
+
+def _run_at_commit(repo: str, commit: str, root: str, run_id: str, options: list[str], overrides: list[str]) -> bool:
+    """`mllm-pipeline run` with `options` and `overrides` in a temporary worktree of `commit`,
+    tracked as a reproduction of `run_id`; whether that code predates `--reproduces` (and
+    registered its model in a throwaway registry)."""
     out = Path(tempfile.mkdtemp(prefix=f"mllm-reproduce-{run_id[:8]}-"))
     worktree = out / "src"
-    storage = _reproduction_storage(root, run_id)
     subprocess.run(
         ["git", "-C", repo, "worktree", "add", "--detach", str(worktree), commit], check=True, capture_output=True
     )
@@ -203,7 +240,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
             MLFLOW_TRACKING_URI=tracking_uri(root),
             MLFLOW_REGISTRY_URI=f"sqlite:///{out / 'throwaway-registry.db'}",
         )
-        cmd = [sys.executable, "-m", "flows.cli", "run", "--recipe", recipe, "--storage", storage]
+        cmd = [sys.executable, "-m", "flows.cli", "run", *options]
         for o in overrides:
             cmd += ["--set", o]
         # The CLI's options: in flows/cli/ before the layout of November 2026, flows/cli/app.py since.
@@ -226,23 +263,7 @@ def reproduce(root: str, run_id: str, repo: str | None = None) -> dict[str, Any]
     finally:
         subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", str(worktree)], capture_output=True)
         shutil.rmtree(out, ignore_errors=True)
-    new = _latest_reproduction(root, run_id)
-    if old_code:  # what it says about a registration happened in the throwaway registry
-        c = client(root)
-        for tag in ("model_version", "champion.decision"):
-            if tag in new.data.tags:
-                c.delete_tag(new.info.run_id, tag)
-        c.set_tag(new.info.run_id, "decision", "reproduction")
-        c.set_tag(new.info.run_id, "decision.reason", f"reproduces run {run_id}: registered nothing, no alias moved")
-    return {
-        "original": run_id,
-        "reproduction": new.info.run_id,
-        "commit": commit,
-        "storage": storage,
-        "versions": changed,
-        "compared_with": baseline.info.run_id,
-        "metrics": {m: (baseline.data.metrics.get(m), new.data.metrics.get(m)) for m in COMPARED},
-    }
+    return old_code
 
 
 def recorded_source(cfg: dict[str, Any], tags: dict[str, str], run_id: str) -> None:

@@ -3,7 +3,7 @@
 A `RunTracker` records the resolved config (params and `config.yaml`), the git state, the
 Prefect flow run, package versions and device as tags (`tasks/tracking/provenance.py`), the data stages
 as datasets with our digests (`tasks/tracking/datasets.py`), metrics in batches, and a loss curve. The
-registry and the champion policy are in `tasks/tracking/registry.py`.
+registry is in `tasks/tracking/registry.py`, the champion policy in `tasks/tracking/champion.py`.
 
 Everything goes through an `MlflowClient` bound to an explicit run id rather than MLflow's
 thread-local "active run": Prefect may call the tracker from worker threads. Nothing that
