@@ -13,6 +13,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from flows.settings import process_defaults
 from flows.stack.policy import ROUTES
 from mllm.settings import exported
 
@@ -62,6 +63,7 @@ def current() -> dict[str, list[tuple[str, str]]]:
 
 
 def main() -> None:
+    process_defaults()  # before Prefect and MLflow are imported: no telemetry
     data = current()
     # One route a line: a server upgrade's difference reads as lines added and removed.
     lines = {s: ",\n".join(f"  {json.dumps(list(r))}" for r in found) for s, found in data.items()}
