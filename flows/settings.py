@@ -1,7 +1,6 @@
 """The environment variables the flows, the CLI and the stack read, each a typed field with its
-default and its meaning: the only place under `flows` that reads the environment, but for the
-places that hand an environment on to a process they start (docs/settings.md is generated from
-these fields)."""
+default and its meaning (docs/settings.md is generated from these fields), and the defaults the
+entry points set up: the only place under `flows` that reads or sets the environment."""
 
 from __future__ import annotations
 
