@@ -1,14 +1,5 @@
-"""Text in, tokens out: the char, word and BPE tokenizers (reading and Gutenberg stripping are
-in mllm.data.corpus, and importable from here too).
-
-Everything streams in chunks (a corpus need not fit in memory twice), and every tokenizer gives
-the same tokens however the text is chunked: a word, a run of spaces or a multi-byte character
-split between two chunks comes out as if it had never been split.
-
-    chunks = strip_gutenberg(read_chunks("data/pg2600.txt"))
-    tok = build_tokenizer(TokenizerConfig(kind="char"))
-    for tokens in tok.tokenize(chunks): ...
-"""
+"""Text in, tokens out: the char, word, BPE and basic_english tokenizers, streaming, the same tokens
+for any chunking of the text (docs/tokenizers.md); read_chunks and strip_gutenberg re-exported."""
 
 from __future__ import annotations
 
@@ -24,9 +15,6 @@ from mllm import UserError
 from mllm.config import TokenizerConfig
 from mllm.data.corpus import read_chunks  # noqa: F401  (part of this module's API)
 from mllm.data.gutenberg import strip_gutenberg  # noqa: F401  (part of this module's API)
-
-# -----------------------------------------------------------------------------
-# tokenizers
 
 
 def _last_match(pattern: re.Pattern, text: str, end: int | None = None) -> int:
@@ -57,28 +45,23 @@ class Tokenizer(ABC):
         """Tokens of a stream of text, one list per piece of it, the same for any chunking."""
 
     def token_arrays(self, chunks: Iterable[str]) -> Iterator[pa.Array]:
-        """The same tokens as `tokenize`, as Arrow string (or dictionary of string) arrays: what
-        the tokenize stage writes, without a Python object per token where a tokenizer can."""
+        """The tokens as Arrow (dictionary of) string arrays, no Python object a token where it can."""
         for tokens in self.tokenize(chunks):
             yield pa.array(tokens, pa.string())
 
     @abstractmethod
     def split(self, text: str) -> list[str]:
-        """Tokens of a prompt, normalised as the corpus was (what normalisation drops from a
-        corpus it drops here too); nothing else is dropped, so the caller can name what the
-        vocabulary lacks."""
+        """Tokens of a prompt, normalised as the corpus was and nothing else dropped."""
 
     def detokenize(self, tokens: list[str]) -> str:
         return "".join(tokens)
 
     def dropped(self, text: str) -> list[str]:
-        """The characters of `text` that normalisation drops outright, each once, in order (what it
-        only changes, a case or a run of spaces, is not dropped). None for most tokenizers."""
+        """The characters of `text` normalisation drops outright (not a case or a run of spaces), once each."""
         return []
 
     def take_loss(self) -> tuple[int, dict[str, int]] | None:
-        """What normalisation dropped from the text tokenized since the last call: (characters
-        read, characters dropped by character), counters reset; None where it is not measured."""
+        """(characters read, dropped by character) since the last call, or None where not measured."""
         return None
 
     def _state(self) -> dict:
@@ -98,25 +81,17 @@ class Tokenizer(ABC):
         return f"{type(self).__name__}(normalize={self.normalize})"
 
 
-# The characters the normalising char tokenizer keeps. All ASCII, so it works on the UTF-8 bytes:
-# every byte of a non-ASCII character is >= 0x80 and dropped with it.
+# What the normalising char tokenizer keeps: ASCII, so a non-ASCII character's bytes go (docs/tokenizers.md).
 _CHAR_KEPT = " !,-.0123456789;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _CHAR_DROP = bytes(sorted(set(range(256)) - {ord(c) for c in _CHAR_KEPT + "\n"}))
 _CHAR_NEWLINE_TO_SPACE = bytes.maketrans(b"\n", b" ")
 _CHAR_KEPT_BYTES = _CHAR_KEPT.encode("ascii")
-# The dictionary of the normalised token arrays: every ASCII character, so that a kept byte is
-# its own index (no lookup per token); readers count only the entries that occur.
+# The normalised token arrays' dictionary: a kept byte is its own index (readers count what occurs).
 _ASCII = pa.array([chr(i) for i in range(128)], pa.string())
 
 
 class CharTokenizer(Tokenizer):
-    """One token per character.
-
-    normalize=True is the reference War and Peace recipe: keep only [A-Za-z0-9 \\-.;,\\n?!], then
-    every run of newlines and spaces becomes one space (paragraphs are not worth a token class).
-    It works on bytes with C-speed bytes methods, not one Python string per character: the
-    tokenize stage streams hundreds of MB through it.
-    """
+    """One token per character; normalize=True keeps [A-Za-z0-9 \\-.;,\\n?!], folding space runs into one."""
 
     kind = "char"
 
@@ -125,8 +100,7 @@ class CharTokenizer(Tokenizer):
         self._reset_loss()
 
     def _reset_loss(self) -> None:
-        # What normalisation drops, counted cheaply: the characters read; a byte histogram of those
-        # it drops outright (a small share of prose); the spaces read and made (runs fold into one).
+        # Characters read, a histogram of bytes dropped outright, spaces read and made (runs fold).
         self._read, self._spaces_read, self._spaces_made = 0, 0, 0
         self._dropped = np.zeros(256, dtype=np.int64)
 
@@ -134,7 +108,6 @@ class CharTokenizer(Tokenizer):
         if not self.normalize:
             return None
         dropped = self._dropped
-        # A character beyond ASCII is its UTF-8 lead byte (0xC0 and up); all of them are dropped.
         lost = {chr(i): int(dropped[i]) for i in range(128) if dropped[i]}
         if (folded := self._spaces_read - self._spaces_made) > 0:  # newlines become spaces too
             lost[" "] = folded
@@ -150,9 +123,8 @@ class CharTokenizer(Tokenizer):
         for chunk in chunks:
             raw = chunk.encode("utf-8")
             self._read += len(chunk)
-            self._spaces_read += int(
-                np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == 32)
-            )  # bytes.count: 10x slower
+            # np.count_nonzero: bytes.count is 10x slower.
+            self._spaces_read += int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) == 32))
             if dropped := raw.translate(None, _CHAR_KEPT_BYTES):
                 self._dropped += np.bincount(np.frombuffer(dropped, dtype=np.uint8), minlength=256)
             b = np.frombuffer(raw.translate(_CHAR_NEWLINE_TO_SPACE, _CHAR_DROP), dtype=np.uint8)
@@ -197,8 +169,7 @@ class CharTokenizer(Tokenizer):
 
 
 def _utf8_characters(text: str) -> pa.Array:
-    """Each character of `text` as a string of its own: the UTF-8 bytes once, cut at every byte
-    that starts a character (anything but a continuation byte 0b10xxxxxx)."""
+    """Each character as a string: the UTF-8 bytes cut where a character starts (not at 0b10xxxxxx)."""
     data = text.encode("utf-8")
     b = np.frombuffer(data, dtype=np.uint8)
     starts = np.flatnonzero((b & 0xC0) != 0x80)
@@ -209,8 +180,7 @@ def _utf8_characters(text: str) -> pa.Array:
 
 
 class _CutTokenizer(Tokenizer):
-    """A tokenizer that streams by cutting the text where no token can straddle the cut and
-    carrying the rest over to the next chunk; `_cut` finds that place, `_tokens` tokenizes."""
+    """Streams by cutting where no token straddles (`_cut`), carrying the rest to the next chunk."""
 
     @abstractmethod
     def _cut(self, text: str) -> int: ...
@@ -237,11 +207,7 @@ class _CutTokenizer(Tokenizer):
 
 
 class WordTokenizer(_CutTokenizer):
-    """Words and punctuation, like torchtext's basic_english.
-
-    normalize=True lower-cases and turns "<br />" into a space; normalize=False keeps the text as
-    it is. Either way ' . , ( ) ! ? " ; : are tokens of their own and whitespace separates.
-    """
+    """Words and punctuation; normalize=True lower-cases and turns "<br />" into a space."""
 
     kind = "word"
     _TOKEN = re.compile(r"""['.,()!?";:]|[^\s'.,()!?";:]+""")
@@ -255,7 +221,6 @@ class WordTokenizer(_CutTokenizer):
         return self._TOKEN.findall(text)
 
     def _cut(self, text: str) -> int:
-        """Where to end this piece: at whitespace, so no word is split, nor a "<br />"."""
         cut = _last_match(self._SPACE, text)
         # The space in "<br />" separates nothing: cut at the whitespace before that word instead.
         while self.normalize and cut >= 3 and text[cut - 3 : cut].lower() == "<br":
@@ -268,16 +233,10 @@ class WordTokenizer(_CutTokenizer):
 
 
 class BpeTokenizer(_CutTokenizer):
-    """Byte-level BPE (GPT-2 style) from Hugging Face `tokenizers`, trained on the corpus.
-
-    Byte-level BPE encodes any text losslessly, so it does no normalisation of its own; tokens
-    are the BPE piece strings ("Ġthe"), and the decoder turns them back into text.
-    """
+    """Byte-level BPE (GPT-2 style) of Hugging Face `tokenizers`, trained on the corpus; tokens like "Ġthe"."""
 
     kind = "bpe"
-    # GPT-2 pre-tokenization never joins a non-space character to the whitespace after it, so
-    # text can be cut there and each piece encoded on its own, with the same tokens. (Only space
-    # and newline: Python and the Rust regex agree on those being whitespace.)
+    # GPT-2 pre-tokenization never joins a non-space to the space or newline after it: a safe cut.
     _SAFE_CUT = re.compile(r"(?<=\S)[ \n]")
     _PIECE = 1 << 16
 
@@ -297,7 +256,6 @@ class BpeTokenizer(_CutTokenizer):
         from tokenizers import decoders, models, pre_tokenizers, trainers
 
         hf = HFTokenizer(models.BPE())
-        # No prefix space: the first word of a piece must not differ from the same word mid-text.
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
@@ -310,7 +268,6 @@ class BpeTokenizer(_CutTokenizer):
         return max(_last_match(self._SAFE_CUT, text), 0)
 
     def _ids(self, text: str) -> np.ndarray:
-        # Pieces in a batch: the encoder's threads take one each.
         pieces, i = [], 0
         while len(text) - i > self._PIECE:
             m = self._SAFE_CUT.search(text, i + self._PIECE)
@@ -343,27 +300,13 @@ class BpeTokenizer(_CutTokenizer):
         return {"bpe_vocab_size": self.vocab_size, "hf_tokenizer": json.loads(self.hf.to_str())}
 
 
-# --- basic_english: torchtext's rules, paragraph by paragraph (CBOW) ---
-
-# torchtext.data.utils._patterns / _replacements, applied in this order after lower-casing, then
-# split on whitespace: ' . , ( ) ! ? become tokens of their own; " ; : and <br /> disappear.
-_BASIC_ENGLISH = [
-    (re.compile(p), r)
-    for p, r in [
-        (r"\'", " '  "),
-        (r"\"", ""),
-        (r"\.", " . "),
-        (r"<br \/>", " "),
-        (r",", " , "),
-        (r"\(", " ( "),
-        (r"\)", " ) "),
-        (r"\!", " ! "),
-        (r"\?", " ? "),
-        (r"\;", " "),
-        (r"\:", " "),
-        (r"\s+", " "),
-    ]
-]
+# torchtext.data.utils._patterns / _replacements, in this order after lower-casing, then a split.
+# fmt: off
+_BASIC_ENGLISH = [(re.compile(p), r) for p, r in [
+    (r"\'", " '  "), (r"\"", ""), (r"\.", " . "), (r"<br \/>", " "), (r",", " , "), (r"\(", " ( "),
+    (r"\)", " ) "), (r"\!", " ! "), (r"\?", " ? "), (r"\;", " "), (r"\:", " "), (r"\s+", " "),
+]]
+# fmt: on
 
 
 def basic_english(text: str, lower: bool = True) -> list[str]:
@@ -376,11 +319,7 @@ def basic_english(text: str, lower: bool = True) -> list[str]:
 
 
 def split_paragraphs(chunks: Iterable[str]) -> Iterator[str]:
-    """Paragraphs of a text stream: blocks of non-blank lines, the same for any chunking.
-
-    Works on the raw text (before any normalisation that would merge lines): a line holding only
-    whitespace ends a paragraph; CRLF and CR count as line ends.
-    """
+    """Paragraphs of raw text (blocks of non-blank lines), the same for any chunking."""
     lines: list[str] = []
     carry = ""
     for chunk in chunks:
@@ -402,11 +341,7 @@ def split_paragraphs(chunks: Iterable[str]) -> Iterator[str]:
 
 
 class BasicEnglishTokenizer(Tokenizer):
-    """basic_english as an mllm tokenizer: `tokenize` yields one token list per paragraph, so the
-    stream's pieces are the paragraphs CBOW's contexts must not cross (empty ones are dropped).
-
-    normalize=False keeps the case (torchtext always lower-cases).
-    """
+    """basic_english, one token list per paragraph (CBOW's contexts do not cross them)."""
 
     kind = "basic_english"
 

@@ -1,18 +1,6 @@
-"""How fast this machine is for a model: the precision to train in, and the peak to measure against.
-
-`train.dtype: auto` picks bf16 autocast where it is faster for the run's own model on this
-device. On CUDA that is wherever bf16 is supported. On a CPU it is decided by a probe: a few
-forward and backward steps of the model on a slice of a real batch in either precision. A CPU
-without AMX or AVX512-BF16 emulates bf16 and is never faster, so it is not probed. The probe
-(seconds) and the matrix-multiply peak (below) are cached per machine and model shape in
-`speed.json` under $MLLM_CACHE_DIR, else $XDG_CACHE_HOME/mllm, else ~/.cache/mllm.
-
-MFU (model FLOPs utilisation) is FLOPs done over FLOPs available: the model's training FLOPs per
-target (nanoGPT's estimate, PaLM appendix B) times targets per second, over the device's peak in
-the precision used. A GPU's peak is its spec sheet's dense figure; a CPU's is measured, a square
-matrix multiply at the thread count in use, since the same model number spans 2x between
-machines of one family.
-"""
+"""How fast this machine is for a model: the precision to train in, the attention kernel, and the
+peak FLOP/s that MFU is measured against, each measured once per machine and model shape and cached
+in `speed.json` (docs/speed.md says how each is decided and why)."""
 
 from __future__ import annotations
 
@@ -363,14 +351,8 @@ def spec_peak(gpu: str, dtype: str, tf32: bool = False) -> tuple[float, str] | N
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:
-    """FLOP/s of the fastest of repeated n x n matrix multiplies (after a warm-up).
-
-    On a CPU at one thread, a multiply is timed by the CPU time its thread was given: the wall
-    clock of a machine whose cores other processes share stretches every repeat (measured on
-    a 2-core EPYC with three busy loops beside it: float32 56 GFLOP/s by wall clock, 96 by CPU
-    time, 98 alone), and a peak too low would put a run's MFU above 100%. At several threads
-    the wall clock is kept: their CPU times add up spin-waits and uneven shares.
-    """
+    """FLOP/s of the fastest of repeated n x n matrix multiplies (after a warm-up); at one CPU thread
+    timed by its CPU time, which sharing the cores does not stretch (docs/speed.md, "MFU")."""
     g = torch.Generator().manual_seed(0)  # not the global one: the training's draws must not move
     a, b = (torch.randn(n, n, generator=g).to(device, dtype) for _ in range(2))
     one_thread = device.type == "cpu" and torch.get_num_threads() == 1
