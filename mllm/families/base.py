@@ -10,7 +10,7 @@ and flows and the CLI ask the family and never name one.
 
 A new family is a package of its models under `mllm/`, and a module `mllm/families/<name>.py` with
 a `Family` subclass decorated with `@register`; its config section is added to the union in
-`mllm/config.py`, and its module to `FAMILY_MODULES` below.
+`mllm/config/model.py`, and its module to `FAMILY_MODULES` below.
 """
 
 from __future__ import annotations
