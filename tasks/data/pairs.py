@@ -73,47 +73,13 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
         assets.materializes(storage.join(url, f"{side}_vocab.json"), reads=[raw.url], name=f"{side} vocabulary")
     if done := finished(url, Pairs):
         return done
-    logger = get_run_logger()
     parallel = _pairs()
     found, bad = parallel.read_tsv(raw.url, name=raw.source)
     with storage.staged_dir(url) as out:
         s = parallel.prepare_pairs(found, cfg, out, max_src_len, max_tgt_len, bad)
         src_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "src_vocab.json")), "source")
         tgt_vocab = parallel.check_vocab(Vocab.load(storage.join(out, "tgt_vocab.json")), "target")
-        parts = {
-            name: SplitPart(
-                parquet=storage.join(url, f"{name}.parquet"),
-                ids=storage.join(url, f"{name}.parquet"),
-                n_tokens=s[f"{name}_tgt_tokens"],
-                n_bytes=s[f"{name}_tgt_bytes"],
-            )
-            for name in parallel.SPLITS
-            if s[f"{name}_pairs"] or name != "test"
-        }
-        kept = sum(s[f"{name}_pairs"] for name in parallel.SPLITS)
-        result = Pairs(
-            tokens=Tokens(
-                key=key,
-                url=url,
-                tokenizer=storage.join(url, "tgt_tokenizer.json"),
-                n_tokens=sum(s[f"{n}_src_tokens"] + s[f"{n}_tgt_tokens"] for n in parallel.SPLITS),
-                n_chunks=kept,
-                raw_sha256=raw.sha256,
-            ),
-            vocab=Vocabulary(
-                key=key, url=storage.join(url, "tgt_vocab.json"), digest=tgt_vocab.digest, size=len(tgt_vocab)
-            ),
-            splits=Splits(key=key, url=url, **parts),
-            source_side=SourceSide(
-                vocab=Vocabulary(
-                    key=key, url=storage.join(url, "src_vocab.json"), digest=src_vocab.digest, size=len(src_vocab)
-                ),
-                tokenizer=storage.join(url, "src_tokenizer.json"),
-            ),
-            pairs=s["pairs"],
-            bad_lines=bad,
-            too_long=s["too_long"],
-        )
+        result = _result(key, url, raw, s, src_vocab, tgt_vocab, bad)
         write_manifest(out, result)
     assets.describe(
         url,
@@ -125,6 +91,52 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
     )
     for v in (result.vocab, result.source_side.vocab):
         assets.describe(v.url, digest=v.digest, size=v.size)
+    _say(raw, s, bad, max_src_len, max_tgt_len, len(src_vocab), len(tgt_vocab))
+    return result
+
+
+def _result(key: str, url: str, raw: RawText, s: dict, src_vocab: Vocab, tgt_vocab: Vocab, bad: int) -> Pairs:
+    """The stage's output from what mllm.seq2seq.pairs wrote at `url` and counted in `s`."""
+    parallel = _pairs()
+    parts = {
+        name: SplitPart(
+            parquet=storage.join(url, f"{name}.parquet"),
+            ids=storage.join(url, f"{name}.parquet"),
+            n_tokens=s[f"{name}_tgt_tokens"],
+            n_bytes=s[f"{name}_tgt_bytes"],
+        )
+        for name in parallel.SPLITS
+        if s[f"{name}_pairs"] or name != "test"
+    }
+    kept = sum(s[f"{name}_pairs"] for name in parallel.SPLITS)
+    return Pairs(
+        tokens=Tokens(
+            key=key,
+            url=url,
+            tokenizer=storage.join(url, "tgt_tokenizer.json"),
+            n_tokens=sum(s[f"{n}_src_tokens"] + s[f"{n}_tgt_tokens"] for n in parallel.SPLITS),
+            n_chunks=kept,
+            raw_sha256=raw.sha256,
+        ),
+        vocab=Vocabulary(
+            key=key, url=storage.join(url, "tgt_vocab.json"), digest=tgt_vocab.digest, size=len(tgt_vocab)
+        ),
+        splits=Splits(key=key, url=url, **parts),
+        source_side=SourceSide(
+            vocab=Vocabulary(
+                key=key, url=storage.join(url, "src_vocab.json"), digest=src_vocab.digest, size=len(src_vocab)
+            ),
+            tokenizer=storage.join(url, "src_tokenizer.json"),
+        ),
+        pairs=s["pairs"],
+        bad_lines=bad,
+        too_long=s["too_long"],
+    )
+
+
+def _say(raw: RawText, s: dict, bad: int, max_src_len: int, max_tgt_len: int, n_src: int, n_tgt: int) -> None:
+    """What the stage left out, and the sizes of the splits and vocabularies, in the run's log."""
+    logger = get_run_logger()
     if bad:
         logger.warning("%s: %d bad lines left out (one column, or an empty side)", raw.source, bad)
     if s["too_long"]:
@@ -139,7 +151,6 @@ def prepare_pairs(raw: RawText, cfg: DataConfig, max_src_len: int, max_tgt_len: 
         s["train_pairs"],
         s["val_pairs"],
         s["test_pairs"],
-        len(src_vocab),
-        len(tgt_vocab),
+        n_src,
+        n_tgt,
     )
-    return result
