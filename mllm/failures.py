@@ -1,11 +1,5 @@
-"""What kind of failure an exception is: the one list every layer asks.
-
-Each test walks the exception and what caused it, and goes by class names and message text, since
-the libraries that raise them (botocore, aiohttp, httpx, requests, MLflow's client) are not all
-installed where `mllm` runs. Retries (tasks/caching.py, mllm.storage), the tracking server's outage
-handling (tasks/tracking/outage.py) and the terminal's one-line errors (flows/cli/terminal.py)
-decide with these; the lines a user reads are written there.
-"""
+"""What kind of failure an exception is (storage unreachable, disk full, I/O, a server's passing
+failure, no answer): the one list every layer asks."""
 
 from __future__ import annotations
 

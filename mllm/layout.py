@@ -1,11 +1,5 @@
-"""Where each stage keeps its output under the storage root, and what its key is made of.
-
-A stage's folder is `<root>/<stage>/<key>`: `tasks` write there and `flows.history` reads there,
-both through this module. A key hashes the stage's inputs, its config and the code that does the
-work, read as tokens that leave out what cannot change what it does (comments, docstrings, import
-lines, layout), so that moving a module or formatting it keeps every key and every stage already
-in storage (docs/layout.md, "Cache keys").
-"""
+"""Where each stage keeps its output under the storage root, and its key: the stage's inputs, config
+and code, read as tokens so that moving or formatting a module changes no key."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """Secrets out of everything a person or a file will read: log and error lines, stage metadata,
-configs, checkpoints, MLflow and Prefect's parameters all pass `scrub` first.
-
-What counts as a secret: the values of environment variables named like one (AWS_SECRET_ACCESS_KEY,
-HF_TOKEN, ...), the user:password part of a URL, and the values of entries named like one
-(`aws_secret_access_key=...` in a line, a dict key `token`).
-"""
+configs, checkpoints, MLflow and Prefect's parameters all pass `scrub` first."""
 
 from __future__ import annotations
 

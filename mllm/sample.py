@@ -1,13 +1,5 @@
-"""Samples from a checkpoint of any family: `python -m mllm.sample`, and `answer`, the one entry
-point that the CLI, `mllm-pipeline runs` and the served model call too.
-
-    python -m mllm.sample --checkpoint runs/<key>/checkpoints/best.pt --prompt "The " --method top-p
-
-What a sample is belongs to the family (mllm.families.base): a language model continues the prompt, word
-embeddings list each word's nearest neighbours, a seq2seq model translates it, a sequence model
-predicts its next element. Options left out take the run's own `sample` section, so a command
-repeats the run's own samples unless told otherwise.
-"""
+"""Samples from a checkpoint of any family: `answer`, the one entry point the CLI, `runs` and the
+served model call, and `python -m mllm.sample`."""
 
 from __future__ import annotations
 

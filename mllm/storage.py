@@ -1,9 +1,5 @@
-"""Object storage through fsspec: any URL (a local path, file://, s3://, https:// to read).
-
-Writes are atomic: a reader never sees half a file. Local files are written to a temporary name
-in the same folder and renamed; object stores publish an object only when its upload completes,
-so they are written in place.
-"""
+"""Object storage through fsspec (a local path, file://, s3://, https:// to read), writes atomic: a
+reader never sees half a file."""
 
 from __future__ import annotations
 

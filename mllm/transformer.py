@@ -1,10 +1,5 @@
-"""What the two transformers share: the GPT (mllm.lm.gpt) and the encoder-decoder (mllm.seq2seq.model).
-
-Sinusoidal positions (Vaswani et al. 2017: a fixed table, no parameters) and scaled dot-product
-attention written out in tensor code, with its masks as -inf added before the softmax. One copy
-of each, so the GPT's `positions: sinusoidal` and `attention: explicit` are the seq2seq
-transformer's own pieces, not look-alikes that could drift apart.
-"""
+"""What the two transformers share, one copy each: sinusoidal positions and attention written out in
+tensor code, with its masks."""
 
 from __future__ import annotations
 

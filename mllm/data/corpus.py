@@ -1,16 +1,5 @@
-"""A corpus source: opening it, checking that it is text, copying it into storage as UTF-8, and
-reading it back as a stream of text (mllm.data.gutenberg takes the Project Gutenberg headers and
-licences off it).
-
-One decoder (`TextDecoder`) serves both the download and every later read of the text, so a
-file is judged the same way everywhere: a byte order mark says which Unicode encoding it is in
-(UTF-8, UTF-16 or UTF-32, little or big endian); with none it must be UTF-8, and a file that is
-not gets a one-line UserError that says what it looks like (Latin-1, UTF-16 without a BOM,
-binary) and how to convert it.
-
-    info = download("https://.../pg2600.txt", dest=lambda sha: f"{root}/raw/{sha}.txt")
-    for chunk in read_chunks(info.url): ...
-"""
+"""A corpus source: opened, checked to be text by one decoder for the download and every later read,
+copied into storage as UTF-8 and read back as a stream of text."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""A faster encoder for the byte-level BPE tokenizers mllm trains: tiktoken over the same merges.
-
-Hugging Face `tokenizers` trains the BPE and stays the tokenizer of record (its JSON is what is
-stored, and prompts and decoding go through it). Encoding a corpus with it is slow, though: on
-an AMD EPYC core, 2.2 MB of text per CPU second for a 2,000-piece vocabulary, where tiktoken's
-encoder over the same pieces does about 11.5 (both measured on War and Peace slices, see
-docs/benchmarks.md, "Many files"). tiktoken takes the vocabulary as byte strings ranked by id and
-merges the adjacent pair whose bytes rank lowest; a trainer that numbers each new piece after
-the merges before it (as Hugging Face's does) makes that the same rule as its own merge order,
-and with GPT-2's pre-tokenization pattern the ids come out the same.
-
-That equality is checked, not assumed: `FastEncoder.encode` compares the first text it is given
-with Hugging Face's ids and falls back to Hugging Face for good if they differ, or if tiktoken is
-not installed, or if the tokenizer is not the byte-level BPE this module knows.
-"""
+"""A faster encoder for the byte-level BPE tokenizers mllm trains: tiktoken over the same merges,
+checked against Hugging Face's ids on the first text, with Hugging Face as the fallback."""
 
 from __future__ import annotations
 

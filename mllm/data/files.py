@@ -1,23 +1,5 @@
-"""A corpus of many files: which files a source names, what format each is in, and its documents.
-
-A source is a file, a folder or object-store prefix (every file below it), or a glob (`**`
-included), on any filesystem fsspec reaches; a run may name several. Hidden files (a name that
-starts with `.`, or anything under such a folder) and the markers and bookkeeping that Hadoop,
-Spark, Databricks and Delta Lake write beside their output (`_SUCCESS`, `_committed_<id>`,
-`_started_<id>`, `_metadata`, `_temporary/`, `_delta_log/`...) are skipped, unless a glob names
-them; any other name that starts with `_` (`__init__.py`) is a corpus file. A file's format is
-its extension, after any compression extension: JSON Lines (`.jsonl`, `.ndjson`, `.json`) and
-Parquet (`.parquet`) hold one document per record in a text field; anything else is plain text,
-one document a file.
-
-The download of a JSONL or Parquet file stores its documents as `raw/<sha256>.parquet` (one
-`text` column) and a text file as `raw/<sha256>.txt`, the digest always of the source's own
-bytes; `documents(url)` reads either back as a stream of documents.
-
-    files, skipped = list_files(["s3://bucket/books/", "extra/*.jsonl.gz"])
-    got = download_records(files[1].url, "jsonl", "text", dest=lambda sha: f"{root}/raw/{sha}.parquet")
-    for doc in documents(got.url, strip_gutenberg=True): ...
-"""
+"""A corpus of many files: which files a source names (hidden files and other tools' markers left
+out), what format each is in, and its documents."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Project Gutenberg's header and licence, taken off a stream of text: a book's body alone, and
-every book's body in a file of several.
-
-    for chunk in strip_gutenberg(read_chunks(url)): ...
-"""
+"""Project Gutenberg's header and licence taken off a stream of text: every book's body in a file of one or several."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A local corpus looked at before any stage starts: each file there and readable, and its head
-read, so that a bad file is one line in seconds rather than a stage's failure half a minute in.
-
-Kept apart from the stages' own modules (mllm/data/files.py, mllm/data/corpus.py), whose source is
-in their storage keys: a check here changes no key, and no user's stage runs again for it."""
+"""A local corpus looked at before any stage starts, so that a bad file is one line in seconds; kept
+apart from the stages' modules, so that its checks change no stage's key."""
 
 from __future__ import annotations
 

@@ -1,23 +1,5 @@
-"""Token packs: the token chunks of a corpus of many files, tokenized once per file and tokenizer.
-
-A pack is a folder holding the token rows of a few stored files (`part-0.parquet`: columns
-`file` (its sha256), `span` (a 64-bit digest of the row's tokens), `n` (tokens in the row) and
-`tokens`) and each file's token counts (`counts.parquet`). A pack is named after the digests of
-its files, so it is written once and never changes; a corpus is a list of file digests, and its
-tokens are those files' rows, in whichever packs hold them. Adding a file to a corpus tokenizes
-that file only (into a pack of its own); removing one tokenizes nothing. Small files share a
-pack (about `target_bytes` of text each), so ten thousand tiny files make a few Parquet files,
-not ten thousand.
-
-A row is a span: the tokens of about `span_chars` characters of one document. Which split a span
-belongs to is decided by its content digest and the split seed alone (`span_split`), so spans
-keep their split however the corpus grows, and the same text in two files lands in one split.
-
-    groups = group(new_files, target_bytes=32 << 20)
-    info = tokenize_pack([(sha, raw_url), ...], tokenizer, out, strip=True, span_chars=16384)
-    corpus = CorpusPacks([(pack_url, None), ...])
-    pieces = [route_pack(url, files, vocab, token_bytes, cfg, out) for url, files in corpus.packs]  # mllm.data.splits
-"""
+"""Token packs: the token chunks of a corpus of many files, tokenized once per file and tokenizer, as
+spans whose split their content decides."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""Train/val/test splits: which tokens go where, and the arrays training reads.
-
-Each split is written twice: a flat `.npy` that training memory-maps, in the narrowest type that
-holds the vocabulary's ids (`ids_dtype`: uint8, uint16, else int32), and a Parquet file
-(`token_id: int32`) for anything else that reads columns. Both are filled row group by row
-group, so memory stays bounded whatever the corpus's size.
-
-    plan = split_plan(n_tokens, cfg)
-    parts = write_splits(tokens_folder, vocab, tokenizer, plan, out_folder)
-
-A corpus of many files is split span by span instead: `route_pack` routes each token pack's
-rows by their content digest into a piece (the same two files, of that pack's rows), and
-`assemble` writes each split as a manifest of the pieces, which mllm.runtime.epochs.ChainedIds reads as one
-array: a grown corpus routes its new pack and writes manifests, never the old packs' ids again.
-"""
+"""Train/val/test splits: which tokens go where, and the arrays training reads (a .npy and a Parquet
+file per split, or for a corpus of many files a manifest of routed pieces)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,4 @@
-"""Token chunks on disk: tokenize a text into Parquet, read it back row group by row group, count.
-
-The dataset is one file, `part-0.parquet`, with one row per piece of text the tokenizer handed
-on: `chunk: int64` (its position) and `tokens: list<string>`. Readers see list<string>; the
-writer is given dictionary-encoded tokens where the tokenizer has them (char, BPE), which
-Parquet stores as dictionary pages anyway, so nothing hashes one string per token on the way in,
-and readers that ask for the dictionary (`token_batches`) get integer indices back out.
-
-    tokenizer, n_tokens, n_chunks = tokenize_text(raw_url, cfg, out_folder)
-    counts = count_tokens(out_folder)
-"""
+"""Token chunks on disk: tokenize a text into Parquet, read it back row group by row group, count."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""The vocabulary: token strings <-> ids, saved as JSON (never a pickle: loading runs no code).
-
-Id 0 is always <unk>, so any token the training text never showed still encodes.
-
-    v = Vocab.build(counts, min_freq=2, specials=["<eos>"])
-    ids = v.encode_array(pyarrow_tokens)   # np.int32, unknown -> v.unk_id
-"""
+"""The vocabulary: token strings <-> ids (id 0 always <unk>), saved as JSON, never a pickle."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""CBOW word embeddings: word2vec's continuous bag of words (Mikolov et al. 2013) in plain PyTorch.
-
-A sample is a centre word and up to `context` words on each side of it, taken from the centre's
-own paragraph only: at a paragraph's edges the context is shorter, padded with a masked id,
-never filled with words from the paragraph next door. The model averages the context's input
-embeddings and predicts the centre word, by a full softmax or by negative sampling.
-
-    tokens = [basic_english(p) for p in split_paragraphs(strip_gutenberg(read_chunks(url)))]
-    vocab = Vocab.build(Counter(t for p in tokens for t in p), min_freq=5)
-    ids, offsets = paragraph_ids(tokens, vocab)         # flat ids + paragraph starts (.npy each)
-    batches = CbowBatches.from_config(cfg, ids, offsets, batch_size=20_000, seed=0)
-    _, loss, _ = CBOW(cfg)(*batches.next())
-"""
+"""CBOW word embeddings (word2vec's continuous bag of words) in plain PyTorch, on contexts that stay
+inside a paragraph, by a full softmax or negative sampling."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""Word vectors: the evaluations people report, nearest neighbours, and export.
-
-- WordSim-353 and SimLex-999: Spearman correlation between the human scores and the cosine
-  similarities, over the pairs whose two words are in the vocabulary (their share: coverage).
-- The Google analogies (questions-words.txt): 3CosAdd, "a is to b as c is to ?" answered by the
-  word nearest to b - a + c (unit vectors) other than a, b and c, as gensim does.
-The three sets ship inside gensim's wheel and are read from the installed package, never
-downloaded: gensim is an optional dependency (`pip install 'mllm-pipeline[embeddings]'`).
-
-    report = evaluate_cbow(model, vocab.itos, val_batches, probes=["war"])   # metrics, neighbours
-    vecs = WordVectors(vocab.itos, model.context_vectors().numpy())
-    write_word2vec("out/vectors.txt", vecs); write_parquet("out/vectors.parquet", vecs)
-"""
+"""Word vectors: WordSim-353, SimLex-999 and the Google analogies (read from gensim's installed wheel),
+nearest neighbours, and export."""
 
 from __future__ import annotations
 

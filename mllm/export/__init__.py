@@ -1,12 +1,5 @@
-"""Export a checkpoint to a format other runtimes load: `hf` (a transformers folder), `onnx`
-(onnxruntime) or `gguf` (llama.cpp). Which function of this package writes which format for a
-model is its family's to say (`Family.exports`), so nothing here names a family.
-
-    python -m mllm.export --checkpoint runs/<key>/checkpoints/best.pt --format hf --out exported/
-
-Only torch and the format's own library are needed. A piece a format cannot hold exactly is
-refused (one UserError line naming it and the formats that take it) before anything is written.
-"""
+"""Export a checkpoint to a format other runtimes load: `hf` (transformers), `onnx` (onnxruntime) or
+`gguf` (llama.cpp), each family saying which function writes which (`python -m mllm.export`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Every family as ONNX through torch's exporter, for onnxruntime: a GPT step with its KV cache as
-inputs and outputs, a recurrent model with its state, CBOW's embeddings, and a seq2seq model as
-an encoder and a decoder step. Each graph is a small module over the trained model's own layers,
-written with tensors only (no Python-side cache objects) so that one graph serves every length."""
+"""Every family as ONNX through torch's exporter, for onnxruntime: small modules over the trained
+layers, written with tensors only so that one graph serves every length."""
 
 from __future__ import annotations
 

@@ -1,17 +1,5 @@
-"""Model families: one object per kind of model, found by `model.arch`.
-
-A family says everything the stages need to know about its models, after fairseq's tasks: which
-config sections are its own and how they must agree with the rest of the run, which data the
-data stages make for it, how its model is built, its training and validation batches, its
-evaluation (one `Evaluation` shape for every family, with the headline metric that decides the
-champion), what "sample" means for it, how a champion trained on other data is scored again on a
-new split, and what the served model takes. The training loop, checkpoints, the pipeline's tasks
-and flows and the CLI ask the family and never name one.
-
-A new family is a package of its models under `mllm/`, and a module `mllm/families/<name>.py` with
-a `Family` subclass decorated with `@register`; its config section is added to the union in
-`mllm/config/model.py`, and its module to `FAMILY_MODULES` below.
-"""
+"""Model families: one object per kind of model, found by `model.arch`, that says everything the
+stages, the loop and the CLI need to know about its models (docs/families.md)."""
 
 from __future__ import annotations
 

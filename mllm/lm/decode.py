@@ -1,18 +1,5 @@
-"""A GPT decoding on a CPU with bf16 weights: what `generate` runs when `sample.dtype` resolves to bf16.
-
-Each cached decoding step multiplies every weight matrix by one vector, so it streams all the
-weights from memory once per token and does two FLOPs per weight: the step is bound by memory,
-not arithmetic. Weights in bf16 are half the bytes; laid out once for oneDNN (as inductor's
-freezing pass does for compiled models) they skip the reorder oneDNN would otherwise make on each
-call. At 6/6/384 on the AMD EPYC (AVX512-BF16, one thread) that takes the step's 25
-matrix-vector products from 4.1 to 1.6 ms. Layer norm, attention and the KV cache stay in
-float32: torch's CPU attention for one query is several times slower in bf16, and the residual
-stream keeps float32's precision.
-
-The copy keeps the GPT's own forward for prompts (many tokens at once); a single new token takes
-`Bf16Decoder.step`, the same block written flat, which leaves out about a hundred module calls a
-token (a sixth of the step at 6/6/384).
-"""
+"""A GPT decoding on a CPU with bf16 weights laid out once for oneDNN: what `generate` runs when
+`sample.dtype` resolves to bf16."""
 
 from __future__ import annotations
 

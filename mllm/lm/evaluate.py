@@ -1,10 +1,4 @@
-"""Evaluation over a whole split, and n-gram baselines to read it against.
-
-`evaluate` scores every target token of the split exactly once (ids[1:], each predicted from
-what precedes it), with no partial batch dropped. Recurrent models read the split as
-`batch_size` contiguous streams and carry their hidden state from one window to the next, as
-they would when generating; a GPT reads consecutive windows of at most its block size.
-"""
+"""Evaluation over a whole split, every target token scored exactly once, and n-gram baselines to read it against."""
 
 from __future__ import annotations
 

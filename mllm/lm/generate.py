@@ -1,14 +1,5 @@
-"""A language model's text: greedy, temperature, top-k, top-p (nucleus) and beam search.
-
-A recurrent model carries its hidden state token by token and a GPT its KV cache, so each new
-token costs one step; `use_cache=False` recomputes the whole context every step instead (the
-reference the cached paths are tested and benchmarked against).
-
-Past block_size a GPT keeps going: without the cache it sees the last block_size tokens; with the
-cache, which cannot slide under learned absolute positions, it refills a fresh cache from the last
-block_size // 2 tokens whenever the cache is full, so its context is between half and all of a
-block and the refill is paid once per block_size // 2 tokens.
-"""
+"""A language model's text: greedy, temperature, top-k, top-p and beam search, a token a step with a
+carried state or KV cache."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""A decoder-only transformer, after karpathy/nanoGPT's model.py, with a KV cache for generation.
-
-Token embeddings plus learned positions (nanoGPT's, GPT-2's) or sinusoidal ones (the seq2seq
-transformer's fixed table, `model.positions`), pre-LayerNorm blocks of causal self-attention
-(torch's SDPA kernel, or the same attention written out in tensor code: `model.attention`) and a
-GELU MLP, output weights tied to the token embedding. The modern small-GPT pieces (rotary
-positions, RMSNorm, QK-norm, ReLU^2, zero-initialised projections, a logit softcap: see
-mllm.lm.gpt_pieces; value embeddings and per-layer residual scalars, here) are options of the
-config, off by default.
-"""
+"""A decoder-only transformer after nanoGPT's model.py, with a KV cache for generation and the modern
+small-GPT pieces as options, off by default."""
 
 from __future__ import annotations
 

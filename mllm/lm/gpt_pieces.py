@@ -1,7 +1,5 @@
-"""The GPT's optional modern pieces (`model.positions: rotary`, `norm`, `qk_norm`, `mlp`,
-`logit_softcap`), after modded-nanogpt and nanochat. Each is off by default: the GPT without them
-is nanoGPT's, and every checkpoint trained before them loads as it was trained.
-"""
+"""The GPT's optional modern pieces (rotary positions, RMSNorm, QK-norm, ReLU^2, a logit softcap),
+after modded-nanogpt and nanochat, each off by default."""
 
 from __future__ import annotations
 

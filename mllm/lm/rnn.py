@@ -1,11 +1,5 @@
-"""Recurrent language models: LSTM, GRU and vanilla RNN, after pytorch/examples word_language_model.
-
-`LSTMCell`/`RNNCell` and the stacked `LSTM`/`RNN` are written out from the equations so they can
-be read and changed; they use torch.nn.LSTM's gate order (i, f, g, o) and its parameter names
-(weight_ih_l{k}, weight_hh_l{k}, bias_ih_l{k}, bias_hh_l{k}), so a state_dict moves between them
-and torch.nn.LSTM / nn.RNN unchanged. `RecurrentLM` uses torch's fused modules unless
-`from_scratch` is set; both give it the same state_dict keys.
-"""
+"""Recurrent language models (LSTM, GRU, RNN), with the LSTM and RNN cells also written out from the
+equations under torch.nn.LSTM/RNN's parameter names."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""A language model's training data: windows of token ids, targets shifted by one token.
-
-Two ways to draw batches, both resumable exactly from a checkpoint:
-- `RandomWindows` (nanoGPT's get_batch): each batch picks random window starts with a
-  torch.Generator whose state goes into the checkpoint.
-- `EpochWindows` (the reference LSTM recipe): every window start at `stride`, shuffled once per
-  epoch; the position (epoch, batch) goes into the checkpoint.
-Under DDP each rank takes its share of every batch.
-"""
+"""A language model's training batches: windows of token ids and the same shifted by one, drawn at
+random or in shuffled epochs, both resumable exactly."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Checkpoints: the full training state in one torch.save file, loaded with weights_only=True.
-
-A checkpoint holds only what the safe unpickler accepts: the model, optimizer and scheduler
-state_dicts, the step, the RNG states (ByteTensors), the run config as a plain dict, the
-vocabulary and tokenizer as JSON strings (a sequence-to-sequence model's target side, and its
-source side as src_vocab and src_tokenizer), metrics (floats) and the data position (ints). So it
-carries everything needed to resume training or to sample, and nothing that runs code on load.
-`Signals` lets an interrupt wait for the checkpoint of the step it arrived in.
-"""
+"""Checkpoints: the full training state in one torch.save file that loads with weights_only=True, and
+`Signals`, which let an interrupt wait for the checkpoint of the step it arrived in."""
 
 from __future__ import annotations
 

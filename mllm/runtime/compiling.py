@@ -1,13 +1,5 @@
-"""torch.compile by measurement: what `train.compile: auto` decides (mllm.train).
-
-torch.compile (inductor) fuses what is not matrix work (layer norm, GELU, the casts around each
-bf16 matmul, the residual adds) into generated kernels. It costs a compilation, tens of seconds
-on 2 cores, and its gain depends on the model, the precision and the machine, so
-`train.compile: auto` decides in the run: it times the first eager steps, compiles when the
-training left should save more than a compilation costs, times the compiled steps, and goes
-back to eager when they are not faster. What it measured (the gain, the compilation's seconds) is
-cached per machine and model shape, like the probes of mllm.runtime.speed, and decides later runs from the start.
-"""
+"""torch.compile by measurement: what `train.compile: auto` decides, timing eager and compiled steps
+of the training itself (docs/speed.md, `train.compile`)."""
 
 from __future__ import annotations
 

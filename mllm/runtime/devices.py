@@ -1,9 +1,4 @@
-"""The device a model runs on.
-
-Every family's model shares one forward contract: forward(*batch) -> (output, loss | None,
-state), the batch's last tensor being the target (padding -1). What the batch holds and what the
-state is belong to the family (mllm.families.base).
-"""
+"""The device a model runs on."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""What a training job reads when its data is token ids: the files its config's `paths` section
-names (ids of each split, paragraph offsets where the split stage wrote them, one vocabulary and
-its tokenizer), checked and loaded. A family whose data is of another shape loads its own.
-
-Each mistake (a missing file, ids made with another vocabulary, a model narrower than its
-vocabulary) is one UserError that says how to fix it.
-"""
+"""What a training job reads when its data is token ids: the files its config's `paths` section names,
+checked and loaded, each mistake one UserError that says how to fix it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""How many threads a training on a CPU computes with, chosen by timing its own steps (as its
-precision is chosen by timing, mllm.runtime.speed) and chosen again when its step time drifts;
-and how much of the CPU its threads got, which says whether the machine was busy and what that cost.
-
-Two intra-op threads on two cores that other jobs keep busy wait on each other at every barrier:
-measured at load 5 on a 2-core EPYC, a step of the default recipe took 180 ms on one thread and
-548 ms on two. So the count is not taken from the core count alone but timed on the training's own
-steps (real steps: nothing is spent on a separate probe), and timed again whenever the steps
-become much slower or faster than they were when it was chosen, or every RECHECK_STEPS steps.
-"""
+"""How many threads a training on a CPU computes with, chosen by timing its own steps and chosen again
+when they drift; and whether the machine was busy, and what that cost."""
 
 from __future__ import annotations
 

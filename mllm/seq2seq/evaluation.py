@@ -1,7 +1,5 @@
-"""The sequence-to-sequence family's evaluation and samples, called by the evaluate and generate
-stages in `tasks/model/` for an encoder-decoder checkpoint: validation loss, exact match, BLEU
-and chrF on the held-out pairs, a table of a few translations, attention heatmaps, and the
-translations of the recipe's prompts."""
+"""The sequence-to-sequence family's evaluation and samples: loss, exact match, BLEU and chrF on the
+held-out pairs, a table of translations, attention heatmaps."""
 
 from __future__ import annotations
 

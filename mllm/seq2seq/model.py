@@ -1,20 +1,5 @@
-"""Sequence to sequence: an encoder reads the source, a decoder writes the target from <bos> to <eos>.
-
-Two architectures, chosen by `arch`:
-- `seq2seq-rnn` (Bahdanau et al. 2015): a bidirectional GRU/LSTM encoder gives one context
-  vector o_s per source token; a GRU decoder attends to them with additive attention,
-  e_ts = v . tanh(W s_{t-1} + U o_s), a_t = softmax(e_t), c_t = sum_s a_ts o_s.
-- `seq2seq-transformer` (Vaswani et al. 2017): sinusoidal positions, multi-head scaled dot-product
-  attention written out in tensor code, causal and padding masks as -inf added before the softmax
-  (those pieces in mllm.transformer, shared with the GPT), ReLU feed-forward, post- or
-  pre-LayerNorm blocks.
-
-Both are trained with teacher forcing: forward(src, tgt_in, tgt_out) -> (logits, loss, None), where
-tgt_in is <bos> y padded with <pad> and tgt_out is y <eos> padded with -1 (ignored by the loss).
-Decoding (mllm.seq2seq.translate) calls encode() once per source, start() for a decoder state (the RNN's
-hidden state; the transformer's key/value cache) and step() once per new target token;
-reorder(state, index) keeps the rows a beam search picks.
-"""
+"""Sequence to sequence: Bahdanau's RNN encoder-decoder and the transformer, trained with teacher
+forcing and decoded one target token a step."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Parallel text for sequence to sequence: TSV pairs, the numbers corpus, splits, batches.
-
-    pairs, bad = read_pairs(cfg.data)                     # data.source's TSV, or the numbers corpus
-    summary = prepare_pairs(pairs, cfg.data, "runs/x/pairs", max_src_len=64, max_tgt_len=64)
-    train = load_split("runs/x/pairs/train.parquet")
-    batches = PairBatches(train, batch_size=32, seed=1)   # next() -> (src, tgt_in, tgt_out)
-
-prepare_pairs writes, under its folder: {train,val,test}.parquet (columns source, target: the
-text; src_ids, tgt_ids: list<int32> token ids, so Arrow hands over flat ids and offsets),
-src_vocab.json, tgt_vocab.json (the same vocabulary when shared), src_tokenizer.json,
-tgt_tokenizer.json and summary.json.
-"""
+"""Parallel text for sequence to sequence: TSV pairs, the numbers corpus, splits written as Parquet
+with their vocabularies and tokenizers, and batches."""
 
 from __future__ import annotations
 

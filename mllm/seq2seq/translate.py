@@ -1,13 +1,5 @@
-"""Decoding and evaluation for sequence to sequence: greedy, beam search and sampling, in batches.
-
-    hyps = decode(model, src, method="beam", beam_width=4)      # src [B, S] padded with <pad>
-    report = evaluate(model, val_split, tgt_tokenizer, tgt_vocab)  # loss, exact match, BLEU, chrF
-    out = translate(model, ["twenty-one"], src_tokenizer, src_vocab, tgt_tokenizer, tgt_vocab)
-
-The encoder runs once per batch of sources; each new target token is one model.step(). Every
-hypothesis carries its attention weights (one row per output token over the source tokens) for
-pictures.
-"""
+"""Decoding and evaluation for sequence to sequence: greedy, beam search and sampling in batches,
+every hypothesis with its attention weights."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The sequence experiments' data, made from the config: inputs [N, L] and targets [N, L] of the
-numbers 0..V-1, written as one .npz per split, and the batches drawn from them.
-
-Ids are the vocabulary's: number n is token str(n) with id n + 1 (id 0 is <unk>), so a prompt
-"7 8 9 10" reads through the same word tokenizer and vocabulary as any other run.
-"""
+"""The sequence experiments' data, made from the config: inputs and targets of numbers, one .npz a
+split, and the batches drawn from them."""
 
 from __future__ import annotations
 
