@@ -42,7 +42,7 @@ run: $(VENV)/.installed
 # servers and fixtures and run in order on one worker (--dist loadfile). The third fills the time
 # the others wait on servers, outages and back-offs (two kept 2 Zen 5 cores 69% busy, three 86%:
 # 16 min 31 s to 13 min 0 s; on a CPU the suite keeps busy already it changes nothing,
-# docs/benchmarks.md). The whole suite is the gate (CI runs it); test-fast, CPU-bound, leaves
+# docs/benchmarks/test-suite.md). The whole suite is the gate (CI runs it); test-fast, CPU-bound, leaves
 # out the modules marked integration (real flows, CLI commands, servers).
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q --durations=15 -n 3 --dist loadfile

@@ -18,7 +18,7 @@ def temporary_server_home(prefect: Path) -> None:
     """Make `prefect` a Prefect home whose database exists, as a user's is after their first run:
     the temporary server a command starts there then skips the migrations and the registration of
     Prefect's block types (12.9 s of its CPU here against 25.3 s on a new database,
-    docs/benchmarks.md). A test about a first run (tests/cli/test_cli.py) starts from an empty home."""
+    docs/benchmarks/test-suite.md). A test about a first run (tests/cli/test_cli.py) starts from an empty home."""
     (server_folder,) = SESSION_PREFECT_SERVER
     prefect.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(server_folder / "new-prefect.db", prefect / "prefect.db")

@@ -192,7 +192,7 @@ class _SplitWriter:
 _IDS_SCHEMA = pa.schema([("token_id", pa.int32())])
 # Byte-stream split: ids of a small vocabulary leave the high bytes zero, which zstd then all but
 # removes; twice as fast to write as dictionary encoding, a third smaller, and several times
-# faster to read (measured in docs/benchmarks.md, many files).
+# faster to read (measured in docs/benchmarks/data.md, many files).
 _IDS_PARQUET = {"compression": "zstd", "use_dictionary": False, "column_encoding": {"token_id": "BYTE_STREAM_SPLIT"}}
 
 
