@@ -84,10 +84,12 @@ def _dotted_missing(name: str, attribute: str | None) -> bool:
     return True
 
 
-def _path_missing(path: str, test: str | None) -> bool:
+def _path_missing(path: str, test: str | None, where: str = "") -> bool:
     target = ROOT / path.rstrip("/.")
     if any(c in path for c in "*{<") or re.search(r"[A-Z]{3,}", path) or path.startswith(MADE):
         return False  # a pattern, a placeholder (NAME.yaml) or a file made by a run
+    if not target.exists() and where.endswith(".md"):
+        target = (ROOT / where).parent / path.rstrip("/.")  # a link, relative to its page (docs/benchmarks/)
     if not target.exists():
         return True
     return bool(test) and target.is_file() and not _defines(target, test)
@@ -102,6 +104,6 @@ def test_every_module_and_file_named_in_the_docs_and_the_code_exists() -> None:
         for m in PATH.finditer(text):
             if re.match(r"[\w.-]*[*{<]", text[m.end() :]):
                 continue  # a pattern (mllm/recipes/seq2seq-numbers-*.yaml)
-            if _path_missing(m.group(1), m.group(2)):
+            if _path_missing(m.group(1), m.group(2), where):
                 missing.append(f"{where}: {m.group(0)}")
     assert not missing, "names of nothing:\n" + "\n".join(sorted(set(missing)))
