@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import REPO, corpus, header, load, parse_args, run_config, save, table, token_ids
-from benchmarks.vs_nanogpt import _env
+from benchmarks.nanogpt import env
 
 # The default recipe before issue 47, which the pieces are measured against (Muon, when a piece
 # turns it on, at the 0.02 the ablation measured; the default now has 0.01).
@@ -72,7 +72,7 @@ def run(paths: dict, folder: Path, name: str, overrides: dict, threads: int) -> 
     out = subprocess.run(
         [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume", "--events", str(events)],
         cwd=REPO,
-        env=_env(threads),
+        env=env(threads),
         capture_output=True,
         text=True,
     )
@@ -145,8 +145,8 @@ def time_to(points: list[dict], target: float) -> float | None:
     return next((p["train_s"] for p in points if p["val_loss"] <= target), None)
 
 
-def main() -> None:
-    args = parse_args(
+def _args():
+    return parse_args(
         __doc__.splitlines()[0],
         lambda p: (
             p.add_argument(
@@ -164,97 +164,90 @@ def main() -> None:
             ),
         ),
     )
-    m = header("ablation", args.quick)
-    wp = corpus("warandpeace")
-    threads = args.threads or torch.get_num_threads()
-    names = ["default", *[n for n in (args.only or PIECES) if n != "default"]]
+
+
+def step_times_only(names: list[str], rounds: int, threads: int, m: dict) -> None:
+    """--step-times: each contender's step timed round-robin, no training."""
+    ms = step_costs(names, 60, rounds, threads)
+    rows = [{"contender": n, "ms_per_step": v, "step_vs_default": v / ms["default"]} for n, v in ms.items()]
+    print(
+        table(
+            rows,
+            [
+                ("contender", "contender"),
+                ("ms_per_step", "median ms a step (bf16)"),
+                ("step_vs_default", "/ default's"),
+            ],
+        )
+        + f"\n\nload average now {load()}"
+    )
+    save(
+        "ablation_steps",
+        {"machine": m, "threads": threads, "rounds": rounds, "rows": rows, "load_after": load()},
+    )
+
+
+def contender(
+    paths: dict, folder: Path, val, name: str, seed: int, steps: int, every: int, threads: int, target: float | None
+) -> tuple[dict, float]:
+    """One contender trained and scored: its row, and the target (the default's last loss when none
+    was given: the default runs first)."""
     from mllm.lm.evaluate import evaluate
     from mllm.runtime.checkpoint import load_checkpoint
 
-    if args.step_times:
-        ms = step_costs(names, 60, args.step_times, threads)
-        rows = [{"contender": n, "ms_per_step": v, "step_vs_default": v / ms["default"]} for n, v in ms.items()]
-        print(
-            table(
-                rows,
-                [
-                    ("contender", "contender"),
-                    ("ms_per_step", "median ms a step (bf16)"),
-                    ("step_vs_default", "/ default's"),
-                ],
-            )
-            + f"\n\nload average now {load()}"
-        )
-        save(
-            "ablation_steps",
-            {"machine": m, "threads": threads, "rounds": args.step_times, "rows": rows, "load_after": load()},
-        )
-        return
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="mllm-bench-ablation-") as tmp:
-        folder = Path(tmp)
-        paths = token_ids(wp, folder / "wp")
-        val = np.load(paths["val_ids"])
-        steps, probe_s = (args.steps, None) if args.steps else probe_steps(paths, folder, args.minutes, threads)
-        every = max(50, steps // 10 // 50 * 50)
-        probed = f" (the default's probe: {probe_s:.3f} s a step)" if probe_s else ""
-        print(
-            f"{steps} steps for every contender{probed}, an evaluation of 20 fixed batches every {every}; "
-            f"{threads} threads\n",
-            flush=True,
-        )
-        target = args.target
-        for name in names:
-            for seed in args.seeds:
-                load_before = load()
-                t0 = time.perf_counter()
-                events, ckpt = run(
-                    paths,
-                    folder,
-                    f"{name}-{seed}",
-                    {
-                        **PIECES[name],
-                        "train.max_steps": steps,
-                        "train.seed": seed,
-                        "train.log_interval": 50,
-                        "train.eval_interval": every,
-                    },
-                    threads,
-                )
-                wall = time.perf_counter() - t0
-                result = next(e["result"] for e in events if "result" in e)
-                points = curve(events)
-                if target is None:
-                    target = points[-1]["val_loss"]  # the default's, which runs first
-                model = load_checkpoint(str(ckpt / "last.pt")).model
-                score = evaluate(model, val, model.config.block_size, 64)
-                half = next(p for p in points if p["step"] >= steps // 2)
-                train_s = points[-1]["train_s"]
-                row = {
-                    "contender": name,
-                    "seed": seed,
-                    "steps": result["steps"],
-                    "train_s": train_s,
-                    "ms_per_step": 1000 * train_s / result["steps"],
-                    "tokens_per_s": result["tokens_per_s"],
-                    "dtype": result["dtype_used"],
-                    "fixed_val_half": half["val_loss"],
-                    "fixed_val_end": points[-1]["val_loss"],
-                    "val_loss": score["loss"],
-                    "time_to_target": time_to(points, target),
-                    "curve": points,
-                    "wall_s": wall,
-                    "load_before": load_before,
-                    "load_after": load(),
-                }
-                rows.append(row)
-                print(
-                    f"{name} (seed {seed}): val loss {row['val_loss']:.4f} (whole split), fixed batches "
-                    f"{row['fixed_val_half']:.4f} at step {half['step']}, {row['fixed_val_end']:.4f} at {steps}; "
-                    f"{row['ms_per_step']:.1f} ms a step, {row['tokens_per_s']:,.0f} tok/s, {row['dtype']}; "
-                    f"load {load_before} -> {row['load_after']}",
-                    flush=True,
-                )
+    load_before = load()
+    t0 = time.perf_counter()
+    events, ckpt = run(
+        paths,
+        folder,
+        f"{name}-{seed}",
+        {
+            **PIECES[name],
+            "train.max_steps": steps,
+            "train.seed": seed,
+            "train.log_interval": 50,
+            "train.eval_interval": every,
+        },
+        threads,
+    )
+    wall = time.perf_counter() - t0
+    result = next(e["result"] for e in events if "result" in e)
+    points = curve(events)
+    if target is None:
+        target = points[-1]["val_loss"]  # the default's, which runs first
+    model = load_checkpoint(str(ckpt / "last.pt")).model
+    score = evaluate(model, val, model.config.block_size, 64)
+    half = next(p for p in points if p["step"] >= steps // 2)
+    train_s = points[-1]["train_s"]
+    row = {
+        "contender": name,
+        "seed": seed,
+        "steps": result["steps"],
+        "train_s": train_s,
+        "ms_per_step": 1000 * train_s / result["steps"],
+        "tokens_per_s": result["tokens_per_s"],
+        "dtype": result["dtype_used"],
+        "fixed_val_half": half["val_loss"],
+        "fixed_val_end": points[-1]["val_loss"],
+        "val_loss": score["loss"],
+        "time_to_target": time_to(points, target),
+        "curve": points,
+        "wall_s": wall,
+        "load_before": load_before,
+        "load_after": load(),
+    }
+    print(
+        f"{name} (seed {seed}): val loss {row['val_loss']:.4f} (whole split), fixed batches "
+        f"{row['fixed_val_half']:.4f} at step {half['step']}, {row['fixed_val_end']:.4f} at {steps}; "
+        f"{row['ms_per_step']:.1f} ms a step, {row['tokens_per_s']:,.0f} tok/s, {row['dtype']}; "
+        f"load {load_before} -> {row['load_after']}",
+        flush=True,
+    )
+    return row, target
+
+
+def report(rows: list[dict], target: float) -> None:
+    """Each row against the default's mean, and the table."""
     base = [r["val_loss"] for r in rows if r["contender"] == "default"]
     base_ms = [r["ms_per_step"] for r in rows if r["contender"] == "default"]
     for r in rows:
@@ -282,6 +275,36 @@ def main() -> None:
             ],
         )
     )
+
+
+def main() -> None:
+    args = _args()
+    m = header("ablation", args.quick)
+    wp = corpus("warandpeace")
+    threads = args.threads or torch.get_num_threads()
+    names = ["default", *[n for n in (args.only or PIECES) if n != "default"]]
+    if args.step_times:
+        step_times_only(names, args.step_times, threads, m)
+        return
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-ablation-") as tmp:
+        folder = Path(tmp)
+        paths = token_ids(wp, folder / "wp")
+        val = np.load(paths["val_ids"])
+        steps, probe_s = (args.steps, None) if args.steps else probe_steps(paths, folder, args.minutes, threads)
+        every = max(50, steps // 10 // 50 * 50)
+        probed = f" (the default's probe: {probe_s:.3f} s a step)" if probe_s else ""
+        print(
+            f"{steps} steps for every contender{probed}, an evaluation of 20 fixed batches every {every}; "
+            f"{threads} threads\n",
+            flush=True,
+        )
+        target = args.target
+        for name in names:
+            for seed in args.seeds:
+                row, target = contender(paths, folder, val, name, seed, steps, every, threads, target)
+                rows.append(row)
+    report(rows, target)
     save(
         "ablation",
         {

@@ -18,8 +18,6 @@ Without ../shared/anchors/nanoGPT the reference row is left out.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import corpus, header, load, median, parse_args, run_config, save, table, token_ids
-from benchmarks.vs_nanogpt import ANCHOR, _env, _nanogpt_model_module, nanogpt_data, run_mllm_train
+from benchmarks.common import corpus, header, load, parse_args, run_config, save, table, token_ids
+from benchmarks.nanogpt import ANCHOR, run_mllm_train, train_for_minutes
 
 GPT_BASE = {
     "model.arch": "gpt",
@@ -96,7 +94,7 @@ CANDIDATES = {
         "train.lr_schedule": "cosine",
         "train.min_lr": 2.0e-4,
     },
-    # The default with Muon's rate at train.muon_lr's default, 0.02 (chosen at 600 steps, docs/benchmarks.md).
+    # The default with Muon's rate at train.muon_lr's default, 0.02 (chosen at 600 steps, docs/benchmarks/quality.md).
     "the default, muon lr 0.02": {"recipe": "default", "train.muon_lr": 0.02},
     # The default 192 wide: a model that learns more per step may want to be larger.
     "the default, 192 wide": {"recipe": "default", "model.n_embd": 192},
@@ -247,78 +245,8 @@ def train_mllm(paths: dict, folder: Path, name: str, overrides: dict, minutes: f
     }
 
 
-class _NanoAdapter(torch.nn.Module):
-    """nanoGPT's GPT with mllm's forward signature, for mllm.lm.evaluate and mllm.lm.generate."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.config = type(
-            "Config", (), {"arch": "gpt", "block_size": model.config.block_size, "vocab_size": model.config.vocab_size}
-        )()
-
-    def forward(self, idx, targets=None, state=None):
-        if targets is None:  # nanoGPT then returns the last position only
-            targets = torch.zeros_like(idx)
-        logits, loss = self.model(idx, targets)
-        return logits, loss, state
-
-
-NANOGPT_SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12)
-
-
-def train_nanogpt(paths: dict, folder: Path, minutes: float, threads: int) -> dict:
-    """nanoGPT's README CPU command, its iteration count set to fill the budget."""
-    workdir = nanogpt_data(paths, folder / "nanogpt")
-
-    def run(iters: int, eval_interval: int, timeout: float | None) -> str:
-        cmd = [
-            sys.executable,
-            str(ANCHOR / "train.py"),
-            str(ANCHOR / "config" / "train_shakespeare_char.py"),
-            "--device=cpu",
-            "--compile=False",
-            "--eval_iters=20",
-            "--log_interval=1",
-            "--dataset=wp",
-            *[f"--{k}={v}" for k, v in NANOGPT_SHAPE.items()],
-            f"--max_iters={iters}",
-            f"--lr_decay_iters={iters}",
-            "--dropout=0.0",
-            f"--eval_interval={eval_interval}",
-            "--always_save_checkpoint=True",
-            f"--out_dir={workdir / 'out'}",
-        ]
-        try:
-            out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True, timeout=timeout)
-            return out.stdout
-        except subprocess.TimeoutExpired as e:  # the budget's hard stop: its last checkpoint counts
-            return e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-
-    probe = run(30, 10**6, None)
-    iter_s = median([float(t) / 1000 for t in re.findall(r"time ([\d.]+)ms", probe)][10:])
-    iters = max(40, int(0.97 * 60 * minutes / iter_s) // 4 * 4)
-    t0 = time.perf_counter()
-    stdout = run(iters, iters // 4, 60 * minutes * 1.5 + 60)
-    wall = time.perf_counter() - t0
-    times = [float(t) / 1000 for t in re.findall(r"time ([\d.]+)ms", stdout)]
-    nano = _nanogpt_model_module()
-    state = torch.load(workdir / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
-    model = nano.GPT(nano.GPTConfig(**state["model_args"]))
-    model.load_state_dict(state["model"])
-    return {
-        "model": _NanoAdapter(model),
-        "steps": int(state["iter_num"]),
-        "planned_steps": iters,
-        "stop": "max_steps",
-        "train_s": sum(times),
-        "wall_s": wall,
-        "tokens_per_step": NANOGPT_SHAPE["batch_size"] * NANOGPT_SHAPE["block_size"],
-    }
-
-
-def main() -> None:
-    args = parse_args(
+def _args():
+    return parse_args(
         __doc__.splitlines()[0],
         lambda p: (
             p.add_argument("--minutes", type=float, default=10.0, help="training time per contender"),
@@ -327,72 +255,47 @@ def main() -> None:
             p.add_argument("--seed", type=int, help="train.seed of every mllm contender [each recipe's own]"),
         ),
     )
-    m = header("quality", args.quick)
-    wp = corpus("warandpeace")
-    threads = args.threads or torch.get_num_threads()
-    names = args.only or [*CANDIDATES, "nanoGPT"]
-    if "nanoGPT" in names and not (ANCHOR / "train.py").is_file():
-        print(f"nanoGPT not found at {ANCHOR}: its reference row is left out")
-        names = [n for n in names if n != "nanoGPT"]
-    from mllm.data.vocab import Vocab
+
+
+def score(name: str, got: dict, val, train_tail, vocab, prompt: list[int]) -> dict:
+    """A trained contender's row: validation and training-tail loss, and a sample."""
     from mllm.lm.evaluate import evaluate
     from mllm.lm.generate import generate
 
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="mllm-bench-quality-") as tmp:
-        folder = Path(tmp)
-        paths = token_ids(wp, folder / "wp")
-        vocab = Vocab.load(paths["vocab"])
-        val = np.load(paths["val_ids"])[: args.val_tokens]
-        # As many training tokens, the split's last: the gap to the validation loss says whether a
-        # contender has begun to learn its training text rather than the language (overfitting).
-        train_tail = np.load(paths["train_ids"])[-len(val) :]
-        prompt = vocab.encode(list("The "))
-        for name in names:
-            print(f"{name}: training for {args.minutes} min on {threads} threads", flush=True)
-            if name == "nanoGPT":
-                got = train_nanogpt(paths, folder, args.minutes, threads)
-            else:
-                seed = {} if args.seed is None else {"train.seed": args.seed}
-                got = train_mllm(paths, folder, name, {**CANDIDATES[name], **seed}, args.minutes, threads)
-            model = got.pop("model")
-            window = getattr(model.config, "block_size", 64) if model.config.arch == "gpt" else 64
-            t0 = time.perf_counter()
-            score = evaluate(model, val, window, 64)
-            train_score = evaluate(model, train_tail, window, 64)
-            text = "".join(
-                vocab.decode(
-                    generate(
-                        model,
-                        prompt,
-                        200,
-                        method="top-p",
-                        top_p=0.9,
-                        temperature=0.8,
-                        seed=1,
-                        use_cache=name != "nanoGPT",
-                    )
-                )
+    model = got.pop("model")
+    window = getattr(model.config, "block_size", 64) if model.config.arch == "gpt" else 64
+    t0 = time.perf_counter()
+    val_score = evaluate(model, val, window, 64)
+    train_score = evaluate(model, train_tail, window, 64)
+    text = "".join(
+        vocab.decode(
+            generate(
+                model,
+                prompt,
+                200,
+                method="top-p",
+                top_p=0.9,
+                temperature=0.8,
+                seed=1,
+                use_cache=name != "nanoGPT",
             )
-            row = {
-                "contender": name,
-                **got,
-                "tokens_seen": got["steps"] * got["tokens_per_step"],
-                "val_loss": score["loss"],
-                "bits_per_char": score["bits_per_token"],
-                "train_loss": train_score["loss"],
-                "eval_s": time.perf_counter() - t0,
-                "load": load(),
-                "sample": "The " + text,
-            }
-            rows.append(row)
-            print(
-                f"  {row['steps']} steps in {row['train_s']:.0f} s of training ({row['stop']}), "
-                f"val loss {row['val_loss']:.4f}, {row['bits_per_char']:.3f} bits/char, train loss {row['train_loss']:.4f}, "
-                f"load {row['load']}\n"
-                f"  sample: {row['sample']!r}",
-                flush=True,
-            )
+        )
+    )
+    return {
+        "contender": name,
+        **got,
+        "tokens_seen": got["steps"] * got["tokens_per_step"],
+        "val_loss": val_score["loss"],
+        "bits_per_char": val_score["bits_per_token"],
+        "train_loss": train_score["loss"],
+        "eval_s": time.perf_counter() - t0,
+        "load": load(),
+        "sample": "The " + text,
+    }
+
+
+def report(rows: list[dict]) -> None:
+    """Each row's distance to nanoGPT's validation loss, the table and the samples."""
     ref = next((r["val_loss"] for r in rows if r["contender"] == "nanoGPT"), None)
     for r in rows:
         r["vs_nanogpt"] = None if ref is None else r["val_loss"] - ref
@@ -416,6 +319,46 @@ def main() -> None:
     print("\nsamples (top-p 0.9, temperature 0.8, seed 1):")
     for r in rows:
         print(f"- {r['contender']}: {r['sample']!r}")
+
+
+def main() -> None:
+    args = _args()
+    m = header("quality", args.quick)
+    wp = corpus("warandpeace")
+    threads = args.threads or torch.get_num_threads()
+    names = args.only or [*CANDIDATES, "nanoGPT"]
+    if "nanoGPT" in names and not (ANCHOR / "train.py").is_file():
+        print(f"nanoGPT not found at {ANCHOR}: its reference row is left out")
+        names = [n for n in names if n != "nanoGPT"]
+    from mllm.data.vocab import Vocab
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-quality-") as tmp:
+        folder = Path(tmp)
+        paths = token_ids(wp, folder / "wp")
+        vocab = Vocab.load(paths["vocab"])
+        val = np.load(paths["val_ids"])[: args.val_tokens]
+        # As many training tokens, the split's last: the gap to the validation loss says whether a
+        # contender has begun to learn its training text rather than the language (overfitting).
+        train_tail = np.load(paths["train_ids"])[-len(val) :]
+        prompt = vocab.encode(list("The "))
+        for name in names:
+            print(f"{name}: training for {args.minutes} min on {threads} threads", flush=True)
+            if name == "nanoGPT":
+                got = train_for_minutes(paths, folder, args.minutes, threads)
+            else:
+                seed = {} if args.seed is None else {"train.seed": args.seed}
+                got = train_mllm(paths, folder, name, {**CANDIDATES[name], **seed}, args.minutes, threads)
+            row = score(name, got, val, train_tail, vocab, prompt)
+            rows.append(row)
+            print(
+                f"  {row['steps']} steps in {row['train_s']:.0f} s of training ({row['stop']}), "
+                f"val loss {row['val_loss']:.4f}, {row['bits_per_char']:.3f} bits/char, train loss {row['train_loss']:.4f}, "
+                f"load {row['load']}\n"
+                f"  sample: {row['sample']!r}",
+                flush=True,
+            )
+    report(rows)
     save(
         "quality",
         {

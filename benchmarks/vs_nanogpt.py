@@ -27,13 +27,7 @@ a 4-token prompt, top-k 200, temperature 0.8, random weights (the same weights i
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pickle
 import re
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +36,6 @@ import numpy as np
 import torch
 
 from benchmarks.common import (
-    REPO,
     corpus,
     header,
     load,
@@ -54,8 +47,7 @@ from benchmarks.common import (
     threads,
     token_ids,
 )
-
-ANCHOR = REPO.parent / "shared" / "anchors" / "nanoGPT"
+from benchmarks.nanogpt import anchor_or_exit, model_module, nanogpt_data, run_mllm_train, train_nanogpt
 
 # name: (shape, steps, quick steps, warm-up steps)
 TRAIN_SHAPES = {
@@ -66,87 +58,6 @@ GENERATE_SHAPES = {
     "4/4/128 block 64": dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
     "6/6/384 block 256": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
 }
-
-
-def anchor_or_exit() -> Path:
-    if not (ANCHOR / "train.py").is_file() or not (ANCHOR / "model.py").is_file():
-        print(f"skipped: nanoGPT not found at {ANCHOR} (the anchors folder lies beside the repo, in ../shared)")
-        raise SystemExit(0)
-    return ANCHOR
-
-
-def nanogpt_data(paths: dict, folder: Path, dataset: str = "wp") -> Path:
-    """A working folder for nanoGPT's train.py: data/<dataset>/{train,val}.bin, meta.pkl, configurator.py."""
-    from mllm.data.vocab import Vocab
-
-    data = folder / "data" / dataset
-    data.mkdir(parents=True)
-    for split in ("train", "val"):
-        np.load(paths[f"{split}_ids"]).astype(np.uint16).tofile(data / f"{split}.bin")
-    itos = Vocab.load(paths["vocab"]).itos
-    with open(data / "meta.pkl", "wb") as f:
-        pickle.dump(
-            {"vocab_size": len(itos), "itos": dict(enumerate(itos)), "stoi": {s: i for i, s in enumerate(itos)}}, f
-        )
-    # train.py exec()s configurator.py from its working directory.
-    shutil.copy(ANCHOR / "configurator.py", folder / "configurator.py")
-    return folder
-
-
-def _env(threads: int) -> dict:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        PYTHONPATH=str(REPO),
-        PYTHONUNBUFFERED="1",
-    )
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def train_nanogpt(workdir: Path, shape: dict, steps: int, threads: int) -> tuple[list[float], list[float], str]:
-    """Per-step seconds and losses of nanoGPT's own train.py (its README's CPU command), and its precision."""
-    cmd = [
-        sys.executable,
-        str(ANCHOR / "train.py"),
-        str(ANCHOR / "config" / "train_shakespeare_char.py"),
-        "--device=cpu",
-        "--compile=False",
-        "--eval_iters=2",
-        "--log_interval=1",
-        "--dataset=wp",
-        f"--block_size={shape['block_size']}",
-        f"--batch_size={shape['batch_size']}",
-        f"--n_layer={shape['n_layer']}",
-        f"--n_head={shape['n_head']}",
-        f"--n_embd={shape['n_embd']}",
-        f"--max_iters={steps}",
-        f"--lr_decay_iters={steps}",
-        "--dropout=0.0",
-        f"--eval_interval={10 * steps}",
-        f"--out_dir={workdir / 'out'}",
-    ]
-    out = subprocess.run(cmd, cwd=workdir, env=_env(threads), capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"nanoGPT train.py failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    rows = re.findall(r"^iter (\d+): loss ([\d.]+), time ([\d.]+)ms", out.stdout, re.M)
-    return [float(t) / 1000 for _, _, t in rows], [float(loss) for _, loss, _ in rows], "float32"
-
-
-def run_mllm_train(cfg, config: Path, threads: int, what: str = "mllm.train") -> str:
-    """`python -m mllm.train` on `cfg` (saved to `config`) from scratch with `threads`: its stdout."""
-    config.write_text(cfg.to_yaml(paths=True))
-    out = subprocess.run(
-        [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume"],
-        cwd=REPO,
-        env=_env(threads),
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode:
-        raise RuntimeError(f"{what} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return out.stdout
 
 
 def train_mllm(
@@ -295,13 +206,6 @@ def _mfu(shape: dict, tokens_per_s: float, precision: str, n_threads: int) -> fl
     return tokens_per_s * model.flops_per_token(shape["block_size"]) / peak
 
 
-def _nanogpt_model_module():
-    spec = importlib.util.spec_from_file_location("nanogpt_model", ANCHOR / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def bench_generate(
     vocab_size: int, prompt: list[int], threads_list: list[int], new_tokens: int, repeats: int
 ) -> list[dict]:
@@ -310,7 +214,7 @@ def bench_generate(
     from mllm.lm.decode import decode_precision
     from mllm.lm.generate import generate
 
-    nano = _nanogpt_model_module()
+    nano = model_module()
     rows = []
     for shape_name, shape in GENERATE_SHAPES.items():
         torch.manual_seed(1337)
