@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import CORPORA, REPO, median, run_config, token_ids
-from benchmarks.vs_nanogpt import ANCHOR, nanogpt_data
+from benchmarks.common import CORPORA, REPO, median, token_ids
+from benchmarks.logged_runs import child_env, flops_per_token, paths_of, run_logged, train_logged
+from benchmarks.nanogpt import ANCHOR, nanogpt_data
 
 WORK = REPO / ".gpu-check"
 # Spec-sheet dense bf16 peak of an H100 SXM (and of the H200, the same GH100 compute): 989 TFLOP/s
@@ -70,79 +71,9 @@ def prepare() -> None:
     )
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
-
-
-def _run(cmd: list[str], log: Path, timeout: float, cwd: Path = REPO, env: dict | None = None) -> dict[str, Any]:
-    """`cmd` with its output appended to `log`, killed after `timeout` seconds."""
-    start = time.monotonic()
-    with open(log, "a") as f:
-        f.write(f"$ {' '.join(cmd)}  (at most {timeout:.0f} s)\n")
-        f.flush()
-        try:
-            rc = subprocess.run(
-                cmd, cwd=cwd, env=env or _env(), stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1)
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        f.write(f"# exit {rc} after {time.monotonic() - start:.1f} s\n")
-    return {"rc": rc, "wall_s": round(time.monotonic() - start, 1)}
-
-
-def _events(path: Path) -> tuple[list[dict], dict | None]:
-    """The metric records of an --events file, each with the training seconds of its step, and the result."""
-    records, result, elapsed = [], None, {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            event = json.loads(line)
-            records += event.get("metrics", [])
-            result = event.get("result", result)
-            if "progress" in event:
-                elapsed[event["progress"]["step"]] = event["progress"]["elapsed_s"]
-    for r in records:
-        r.setdefault("elapsed_s", elapsed.get(r["step"]))
-    return records, result
-
-
-def paths_of(ids: Path) -> dict[str, str]:
-    """The ids `token_ids` wrote in `ids`, as mllm.train's paths."""
-    return {k: str(ids / f) for k, f in (("train_ids", "train.npy"), ("val_ids", "val.npy"), ("vocab", "vocab.json"))}
-
-
-def _config(recipe: str, ids: Path, ckpt: Path, overrides: dict[str, Any]) -> Path:
-    cfg = run_config(recipe, paths_of(ids), ckpt, overrides)
-    path = ckpt.parent / f"{ckpt.name}.yaml"
-    path.write_text(cfg.to_yaml(paths=True))
-    return path
-
-
-def _train(recipe: str, ids: Path, scratch: Path, name: str, overrides: dict, log: Path, timeout: float) -> dict:
-    events = scratch / f"{name}.jsonl"
-    config = _config(recipe, ids, scratch / name, overrides)
-    run = _run(
-        [sys.executable, "-m", "mllm.train", "--config", str(config), "--no-resume", "--events", str(events)],
-        log,
-        timeout,
-    )
-    records, result = _events(events)
-    return {**run, "records": records, "result": result}
-
-
-def _flops_per_token(shape: dict, vocab_size: int) -> float:
-    from mllm.config import GPTConfig
-    from mllm.families.base import build_model
-
-    model = build_model(
-        GPTConfig(vocab_size=vocab_size, bias=False, **{k: v for k, v in shape.items() if k != "batch_size"})
-    )
-    return float(model.flops_per_token(shape["block_size"]))
-
-
 def tests(out: Path, timeout: float) -> dict:
     log = out / "tests.log"
-    run = _run(
+    run = run_logged(
         [
             sys.executable,
             "-m",
@@ -178,7 +109,7 @@ def shakespeare(out: Path, scratch: Path, timeout: float, device: str, toy: bool
                 "train.eval_batches": 4,
             }
         )
-    got = _train(
+    got = train_logged(
         "shakespeare-gpt", WORK / "shakespeare", scratch, "shakespeare-gpt", overrides, out / "shakespeare.log", timeout
     )
     vals = [(r["step"], r["val_loss"], r.get("elapsed_s")) for r in got.pop("records") if "val_loss" in r]
@@ -212,7 +143,7 @@ def nanogpt_recipe(out: Path, scratch: Path, timeout: float, device: str, toy: b
     with open(out / "nanogpt_recipe.log", "w") as log:
         log.write(f"$ {' '.join(cmd)}  (at most {timeout:.0f} s)\n")
         proc = subprocess.Popen(
-            cmd, cwd=WORK / "nanoGPT", env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, cwd=WORK / "nanoGPT", env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         try:
             for line in proc.stdout:
@@ -269,8 +200,8 @@ def side_by_side(out: Path, scratch: Path, timeout: float, device: str, toy: boo
         }
     )  # nanoGPT's optimizer: the same work a step
     # mllm first: its compilation finds step 2's in inductor's cache, nanoGPT's has none to find.
-    ours = _train("shakespeare-gpt", WORK / "shakespeare", scratch, "mllm-300", overrides, log, timeout / 2)
-    nano = _run(
+    ours = train_logged("shakespeare-gpt", WORK / "shakespeare", scratch, "mllm-300", overrides, log, timeout / 2)
+    nano = run_logged(
         [sys.executable, "train.py", "config/train_shakespeare_char.py", *flags],
         log,
         max(timeout - ours["wall_s"], 30),
@@ -285,7 +216,7 @@ def side_by_side(out: Path, scratch: Path, timeout: float, device: str, toy: boo
     ours["loss_last50"] = float(np.mean([r["train_loss"] for r in records[-50:]])) if records else None
     from mllm.data.vocab import Vocab
 
-    fpt = _flops_per_token(shape, len(Vocab.load(str(WORK / "shakespeare" / "vocab.json"))))
+    fpt = flops_per_token(shape, len(Vocab.load(str(WORK / "shakespeare" / "vocab.json"))))
     import torch
 
     from mllm.runtime.speed import peak_flops
@@ -318,7 +249,7 @@ def lstm(out: Path, scratch: Path, timeout: float, device: str, toy: bool, cap_m
         overrides.update(
             {"train.batch_size": 64, "train.epochs": 0.002, "train.eval_interval": 10, "train.eval_batches": 2}
         )
-    got = _train(
+    got = train_logged(
         "warandpeace-lstm", WORK / "warandpeace", scratch, "warandpeace-lstm", overrides, out / "lstm.log", timeout
     )
     records = got.pop("records")
