@@ -63,6 +63,25 @@ def threads(n: int):
         torch.set_num_threads(before)
 
 
+def prefect_env(home: Path) -> dict[str, str]:
+    """The environment for a Prefect of our own: its database and settings under `home`.
+
+    PREFECT_API_URL is left out, not set empty: Prefect then runs its temporary server, while an
+    empty URL starves its events client, and task runs never reach the API.
+    """
+    (home / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's database cannot open in a missing folder
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE")}
+    return {
+        **env,
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        "XDG_CACHE_HOME": str(home / "cache"),
+    }
+
+
 def load() -> float:
     return round(os.getloadavg()[0], 2)
 

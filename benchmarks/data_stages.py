@@ -33,111 +33,18 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from benchmarks.common import REPO, corpus, header, load, parse_args, save, table
+from benchmarks.common import corpus, header, load, parse_args, prefect_env, save, table
+from benchmarks.text_scale import peak_growth, scale_runs, worker
 
-SCALE_KINDS = {"char": {"kind": "char"}, "word": {"kind": "word"}, "bpe 2000": {"kind": "bpe", "bpe_vocab_size": 2000}}
 KINDS = {
     "char": [],
     "word": ["data.tokenizer.kind=word"],
     "bpe 2000": ["data.tokenizer.kind=bpe", "data.tokenizer.bpe_vocab_size=2000"],
 }
 STAGES = ("download", "tokenize", "build-vocabulary", "split")
-
-
-def prefect_env(home: Path) -> dict[str, str]:
-    """The environment for a Prefect of our own: its database and settings under `home`.
-
-    PREFECT_API_URL is left out, not set empty: Prefect then runs its temporary server, while an
-    empty URL starves its events client, and task runs never reach the API.
-    """
-    (home / "prefect").mkdir(parents=True, exist_ok=True)  # Prefect's database cannot open in a missing folder
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_PROFILE")}
-    return {
-        **env,
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "true",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-        "XDG_CACHE_HOME": str(home / "cache"),
-    }
-
-
-# --- memory of this process ---------------------------------------------------------------
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak() -> bool:
-    """Start VmHWM again from the current RSS (Linux 4.0+), so each stage gets its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class Peaks:
-    """A stage's peak memory: VmHWM, and the largest anonymous and file-backed RSS sampled every 20 ms.
-
-    VmHWM lumps both kinds together. The split stage fills memory-mapped .npy files, whose pages
-    count in RSS as file-backed: page cache the kernel writes back and drops under pressure, not
-    memory the process holds. Anonymous memory (Python objects, numpy and Arrow buffers) is what
-    must not grow with the corpus.
-    """
-
-    def __enter__(self) -> "Peaks":
-        self.reset = reset_peak()
-        self.start, self.start_anon, self.anon, self.file = _status("VmRSS"), _status("RssAnon"), 0, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self._t0 = time.perf_counter()
-        self._cpu0 = time.process_time()
-        return self
-
-    def _sample(self) -> None:
-        self.anon = max(self.anon, _status("RssAnon"))
-        self.file = max(self.file, _status("RssFile"))
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(0.02)
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self._t0
-        self.cpu_seconds = time.process_time() - self._cpu0
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        self.hwm = _status("VmHWM")
-
-    def report(self, **more) -> dict:
-        return {
-            "s": self.seconds,
-            "cpu_s": self.cpu_seconds,
-            "peak": self.hwm,
-            "anon": self.anon,
-            "file": self.file,
-            "start": self.start,
-            "start_anon": self.start_anon,
-            "peak_reset": self.reset,
-            "load": load(),
-            **more,
-        }
 
 
 # --- 1. the flow in-process ----------------------------------------------------------------
@@ -253,152 +160,78 @@ def cli_runs(source: Path, tmp: Path) -> list[dict]:
     return rows
 
 
-# --- 3. scale ------------------------------------------------------------------------------
-
-
-def write_big_text(body: str, path: Path, size_mb: int) -> tuple[int, str]:
-    """War and Peace's body repeated to `size_mb` MB (no Gutenberg markers: nothing is cut)."""
-    import hashlib
-
-    block = (body.rstrip() + "\n\n").encode("utf-8")
-    digest, n, size = hashlib.sha256(), 0, size_mb * 1_000_000
-    with open(path, "wb") as f:
-        while n < size:
-            part = block if n + len(block) <= size else block[: block.rfind(b"\n", 0, size - n) + 1]
-            f.write(part)
-            digest.update(part)
-            n += len(part)
-            if not part:
-                break
-    return n, digest.hexdigest()
-
-
-def worker(spec: dict) -> dict:
-    """In a process of its own: the stages on one big text, with time and peak memory of each."""
-    from prefect import flow
-
-    from mllm.config import SplitConfig, TokenizerConfig, VocabConfig
-    from tasks.data import RawText
-    from tasks.data.split import split
-    from tasks.data.tokenize import tokenize
-    from tasks.data.vocabulary import build_vocabulary
-
-    @flow(name="bench-scale")
-    def scale(raw, root: str, kinds: list[str], more: bool) -> dict:
-        out = {}
-        for kind in kinds:
-            cfg = TokenizerConfig(**SCALE_KINDS[kind])
-            with Peaks() as p:
-                tokens = tokenize(raw, cfg, f"{root}/{kind.replace(' ', '-')}")
-            out[f"tokenize {kind}"] = p.report(tokens=tokens.n_tokens)
-            if more and kind == "char":
-                with Peaks() as p:
-                    vocab = build_vocabulary(tokens, VocabConfig(), root)
-                out["build-vocabulary"] = p.report()
-                with Peaks() as p:
-                    split(tokens, vocab, SplitConfig(), root)
-                out["split"] = p.report()
-        return out
-
-    @flow(name="bench-warm-up")
-    def warm_up() -> None:
-        pass
-
-    warm_up()  # Prefect's temporary server and client: started before the first measurement
-    results = []
-    for item in spec["texts"]:
-        raw = RawText(source=item["path"], url=item["path"], sha256=item["sha256"], bytes=item["bytes"])
-        out = scale(raw, item["root"], item["kinds"], item["more"])
-        results.append({"mb": item["bytes"] / 1e6, **out})
-    return {"results": results}
-
-
-def scale_runs(body: str, tmp: Path, sizes: list[int], more_up_to: int, up_to: dict[str, int]) -> list[dict]:
-    texts = []
-    for mb in sizes:
-        path = tmp / f"text-{mb}MB.txt"
-        n, sha = write_big_text(body, path, mb)
-        kinds = [k for k in SCALE_KINDS if mb <= up_to.get(k, mb)]
-        texts.append(
-            {
-                "path": str(path),
-                "bytes": n,
-                "sha256": sha,
-                "root": str(tmp / f"scale-{mb}"),
-                "kinds": kinds,
-                "more": mb <= more_up_to,
-            }
-        )
-        os.sync()  # the text written, not still in flight, when the first stage's clock starts
-    env = {**prefect_env(tmp / "scale-home"), "PREFECT_LOGGING_LEVEL": "WARNING"}
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.data_stages", "--worker", json.dumps({"texts": texts})],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=3600,
+def _options(p) -> None:
+    p.add_argument("--scale-only", action="store_true", help="only part 3, the tokenizers at scale")
+    p.add_argument("--sizes", help="text sizes in MB for part 3, e.g. 10,50,500")
+    p.add_argument("--word-up-to", type=int, default=50, help="the word tokenizer only on texts up to this many MB")
+    p.add_argument("--bpe-up-to", type=int, default=10, help="BPE only on texts up to this many MB")
+    p.add_argument(
+        "--many-files",
+        action="store_true",
+        help="instead: the stages on a corpus of many files (benchmarks/many_files.py)",
     )
-    for t in texts:
-        os.remove(t["path"])
-    if out.returncode != 0:
-        raise RuntimeError(f"scale worker failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    results = json.loads(out.stdout.strip().splitlines()[-1])["results"]
-    rows = []
-    for r in results:
-        for stage, st in r.items():
-            if stage == "mb":
-                continue
-            rows.append(
-                {
-                    "stage": stage,
-                    "text_mb": r["mb"],
-                    "seconds": st["s"],
-                    "mb_per_s": r["mb"] / st["s"],
-                    "cpu_s": st["cpu_s"],
-                    "mb_per_cpu_s": r["mb"] / st["cpu_s"],
-                    "peak_rss_mb": st["peak"] / 1e6,
-                    "peak_anon_mb": st["anon"] / 1e6,
-                    "peak_file_mb": st["file"] / 1e6,
-                    "start_rss_mb": st["start"] / 1e6,
-                    "added_anon_mb": (st["anon"] - st["start_anon"]) / 1e6,
-                    "tokens": st.get("tokens"),
-                    "peak_tracked": st["peak_reset"],
-                    "load": st["load"],
-                }
-            )
-            print(
-                f"  {stage} on {r['mb']:.0f} MB: {st['s']:.1f} s ({r['mb'] / st['s']:.1f} MB/s; "
-                f"{st['cpu_s']:.1f} CPU s, {r['mb'] / st['cpu_s']:.1f} MB per CPU s), peak RSS "
-                f"{st['peak'] / 1e6:,.0f} MB (anonymous {st['anon'] / 1e6:,.0f}, file-backed "
-                f"{st['file'] / 1e6:,.0f}; {st['start'] / 1e6:,.0f} MB at the stage's start), "
-                f"load {st['load']}",
-                flush=True,
-            )
-    return rows
+    p.add_argument("--mb", type=int, default=1000, help="--many-files: the corpus's size in MB")
+    p.add_argument("--files", type=int, default=2000, help="--many-files: how many files")
 
 
-def peak_growth(rows: list[dict]) -> dict[str, dict]:
-    """Per stage, how its peak memory grew from its smallest to its largest text, per MB of text.
+def report_flow(flow_rows: list[dict], cli_rows: list[dict], server_s: float | None) -> None:
+    """Parts 1 and 2: the flow's stage times and the command's wall times."""
+    print()
+    print(
+        table(
+            flow_rows,
+            [
+                ("tokenizer", "tokenizer"),
+                ("run", "run"),
+                *[(s, f"{s} s") for s in STAGES],
+                ("tokenize_mb_per_s", "tokenize MB/s"),
+                ("flow_s", "flow s"),
+                ("tokens", "tokens"),
+                ("vocab", "vocab"),
+                ("load", "load avg"),
+            ],
+        )
+    )
+    print(
+        f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
+        f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n"
+    )
+    print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
 
-    Anonymous memory is counted from the stage's own start: the worker runs every size in one
-    process, and what an earlier stage left in the allocators' pools (Arrow's, glibc's) is not
-    this stage's doing."""
-    out = {}
-    for stage in dict.fromkeys(r["stage"] for r in rows):
-        rs = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["text_mb"])
-        if len(rs) > 1:
-            a, b = rs[0], rs[-1]
-            per = lambda key: (b[key] - a[key]) / (b["text_mb"] - a["text_mb"])  # noqa: E731 (a one-line helper, named where it is used)
-            out[stage] = {
-                "text_from": a["text_mb"],
-                "text_to": b["text_mb"],
-                "anon_from_mb": a["added_anon_mb"],
-                "anon_to_mb": b["added_anon_mb"],
-                "anon_mb_per_text_mb": per("added_anon_mb"),
-                "rss_mb_per_text_mb": per("peak_rss_mb"),
-            }
-    return out
+
+def report_scale(scale_rows: list[dict]) -> dict[str, dict]:
+    """Part 3: each stage's time and memory by size, and how its peak grew with the text."""
+    print()
+    print(
+        table(
+            scale_rows,
+            [
+                ("stage", "stage"),
+                ("text_mb", "text MB"),
+                ("seconds", "s"),
+                ("mb_per_s", "MB/s"),
+                ("cpu_s", "CPU s"),
+                ("mb_per_cpu_s", "MB/CPU s"),
+                ("peak_rss_mb", "peak RSS MB"),
+                ("peak_anon_mb", "peak anonymous MB"),
+                ("peak_file_mb", "peak file-backed MB"),
+                ("start_rss_mb", "RSS at start MB"),
+                ("added_anon_mb", "anonymous added MB"),
+                ("load", "load avg"),
+            ],
+        )
+    )
+    growth = peak_growth(scale_rows)
+    print()
+    for stage, g in growth.items():
+        # A stage that holds the ids of the whole text needs at least 4 bytes (int32) per token.
+        verdict = "bounded" if g["anon_mb_per_text_mb"] < 1.0 else "NOT BOUNDED: grows with the text"
+        print(
+            f"{stage}: anonymous memory added at its peak {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
+            f"{g['text_from']:.0f} -> {g['text_to']:.0f} MB of text: {g['anon_mb_per_text_mb']:+.2f} MB per MB "
+            f"of text ({verdict}); whole RSS {g['rss_mb_per_text_mb']:+.2f} MB per MB"
+        )
+    return growth
 
 
 def main() -> None:
@@ -406,20 +239,7 @@ def main() -> None:
         print(json.dumps(worker(json.loads(sys.argv[2]))))
         return
 
-    def options(p) -> None:
-        p.add_argument("--scale-only", action="store_true", help="only part 3, the tokenizers at scale")
-        p.add_argument("--sizes", help="text sizes in MB for part 3, e.g. 10,50,500")
-        p.add_argument("--word-up-to", type=int, default=50, help="the word tokenizer only on texts up to this many MB")
-        p.add_argument("--bpe-up-to", type=int, default=10, help="BPE only on texts up to this many MB")
-        p.add_argument(
-            "--many-files",
-            action="store_true",
-            help="instead: the stages on a corpus of many files (benchmarks/many_files.py)",
-        )
-        p.add_argument("--mb", type=int, default=1000, help="--many-files: the corpus's size in MB")
-        p.add_argument("--files", type=int, default=2000, help="--many-files: how many files")
-
-    args = parse_args(__doc__.splitlines()[0], options)
+    args = parse_args(__doc__.splitlines()[0], _options)
     if args.many_files:
         from benchmarks import many_files
 
@@ -452,57 +272,8 @@ def main() -> None:
         scale_rows = scale_runs(body, tmp, sizes, more_up_to, {"word": args.word_up_to, "bpe 2000": args.bpe_up_to})
 
     if flow_rows:
-        print()
-        print(
-            table(
-                flow_rows,
-                [
-                    ("tokenizer", "tokenizer"),
-                    ("run", "run"),
-                    *[(s, f"{s} s") for s in STAGES],
-                    ("tokenize_mb_per_s", "tokenize MB/s"),
-                    ("flow_s", "flow s"),
-                    ("tokens", "tokens"),
-                    ("vocab", "vocab"),
-                    ("load", "load avg"),
-                ],
-            )
-        )
-        print(
-            f"\nstage times: the Prefect task runs' start to end; flow: the whole call in this process, after "
-            f"an empty flow had started Prefect's temporary server ({server_s:.1f} s)\n"
-        )
-        print(table(cli_rows, [("command", "command"), ("wall_s", "wall s"), ("load", "load avg")]))
-    print()
-    print(
-        table(
-            scale_rows,
-            [
-                ("stage", "stage"),
-                ("text_mb", "text MB"),
-                ("seconds", "s"),
-                ("mb_per_s", "MB/s"),
-                ("cpu_s", "CPU s"),
-                ("mb_per_cpu_s", "MB/CPU s"),
-                ("peak_rss_mb", "peak RSS MB"),
-                ("peak_anon_mb", "peak anonymous MB"),
-                ("peak_file_mb", "peak file-backed MB"),
-                ("start_rss_mb", "RSS at start MB"),
-                ("added_anon_mb", "anonymous added MB"),
-                ("load", "load avg"),
-            ],
-        )
-    )
-    growth = peak_growth(scale_rows)
-    print()
-    for stage, g in growth.items():
-        # A stage that holds the ids of the whole text needs at least 4 bytes (int32) per token.
-        verdict = "bounded" if g["anon_mb_per_text_mb"] < 1.0 else "NOT BOUNDED: grows with the text"
-        print(
-            f"{stage}: anonymous memory added at its peak {g['anon_from_mb']:,.0f} -> {g['anon_to_mb']:,.0f} MB for "
-            f"{g['text_from']:.0f} -> {g['text_to']:.0f} MB of text: {g['anon_mb_per_text_mb']:+.2f} MB per MB "
-            f"of text ({verdict}); whole RSS {g['rss_mb_per_text_mb']:+.2f} MB per MB"
-        )
+        report_flow(flow_rows, cli_rows, server_s)
+    growth = report_scale(scale_rows)
     save(
         "data_stages",
         {

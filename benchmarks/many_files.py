@@ -122,7 +122,7 @@ def _anon_rss(pid: int) -> tuple[int, int]:
 
 
 def run_stages(source: Path, root: Path, home: Path, sets: list[str], cpus: str | None) -> dict:
-    from benchmarks.data_stages import prefect_env
+    from benchmarks.common import prefect_env
 
     cmd = [sys.executable, "-c", _STAGES, str(source), str(root), json.dumps(sets)]
     if cpus:
