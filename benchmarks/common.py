@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine header, corpora, War and Peace ids, tables, JSON.
+"""What every benchmark shares: the machine header, corpora, War and Peace ids, tables, JSON, a
+Prefect of its own, and runs of several modes in turn.
 
 Figures are only comparable with the machine they ran on, so each benchmark prints (and saves)
 the torch version, its thread count, the CPU count and the load average next to its numbers:
@@ -39,6 +40,29 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 
         torch.set_num_threads(args.threads)
     return args
+
+
+def one_thread_unless_told(args) -> None:
+    """One torch thread where --threads is not given: for benchmarks whose figure is a ratio of a few
+    percent, which two threads on two cores that anything else touches would drown."""
+    if args.threads is None:
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def alternating(modes, once: Callable[[str, int], dict], steps: int, repeats: int, said) -> dict[str, list[dict]]:
+    """One 20-step warm-up run of each mode, then `repeats` rounds of every mode in turn (A B A B:
+    a burst of load hits them all): each run's result, by mode. `said(result)` is its progress line."""
+    for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
+        once(mode, 20)
+    got: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for i in range(repeats):
+        for mode in modes:
+            r = once(mode, steps)
+            got[mode].append(r)
+            print(f"  {i + 1}/{repeats} {mode}: {said(r)}", flush=True)
+    return got
 
 
 def corpus(name: str) -> Path:

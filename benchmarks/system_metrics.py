@@ -18,10 +18,23 @@ The sampling itself runs in the monitor's thread, off the loop's path.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from pathlib import Path
 
-from benchmarks.common import header, load, median, parse_args, run_config, save, table, tracked_war_and_peace
+from benchmarks.common import (
+    alternating,
+    header,
+    load,
+    median,
+    one_thread_unless_told,
+    parse_args,
+    run_config,
+    save,
+    table,
+    tracked_war_and_peace,
+)
 
 SMOKE = {
     "recipe": "bench-system-metrics",
@@ -44,65 +57,45 @@ SMOKE = {
 MODES = {"no monitor": None, "monitor, 10 s": "10", "monitor, 1 s": "1"}
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    import torch
+def timed_run(tmp: Path, paths: dict, run_no: int, mode: str, n_steps: int) -> dict:
+    """One tracked training in `mode`: its wall time, the time spent starting and stopping the
+    monitor, and the system samples the server got."""
+    from mllm.train import train
+    from tasks.tracking.tracker import RunTracker, system_metrics
 
-    if args.threads is None:
-        torch.set_num_threads(1)
-    m = header("system_metrics", args.quick)
-    steps, repeats = (300, 2) if args.quick else (600, 3)
-    with tracked_war_and_peace("mllm-bench-sysmetrics-") as (tmp, paths):
-        from mllm.train import train
-        from tasks.tracking.tracker import RunTracker, system_metrics
+    cfg = run_config(None, paths, tmp / f"ckpt-{run_no}", {**SMOKE, "train.max_steps": n_steps})
+    root = str(tmp / "storage")
+    interval = MODES[mode]
+    with RunTracker(cfg, root, run_name=f"{mode}-{run_no}") as run:
+        if interval:
+            os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = interval
+        t = time.perf_counter()
+        block = system_metrics(run.run_id if interval else None, root)
+        block.__enter__()
+        start_s = time.perf_counter() - t
+        c = time.perf_counter()
+        result = train(cfg, on_metrics=run.log_metrics, resume=False)
+        loop_s = time.perf_counter() - c
+        c = time.perf_counter()
+        block.__exit__(None, None, None)
+        stop_s = time.perf_counter() - c
+        train_s = time.perf_counter() - t
+    samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
+    # On the training's path: starting the monitor, and stopping it (the join, the
+    # last flush, and the one sample a training shorter than an interval gets).
+    return {
+        "mode": mode,
+        "train_s": train_s,
+        "loop_s": loop_s,
+        "on_path_s": start_s + stop_s,
+        "samples": samples,
+        "loss": result.train_loss,
+        "load": load(),
+    }
 
-        runs = 0
 
-        def once(mode: str, n_steps: int) -> dict:
-            nonlocal runs
-            runs += 1
-            cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**SMOKE, "train.max_steps": n_steps})
-            root = str(tmp / "storage")
-            interval = MODES[mode]
-            with RunTracker(cfg, root, run_name=f"{mode}-{runs}") as run:
-                if interval:
-                    os.environ["MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"] = interval
-                t = time.perf_counter()
-                block = system_metrics(run.run_id if interval else None, root)
-                block.__enter__()
-                start_s = time.perf_counter() - t
-                c = time.perf_counter()
-                result = train(cfg, on_metrics=run.log_metrics, resume=False)
-                loop_s = time.perf_counter() - c
-                c = time.perf_counter()
-                block.__exit__(None, None, None)
-                stop_s = time.perf_counter() - c
-                train_s = time.perf_counter() - t
-            samples = len(run.client.get_metric_history(run.run_id, "system/cpu_utilization_percentage"))
-            # On the training's path: starting the monitor, and stopping it (the join, the
-            # last flush, and the one sample a training shorter than an interval gets).
-            return {
-                "mode": mode,
-                "train_s": train_s,
-                "loop_s": loop_s,
-                "on_path_s": start_s + stop_s,
-                "samples": samples,
-                "loss": result.train_loss,
-                "load": load(),
-            }
-
-        for mode in MODES:
-            once(mode, 20)
-        got: dict[str, list[dict]] = {mode: [] for mode in MODES}
-        for i in range(repeats):
-            for mode in MODES:
-                r = once(mode, steps)
-                got[mode].append(r)
-                print(
-                    f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s, {r['samples']} samples (load {r['load']})",
-                    flush=True,
-                )
-
+def summarise(got: dict[str, list[dict]], steps: int) -> list[dict]:
+    """A row per mode: medians of its runs, and its overheads against no monitor."""
     base = median([r["train_s"] for r in got["no monitor"]])
     rows = []
     for mode, rs in got.items():
@@ -120,6 +113,24 @@ def main() -> None:
         row["on_path_s"] = median([r["on_path_s"] for r in rs])
         row["on_path_pct"] = median([100 * r["on_path_s"] / r["loop_s"] for r in rs])
         rows.append(row)
+    return rows
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    one_thread_unless_told(args)
+    m = header("system_metrics", args.quick)
+    steps, repeats = (300, 2) if args.quick else (600, 3)
+    with tracked_war_and_peace("mllm-bench-sysmetrics-") as (tmp, paths):
+        runs = itertools.count(1)
+        got = alternating(
+            MODES,
+            lambda mode, n: timed_run(tmp, paths, next(runs), mode, n),
+            steps,
+            repeats,
+            lambda r: f"{r['train_s']:.2f} s, {r['samples']} samples (load {r['load']})",
+        )
+    rows = summarise(got, steps)
     print()
     print(
         table(

@@ -27,10 +27,23 @@ anything else touches make a small model's step time jump tenfold from one momen
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from pathlib import Path
 
-from benchmarks.common import header, load, median, parse_args, run_config, save, table, tracked_war_and_peace
+from benchmarks.common import (
+    alternating,
+    header,
+    load,
+    median,
+    one_thread_unless_told,
+    parse_args,
+    run_config,
+    save,
+    table,
+    tracked_war_and_peace,
+)
 
 GPT = {
     "recipe": "bench-tracking",
@@ -53,6 +66,7 @@ GPT = {
     "train.checkpoint_interval": 10**9,
     "train.seed": 1337,
 }
+MODES = ("untracked", "tracked", "tracked, every log step", "tracked, async")
 
 
 class _AsyncLogging:
@@ -69,81 +83,62 @@ class _AsyncLogging:
             op.wait()
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    import torch
+def timed_run(tmp: Path, paths: dict, run_no: int, mode: str, n_steps: int) -> dict:
+    """One training in `mode`: its wall time and, tracked, the time spent in on_metrics and in
+    starting and closing the MLflow run."""
+    from mllm.train import train
+    from tasks.tracking.tracker import RunTracker
 
-    if args.threads is None:
-        torch.set_num_threads(1)
-    m = header("tracking_overhead", args.quick)
-    steps, repeats = (100, 2) if args.quick else (200, 3)
-    with tracked_war_and_peace("mllm-bench-tracking-") as (tmp, paths):
-        from mllm.train import train
-        from tasks.tracking.tracker import RunTracker
+    cfg = run_config(None, paths, tmp / f"ckpt-{run_no}", {**GPT, "train.max_steps": n_steps})
+    calls: list[float] = []
+    if mode == "untracked":
+        t = time.perf_counter()
+        result = train(cfg, resume=False)
+        return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss, "load": load()}
+    t = time.perf_counter()
+    with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{run_no}") as run:
+        setup_s = time.perf_counter() - t
+        os.environ["MLLM_METRICS_EVERY_S"] = "2" if mode == "tracked" else "0"
+        held = run.metrics_after_resume()  # (it reads the run's history: before the shim)
+        shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
+        if shim:
+            run.client = shim
 
-        runs = 0
+        def on_metrics(records):
+            c = time.perf_counter()
+            held(records)
+            calls.append(time.perf_counter() - c)
 
-        def once(mode: str, n_steps: int) -> dict:
-            nonlocal runs
-            runs += 1
-            cfg = run_config(None, paths, tmp / f"ckpt-{runs}", {**GPT, "train.max_steps": n_steps})
-            calls: list[float] = []
-            if mode == "untracked":
-                t = time.perf_counter()
-                result = train(cfg, resume=False)
-                return {"mode": mode, "train_s": time.perf_counter() - t, "loss": result.train_loss, "load": load()}
-            t = time.perf_counter()
-            with RunTracker(cfg, str(tmp / "storage"), run_name=f"{mode}-{runs}") as run:
-                setup_s = time.perf_counter() - t
-                os.environ["MLLM_METRICS_EVERY_S"] = "2" if mode == "tracked" else "0"
-                held = run.metrics_after_resume()  # (it reads the run's history: before the shim)
-                shim = _AsyncLogging(run.client) if mode == "tracked, async" else None
-                if shim:
-                    run.client = shim
+        t = time.perf_counter()
+        result = train(cfg, on_metrics=on_metrics, resume=False)
+        c = time.perf_counter()
+        held.flush()
+        calls.append(time.perf_counter() - c)
+        if shim:
+            shim.flush()
+            run.client = shim.client
+        train_s = time.perf_counter() - t
+        t = time.perf_counter()
+    logged = run.client.get_metric_history(run.run_id, "train_loss")
+    return {
+        "mode": mode,
+        "train_s": train_s,
+        "setup_s": setup_s,
+        "close_s": time.perf_counter() - t,
+        "calls": len(calls),
+        "call_ms": 1000 * median(calls),
+        "logging_s": sum(calls),
+        "logged": len(logged),
+        "loss": result.train_loss,
+        "load": load(),
+    }
 
-                def on_metrics(records):
-                    c = time.perf_counter()
-                    held(records)
-                    calls.append(time.perf_counter() - c)
 
-                t = time.perf_counter()
-                result = train(cfg, on_metrics=on_metrics, resume=False)
-                c = time.perf_counter()
-                held.flush()
-                calls.append(time.perf_counter() - c)
-                if shim:
-                    shim.flush()
-                    run.client = shim.client
-                train_s = time.perf_counter() - t
-                t = time.perf_counter()
-            logged = run.client.get_metric_history(run.run_id, "train_loss")
-            return {
-                "mode": mode,
-                "train_s": train_s,
-                "setup_s": setup_s,
-                "close_s": time.perf_counter() - t,
-                "calls": len(calls),
-                "call_ms": 1000 * median(calls),
-                "logging_s": sum(calls),
-                "logged": len(logged),
-                "loss": result.train_loss,
-                "load": load(),
-            }
-
-        modes = ("untracked", "tracked", "tracked, every log step", "tracked, async")
-        for mode in modes:  # warm-up: allocator, the server's first requests, the experiment
-            once(mode, 20)
-        samples: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for i in range(repeats):
-            for mode in modes:
-                r = once(mode, steps)
-                samples[mode].append(r)
-                print(f"  {i + 1}/{repeats} {mode}: {r['train_s']:.2f} s (load {r['load']})", flush=True)
-
+def summarise(samples: dict[str, list[dict]], steps: int) -> list[dict]:
+    """A row per mode: medians of its runs, and its overheads against the untracked run."""
     base = median([r["train_s"] for r in samples["untracked"]])
     rows = []
-    for mode in modes:
-        rs = samples[mode]
+    for mode, rs in samples.items():
         row = {
             "mode": mode,
             "steps": steps,
@@ -167,6 +162,24 @@ def main() -> None:
                 close_s=median([r["close_s"] for r in rs]),
             )
         rows.append(row)
+    return rows
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    one_thread_unless_told(args)
+    m = header("tracking_overhead", args.quick)
+    steps, repeats = (100, 2) if args.quick else (200, 3)
+    with tracked_war_and_peace("mllm-bench-tracking-") as (tmp, paths):
+        runs = itertools.count(1)
+        samples = alternating(
+            MODES,
+            lambda mode, n: timed_run(tmp, paths, next(runs), mode, n),
+            steps,
+            repeats,
+            lambda r: f"{r['train_s']:.2f} s (load {r['load']})",
+        )
+    rows = summarise(samples, steps)
     same_loss = len({round(r["loss"], 6) for r in rows}) == 1
 
     print()
