@@ -47,63 +47,41 @@ def train_once(paths: dict, folder: Path, minutes: float) -> dict:
     return {**result, "wall_s": round(time.perf_counter() - start, 1), "said": said, "load_end": load()}
 
 
-def main() -> None:
-    args = parse_args(
-        __doc__.splitlines()[0],
-        lambda p: (
-            p.add_argument("--minutes", type=float, default=3.0, help="each training's time budget (default 3)"),
-            p.add_argument("--load", type=int, default=2, help="CPU-bound processes beside the second (default 2)"),
-        ),
+KEPT = (
+    "steps",
+    "tokens_per_s",
+    "val_loss",
+    "threads",
+    "threads_reason",
+    "busy",
+    "cpu_share",
+    "steps_planned",
+    "load_average",
+    "wall_s",
+    "said",
+)
+
+
+def beside_spinners(paths: dict, folder: Path, name: str, spinners: int, minutes: float) -> dict:
+    """One training beside `spinners` CPU-bound processes: its row of the table."""
+    folder.mkdir()
+    # Bounded by themselves too: a benchmark killed with SIGKILL leaves nothing spinning for long.
+    spin = [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=60 * minutes + 120)]) for _ in range(spinners)]
+    try:
+        started = load()
+        r = train_once(paths, folder, minutes)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    print(
+        f"{name}: {r['steps']} steps, busy {r['busy']}, threads {r['threads']} ({r['threads_reason']})",
+        flush=True,
     )
-    minutes = 0.5 if args.quick else args.minutes
-    machine = header("busy machine", args.quick)
-    wp = corpus("warandpeace")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-busy-") as tmp_name:
-        tmp = Path(tmp_name)
-        paths = token_ids(wp, tmp / "wp")
-        for name, spinners in (("as it is", 0), (f"beside {args.load} spinning processes", args.load)):
-            folder = tmp / f"run-{spinners}"
-            folder.mkdir()
-            # Bounded by themselves too: a benchmark killed with SIGKILL leaves nothing spinning for long.
-            spin = [
-                subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=60 * minutes + 120)])
-                for _ in range(spinners)
-            ]
-            try:
-                started = load()
-                r = train_once(paths, folder, minutes)
-            finally:
-                for p in spin:
-                    p.kill()
-                    p.wait()
-            rows.append(
-                {
-                    "run": name,
-                    "load_start": started,
-                    **{
-                        k: r[k]
-                        for k in (
-                            "steps",
-                            "tokens_per_s",
-                            "val_loss",
-                            "threads",
-                            "threads_reason",
-                            "busy",
-                            "cpu_share",
-                            "steps_planned",
-                            "load_average",
-                            "wall_s",
-                            "said",
-                        )
-                    },
-                }
-            )
-            print(
-                f"{name}: {r['steps']} steps, busy {r['busy']}, threads {r['threads']} ({r['threads_reason']})",
-                flush=True,
-            )
-    ratio = rows[1]["steps"] / rows[0]["steps"]
+    return {"run": name, "load_start": started, **{k: r[k] for k in KEPT}}
+
+
+def report(rows: list[dict], ratio: float) -> None:
     print()
     print(
         table(
@@ -126,6 +104,28 @@ def main() -> None:
         f"\nsteps beside the load / steps as it is: {ratio:.2f} (acceptance: at least 0.33); "
         f"the second's record says busy: {rows[1]['busy']}"
     )
+
+
+def main() -> None:
+    args = parse_args(
+        __doc__.splitlines()[0],
+        lambda p: (
+            p.add_argument("--minutes", type=float, default=3.0, help="each training's time budget (default 3)"),
+            p.add_argument("--load", type=int, default=2, help="CPU-bound processes beside the second (default 2)"),
+        ),
+    )
+    minutes = 0.5 if args.quick else args.minutes
+    machine = header("busy machine", args.quick)
+    wp = corpus("warandpeace")
+    with tempfile.TemporaryDirectory(prefix="bench-busy-") as tmp_name:
+        tmp = Path(tmp_name)
+        paths = token_ids(wp, tmp / "wp")
+        rows = [
+            beside_spinners(paths, tmp / f"run-{spinners}", name, spinners, minutes)
+            for name, spinners in (("as it is", 0), (f"beside {args.load} spinning processes", args.load))
+        ]
+    ratio = rows[1]["steps"] / rows[0]["steps"]
+    report(rows, ratio)
     save(
         "busy",
         {"machine": machine, "minutes": minutes, "load_processes": args.load, "rows": rows, "ratio": round(ratio, 3)},

@@ -155,6 +155,157 @@ def first_step_latency(env: dict[str, str], pool: str, seed: int, cwd: Path) -> 
     }
 
 
+def print_builds(figures: dict) -> None:
+    print(
+        table(
+            [figures],
+            [
+                ("base_cold_s", "base, cold (s)"),
+                ("build_cold_s", "build, cold (s)"),
+                ("base_cached_s", "base, cached (s)"),
+                ("build_cached_s", "build, cached (s)"),
+                ("push_empty_registry_s", "push, empty registry (s)"),
+                ("push_again_s", "push again (s)"),
+                ("image_size_gb", "image (GB)"),
+                ("base_size_gb", "of which base (GB)"),
+            ],
+        )
+        + "\n",
+        flush=True,
+    )
+
+
+def s3_bucket(tmp: Path, quiet: dict[str, str], services: list) -> dict[str, str]:
+    """moto's S3 on loopback with the corpus in a bucket (the server added to `services`): the
+    AWS variables that reach it."""
+    import boto3
+
+    from flows.stack.servers import free_port
+
+    s3_port = free_port()
+    s3 = f"http://127.0.0.1:{s3_port}"
+    services.append(
+        start(
+            "moto",
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
+            tmp,
+            quiet,
+            f"{s3}/moto-api/",
+        )
+    )
+    aws = {
+        "AWS_ENDPOINT_URL": s3,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+    }
+    client = boto3.client(
+        "s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key=SECRET
+    )
+    client.create_bucket(Bucket=BUCKET)
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import make_text
+
+    client.put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
+    return aws
+
+
+def stack_up(tmp: Path, quiet: dict[str, str], aws: dict[str, str]) -> dict[str, str]:
+    """`mllm-pipeline stack up` with its servers on free ports: the variables it says to export."""
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "stack",
+            "up",
+            "--home",
+            str(tmp / "stack"),
+            "--storage",
+            str(tmp / "mlflow-storage"),
+            "--prefect-port",
+            "0",
+            "--mlflow-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env={**quiet, **aws, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    if up.returncode:
+        raise SystemExit(f"stack up failed:\n{up.stderr[-3000:]}")
+    return dict(e.split("=", 1) for e in re.search(r"export (.*)", up.stdout).group(1).split())
+
+
+def docker_pool(tmp: Path, quiet: dict[str, str], api: str, image: str, services: list) -> None:
+    """A docker work pool on the image just pushed, and a worker on it (added to `services`)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.stack.servers import _worker_online
+
+    creds = tmp / "aws-credentials"
+    creds.write_text(f"[default]\naws_access_key_id = bench\naws_secret_access_key = {SECRET}\n")
+    os.chown(creds, 1000, 1000) if os.geteuid() == 0 else creds.chmod(0o444)
+    template = json.loads((REPO / "infra/pools/docker.json").read_text())
+    defaults = {
+        "image": image,
+        "image_pull_policy": "Always",
+        "network_mode": "host",
+        "volumes": [f"{creds}:/home/mllm/.aws/credentials:ro"],
+        "auto_remove": True,
+        "env": {"OMP_NUM_THREADS": "1"},
+    }
+    for k, v in defaults.items():
+        template["variables"]["properties"][k]["default"] = v
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
+        prefect.create_work_pool(
+            WorkPoolCreate(name="bench-docker", type="docker", base_job_template=template), overwrite=True
+        )
+    worker_env = {k: v for k, v in quiet.items() if not k.startswith("AWS_")}
+    worker_env.update(PREFECT_API_URL=api, PREFECT_HOME=str(tmp / "docker-worker"))
+    services.append(
+        start(
+            "docker-worker",
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "bench-docker", "--type", "docker"],
+            tmp,
+            worker_env,
+            ready=lambda: _worker_online(api, "bench-docker"),
+        )
+    )
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """The median of each pool's runs, and the table of them."""
+    summary = [
+        {
+            "pool": pool,
+            "runs": len(rs),
+            "to_first_step_s": median([r["to_first_step_s"] for r in rs]),
+            "train_flow_run_s": median([r["train_flow_run_s"] for r in rs]),
+            "command_s": median([r["command_s"] for r in rs]),
+        }
+        for pool in ("local", "bench-docker")
+        for rs in [[r for r in rows if r["pool"] == pool]]
+    ]
+    print()
+    print(
+        table(
+            summary,
+            [
+                ("pool", "pool"),
+                ("runs", "runs"),
+                ("to_first_step_s", "train flow run created to first step (s)"),
+                ("train_flow_run_s", "train flow run, 20 steps (s)"),
+                ("command_s", "whole command (s)"),
+            ],
+        )
+    )
+    return summary
+
+
 def main() -> None:
     args = parse_args(
         __doc__.splitlines()[0],
@@ -164,12 +315,9 @@ def main() -> None:
     )
     machine = header("containers", args.quick)
     import docker
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows import QUIET_ENV
-    from flows.stack.servers import _worker_online, free_port
+    from flows.stack.servers import free_port
 
     docker.from_env().ping()
     registry_bin = shutil.which("docker-registry") or shutil.which("registry")
@@ -196,105 +344,11 @@ def main() -> None:
                 )
             )
             figures = builds(f"127.0.0.1:{port}", cold=not args.no_cold)
-            print(
-                table(
-                    [figures],
-                    [
-                        ("base_cold_s", "base, cold (s)"),
-                        ("build_cold_s", "build, cold (s)"),
-                        ("base_cached_s", "base, cached (s)"),
-                        ("build_cached_s", "build, cached (s)"),
-                        ("push_empty_registry_s", "push, empty registry (s)"),
-                        ("push_again_s", "push again (s)"),
-                        ("image_size_gb", "image (GB)"),
-                        ("base_size_gb", "of which base (GB)"),
-                    ],
-                )
-                + "\n",
-                flush=True,
-            )
-
-            s3_port = free_port()
-            s3 = f"http://127.0.0.1:{s3_port}"
-            services.append(
-                start(
-                    "moto",
-                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)],
-                    tmp,
-                    quiet,
-                    f"{s3}/moto-api/",
-                )
-            )
-            aws = {
-                "AWS_ENDPOINT_URL": s3,
-                "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ACCESS_KEY_ID": "bench",
-                "AWS_SECRET_ACCESS_KEY": SECRET,
-            }
-            import boto3
-
-            client = boto3.client(
-                "s3", endpoint_url=s3, region_name="us-east-1", aws_access_key_id="bench", aws_secret_access_key=SECRET
-            )
-            client.create_bucket(Bucket=BUCKET)
-            sys.path.insert(0, str(REPO / "tests"))
-            from conftest import make_text
-
-            client.put_object(Bucket=BUCKET, Key="corpus.txt", Body=make_text(6000).encode())
-            up = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "flows.cli",
-                    "stack",
-                    "up",
-                    "--home",
-                    str(tmp / "stack"),
-                    "--storage",
-                    str(tmp / "mlflow-storage"),
-                    "--prefect-port",
-                    "0",
-                    "--mlflow-port",
-                    "0",
-                ],
-                capture_output=True,
-                text=True,
-                env={**quiet, **aws, "OMP_NUM_THREADS": "1"},
-                timeout=300,
-            )
-            if up.returncode:
-                raise SystemExit(f"stack up failed:\n{up.stderr[-3000:]}")
-            stack_env = dict(e.split("=", 1) for e in re.search(r"export (.*)", up.stdout).group(1).split())
+            print_builds(figures)
+            aws = s3_bucket(tmp, quiet, services)
+            stack_env = stack_up(tmp, quiet, aws)
             api = stack_env["PREFECT_API_URL"]
-            creds = tmp / "aws-credentials"
-            creds.write_text(f"[default]\naws_access_key_id = bench\naws_secret_access_key = {SECRET}\n")
-            os.chown(creds, 1000, 1000) if os.geteuid() == 0 else creds.chmod(0o444)
-            template = json.loads((REPO / "infra/pools/docker.json").read_text())
-            defaults = {
-                "image": figures["image"],
-                "image_pull_policy": "Always",
-                "network_mode": "host",
-                "volumes": [f"{creds}:/home/mllm/.aws/credentials:ro"],
-                "auto_remove": True,
-                "env": {"OMP_NUM_THREADS": "1"},
-            }
-            for k, v in defaults.items():
-                template["variables"]["properties"][k]["default"] = v
-            with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as prefect:
-                prefect.create_work_pool(
-                    WorkPoolCreate(name="bench-docker", type="docker", base_job_template=template), overwrite=True
-                )
-            worker_env = {k: v for k, v in quiet.items() if not k.startswith("AWS_")}
-            worker_env.update(PREFECT_API_URL=api, PREFECT_HOME=str(tmp / "docker-worker"))
-            services.append(
-                start(
-                    "docker-worker",
-                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", "bench-docker", "--type", "docker"],
-                    tmp,
-                    worker_env,
-                    ready=lambda: _worker_online(api, "bench-docker"),
-                )
-            )
+            docker_pool(tmp, quiet, api, figures["image"], services)
             env = {**quiet, **aws, **stack_env, "OMP_NUM_THREADS": "1"}
             # The data stages once, on this machine; each measured run then trains only.
             first_step_latency(env, "local", 0, tmp)
@@ -312,30 +366,7 @@ def main() -> None:
             )
             for s in reversed(services):
                 s.stop()
-    summary = [
-        {
-            "pool": pool,
-            "runs": len(rs),
-            "to_first_step_s": median([r["to_first_step_s"] for r in rs]),
-            "train_flow_run_s": median([r["train_flow_run_s"] for r in rs]),
-            "command_s": median([r["command_s"] for r in rs]),
-        }
-        for pool in ("local", "bench-docker")
-        for rs in [[r for r in rows if r["pool"] == pool]]
-    ]
-    print()
-    print(
-        table(
-            summary,
-            [
-                ("pool", "pool"),
-                ("runs", "runs"),
-                ("to_first_step_s", "train flow run created to first step (s)"),
-                ("train_flow_run_s", "train flow run, 20 steps (s)"),
-                ("command_s", "whole command (s)"),
-            ],
-        )
-    )
+    summary = summarise(rows)
     print(f"\nload average at the end: {load()}")
     save("containers", {"machine": machine, "build": figures, "rows": rows, "summary": summary})
 

@@ -107,6 +107,106 @@ def paragraphs_of(path: Path) -> list[list[str]]:
     return [t for t in (basic_english(p) for p in split_paragraphs(chunks)) if t]
 
 
+def gensim_word2vec(paragraphs: list[list[str]], cfg, min_freq: int, epochs: int) -> tuple[dict, float, float]:
+    """gensim's CBOW on the same paragraphs and settings: its row, and gensim's own WS-353 and
+    analogy scores of its vectors."""
+    import gensim
+    from gensim.models import Word2Vec
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    w2v = Word2Vec(
+        sentences=paragraphs,
+        vector_size=cfg.n_embd,
+        window=cfg.context,
+        min_count=min_freq,
+        sg=0,
+        cbow_mean=1,
+        epochs=epochs,
+        workers=os.cpu_count() or 1,
+        seed=0,
+    )
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    kv = w2v.wv
+    gensim_vecs = WordVectors(list(kv.index_to_key), kv.vectors)
+    row = {
+        "model": "gensim Word2Vec(sg=0, cbow_mean=1)",
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        **evaluate_embeddings(gensim_vecs),
+    }
+    # gensim's own scorer on its own vectors: our evaluation must agree with it.
+    data = Path(gensim.__file__).parent / "test" / "test_data"
+    ws_gensim = kv.evaluate_word_pairs(str(data / "wordsim353.tsv"))[1].statistic
+    an_gensim = kv.evaluate_word_analogies(str(data / "questions-words.txt"))[0]
+    return row, ws_gensim, an_gensim
+
+
+def print_neighbours(neighbours: list[dict], notes: list[str]) -> None:
+    print("\nnearest neighbours (mllm):")
+    for word in dict.fromkeys(n["probe"] for n in neighbours):
+        for name in ("context", "centre"):
+            near = [n["neighbour"] for n in neighbours if n["probe"] == word and n["embedding"] == name]
+            print(f"  {word:>10} {name:>7}: {', '.join(near)}")
+    for note in notes:
+        print(f"  {note}")
+
+
+def write_vectors(itos: list[str], model) -> None:
+    """The context vectors as Parquet and word2vec text (read back by gensim), and their PCA picture."""
+    from gensim.models import KeyedVectors
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    vectors = WordVectors(itos, model.context_vectors().numpy())
+    write_parquet(str(OUT / "cbow_vectors.parquet"), vectors)
+    write_word2vec(str(OUT / "cbow_vectors.txt"), vectors)
+    loaded = KeyedVectors.load_word2vec_format(str(OUT / "cbow_vectors.txt"), binary=False)
+    assert loaded.vectors.shape == vectors.vectors.shape
+    pca_picture(vectors, OUT / "cbow_pca.png")
+
+
+COLUMNS = [
+    ("model", "model"),
+    ("seconds", "train s"),
+    ("cpu_seconds", "train CPU s"),
+    ("train_loss", "last epoch loss"),
+    ("val_loss", "val loss"),
+    ("wordsim353_spearman", "WS-353 rho"),
+    ("wordsim353_coverage", "WS-353 cov"),
+    ("simlex999_spearman", "SimLex rho"),
+    ("simlex999_coverage", "SimLex cov"),
+    ("analogy_accuracy", "analogy acc"),
+    ("analogy_coverage", "analogy cov"),
+]
+
+
+def train_ours(name: str, cfg, vocab, train: tuple, val: tuple, train_cfg: dict, epochs: int) -> tuple:
+    """The recipe's CBOW trained and scored: a row for each of its two embeddings, the model, its
+    evaluation report and its batches."""
+    train_ids, train_off = train
+    val_ids, val_off = val
+    rows = []
+    batches = CbowBatches.from_config(cfg, train_ids, train_off, train_cfg["batch_size"], seed=0)
+    t0, c0 = time.perf_counter(), time.process_time()
+    model, per_epoch = train_cbow(cfg, batches, epochs, train_cfg["lr"])
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    val_batches = CbowBatches.from_config(cfg, val_ids, val_off, train_cfg["batch_size"], seed=0)
+    report = evaluate_cbow(model, vocab.itos, val_batches.eval_batches(), PROBES, k=8)
+    m = report["metrics"]
+    for which in ("context", "centre"):
+        prefix = "" if which == "context" else "centre_"
+        rows.append(
+            {
+                "model": f"mllm {name} ({which})",
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "train_loss": per_epoch[-1],
+                "val_loss": m["val_loss"],
+                **{k: m[prefix + k] for k in METRICS},
+            }
+        )
+    return rows, model, report, batches
+
+
 def main() -> None:
     args = parse_args(
         __doc__.splitlines()[0], lambda p: p.add_argument("--recipe", default="cbow", help="mllm/recipes/<name>.yaml")
@@ -114,7 +214,6 @@ def main() -> None:
     path = corpus("warandpeace")
     try:
         import gensim
-        from gensim.models import KeyedVectors, Word2Vec
     except ImportError:
         print("skipped: gensim is not installed (pip install 'mllm-pipeline[embeddings]')")
         raise SystemExit(0) from None
@@ -136,74 +235,18 @@ def main() -> None:
         flush=True,
     )
 
-    rows = []
-    batches = CbowBatches.from_config(cfg, train_ids, train_off, train_cfg["batch_size"], seed=0)
-    t0, c0 = time.perf_counter(), time.process_time()
-    model, per_epoch = train_cbow(cfg, batches, epochs, train_cfg["lr"])
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    val = CbowBatches.from_config(cfg, val_ids, val_off, train_cfg["batch_size"], seed=0)
-    report = evaluate_cbow(model, vocab.itos, val.eval_batches(), PROBES, k=8)
-    m = report["metrics"]
-    for name in ("context", "centre"):
-        prefix = "" if name == "context" else "centre_"
-        rows.append(
-            {
-                "model": f"mllm {args.recipe} ({name})",
-                "seconds": seconds,
-                "cpu_seconds": cpu,
-                "train_loss": per_epoch[-1],
-                "val_loss": m["val_loss"],
-                **{k: m[prefix + k] for k in METRICS},
-            }
-        )
-
+    rows, model, report, batches = train_ours(
+        args.recipe, cfg, vocab, (train_ids, train_off), (val_ids, val_off), train_cfg, epochs
+    )
     if cfg.objective == "negative":
         rows.append(
             softmax_estimate(cfg, train_ids, train_off, train_cfg["batch_size"], epochs, batches.batches_per_epoch)
         )
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    w2v = Word2Vec(
-        sentences=paragraphs[:n_train],
-        vector_size=cfg.n_embd,
-        window=cfg.context,
-        min_count=min_freq,
-        sg=0,
-        cbow_mean=1,
-        epochs=epochs,
-        workers=os.cpu_count() or 1,
-        seed=0,
-    )
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    kv = w2v.wv
-    gensim_vecs = WordVectors(list(kv.index_to_key), kv.vectors)
-    rows.append(
-        {
-            "model": "gensim Word2Vec(sg=0, cbow_mean=1)",
-            "seconds": seconds,
-            "cpu_seconds": cpu,
-            **evaluate_embeddings(gensim_vecs),
-        }
-    )
-    # gensim's own scorer on its own vectors: our evaluation must agree with it.
-    data = Path(gensim.__file__).parent / "test" / "test_data"
-    ws_gensim = kv.evaluate_word_pairs(str(data / "wordsim353.tsv"))[1].statistic
-    an_gensim = kv.evaluate_word_analogies(str(data / "questions-words.txt"))[0]
+    row, ws_gensim, an_gensim = gensim_word2vec(paragraphs[:n_train], cfg, min_freq, epochs)
+    rows.append(row)
 
-    columns = [
-        ("model", "model"),
-        ("seconds", "train s"),
-        ("cpu_seconds", "train CPU s"),
-        ("train_loss", "last epoch loss"),
-        ("val_loss", "val loss"),
-        ("wordsim353_spearman", "WS-353 rho"),
-        ("wordsim353_coverage", "WS-353 cov"),
-        ("simlex999_spearman", "SimLex rho"),
-        ("simlex999_coverage", "SimLex cov"),
-        ("analogy_accuracy", "analogy acc"),
-        ("analogy_coverage", "analogy cov"),
-    ]
-    print("\n" + table(rows, columns))
+    print("\n" + table(rows, COLUMNS))
     print(
         f"\ngensim's own evaluate_word_pairs / evaluate_word_analogies on its vectors: "
         f"WS-353 rho {ws_gensim:.3f}, analogy accuracy {an_gensim:.3f}"
@@ -211,21 +254,9 @@ def main() -> None:
     print(f"load average at the end: {load()}")
 
     neighbours, notes = report["neighbours"], report["notes"]
-    print("\nnearest neighbours (mllm):")
-    for word in dict.fromkeys(n["probe"] for n in neighbours):
-        for name in ("context", "centre"):
-            near = [n["neighbour"] for n in neighbours if n["probe"] == word and n["embedding"] == name]
-            print(f"  {word:>10} {name:>7}: {', '.join(near)}")
-    for note in notes:
-        print(f"  {note}")
+    print_neighbours(neighbours, notes)
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    vectors = WordVectors(vocab.itos, model.context_vectors().numpy())
-    write_parquet(str(OUT / "cbow_vectors.parquet"), vectors)
-    write_word2vec(str(OUT / "cbow_vectors.txt"), vectors)
-    loaded = KeyedVectors.load_word2vec_format(str(OUT / "cbow_vectors.txt"), binary=False)
-    assert loaded.vectors.shape == vectors.vectors.shape
-    pca_picture(vectors, OUT / "cbow_pca.png")
+    write_vectors(vocab.itos, model)
     save(
         "embeddings",
         {

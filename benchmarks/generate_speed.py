@@ -118,6 +118,45 @@ def matvec(m: dict) -> None:
     save("generate_matvec", {"machine": m, "rows": rows})
 
 
+def decode_rows(name: str, model, cache_name: str, prompt: list[int], n: int, repeats: int) -> list[dict]:
+    """`model` decoding `n` tokens greedy and top-p, with its cache or state and recomputing, at
+    torch's thread count and at one thread: a row each."""
+    # One sequence at a time is a stream of tiny ops: with every core's thread waiting on the
+    # others at each op, a core taken by anything else stalls all of them. Hence a one-thread pass.
+    thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
+    rows = []
+    for n_threads in thread_counts:
+        with threads(n_threads):
+            for method in ("greedy", "top-p"):
+                timed(model, prompt, 8, method, True, 1)  # warm-up
+                s_cached, cached = timed(model, prompt, n, method, True, repeats)
+                load_cached = load()
+                s_full, full = timed(model, prompt, n, method, False, repeats)
+                same = (cached == full) if method == "greedy" else None
+                for mode, s, ld in ((cache_name, s_cached, load_cached), ("recompute", s_full, load())):
+                    rows.append(
+                        {
+                            "model": name,
+                            "threads": n_threads,
+                            "method": method,
+                            "mode": mode,
+                            "new_tokens": n,
+                            "seconds": s,
+                            "tokens_per_s": n / s,
+                            "speedup": s_full / s,
+                            "same_tokens": same,
+                            "load": ld,
+                        }
+                    )
+                print(
+                    f"  {n_threads} threads, {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, "
+                    f"{n / s_full:,.0f} recomputing ({s_full / s_cached:.1f}x)"
+                    + (f", same tokens: {same}" if same is not None else ""),
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> None:
     args = parse_args(
         __doc__.splitlines()[0],
@@ -138,9 +177,6 @@ def main() -> None:
         ids = np.array(load_ids(paths["train_ids"]))  # a copy: the folder goes before the models do
     prompt = [int(i) for i in ids[1000:1004]]
 
-    # One sequence at a time is a stream of tiny ops: with every core's thread waiting on the
-    # others at each op, a core taken by anything else stalls all of them. Hence a one-thread pass.
-    thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
     rows = []
     for name, spec in MODELS.items():
         torch.manual_seed(1337)
@@ -150,36 +186,7 @@ def main() -> None:
             loss = brief_training(model, ids, train_steps)
         print(f"{name}: {train_steps} training steps in {time.perf_counter() - t0:.1f} s, loss {loss:.2f}", flush=True)
         model.eval()
-        cache_name = "KV cache" if spec["arch"] == "gpt" else "carried state"
-        for n_threads in thread_counts:
-            with threads(n_threads):
-                for method in ("greedy", "top-p"):
-                    timed(model, prompt, 8, method, True, 1)  # warm-up
-                    s_cached, cached = timed(model, prompt, n, method, True, repeats)
-                    load_cached = load()
-                    s_full, full = timed(model, prompt, n, method, False, repeats)
-                    same = (cached == full) if method == "greedy" else None
-                    for mode, s, ld in ((cache_name, s_cached, load_cached), ("recompute", s_full, load())):
-                        rows.append(
-                            {
-                                "model": name,
-                                "threads": n_threads,
-                                "method": method,
-                                "mode": mode,
-                                "new_tokens": n,
-                                "seconds": s,
-                                "tokens_per_s": n / s,
-                                "speedup": s_full / s,
-                                "same_tokens": same,
-                                "load": ld,
-                            }
-                        )
-                    print(
-                        f"  {n_threads} threads, {method}: {n / s_cached:,.0f} tokens/s with {cache_name}, "
-                        f"{n / s_full:,.0f} recomputing ({s_full / s_cached:.1f}x)"
-                        + (f", same tokens: {same}" if same is not None else ""),
-                        flush=True,
-                    )
+        rows += decode_rows(name, model, "KV cache" if spec["arch"] == "gpt" else "carried state", prompt, n, repeats)
 
     print()
     print(

@@ -120,9 +120,89 @@ def _cli(*args: str, env: dict[str, str], log: Path) -> subprocess.Popen:
         )
 
 
-def one_database(database: str, points: int, pipelines: int, slots: int | None, folder: Path) -> dict[str, Any]:
+def _launch(
+    commands: list[subprocess.Popen], source: str, points: int, pipelines: int, env: dict[str, str], folder: Path
+) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    """The sweep of `points` learning rates and `pipelines` runs, started together (each added to
+    `commands` as it starts, for the caller to stop)."""
+    sets = [a for s in STEPS for a in ("--set", s)]
+    lrs = ",".join(f"{1e-3 * (1 + i / 4):.6g}" for i in range(points))
+    commands.append(
+        sweep := _cli(
+            "sweep",
+            "--recipe",
+            "smoke",
+            "--source",
+            source,
+            "--train-on",
+            "local",
+            "--grid",
+            f"train.lr={lrs}",
+            *sets,
+            env=env,
+            log=folder / "sweep.log",
+        )
+    )
+    runs = []
+    for i in range(pipelines):
+        commands.append(
+            run := _cli(
+                "run",
+                "--recipe",
+                "smoke",
+                "--source",
+                source,
+                "--train-on",
+                "local",
+                *sets,
+                "--set",
+                f"train.seed={100 + i}",
+                env=env,
+                log=folder / f"run-{i}.log",
+            )
+        )
+        runs.append(run)
+    return sweep, runs
+
+
+def _outcome(
+    folder: Path,
+    home: Path,
+    env: dict[str, str],
+    prefect: "TimingProxy",
+    mlflow: "TimingProxy",
+    points: int,
+    codes: list,
+) -> dict[str, Any]:
+    """What finished and what failed, as the sweep's table, the exit codes, MLflow's runs and the
+    proxies' answers say."""
     from mlflow.tracking import MlflowClient
 
+    table_lines = [line for line in (folder / "sweep.log").read_text().splitlines() if line.startswith("train.lr=")]
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    statuses = [r.info.status for r in client.search_runs(experiments, max_results=5000)] if experiments else []
+    latencies = sorted(s for s, _ in prefect.answers)
+    locked = (home / "logs" / "prefect-server.log").read_text(errors="replace").count("database is locked")
+    return {
+        "points_finished": sum("FAILED" not in line for line in table_lines),
+        "points_failed": points - sum("FAILED" not in line for line in table_lines),
+        "sweep_exit": codes[0],
+        "pipelines_finished": sum(c == 0 for c in codes[1:]),
+        "pipelines_failed": sum(c != 0 for c in codes[1:]),
+        "prefect_5xx": sum(s >= 500 for _, s in prefect.answers),
+        "mlflow_5xx": sum(s >= 500 for _, s in mlflow.answers),
+        "database_locked_lines": locked,
+        "prefect_requests": len(latencies),
+        "prefect_median_ms": 1000 * statistics.median(latencies) if latencies else None,
+        "prefect_p95_ms": 1000 * latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
+        "mlflow_runs": len(statuses),
+        "mlflow_left_running": statuses.count("RUNNING"),
+        "mlflow_failed": statuses.count("FAILED"),
+    }
+
+
+def one_database(database: str, points: int, pipelines: int, slots: int | None, folder: Path) -> dict[str, Any]:
     from flows.stack import servers as stack
 
     home, storage = folder / "stack", folder / "storage"
@@ -149,8 +229,6 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
             "COLUMNS": "200",
         }
         source = str(corpus("warandpeace"))
-        sets = [a for s in STEPS for a in ("--set", s)]
-        lrs = ",".join(f"{1e-3 * (1 + i / 4):.6g}" for i in range(points))
         peak, done = [load()], threading.Event()
 
         def sample() -> None:
@@ -159,50 +237,11 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
 
         threading.Thread(target=sample, daemon=True).start()
         t0 = time.perf_counter()
-        commands.append(
-            sweep := _cli(
-                "sweep",
-                "--recipe",
-                "smoke",
-                "--source",
-                source,
-                "--train-on",
-                "local",
-                "--grid",
-                f"train.lr={lrs}",
-                *sets,
-                env=cmd_env,
-                log=folder / "sweep.log",
-            )
-        )
-        commands += (
-            runs := [
-                _cli(
-                    "run",
-                    "--recipe",
-                    "smoke",
-                    "--source",
-                    source,
-                    "--train-on",
-                    "local",
-                    *sets,
-                    "--set",
-                    f"train.seed={100 + i}",
-                    env=cmd_env,
-                    log=folder / f"run-{i}.log",
-                )
-                for i in range(pipelines)
-            ]
-        )
+        sweep, runs = _launch(commands, source, points, pipelines, cmd_env, folder)
         codes = [p.wait() for p in [sweep, *runs]]
         wall = time.perf_counter() - t0
         done.set()
-        table_lines = [line for line in (folder / "sweep.log").read_text().splitlines() if line.startswith("train.lr=")]
-        client = MlflowClient(env["MLFLOW_TRACKING_URI"])
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        statuses = [r.info.status for r in client.search_runs(experiments, max_results=5000)] if experiments else []
-        latencies = sorted(s for s, _ in prefect.answers)
-        locked = (home / "logs" / "prefect-server.log").read_text(errors="replace").count("database is locked")
+        outcome = _outcome(folder, home, env, prefect, mlflow, points, codes)
         prefect.close()
         mlflow.close()
         return {
@@ -210,20 +249,7 @@ def one_database(database: str, points: int, pipelines: int, slots: int | None, 
             "points": points,
             "pipelines": pipelines,
             "slots": slots or "no limit",
-            "points_finished": sum("FAILED" not in line for line in table_lines),
-            "points_failed": points - sum("FAILED" not in line for line in table_lines),
-            "sweep_exit": codes[0],
-            "pipelines_finished": sum(c == 0 for c in codes[1:]),
-            "pipelines_failed": sum(c != 0 for c in codes[1:]),
-            "prefect_5xx": sum(s >= 500 for _, s in prefect.answers),
-            "mlflow_5xx": sum(s >= 500 for _, s in mlflow.answers),
-            "database_locked_lines": locked,
-            "prefect_requests": len(latencies),
-            "prefect_median_ms": 1000 * statistics.median(latencies) if latencies else None,
-            "prefect_p95_ms": 1000 * latencies[int(0.95 * (len(latencies) - 1))] if latencies else None,
-            "mlflow_runs": len(statuses),
-            "mlflow_left_running": statuses.count("RUNNING"),
-            "mlflow_failed": statuses.count("FAILED"),
+            **outcome,
             "wall_s": wall,
             "peak_load": max(peak),
         }

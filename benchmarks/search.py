@@ -114,8 +114,8 @@ def _sizes(args, quick: bool) -> tuple[int, int, int, int]:
     return per_axis, args.fields, trials_n, startup
 
 
-def main() -> int:
-    args = parse_args(
+def _args():
+    return parse_args(
         __doc__.splitlines()[0],
         lambda p: (
             p.add_argument("--grid-points", type=int, default=None, help="values per field in the grid [4; quick 2]"),
@@ -134,13 +134,10 @@ def main() -> int:
             p.add_argument("--source", default=None, help="the corpus [../shared/data/warandpeace.txt]"),
         ),
     )
-    signal.signal(signal.SIGTERM, _stop)
-    wp = Path(args.source).resolve() if args.source else corpus("warandpeace")
-    m = header("search", args.quick)
-    recipe = "smoke" if args.quick else "default"
-    per_axis, fields, trials_n, startup = _sizes(args, args.quick)
-    steps = args.steps or (150 if args.quick else 1000)
-    threads = args.threads or 2
+
+
+def _sets(recipe: str, steps: int) -> list[str]:
+    """The --set options every point and trial gets: its steps, evaluations, precision."""
     every = max(1, steps // 10)
     fixed = [
         f"train.max_steps={steps}",
@@ -153,87 +150,94 @@ def main() -> int:
     ]
     if recipe == "default":  # the default as the figures in docs/search.md were measured: AdamW alone (54c4b00)
         fixed += ["train.optimizer=adamw", "model.positions=learned", "model.mlp=gelu"]
-    sets = [a for s in fixed for a in ("--set", s)]
-    axes = {
-        "train.lr": [f"{LR[0] * (LR[1] / LR[0]) ** (i / (per_axis - 1)):.3g}" for i in range(per_axis)],
-        "train.beta2": [f"{BETA2[0] + (BETA2[1] - BETA2[0]) * i / (per_axis - 1):.4g}" for i in range(per_axis)],
+    return [a for s in fixed for a in ("--set", s)]
+
+
+def grid_row(
+    wp: Path, recipe: str, axes: dict[str, list[str]], sets: list[str], tmp: Path, threads: int, steps: int
+) -> dict:
+    """The grid as one `mllm-pipeline sweep`: its best point and the steps it took."""
+    load_before = load()
+    _, grid_s = _cli(
+        [
+            "sweep",
+            "--recipe",
+            recipe,
+            "--source",
+            str(wp),
+            "--storage",
+            str(tmp / "grid" / "storage"),
+            *[a for f, vs in axes.items() for a in ("--grid", f"{f}={','.join(vs)}")],
+            *sets,
+        ],
+        tmp / "grid",
+        threads,
+    )
+    grid_rows = json.loads(next((tmp / "grid" / "storage" / "sweeps").glob("*/sweep.json")).read_text())
+    done = [r for r in grid_rows if r["status"] == "ok"]
+    best = min(done, key=lambda r: r["val_loss"])
+    return {
+        "how": f"grid, {len(grid_rows)} points",
+        **_best(best, axes),
+        "steps": len(done) * steps,
+        "wall_s": grid_s,
+        "load": f"{load_before:.1f}-{load():.1f}",
     }
-    axes = dict(list(axes.items())[:fields])
-    space = [f"train.lr=log:{LR[0]}..{LR[1]}", f"train.beta2={BETA2[0]}..{BETA2[1]}"][:fields]
-    size = f"{' x '.join([str(per_axis)] * fields)} grid"
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-search-", ignore_cleanup_errors=True) as tmp_name:
-        tmp = Path(tmp_name)
-        (tmp / "grid").mkdir()
-        load_before = load()
-        _, grid_s = _cli(
-            [
-                "sweep",
-                "--recipe",
-                recipe,
-                "--source",
-                str(wp),
-                "--storage",
-                str(tmp / "grid" / "storage"),
-                *[a for f, vs in axes.items() for a in ("--grid", f"{f}={','.join(vs)}")],
-                *sets,
-            ],
-            tmp / "grid",
-            threads,
-        )
-        grid_rows = json.loads(next((tmp / "grid" / "storage" / "sweeps").glob("*/sweep.json")).read_text())
-        done = [r for r in grid_rows if r["status"] == "ok"]
-        best = min(done, key=lambda r: r["val_loss"])
-        rows.append(
-            {
-                "how": f"grid, {len(grid_rows)} points",
-                **_best(best, axes),
-                "steps": len(done) * steps,
-                "wall_s": grid_s,
-                "load": f"{load_before:.1f}-{load():.1f}",
-            }
-        )
-        for pruner in args.pruners.split(","):
-            folder = tmp / f"search-{pruner}"
-            folder.mkdir()
-            load_before = load()
-            _, search_s = _cli(
-                [
-                    "search",
-                    "--recipe",
-                    recipe,
-                    "--source",
-                    str(wp),
-                    "--storage",
-                    str(folder / "storage"),
-                    *[a for sp in space for a in ("--space", sp)],
-                    "--trials",
-                    str(trials_n),
-                    "--sampler",
-                    "tpe",
-                    "--pruner",
-                    pruner,
-                    "--startup-trials",
-                    str(startup),
-                    "--study",
-                    "bench",
-                    *sets,
-                ],
-                folder,
-                threads,
-            )
-            trials = json.loads((folder / "storage" / "searches" / "bench" / "search.json").read_text())
-            finished = [t for t in trials if t["state"] == "complete"]
-            rows.append(
-                {
-                    "how": f"TPE + {pruner} pruner, {trials_n} trials",
-                    **_best(min(finished, key=lambda t: t["val_loss"]), axes),
-                    "steps": sum(t["step"] or 0 for t in trials),
-                    "wall_s": search_s,
-                    "load": f"{load_before:.1f}-{load():.1f}",
-                    "pruned": sum(t["state"] == "pruned" for t in trials),
-                }
-            )
+
+
+def search_row(
+    wp: Path,
+    recipe: str,
+    space: list[str],
+    sets: list[str],
+    folder: Path,
+    threads: int,
+    trials_n: int,
+    startup: int,
+    pruner: str,
+    axes: dict,
+) -> dict:
+    """One `mllm-pipeline search` with TPE and `pruner`: its best trial and the steps it took."""
+    load_before = load()
+    _, search_s = _cli(
+        [
+            "search",
+            "--recipe",
+            recipe,
+            "--source",
+            str(wp),
+            "--storage",
+            str(folder / "storage"),
+            *[a for sp in space for a in ("--space", sp)],
+            "--trials",
+            str(trials_n),
+            "--sampler",
+            "tpe",
+            "--pruner",
+            pruner,
+            "--startup-trials",
+            str(startup),
+            "--study",
+            "bench",
+            *sets,
+        ],
+        folder,
+        threads,
+    )
+    trials = json.loads((folder / "storage" / "searches" / "bench" / "search.json").read_text())
+    finished = [t for t in trials if t["state"] == "complete"]
+    return {
+        "how": f"TPE + {pruner} pruner, {trials_n} trials",
+        **_best(min(finished, key=lambda t: t["val_loss"]), axes),
+        "steps": sum(t["step"] or 0 for t in trials),
+        "wall_s": search_s,
+        "load": f"{load_before:.1f}-{load():.1f}",
+        "pruned": sum(t["state"] == "pruned" for t in trials),
+    }
+
+
+def report(rows: list[dict], axes: dict[str, list[str]], size: str) -> None:
+    """The table, and each search's distance to the grid's best in a share of its steps."""
     grid = rows[0]
     for r in rows:
         r["bpc"] = r["best"] / math.log(2)
@@ -259,6 +263,35 @@ def main() -> int:
             f"\n{size}, {search['how']}: its best is {search['best'] - grid['best']:+.4f} from the grid's, in "
             f"{search['share']} of its training steps"
         )
+
+
+def main() -> int:
+    args = _args()
+    signal.signal(signal.SIGTERM, _stop)
+    wp = Path(args.source).resolve() if args.source else corpus("warandpeace")
+    m = header("search", args.quick)
+    recipe = "smoke" if args.quick else "default"
+    per_axis, fields, trials_n, startup = _sizes(args, args.quick)
+    steps = args.steps or (150 if args.quick else 1000)
+    threads = args.threads or 2
+    sets = _sets(recipe, steps)
+    axes = {
+        "train.lr": [f"{LR[0] * (LR[1] / LR[0]) ** (i / (per_axis - 1)):.3g}" for i in range(per_axis)],
+        "train.beta2": [f"{BETA2[0] + (BETA2[1] - BETA2[0]) * i / (per_axis - 1):.4g}" for i in range(per_axis)],
+    }
+    axes = dict(list(axes.items())[:fields])
+    space = [f"train.lr=log:{LR[0]}..{LR[1]}", f"train.beta2={BETA2[0]}..{BETA2[1]}"][:fields]
+    size = f"{' x '.join([str(per_axis)] * fields)} grid"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-search-", ignore_cleanup_errors=True) as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "grid").mkdir()
+        rows.append(grid_row(wp, recipe, axes, sets, tmp, threads, steps))
+        for pruner in args.pruners.split(","):
+            folder = tmp / f"search-{pruner}"
+            folder.mkdir()
+            rows.append(search_row(wp, recipe, space, sets, folder, threads, trials_n, startup, pruner, axes))
+    report(rows, axes, size)
     name = f"search{'-quick' if args.quick else ''}-{'x'.join([str(per_axis)] * fields)}"
     save(
         name,

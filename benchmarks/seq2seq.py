@@ -27,6 +27,37 @@ from mllm.train import train
 RECIPES = ("seq2seq-numbers-rnn", "seq2seq-numbers-transformer")
 
 
+def score(model, val, tgt_tok, tgt_vocab, bleu_tokenize) -> dict:
+    """Exact match, BLEU, chrF and sentences/s on the held-out pairs, greedy and beam 4."""
+    row: dict = {}
+    for method, width in (("greedy", 1), ("beam", 4)):
+        t0 = time.perf_counter()
+        rep = evaluate(
+            model,
+            val,
+            tgt_tok,
+            tgt_vocab,
+            method=method,
+            beam_width=width,
+            batch_size=256,
+            bleu_tokenize=bleu_tokenize,
+        )
+        seconds = time.perf_counter() - t0
+        key = "greedy" if method == "greedy" else "beam4"
+        # evaluate also scores the teacher-forced loss; its cost is small next to decoding
+        row.update(
+            {
+                f"{key}_exact": 100 * rep["exact_match"],
+                f"{key}_bleu": rep["bleu"],
+                f"{key}_chrf": rep["chrf"],
+                f"{key}_sents_per_s": rep["pairs"] / seconds,
+            }
+        )
+        row["val_loss"], row["val_pairs"] = rep["loss"], rep["pairs"]
+        row[f"{key}_table"] = rep["table"]
+    return row
+
+
 def run(name: str, args, folder: Path) -> dict:
     cfg = resolve(name)
     data = cfg.data
@@ -78,32 +109,7 @@ def run(name: str, args, folder: Path) -> dict:
         loaded.vocab,
     )
     row["params"] = model.num_params()
-    val = load_split(str(out / "val.parquet"))
-    for method, width in (("greedy", 1), ("beam", 4)):
-        t0 = time.perf_counter()
-        rep = evaluate(
-            model,
-            val,
-            tgt_tok,
-            tgt_vocab,
-            method=method,
-            beam_width=width,
-            batch_size=256,
-            bleu_tokenize=data.pairs.bleu_tokenize,
-        )
-        seconds = time.perf_counter() - t0
-        key = "greedy" if method == "greedy" else "beam4"
-        # evaluate also scores the teacher-forced loss; its cost is small next to decoding
-        row.update(
-            {
-                f"{key}_exact": 100 * rep["exact_match"],
-                f"{key}_bleu": rep["bleu"],
-                f"{key}_chrf": rep["chrf"],
-                f"{key}_sents_per_s": rep["pairs"] / seconds,
-            }
-        )
-        row["val_loss"], row["val_pairs"] = rep["loss"], rep["pairs"]
-        row[f"{key}_table"] = rep["table"]
+    row.update(score(model, load_split(str(out / "val.parquet")), tgt_tok, tgt_vocab, data.pairs.bleu_tokenize))
     example = cfg.sample.prompts[0]
     [(src_tokens, tgt_tokens, text, weights)] = translate(model, [example], src_tok, src_vocab, tgt_tok, tgt_vocab)
     picture = OUT / f"seq2seq-attention-{name}.png"

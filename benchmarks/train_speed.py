@@ -153,90 +153,81 @@ def eval_forward_s(recipe: str, paths: dict, folder: Path, repeats: int) -> floa
     return min(times)  # the first pass allocates; later ones are what an eval loop pays
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    m = header("train_speed", args.quick)
-    wp, shakespeare = corpus("warandpeace"), corpus("tinyshakespeare")
-    q = args.quick
-    with tempfile.TemporaryDirectory(prefix="mllm-bench-train-") as tmp:
-        folder = Path(tmp)
-        t0 = time.perf_counter()
-        wp_ids = token_ids(wp, folder / "wp")
-        ts_ids = token_ids(shakespeare, folder / "ts", normalize=False, strip_gutenberg=False)
-        print(
-            f"tokenized War and Peace ({wp_ids['n_train']:,} train tokens, vocabulary {wp_ids['vocab_size']}) "
-            f"and tiny shakespeare ({ts_ids['n_train']:,}, {ts_ids['vocab_size']}) in "
-            f"{time.perf_counter() - t0:.1f} s\n",
-            flush=True,
-        )
-
-        rows = []
-        lstm = measure(
-            "warandpeace-lstm (4x128 LSTM, batch 1024x64)",
-            "warandpeace-lstm",
-            wp_ids,
-            folder,
-            {},
-            warmup=1,
-            steps=1 if q else 3,
-        )
-        rows.append(lstm)
-        # Small models: also on one thread. Two threads on two cores that anything else is using
-        # wait on each other at every op, and a small model's ops are all short.
-        for threads in sorted({1, torch.get_num_threads()}, reverse=True):
-            rows.append(
-                measure(
-                    "nanoGPT CPU (GPT 4x4x128, batch 12x64)",
-                    None,
-                    wp_ids,
-                    folder,
-                    NANOGPT_CPU,
-                    warmup=10 if q else 20,
-                    steps=60 if q else 300,
-                    minutes=0.25 if q else 0.6,
-                    threads=threads,
-                )
+def models(wp_ids: dict, ts_ids: dict, folder: Path, q: bool) -> list[dict]:
+    """The three recipes' models timed, the small GPT at each thread count: a row each."""
+    rows = []
+    lstm = measure(
+        "warandpeace-lstm (4x128 LSTM, batch 1024x64)",
+        "warandpeace-lstm",
+        wp_ids,
+        folder,
+        {},
+        warmup=1,
+        steps=1 if q else 3,
+    )
+    rows.append(lstm)
+    # Small models: also on one thread. Two threads on two cores that anything else is using
+    # wait on each other at every op, and a small model's ops are all short.
+    for threads in sorted({1, torch.get_num_threads()}, reverse=True):
+        rows.append(
+            measure(
+                "nanoGPT CPU (GPT 4x4x128, batch 12x64)",
+                None,
+                wp_ids,
+                folder,
+                NANOGPT_CPU,
+                warmup=10 if q else 20,
+                steps=60 if q else 300,
+                minutes=0.25 if q else 0.6,
+                threads=threads,
             )
-        big = measure(
-            "shakespeare-gpt (GPT 6x6x384, batch 64x256)",
-            "shakespeare-gpt",
-            ts_ids,
-            folder,
-            {},
-            warmup=1,
-            steps=1 if q else 2,
         )
-        rows.append(big)
+    big = measure(
+        "shakespeare-gpt (GPT 6x6x384, batch 64x256)",
+        "shakespeare-gpt",
+        ts_ids,
+        folder,
+        {},
+        warmup=1,
+        steps=1 if q else 2,
+    )
+    rows.append(big)
+    return rows
 
-        # What the full recipes would take here: their training steps plus their evaluations.
-        train_wp = load_ids(wp_ids["train_ids"])
-        lstm_steps = math.ceil(7 * EpochWindows(train_wp, 64, 1024, 1, 1337).batches_per_epoch)
-        estimates = []
-        for row, recipe, ids, steps, published in (
-            (lstm, "warandpeace-lstm", wp_ids, lstm_steps, "37 min on a Quadro RTX 4000"),
-            (big, "shakespeare-gpt", ts_ids, 5000, "about 3 min on an A100"),
-        ):
-            t = run_config(recipe, ids, folder / "unused", {}).train
-            fwd = eval_forward_s(recipe, ids, folder, 1 if q else 2)
-            evals = steps // t.eval_interval + (steps % t.eval_interval > 0)  # and one at the end
-            train_s, eval_s = steps * row["step_s"], evals * t.eval_batches * fwd
-            estimates.append(
-                {
-                    "recipe": recipe,
-                    "steps": steps,
-                    "step_s": row["step_s"],
-                    "evals": evals,
-                    "eval_batches": t.eval_batches,
-                    "eval_forward_s": fwd,
-                    "train_s": train_s,
-                    "eval_s": eval_s,
-                    "total_s": train_s + eval_s,
-                    "total": hms(train_s + eval_s),
-                    "published": published,
-                    "load": load(),
-                }
-            )
 
+def full_recipes(lstm: dict, big: dict, wp_ids: dict, ts_ids: dict, folder: Path, q: bool) -> list[dict]:
+    """What the full recipes would take here: their training steps plus their evaluations."""
+    train_wp = load_ids(wp_ids["train_ids"])
+    lstm_steps = math.ceil(7 * EpochWindows(train_wp, 64, 1024, 1, 1337).batches_per_epoch)
+    estimates = []
+    for row, recipe, ids, steps, published in (
+        (lstm, "warandpeace-lstm", wp_ids, lstm_steps, "37 min on a Quadro RTX 4000"),
+        (big, "shakespeare-gpt", ts_ids, 5000, "about 3 min on an A100"),
+    ):
+        t = run_config(recipe, ids, folder / "unused", {}).train
+        fwd = eval_forward_s(recipe, ids, folder, 1 if q else 2)
+        evals = steps // t.eval_interval + (steps % t.eval_interval > 0)  # and one at the end
+        train_s, eval_s = steps * row["step_s"], evals * t.eval_batches * fwd
+        estimates.append(
+            {
+                "recipe": recipe,
+                "steps": steps,
+                "step_s": row["step_s"],
+                "evals": evals,
+                "eval_batches": t.eval_batches,
+                "eval_forward_s": fwd,
+                "train_s": train_s,
+                "eval_s": eval_s,
+                "total_s": train_s + eval_s,
+                "total": hms(train_s + eval_s),
+                "published": published,
+                "load": load(),
+            }
+        )
+    return estimates
+
+
+def report(rows: list[dict], estimates: list[dict]) -> None:
     print()
     print(
         table(
@@ -272,6 +263,28 @@ def main() -> None:
             ],
         )
     )
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    m = header("train_speed", args.quick)
+    wp, shakespeare = corpus("warandpeace"), corpus("tinyshakespeare")
+    q = args.quick
+    with tempfile.TemporaryDirectory(prefix="mllm-bench-train-") as tmp:
+        folder = Path(tmp)
+        t0 = time.perf_counter()
+        wp_ids = token_ids(wp, folder / "wp")
+        ts_ids = token_ids(shakespeare, folder / "ts", normalize=False, strip_gutenberg=False)
+        print(
+            f"tokenized War and Peace ({wp_ids['n_train']:,} train tokens, vocabulary {wp_ids['vocab_size']}) "
+            f"and tiny shakespeare ({ts_ids['n_train']:,}, {ts_ids['vocab_size']}) in "
+            f"{time.perf_counter() - t0:.1f} s\n",
+            flush=True,
+        )
+
+        rows = models(wp_ids, ts_ids, folder, q)
+        estimates = full_recipes(rows[0], rows[-1], wp_ids, ts_ids, folder, q)
+    report(rows, estimates)
     save("train_speed", {"machine": m, "quick": q, "models": rows, "full_recipe_estimates": estimates})
 
 
