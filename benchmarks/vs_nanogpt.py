@@ -101,7 +101,9 @@ def train_mllm(
     stdout = run_mllm_train(cfg, folder / f"mllm-{n}.yaml", threads)
     rows = re.findall(r"^step (\d+): loss ([\d.]+), .*?, ([\d,]+) tok/s", stdout, re.M)
     tokens = shape["batch_size"] * shape["block_size"]
-    precision = re.search(r"^done: .*, (float32|bfloat16)(?:, compiled)?, [\d.]+s;", stdout, re.M).group(1)
+    precision = re.search(
+        r"^done: .*, (float32|bfloat16)(?:, compiled)?, (?:\d+ threads, )?[\d.]+s;", stdout, re.M
+    ).group(1)
     return [tokens / float(r.replace(",", "")) for _, _, r in rows], [float(loss) for _, loss, _ in rows], precision
 
 
