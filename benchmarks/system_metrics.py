@@ -61,7 +61,8 @@ def timed_run(tmp: Path, paths: dict, run_no: int, mode: str, n_steps: int) -> d
     """One tracked training in `mode`: its wall time, the time spent starting and stopping the
     monitor, and the system samples the server got."""
     from mllm.train import train
-    from tasks.tracking.tracker import RunTracker, system_metrics
+    from tasks.tracking.system import system_metrics
+    from tasks.tracking.tracker import RunTracker
 
     cfg = run_config(None, paths, tmp / f"ckpt-{run_no}", {**SMOKE, "train.max_steps": n_steps})
     root = str(tmp / "storage")
