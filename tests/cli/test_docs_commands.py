@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # What `curl -o NAME URL` in a block fetches, in ../shared/data (no network here).
 FETCHED = {"https://www.gutenberg.org/cache/epub/2600/pg2600.txt": "warandpeace.txt"}
 # docs/corpora.md's examples stand for a user's own files and folders (it says so): made here.
