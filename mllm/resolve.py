@@ -1,8 +1,9 @@
 """From a recipe or a config file, plus `--source` and `--set key=value`, to the RunConfig.
 
 Recipes are the YAML files in `mllm/recipes/`; a config file is the same tree (a run's own
-`config.yaml`). Overrides are parsed as YAML except in text fields, so a value is what a user
-means: `train.lr=3e-4` a float, `data.sha256=0123...` text.
+`config.yaml`). `--set` items are parsed once into `Overrides`; a value is parsed as YAML when
+applied, except in text fields, so that it is what a user means: `train.lr=3e-4` a float,
+`data.sha256=0123...` text.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import json
 import os
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, RootModel, ValidationError, model_serializer, model_validator
 
 from mllm import UserError, storage
 from mllm.config import DEFAULT_ARCH, SECTIONS, RunConfig, archs, section_of
@@ -70,41 +72,139 @@ def _text_fields(model: type[BaseModel] = None, prefix: str = "") -> set[str]:
     return names
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `key.sub=value` overrides. Values are parsed as YAML (3e-4, true, [a, b], null),
-    except for text fields, which take the value as written (a sha256 of digits stays text)."""
-    text = _text_fields()
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise UserError(f"malformed override {item!r}: write it as section.field=value, e.g. train.lr=3e-4")
+# --- overrides: FIELD=VALUE ------------------------------------------------------------------
+
+SET_FORM = "section.field=value, e.g. train.lr=3e-4"
+
+
+def field_value(item: str, option: str, form: str, dotted: bool = True) -> tuple[str, str]:
+    """The one parser of FIELD=VALUE (`--set`, `--space`, `--grid`, `--tag`): the field, stripped,
+    and the value's text as written; a malformed item is one line that names it and its form."""
+    field, sep, text = item.partition("=")
+    field = field.strip()
+    if not sep or not field or (dotted and any(not part for part in field.split("."))):
+        raise UserError(f"malformed {option} {item!r}: write it as {form}")
+    return field, text
+
+
+class Setting(BaseModel):
+    """One override: a field's dotted name and its value as written, which is parsed as YAML when
+    applied. Its JSON form is the `FIELD=VALUE` text (a Prefect deployment's form, a run's record)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    field: str
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_item(cls, item: Any) -> Any:
+        if isinstance(item, str):
+            field, text = field_value(item, "override", SET_FORM)
+            return {"field": field, "text": text}
+        return item
+
+    @model_serializer
+    def _as_item(self) -> str:
+        return self.item
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        return {"type": "string", "title": "FIELD=VALUE", "examples": ["train.lr=3e-4"]}
+
+    @property
+    def item(self) -> str:
+        return f"{self.field}={self.text}"
+
+    def value(self, text_field: bool) -> Any:
+        """The value: YAML (3e-4, true, [a, b], null), or the text as written in a text field (a
+        sha256 of digits stays text)."""
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.safe_load(self.text) if self.text.strip() else ""
         except yaml.YAMLError:
-            value = raw
-        if key in text and not isinstance(value, str) and value is not None:
-            value = raw.strip()
+            value = self.text
+        if text_field and not isinstance(value, str) and value is not None:
+            value = self.text.strip()
+        return value
+
+
+class Overrides(RootModel[tuple[Setting, ...]]):
+    """The `--set` overrides in the order given (a later one of a field wins), parsed once where
+    they come in (`parse`), and handed on typed down to `resolve`. Its JSON form is the list of
+    `FIELD=VALUE` texts, which Prefect stores as a flow's parameter and validates back."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # Not iterable: Prefect walks a parameter's model as dict(model), which an __iter__ of its own
+    # would break; `root` holds the settings.
+    root: tuple[Setting, ...] = ()
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        # A deployment's form: a list of texts, which the server checks a run's parameters against.
+        return {"type": "array", "items": Setting.__get_pydantic_json_schema__(None, None), "default": []}
+
+    @classmethod
+    def parse(cls, items: Iterable[str] | Overrides | None, option: str = "--set") -> Overrides:
+        """`FIELD=VALUE` texts as overrides; a malformed one names `option` and the form."""
+        if isinstance(items, Overrides):
+            return items
+        return cls(tuple(Setting(field=f, text=t) for f, t in (field_value(i, option, SET_FORM) for i in items or ())))
+
+    def __len__(self) -> int:
+        return len(self.root)
+
+    def __add__(self, other: Overrides) -> Overrides:
+        return Overrides(self.root + other.root)
+
+    def with_values(self, values: Mapping[str, str]) -> Overrides:
+        """These overrides, then one for each field of `values` (a sweep's point, a trial's draw)."""
+        return self + Overrides(tuple(Setting(field=f, text=str(v)) for f, v in values.items()))
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return frozenset(s.field for s in self.root)
+
+    def items(self) -> list[str]:
+        """The `FIELD=VALUE` texts, in order."""
+        return [s.item for s in self.root]
+
+    def without_credentials(self) -> Overrides:
+        """The values with any user:password taken out of URLs (kept in this process's memory for
+        the download): what goes on to Prefect's parameters and the run's record holds none."""
+        return Overrides(tuple(Setting(field=s.field, text=storage.hide_credentials(s.text)) for s in self.root))
+
+
+# No overrides: the default of a parameter that takes some (immutable, so one for all).
+NO_OVERRIDES = Overrides()
+
+
+def apply_overrides(data: dict[str, Any], overrides: Overrides | Iterable[str]) -> dict[str, Any]:
+    """Apply `key.sub=value` overrides to a config tree (`Setting.value` says how a value is read)."""
+    text = _text_fields()
+    for s in Overrides.parse(overrides, "override").root:
         node = data
-        parts = key.split(".")
+        parts = s.field.split(".")
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise UserError(f"override {item!r}: {part} is a value, not a section")
+                raise UserError(f"override {s.item!r}: {part} is a value, not a section")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = s.value(s.field in text)
     return data
 
 
 def resolve(
     recipe: str | None = None,
     config_file: str | None = None,
-    overrides: list[str] = (),
+    overrides: Overrides | Iterable[str] = (),
     source: str | list[str] | None = None,
 ) -> RunConfig:
-    """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides."""
+    """The resolved tree: a recipe or a file, then `--source`, then `--set` overrides (`FIELD=VALUE`
+    texts are parsed here for a caller that has them so, a test or a script)."""
+    overrides = Overrides.parse(overrides, "override")
     if config_file:
         data, where = load_file(config_file), str(config_file)
     else:
@@ -117,7 +217,7 @@ def resolve(
         data.setdefault("data", {})["source"] = source
         if isinstance(data["data"].get("pairs"), dict):
             data["data"]["pairs"].pop("numbers", None)  # a TSV source replaces the numbers corpus
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, overrides)
     cfg = validate(data, where if not overrides else f"{where} with --set")
     # A password in the source URL stays in this process's memory, out of the config that is
     # logged, stored with every checkpoint and sent to MLflow.
@@ -197,7 +297,7 @@ def flat_fields(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def recipe_file_overrides(recipe: str, sets: list[str]) -> tuple[str, list[str]]:
+def recipe_file_overrides(recipe: str, sets: Overrides) -> tuple[str, Overrides]:
     """(recipe name, overrides) for a recipe argument that may be a file (a search's `best.yaml`, a
     run's `config.yaml`): the shipped recipe it names plus a --set for each field where it
     differs, so that its run is the run of `--recipe NAME --set ...` (the same experiment, config,
@@ -213,8 +313,7 @@ def recipe_file_overrides(recipe: str, sets: list[str]) -> tuple[str, list[str]]
         )
     data.pop("recipe")
     base = flat_fields(resolve(name).to_dict())
-    fixed = {s.partition("=")[0].strip() for s in sets}
-    diff = [
-        f"{k}={json.dumps(v)}" for k, v in flat_fields(data).items() if base.get(k, object()) != v and k not in fixed
-    ]
-    return name, [*diff, *sets]
+    diff = {
+        k: json.dumps(v) for k, v in flat_fields(data).items() if base.get(k, object()) != v and k not in sets.fields
+    }
+    return name, Overrides().with_values(diff) + sets
