@@ -18,7 +18,7 @@ from typing import Any
 from flows.settings import settings
 from mllm import UserError, storage
 from mllm.redact import strip_userinfo
-from mllm.resolve import LAUNCH_SECTION, recipe_dict, resolve
+from mllm.resolve import LAUNCH_SECTION, Overrides, recipe_dict, resolve
 
 
 def storage_root(storage_url: str | None = None) -> str:
@@ -228,7 +228,7 @@ def check_model_name(name: str) -> None:
 
 def checked_config(
     recipe: str,
-    sets: list[str] | None,
+    sets: Overrides,
     source: str | list[str] | None,
     storage: str | None,
     train_here: bool = True,
@@ -241,7 +241,7 @@ def checked_config(
     from mllm.families.base import family_of
     from mllm.runtime.devices import resolve_device
 
-    cfg = resolve(recipe, overrides=sets or [], source=source)
+    cfg = resolve(recipe, overrides=sets, source=source)
 
     family = family_of(cfg)
     if trains and train_here:

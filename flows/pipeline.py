@@ -1,23 +1,22 @@
 """The pipeline flow: download, tokenize, build the vocabulary, split, train, evaluate, sample,
-and decide about the champion. Its body reads as that stage table: a straight line of steps with
-plain arguments; caching, retries and where results live are configured on the tasks and in
-`flows.launch`, where training runs in `flows.training`.
+and decide about the champion, and the `prepare` and `evaluate` flows it is made of. Caching,
+retries and where results live are configured on the tasks and in `flows.launch`, where training
+runs in `flows.training`, what a run shows in Prefect's UI in `flows.artifacts.pipeline`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import re
 from typing import Any, Callable, Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 from prefect.utilities.annotations import quote
-from pydantic import BaseModel
 
 from flows import dispatch
+from flows.artifacts.pipeline import PipelineResult, publish
 from flows.launch import check_model_name, data_runner, preflight, storage_root, training_pool, with_results
 from flows.settings import process_defaults
 from flows.stack import orphans
@@ -25,7 +24,7 @@ from flows.training import run_training, train
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig
 from mllm.families.base import family_of
-from mllm.resolve import recipe_names, resolve
+from mllm.resolve import NO_OVERRIDES, Overrides, recipe_names, resolve
 from tasks.caching import forget_exception, result_storage
 from tasks.data.download import corpus_changes, download, download_source, file_identities
 from tasks.data.generated import generate_data
@@ -36,7 +35,6 @@ from tasks.data.vocabulary import build_vocabulary
 from tasks.model import Evaluation, Prepared, Trained
 from tasks.model import evaluate as evaluation_stage
 from tasks.model import generate as sample_stage
-from tasks.model.evaluate import describe
 from tasks.model.train import lineage_tags, train_key
 from tasks.tracking import outage
 from tasks.tracking.champion import (
@@ -49,7 +47,6 @@ from tasks.tracking.champion import (
 )
 from tasks.tracking.registry import log_outcome, log_skipped
 from tasks.tracking.store import client as tracking_client
-from tasks.tracking.store import run_url
 from tasks.tracking.tracker import RunTracker, log_data
 
 
@@ -114,20 +111,6 @@ def evaluate(cfg: RunConfig, trained: Trained, data: Prepared) -> tuple[Evaluati
     return evaluation, samples
 
 
-class PipelineResult(BaseModel):
-    recipe: str
-    storage: str
-    data: Prepared
-    decision: Literal["promoted", "kept", "skipped", "reproduction"]
-    reason: str
-    trained: Trained | None  # None when skipped
-    evaluation: Evaluation | None
-    samples: dict[str, list[str]]
-    mlflow_run_id: str
-    champion: Outcome
-    corpus_changes: dict[str, int] = {}  # a corpus of many files: files new, changed, removed, reused since last read
-
-
 # The shipped recipes: the Prefect UI shows the parameter as a choice.
 RecipeName = Literal[tuple(recipe_names())]  # type: ignore[valid-type]
 
@@ -181,7 +164,7 @@ def pipeline(
     recipe: RecipeName = "default",
     source: str | list[str] | None = None,
     storage_url: str | None = None,
-    overrides: list[str] = [],
+    overrides: Overrides = NO_OVERRIDES,
     tags: dict[str, str] = {},
     train_on: str | None = None,
     force: bool = False,
@@ -212,71 +195,95 @@ def pipeline(
     cfg = resolve(recipe, overrides=overrides, source=source)
     if model:
         check_model_name(model)
-    model_name = model or cfg.recipe
     root = storage_root(storage_url)
     preflight(root)
     pool = training_pool(recipe, train_on)
     if pool:
         dispatch.ensure_deployment(train, pool)  # no such pool: say so before the data stages
+    plan = RunPlan(cfg, root, pool, force, reproduces, model or cfg.recipe)
     # A full disk (storage, or the MLflow store beside it) is one line naming the root: no retry
     # makes room, and the same command goes on from what was kept.
     with storage.room_on(root):
         data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
-        key = train_key(cfg, data)
-        registry = tracking_client(root)
-        # A reproduction never reads or touches the registry: it verifies a run, it never competes.
-        champion = None if reproduces else current_champion(registry, model_name)
+        result = plan.tracked(data, tags)
+    publish(result)
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """One pipeline run after its data stages: what it was asked, and where it goes."""
+
+    cfg: RunConfig
+    root: str
+    pool: str | None
+    force: bool
+    reproduces: str | None
+    model: str
+
+    def skip(self, data: Prepared, key: str, registry: Any, champion: Champion | None) -> str | None:
+        """Why this run need not train (the champion was trained on the same data, config and
+        code), or None."""
         # Storage roots may share a tracking store (mlflow.db beside sibling roots, a server): a
         # run skips only when this root holds the finished training, so a new --storage trains.
-        trained_here = storage.exists(layout.folder(root, layout.RUNS, key, "trained.json"))
-        skip = (
-            None
-            if force or reproduces or not trained_here
-            else skip_reason(champion, version_trained_on(registry, model_name, key), data.raw_sha256, key)
-        )
-        trained = evaluation = None
-        samples: dict[str, list[str]] = {}
-        where = {"train.pool": pool} if pool else {}
-        if reproduces:
-            where["reproduces"] = reproduces
+        trained_here = storage.exists(layout.folder(self.root, layout.RUNS, key, "trained.json"))
+        if self.force or self.reproduces or not trained_here:
+            return None
+        return skip_reason(champion, version_trained_on(registry, self.model, key), data.raw_sha256, key)
+
+    def tracked(self, data: Prepared, tags: dict[str, str]) -> PipelineResult:
+        """The MLflow run: the data logged, then the training judged against the champion, or the skip."""
+        cfg, root = self.cfg, self.root
+        # A reproduction never reads or touches the registry: it verifies a run, it never competes.
+        key, registry = train_key(cfg, data), tracking_client(root)
+        champion = None if self.reproduces else current_champion(registry, self.model)
+        skip = self.skip(data, key, registry, champion)
+        where = {"train.pool": self.pool} if self.pool else {}
+        if self.reproduces:
+            where["reproduces"] = self.reproduces
         # A skipped run says so in its name: it would otherwise share the name of the run that trained.
         name = f"{cfg.recipe}-{key[:8]}" + ("-skipped" if skip else "")
+        trained = evaluation = None
+        samples: dict[str, list[str]] = {}
         with RunTracker(cfg, root, tags={**tags, **where}, run_name=name) as run:
-            # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
-            # to its last string and records any piece that came out of a subflow (the prepare flow
-            # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
-            # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
-            log_data(run.run_id, quote(cfg), root, quote(data))
-            run.set_tags(lineage_tags(cfg, data))  # for `lineage`, skipped runs too
-            # A corpus of many files: what changed since its sources were last read (a schedule's question).
-            changes = corpus_changes(data, root)
-            run.log_params({f"corpus.{k}": v for k, v in changes.items()})
-            if (dropped := data.tokens.dropped_share()) is not None:
-                run.log_params({"corpus.chars_dropped": round(dropped, 4)})  # by the tokenizer's normalisation
+            changes = log_inputs(run, cfg, root, data)
             if skip:
                 outcome = log_skipped(run.run_id, quote(cfg), root, quote(champion), skip)
             else:
-                trained = run_training(cfg, data, root, run.run_id, pool)
+                trained = run_training(cfg, data, root, run.run_id, self.pool)
                 evaluation, samples = with_results(evaluate, root)(cfg, trained, data)
                 outage.check_back(trained.run_dir)
-                outcome = judge(
-                    run.run_id, cfg, root, trained, evaluation, samples, data, champion, reproduces, model_name
-                )
-    result = PipelineResult(
-        recipe=cfg.recipe,
-        storage=root,
-        data=data,
-        decision=outcome.decision,
-        reason=outcome.reason,
-        trained=trained,
-        evaluation=evaluation,
-        samples=samples,
-        mlflow_run_id=run.run_id,
-        champion=outcome,
-        corpus_changes=changes,
-    )
-    publish(result)
-    return result
+                args = (trained, evaluation, samples, data, champion, self.reproduces, self.model)
+                outcome = judge(run.run_id, cfg, root, *args)
+        return PipelineResult(
+            recipe=cfg.recipe,
+            storage=root,
+            data=data,
+            decision=outcome.decision,
+            reason=outcome.reason,
+            trained=trained,
+            evaluation=evaluation,
+            samples=samples,
+            mlflow_run_id=run.run_id,
+            champion=outcome,
+            corpus_changes=changes,
+        )
+
+
+def log_inputs(run: RunTracker, cfg: RunConfig, root: str, data: Prepared) -> dict[str, int]:
+    """The run's data and lineage, skipped runs too; a corpus's changes since its sources were last
+    read (a schedule's question), which it returns."""
+    # quote() every object a task of this flow takes: Prefect walks an unquoted argument down
+    # to its last string and records any piece that came out of a subflow (the prepare flow
+    # hands the config's source URL back unchanged) as a "flow_run" input, which Prefect 3.8's
+    # UI cannot read ("Invalid TaskInputResponse": the Task Runs tab lists no task run).
+    log_data(run.run_id, quote(cfg), root, quote(data))
+    run.set_tags(lineage_tags(cfg, data))  # for `lineage`
+    changes = corpus_changes(data, root)
+    run.log_params({f"corpus.{k}": v for k, v in changes.items()})
+    if (dropped := data.tokens.dropped_share()) is not None:
+        run.log_params({"corpus.chars_dropped": round(dropped, 4)})  # by the tokenizer's normalisation
+    return changes
 
 
 def judge(
@@ -315,132 +322,3 @@ def judge(
         model,
         quote(files),
     )
-
-
-def publish(result: PipelineResult) -> None:
-    """The decision, and for a trained model a summary, as Prefect markdown artifacts."""
-    slug = "".join(c if c.isalnum() else "-" for c in result.recipe.lower())
-    link = _mlflow_link(result.storage, result.mlflow_run_id)
-    create_markdown_artifact(
-        decision_table(result, link), key=f"decision-{slug}", description=f"{result.recipe}: {result.decision}"
-    )
-    if result.trained is not None:
-        create_markdown_artifact(
-            summary(result, link), key=f"pipeline-{slug}", description=f"{result.recipe}: data, training and samples"
-        )
-
-
-def _mlflow_link(root: str, run_id: str) -> str:
-    """The MLflow run as a link into the MLflow UI when the runs go to a server, else its id."""
-    with contextlib.suppress(Exception):  # an artifact is no reason to fail a finished run
-        if url := run_url(root, run_id):
-            return f"[{run_id}]({url})"
-    return f"`{run_id}`"
-
-
-# The artifacts' tables hold short cells only (Prefect's UI cuts a long one at the right edge);
-# the reason and the paths go below them as text, which wraps. The first row is the header: a
-# table with an empty header row shows as an empty first row.
-def decision_table(r: PipelineResult, link: str | None = None) -> str:
-    c = r.champion
-    cfg = resolve(r.recipe)
-    rows = [("corpus sha256", f"`{r.data.raw_sha256[:16]}`"), ("MLflow run", link or f"`{r.mlflow_run_id}`")]
-    if r.corpus_changes:
-        rows.insert(1, ("corpus files", files_line(r.corpus_changes)))
-    if r.decision == "skipped":
-        rows.append(("champion", f"{c.name} v{c.version}"))
-    elif r.decision == "reproduction":
-        rows.append(("evaluation", describe(r.evaluation, cfg)))
-    else:
-        rows.append(("this model", f"{c.name} v{c.version}"))
-        rows.append(("evaluation", describe(r.evaluation, cfg)))
-        if c.previous:
-            cs = c.champion_score
-            measured = (
-                f"{c.previous.headline} {_f(c.previous.score)} on the same split"
-                if cs is None
-                else f"{cs.headline} {cs.value:.4f} on this split"
-            )
-            rows.append(("previous champion", f"v{c.previous.version}, {measured}"))
-    return "\n".join(
-        [
-            f"# {r.recipe}: {r.decision}",
-            "",
-            f"| decision | **{r.decision}** |",
-            "|---|---|",
-            *[f"| {k} | {v} |" for k, v in rows],
-            "",
-            f"**Why:** {r.reason}",
-            "",
-        ]
-    )
-
-
-def summary(r: PipelineResult, link: str | None = None) -> str:
-    d, t, e = r.data, r.trained, r.evaluation
-    cfg = resolve(r.recipe)
-    lines = [
-        f"# {r.recipe}",
-        "",
-        f"| model | {_model_cell(r.champion)} |",
-        "|---|---|",
-        f"| corpus | {d.raw_bytes:,} bytes, sha256 `{d.raw_sha256[:12]}` |",
-        *([f"| corpus files | {files_line(r.corpus_changes)} |"] if r.corpus_changes else []),
-        f"| tokens | {d.tokens.n_tokens:,} |",
-        f"| vocabulary | {d.vocab.size} entries |",
-        f"| split | train {d.splits.train.n_tokens:,} / val {d.splits.val.n_tokens:,}"
-        + (f" / test {d.splits.test.n_tokens:,}" if d.splits.test else "")
-        + " tokens |",
-        f"| steps | {t.steps} ({t.stop_reason}), {t.tokens_per_s:,.0f} tokens/s |",
-        f"| precision | {t.precision()} |",
-        f"| compiled | {'yes' if t.compile_used else 'no'} ({t.compile_reason}) |",
-        *([f"| attention | {t.attention} |"] if t.attention else []),
-        *([f"| Muon's Newton-Schulz | {t.muon_precision} |"] if t.muon_precision else []),
-        f"| MFU | {_mfu(t)} |",
-        *([f"| threads | {t.threads_reason} |"] if t.threads_reason else []),
-        *([f"| busy machine | {t.busy_line()} |"] if t.busy else []),
-        f"| train loss | {_f(t.train_loss)} |",
-        f"| evaluation | {describe(e, cfg)} |",
-        f"| MLflow run | {link or f'`{r.mlflow_run_id}`'} |",
-        "",
-        f"**Source:** {d.source}",
-        "",
-        f"**Outputs:** `{t.run_dir}`",
-        "",
-        "## Samples",
-        "",
-    ]
-    for method, texts in r.samples.items():
-        shown = "\n".join(t.strip() for t in texts) or "(no prompt fits the vocabulary)"
-        lines += [f"**{method}**", "", "```", shown, "```", ""]
-    return "\n".join(lines)
-
-
-def files_line(c: dict[str, int]) -> str:
-    """A corpus's files against the last read of its sources: '12 files: 1 new, 0 changed, 0 removed, 11 reused; 1 tokenized'."""
-    line = (
-        f"{c['files']} files: {c['new']} new, {c['changed']} changed, {c['removed']} removed, {c['reused']} reused; "
-        f"{c['tokenized']} tokenized"
-    )
-    return (
-        line
-        + (f"; {c['duplicates']} the same bytes as another, read once" if c.get("duplicates") else "")
-        + (f"; {c['skipped']} left out" if c.get("skipped") else "")
-        + (f" ({c['empty']} empty)" if c.get("empty") else "")
-    )
-
-
-def _mfu(t: Any) -> str:
-    if t.mfu is None or not t.peak_flops:
-        return "n/a"
-    return f"{t.mfu:.1%} of {t.peak_flops / 1e12:.3g} TFLOP/s ({t.peak_source})"
-
-
-def _model_cell(c: Outcome) -> str:
-    if c.decision == "reproduction":
-        return "not registered (a reproduction)"
-    return f"{c.name} v{c.version}, {'now champion' if c.promoted else 'champion kept'}"
-
-
-def _f(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.4f}"

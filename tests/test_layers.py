@@ -22,6 +22,7 @@ LAZY = {
     "flows/cli/exporting.py": "MLflow, torch and the export libraries only when an export runs",
     "flows/cli/servers.py": "Prefect's client only for the command that drives a server",
     "flows/cli/search.py": "Optuna and Prefect's flows only when a search runs",
+    "flows/cli/sweep.py": "Prefect's flows only when a sweep runs: --help answers without them",
     "flows/cli/terminal.py": "flows.pipeline (Prefect, several seconds) on a command's first flow",
     "flows/launch.py": "Prefect and MLflow off the CLI's fast paths (the preflight checks)",
     "flows/settings.py": "the other layers' settings only to write the docs' table",

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from typer._click.exceptions import NoSuchOption
 
-from mllm.resolve import absolute_source
+from mllm.resolve import Overrides, absolute_source
 from mllm.storage import hide_credentials
 
 
@@ -173,17 +173,18 @@ Sets = Annotated[
 
 def without_credentials(
     source: list[str] | None, sets: list[str] | None, task_runner: str | None = None
-) -> tuple[str | list[str] | None, list[str]]:
-    """The source (one, several, or none) and overrides with any user:password taken out of URLs
-    (kept in memory for the download): the flow's parameters, which Prefect stores, never hold one.
-    A local path is made absolute. --task-runner joins the overrides."""
-    sets = [f"{k}={hide_credentials(v)}" if sep else k for k, sep, v in (s.partition("=") for s in sets or [])]
+) -> tuple[str | list[str] | None, Overrides]:
+    """The source (one, several, or none) and the --set overrides, parsed (a malformed one is the
+    command's error line), with any user:password taken out of URLs (kept in memory for the
+    download): the flow's parameters, which Prefect stores, never hold one. A local path is made
+    absolute. --task-runner joins the overrides."""
+    overrides = Overrides.parse(sets).without_credentials()
     if task_runner:
-        sets.append(f"data.task_runner={task_runner}")
+        overrides = overrides.with_values({"data.task_runner": task_runner})
     # A relative path means the caller's folder: absolute in the flow's parameters, which a
     # deployment's worker reads from another, and in the run's record (`reproduce`).
     sources = [absolute_source(hide_credentials(x)) for x in source or []]
-    return (sources[0] if len(sources) == 1 else sources or None), sets
+    return (sources[0] if len(sources) == 1 else sources or None), overrides
 
 
 Tags = Annotated[

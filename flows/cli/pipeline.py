@@ -1,5 +1,5 @@
-"""`mllm-pipeline run`, `prepare`, `train`, `evaluate`, `sample`, `recipes` and `sweep`: the commands
-that run the pipeline, or one part of it."""
+"""`mllm-pipeline run`, `prepare`, `train`, `evaluate`, `sample` and `recipes`: the commands that run
+the pipeline, or one part of it, and sample what it trained."""
 
 from __future__ import annotations
 
@@ -22,13 +22,12 @@ from flows.cli.app import (
     app,
     without_credentials,
 )
-from flows.cli.terminal import console, escape, flow_session, flows_module, progress, user_errors
-from flows.launch import check_model_name, checked_config
+from flows.cli.terminal import console, escape, flow_session, progress, user_errors
+from flows.launch import check_model_name, checked_config, data_runner, storage_root, with_results
 from mllm import UserError
 from mllm.config import METHODS
 from mllm.redact import scrub
-from mllm.resolve import recipe_file_overrides, recipe_names, resolve
-from mllm.storage import hide_credentials
+from mllm.resolve import field_value, recipe_file_overrides, recipe_names, resolve
 
 
 @app.command()
@@ -50,19 +49,21 @@ def run(
     with user_errors():
         from flows.launch import training_pool
 
-        source, set_ = without_credentials(source, set_, task_runner)
-        recipe, set_ = recipe_file_overrides(recipe, set_)
+        source, sets = without_credentials(source, set_, task_runner)
+        recipe, sets = recipe_file_overrides(recipe, sets)
         if model:
             check_model_name(model)
-        cfg = checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
+        cfg = checked_config(recipe, sets, source, storage, train_here=not training_pool(recipe, train_on))
         # Scrubbed here, before Prefect stores the flow run's parameters.
-        tags = scrub(dict(_key_value(t, "--tag") for t in tag or []))
-        with flow_session() as fl, progress():
-            result = fl.pipeline(
+        tags = scrub(dict(field_value(t, "--tag", "key=value", dotted=False) for t in tag or []))
+        with flow_session(), progress():
+            from flows.pipeline import pipeline
+
+            result = pipeline(
                 recipe=recipe,
                 source=source,
-                storage_url=fl.storage_root(storage),
-                overrides=set_ or [],
+                storage_url=storage_root(storage),
+                overrides=sets,
                 tags=tags,
                 train_on=train_on,
                 force=force,
@@ -73,10 +74,12 @@ def run(
         if result.decision == "skipped":
             typer.echo(f"skipped: {result.reason}")
             typer.echo(f"champion: {c.name} v{c.version} (mlflow run {c.run_id})")
-            _echo_mlflow_run(fl, result)
+            _echo_mlflow_run(result)
             return
+        from tasks.model.evaluate import describe
+
         t, e = result.trained, result.evaluation
-        typer.echo(f"{fl.describe(e, cfg)} after {t.steps} steps")
+        typer.echo(f"{describe(e, cfg)} after {t.steps} steps")
         method, texts = next(iter(result.samples.items()))
         shown = "; ".join(x.strip().replace("\n", "; ") for x in texts) or "none (no sample prompt fits the vocabulary)"
         typer.echo(f"sample ({method}): {shown[:200]}")
@@ -87,28 +90,23 @@ def run(
                 f"model: {c.name} v{c.version} ({'promoted to champion' if c.promoted else 'champion kept'}: "
                 f"{c.reason})"
             )
-        _echo_mlflow_run(fl, result)
+        _echo_mlflow_run(result)
         typer.echo(f"outputs: {t.run_dir}")
         typer.echo(f"  checkpoint: {t.best_checkpoint or t.checkpoint}")
         typer.echo(f"  samples:    {t.run_dir}/samples/")
         typer.echo(f"  report:     {e.report}")
 
 
-def _echo_mlflow_run(fl: Any, result: Any) -> None:
+def _echo_mlflow_run(result: Any) -> None:
+    from tasks.tracking.store import run_url
+
     typer.echo(f"mlflow run: {result.mlflow_run_id}")
     try:
-        url = fl.run_url(result.storage, result.mlflow_run_id)
+        url = run_url(result.storage, result.mlflow_run_id)
     except Exception:  # noqa: BLE001 - the run has ended; a link is no reason to fail the command
         url = None
     if url:
         typer.echo(f"  in the UI: {url}")
-
-
-def _key_value(item: str, option: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip():
-        raise UserError(f"malformed {option} {item!r}: write it as key=value")
-    return key.strip(), value
 
 
 def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) -> Any:
@@ -116,15 +114,18 @@ def _run_stages(cfg, storage: str | None, last: str, pool: str | None = None) ->
     return the last one's result."""
     from mllm.storage import room_on
 
-    with flow_session() as fl, progress(), room_on(fl.storage_root(storage)):
-        root = fl.storage_root(storage)
-        data = fl.with_results(fl.prepare, root, fl.data_runner(cfg.data.task_runner))(cfg, root)
+    root = storage_root(storage)
+    with flow_session(), progress(), room_on(root):
+        from flows.pipeline import evaluate, prepare
+        from flows.training import run_training
+
+        data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
         if last == "prepare":
             return data
-        trained = fl.run_training(cfg, data, root, None, pool)
+        trained = run_training(cfg, data, root, None, pool)
         if last == "train":
             return trained
-        return fl.with_results(fl.evaluate, root)(cfg, trained, data)
+        return with_results(evaluate, root)(cfg, trained, data)
 
 
 @app.command()
@@ -139,8 +140,8 @@ def prepare(
     with user_errors():
         from mllm.families.base import family_of
 
-        source, set_ = without_credentials(source, set_, task_runner)
-        cfg = checked_config(recipe, set_, source, storage, trains=False)
+        source, sets = without_credentials(source, set_, task_runner)
+        cfg = checked_config(recipe, sets, source, storage, trains=False)
         data = _run_stages(cfg, storage, "prepare")
         typer.echo(family_of(cfg).describe_data(data))
         typer.echo(f"tokens: {data.tokens.url}\nvocab:  {data.vocab.url}\nsplits: {data.splits.url}")
@@ -159,10 +160,10 @@ def train(
     with user_errors():
         from flows.launch import training_pool
 
-        source, set_ = without_credentials(source, set_, task_runner)
+        source, sets = without_credentials(source, set_, task_runner)
         pool = training_pool(recipe, train_on)
         trained = _run_stages(
-            checked_config(recipe, set_, source, storage, train_here=not pool), storage, "train", pool
+            checked_config(recipe, sets, source, storage, train_here=not pool), storage, "train", pool
         )
         typer.echo(
             f"{trained.steps} steps ({trained.stop_reason}), val loss "
@@ -184,61 +185,76 @@ def evaluate(
     """Evaluate and sample the trained checkpoint of a recipe; with none in storage it trains first, in
     this process (to train on a pool, run `train --train-on POOL` first)."""
     with user_errors():
-        source, set_ = without_credentials(source, set_, task_runner)
-        cfg = checked_config(recipe, set_, source, storage)
+        source, sets = without_credentials(source, set_, task_runner)
+        cfg = checked_config(recipe, sets, source, storage)
         evaluation, _ = _run_stages(cfg, storage, "evaluate")
-        typer.echo(f"{flows_module().describe(evaluation, cfg)}; report {evaluation.report}")
+        from tasks.model.evaluate import describe
+
+        typer.echo(f"{describe(evaluation, cfg)}; report {evaluation.report}")
+
+
+def _runs_own(kind: type, metavar: str, help: str = "Default: the run's own.") -> Any:
+    """A `sample` option that, left out, takes the run's own `sample` section."""
+    return Annotated[Optional[kind], typer.Option(metavar=metavar, help=help)]
+
+
+Checkpoint = Annotated[
+    Optional[str], typer.Option(metavar="URL", help="A checkpoint URL (a run's checkpoints/best.pt).")
+]
+RunId = Annotated[Optional[str], typer.Option("--run", metavar="RUN_ID", help="An MLflow run id: its logged model.")]
+RegisteredModel = Annotated[
+    Optional[str], typer.Option("--model", metavar="MODEL", help="A registered model: NAME@champion or NAME/VERSION.")
+]
+Prompt = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="TEXT",
+        help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
+        "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
+        "own prompts.",
+    ),
+]
+PromptFile = Annotated[
+    Optional[str], typer.Option(metavar="FILE", help="A text file of prompts, one a line: an answer a line.")
+]
+Method = _runs_own(
+    str,
+    "METHOD",
+    f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's first sample method.",
+)
+MaxNewTokens = _runs_own(int, "N")
+Temperature = _runs_own(float, "T")
+TopK = _runs_own(int, "K")
+TopP = _runs_own(float, "P")
+BeamWidth = _runs_own(int, "N")
+Seed = _runs_own(int, "SEED")
+Neighbours = _runs_own(int, "N", "Word embeddings: neighbours per word. Default: the run's own.")
+Device = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="DEVICE",
+        help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
+        "for --run/--model a GPU when there is one.",
+    ),
+]
 
 
 @app.command()
 def sample(
-    checkpoint: Annotated[
-        Optional[str], typer.Option(metavar="URL", help="A checkpoint URL (a run's checkpoints/best.pt).")
-    ] = None,
-    run: Annotated[
-        Optional[str], typer.Option("--run", metavar="RUN_ID", help="An MLflow run id: its logged model.")
-    ] = None,
-    model: Annotated[
-        Optional[str],
-        typer.Option("--model", metavar="MODEL", help="A registered model: NAME@champion or NAME/VERSION."),
-    ] = None,
-    prompt: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="TEXT",
-            help="Text to continue; the words whose neighbours to list (word embeddings); the sentence to "
-            "translate (seq2seq); the numbers to go on from (sequence experiments). Default: the run's "
-            "own prompts.",
-        ),
-    ] = None,
-    prompt_file: Annotated[
-        Optional[str], typer.Option(metavar="FILE", help="A text file of prompts, one a line: an answer a line.")
-    ] = None,
-    method: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="METHOD",
-            help=f"{', '.join(METHODS)} (a seq2seq model: greedy, beam, temperature). Default: the run's "
-            "first sample method.",
-        ),
-    ] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
-    temperature: Annotated[Optional[float], typer.Option(metavar="T", help="Default: the run's own.")] = None,
-    top_k: Annotated[Optional[int], typer.Option(metavar="K", help="Default: the run's own.")] = None,
-    top_p: Annotated[Optional[float], typer.Option(metavar="P", help="Default: the run's own.")] = None,
-    beam_width: Annotated[Optional[int], typer.Option(metavar="N", help="Default: the run's own.")] = None,
-    seed: Annotated[Optional[int], typer.Option(metavar="SEED", help="Default: the run's own.")] = None,
-    neighbours: Annotated[
-        Optional[int], typer.Option(metavar="N", help="Word embeddings: neighbours per word. Default: the run's own.")
-    ] = None,
-    device: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="DEVICE",
-            help="cpu, cuda, cuda:N, mps or auto (a GPU when there is one). Default: cpu for --checkpoint; "
-            "for --run/--model a GPU when there is one.",
-        ),
-    ] = None,
+    checkpoint: Checkpoint = None,
+    run: RunId = None,
+    model: RegisteredModel = None,
+    prompt: Prompt = None,
+    prompt_file: PromptFile = None,
+    method: Method = None,
+    max_new_tokens: MaxNewTokens = None,
+    temperature: Temperature = None,
+    top_k: TopK = None,
+    top_p: TopP = None,
+    beam_width: BeamWidth = None,
+    seed: Seed = None,
+    neighbours: Neighbours = None,
+    device: Device = None,
     storage: Storage = None,
 ) -> None:
     """Sample from a checkpoint, an MLflow run's model or a registered model.
@@ -263,39 +279,56 @@ def sample(
             seed=seed,
             neighbours=neighbours,
         )
-        from mllm.sample import check_method_options
-
-        check_method_options(options)
-        if device is not None:
-            from mllm.runtime.devices import resolve_device
-
-            resolve_device(device)  # a device this machine lacks: one line, before anything loads
+        _check_sampling(options, device)
         if checkpoint:
-            from mllm.runtime.checkpoint import load_checkpoint
-            from mllm.sample import answer
+            answer = _checkpoint_answers(checkpoint, device, prompts, options)
+        else:
+            answer = _served_answers(storage_root(storage), run, model, device, options)
+        _print_answers(answer, prompts, prompt_file)
 
-            loaded = load_checkpoint(checkpoint, device=device or "cpu")
-            from mllm.sample import prompt_losses
 
-            losses = prompt_losses(loaded, prompts)  # the model samples from what is left
+def _check_sampling(options: dict[str, Any], device: str | None) -> None:
+    """The sampling options and the device, each a line of its own before anything loads."""
+    from mllm.sample import check_method_options
 
-            def answered(p: list[str] | None) -> list[str]:
-                out = answer(loaded, p, **options)
-                for line in losses:  # said once the model took the prompt: a refused one gets its error alone
-                    console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-                losses.clear()
-                return out
+    check_method_options(options)
+    if device is not None:
+        from mllm.runtime.devices import resolve_device
 
-            _print_answers(answered, prompts, prompt_file)
-            return
-        from flows.launch import check_tracked
+        resolve_device(device)  # a device this machine lacks: one line, before anything loads
 
-        root = flows_module().storage_root(storage)
-        check_tracked(root)  # seconds, not MLflow's minutes of retries
-        from flows.history import runs
 
-        served = runs.served(root, runs.model_uri(root, run, model), device)
-        _print_answers(lambda p: runs.generate(served, p, options), prompts, prompt_file)
+def _checkpoint_answers(
+    checkpoint: str, device: str | None, prompts: list[str] | None, options: dict[str, Any]
+) -> Callable[[list[str] | None], list[str]]:
+    """The answers of a checkpoint loaded here; a prompt's lost characters warned about once the
+    model took it (a refused prompt gets its error line alone)."""
+    from mllm.runtime.checkpoint import load_checkpoint
+    from mllm.sample import answer, prompt_losses
+
+    loaded = load_checkpoint(checkpoint, device=device or "cpu")
+    losses = prompt_losses(loaded, prompts)  # the model samples from what is left
+
+    def answered(p: list[str] | None) -> list[str]:
+        out = answer(loaded, p, **options)
+        for line in losses:
+            console.print(f"[yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        losses.clear()
+        return out
+
+    return answered
+
+
+def _served_answers(
+    root: str, run: str | None, model: str | None, device: str | None, options: dict[str, Any]
+) -> Callable[[list[str] | None], list[str]]:
+    """The answers of an MLflow run's model or a registered model."""
+    from flows.history import runs
+    from flows.launch import check_tracked
+
+    check_tracked(root)  # seconds, not MLflow's minutes of retries
+    served = runs.served(root, runs.model_uri(root, run, model), device)
+    return lambda p: runs.generate(served, p, options)
 
 
 def _prompt_lines(path: str) -> list[str]:
@@ -360,78 +393,3 @@ def recipes() -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-
-
-@app.command()
-def sweep(
-    recipe: Recipe = "default",
-    grid: Annotated[
-        Optional[list[str]],
-        typer.Option(
-            "--grid",
-            metavar="FIELD=V1,V2,...",
-            help="A config field and its values: --grid train.lr=1e-3,3e-3 (repeatable: every combination runs).",
-        ),
-    ] = None,
-    source: Source = None,
-    storage: TrainingStorage = None,
-    set_: Sets = None,
-    train_on: TrainOn = None,
-    parallel: Annotated[
-        Optional[int],
-        typer.Option(metavar="N", help="With --train-on: at most N points at once [as many as the pool's slots take]."),
-    ] = None,
-    model: ModelName = None,
-) -> None:
-    """Run the pipeline at every point of a grid and compare the points' headline metrics. Exit status 1 when
-    a point failed, after the table, with a line saying how many and where their logs are; as `search` exits 1
-    when a trial failed."""
-    with user_errors():
-        if parallel is not None and parallel < 1:
-            raise UserError(f"--parallel {parallel}: give at least 1 (the points that run at once)")
-        if model:
-            check_model_name(model)
-        from flows.launch import training_pool
-        from flows.sweep.flow import PointsFailed
-        from flows.sweep.points import parse_grid, resolve_points, split_values
-        from flows.sweep.table import text_table
-
-        source, set_ = without_credentials(source, set_)
-        # A URL among the values (several sources, say) keeps its password in memory only, as --source's.
-        grid = [
-            f"{k}={','.join(hide_credentials(v) for v in split_values(values))}" if sep else k
-            for k, sep, values in (g.partition("=") for g in grid or [])
-        ]
-        resolve_points(recipe, parse_grid(grid), set_, source)  # every point, before anything runs
-        checked_config(recipe, set_, source, storage, train_here=not training_pool(recipe, train_on))
-        # At a terminal: a bar of the points, then a line for each that failed, then the table;
-        # Prefect's lines (hundreds for a sweep of many points) stay in the run record.
-        with flow_session() as fl, progress(stages=("points",), silent=True):
-            from flows.sweep.flow import sweep as sweep_flow
-
-            failure = ""
-            try:
-                result = sweep_flow(
-                    recipe=recipe,
-                    grid=grid,
-                    source=source,
-                    storage_url=fl.storage_root(storage),
-                    overrides=set_,
-                    train_on=train_on,
-                    parallel=parallel,
-                    model=model,
-                )
-            except PointsFailed as e:  # the others ran: their table first, then the one line
-                result, failure = e.result, str(e)
-        for o in result.failed:
-            console.print(
-                f"[bold red]failed:[/] {escape(scrub(o.label))}: {escape(scrub(o.error or ''))}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        typer.echo(text_table(result.outcomes))
-        typer.echo(f"sweep mlflow run: {result.mlflow_run_id}")
-        typer.echo(f"plot: {result.outputs}/sweep.png (artifact {result.artifact_uri}/sweep.png)")
-        if result.failed:
-            console.print(f"[bold red]error:[/] {escape(scrub(failure))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(1)

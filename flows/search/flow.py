@@ -41,7 +41,7 @@ from flows.launch import (
 from flows.search.dead import PROCESS_ATTR, crash_flow_runs, this_process
 from flows.search.record import SearchResult, TrialsFailed, record
 from flows.search.report import TrialOutcome
-from flows.search.space import Dim, check_space, parse_space, space_text, study_name
+from flows.search.space import NO_SPACE, Dim, Space, check_space, space_text, study_name
 from flows.search.study import (
     Heartbeats,
     check_options,
@@ -55,7 +55,7 @@ from flows.search.study import (
     study_lock,
     study_store,
 )
-from flows.search.trial import STUDY_TAG, mark_failed, run_one
+from flows.search.trial import STUDY_TAG, TrialPlan, mark_failed, run_one
 from flows.stack import database, orphans
 from flows.sweep.parent import ParentRun
 from flows.training import train
@@ -63,6 +63,7 @@ from mllm import UserError, storage
 from mllm.config import RunConfig
 from mllm.families.base import family_of
 from mllm.redact import scrub
+from mllm.resolve import NO_OVERRIDES, Overrides
 from tasks.caching import forget_exception
 from tasks.tracking.provenance import code_git_info, run_tags
 from tasks.tracking.tracker import (
@@ -84,7 +85,7 @@ class StudyRun(ParentRun):
         root: str,
         study: str,
         space: dict[str, Dim],
-        overrides: list[str],
+        overrides: Overrides,
         options: dict[str, str],
     ):
         super().__init__(cfg, root, {}, overrides)
@@ -116,7 +117,7 @@ class StudyRun(ParentRun):
             )
             params = {f"space.{f}": d.spec for f, d in self.space.items()} | self.options
             if self.overrides:
-                params["overrides"] = " ".join(self.overrides)
+                params["overrides"] = " ".join(self.overrides.items())
             for name, value in scrub(params).items():
                 self.client.log_param(run.info.run_id, name, value[:MAX_PARAM_VALUE])
         self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
@@ -255,14 +256,14 @@ def _run_name() -> str:
 )
 def search(
     recipe: str = "default",
-    space: list[str] = [],
+    space: Space = {},
     trials_n: int = 20,
     sampler: str = "tpe",
     pruner: str = "median",
     study: str | None = None,
     source: str | list[str] | None = None,
     storage_url: str | None = None,
-    overrides: list[str] = [],
+    overrides: Overrides = NO_OVERRIDES,
     train_on: str | None = None,
     parallel: int | None = None,
     startup_trials: int = 5,
@@ -290,89 +291,93 @@ def search(
     """
     if model:
         check_model_name(model)
-    optuna = optuna_module()
-    dims = parse_space(space)
+    if not space:
+        raise UserError(NO_SPACE)
     pool = training_pool(recipe, train_on)
     check_options(trials_n, sampler, pruner, parallel, startup_trials)
-    base = check_space(recipe, dims, overrides, source)
-    fam = family_of(base)
-    name = study or study_name(recipe, dims, overrides, base)
+    base = check_space(recipe, space, overrides, source)
+    name = study or study_name(recipe, space, overrides, base)
     root = storage_root(storage_url)
     store = study_store(root)
-    check_study(store, name, dims, recipe)
+    check_study(store, name, space, recipe)
     preflight(root)
     if pool:
         dispatch.ensure_deployment(train, pool)
-    direction = "maximize" if fam.higher_is_better else "minimize"
-    sign = -1.0 if fam.higher_is_better else 1.0  # the pruner reads val loss in the study's direction
+    options = {"sampler": sampler, "pruner": pruner, "trials": str(trials_n), "study": name, "study_file": store.shown}
     parent_id: dict[str, str] = {}
     rdb = open_storage(store, on_stale(root, parent_id))
     with study_lock(store, name), Heartbeats(rdb, store) as beats:
         with one_at_a_time(rdb, store, name):
-            st = beats.study = optuna.create_study(
-                study_name=name, storage=rdb, direction=direction, load_if_exists=True
-            )
-            st.set_user_attr("space", space_text(dims))
-            st.set_user_attr("recipe", recipe)
-            # A seed per start (and per process where searches share the study): a rerun, or the
-            # search beside it, must not draw the same values again.
-            st.sampler = make_sampler(
-                sampler,
-                int(
-                    storage.digest(
-                        [name, len(st.trials), *([os.getpid(), socket.gethostname()] if store.shared else [])]
-                    )[:8],
-                    16,
-                ),
-                startup_trials,
-            )
-            st.pruner = make_pruner(pruner, base, startup_trials)
-            options = {
-                "sampler": sampler,
-                "pruner": pruner,
-                "trials": str(trials_n),
-                "study": name,
-                "study_file": store.shown,
-            }
-            parent = StudyRun(base, root, name, dims, overrides, options).__enter__()
+            st = beats.study = open_study(rdb, store, name, recipe, space, base, options, startup_trials)
+            parent = StudyRun(base, root, name, space, overrides, options).__enter__()
         parent_id["id"] = parent.run_id
         with contextlib.ExitStack() as stack:
             stack.push(parent.__exit__)
-            revived = [] if store.shared else revive(st, root, parent.run_id)
-            done = finished_count(outcomes_of(st))
-            ended = TrialsEnded(trials_n, done, fam.higher_is_better)
-            futures: list[Any] = []
-            me = this_process()
-            while True:
-                running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
-                if parallel and len(running) >= parallel:
-                    concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
-                with one_at_a_time(rdb, store, name):
-                    trial = claim(st, trials_n)
-                    if trial is None:
-                        break
-                    beats.add(trial._trial_id)
-                    trial.set_user_attr(PROCESS_ATTR, me)  # for the search that takes over, should this one die
-                one = run_one.with_options(task_run_name=f"trial {trial.number}")
-                args = (st, trial, dims, recipe, source, root, overrides, parent.run_id, pool, sign, model)
-                if pool is None:
-                    # One at a time, each asking the sampler what the last taught; in this thread,
-                    # where a Ctrl-C reaches the training, which writes its checkpoint first.
-                    ended.record(one(*args))
-                    beats.discard(trial._trial_id)
-                    continue
-                future = one.submit(*args)
-                future.add_done_callback(ended)
-                future.add_done_callback(lambda _, tid=trial._trial_id: beats.discard(tid))
-                futures.append(future)
-            for f in futures:
-                f.wait()
-            outcomes = outcomes_of(st)
-            if down := next((o.error for o in outcomes if o.error and o.error.startswith(database.DOWN)), None):
-                orphans.stop_reporting()  # its state cannot be written: no minutes of retries
-                raise UserError(down)
-            result = record(parent, st, recipe, dims, overrides, source, outcomes, fam, store.shown, revived)
+            sign = (
+                -1.0 if family_of(base).higher_is_better else 1.0
+            )  # the pruner reads val loss in the study's direction
+            plan = TrialPlan(recipe, space, overrides, source, root, parent.run_id, pool, sign, model)
+            result = run_study(st, beats, rdb, store, plan, trials_n, parallel, parent)
     rdb.engine.dispose()
     if result.failed:
         raise TrialsFailed(result)  # the flow run fails, after every trial ran and was recorded
     return result
+
+
+def open_study(
+    rdb: Any, store: Any, name: str, recipe: str, space: dict[str, Dim], base: RunConfig, options: dict, startup: int
+) -> Any:
+    """The study (made, or loaded to continue), with its sampler and pruner."""
+    higher = family_of(base).higher_is_better
+    st = optuna_module().create_study(
+        study_name=name, storage=rdb, direction="maximize" if higher else "minimize", load_if_exists=True
+    )
+    st.set_user_attr("space", space_text(space))
+    st.set_user_attr("recipe", recipe)
+    # A seed per start (and per process where searches share the study): a rerun, or the
+    # search beside it, must not draw the same values again.
+    where = [os.getpid(), socket.gethostname()] if store.shared else []
+    st.sampler = make_sampler(options["sampler"], int(storage.digest([name, len(st.trials), *where])[:8], 16), startup)
+    st.pruner = make_pruner(options["pruner"], base, startup)
+    return st
+
+
+def run_study(
+    st: Any, beats: Heartbeats, rdb: Any, store: Any, plan: TrialPlan, trials_n: int, parallel: int | None, parent: Any
+) -> SearchResult:
+    """Trials until the study has `trials_n` (a dead search's resumed first), then the record."""
+    fam = family_of(parent.cfg)
+    revived = [] if store.shared else revive(st, plan.root, parent.run_id)
+    done = finished_count(outcomes_of(st))
+    ended = TrialsEnded(trials_n, done, fam.higher_is_better)
+    futures: list[Any] = []
+    me = this_process()
+    while True:
+        running = [f.wrapped_future for f in futures if not f.wrapped_future.done()]
+        if parallel and len(running) >= parallel:
+            concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        with one_at_a_time(rdb, store, st.study_name):
+            trial = claim(st, trials_n)
+            if trial is None:
+                break
+            beats.add(trial._trial_id)
+            trial.set_user_attr(PROCESS_ATTR, me)  # for the search that takes over, should this one die
+        one = run_one.with_options(task_run_name=f"trial {trial.number}")
+        if plan.pool is None:
+            # One at a time, each asking the sampler what the last taught; in this thread,
+            # where a Ctrl-C reaches the training, which writes its checkpoint first.
+            ended.record(one(st, trial, plan))
+            beats.discard(trial._trial_id)
+            continue
+        future = one.submit(st, trial, plan)
+        future.add_done_callback(ended)
+        future.add_done_callback(lambda _, tid=trial._trial_id: beats.discard(tid))
+        futures.append(future)
+    for f in futures:
+        f.wait()
+    outcomes = outcomes_of(st)
+    if down := next((o.error for o in outcomes if o.error and o.error.startswith(database.DOWN)), None):
+        orphans.stop_reporting()  # its state cannot be written: no minutes of retries
+        raise UserError(down)
+    p = plan
+    return record(parent, st, p.recipe, p.space, p.overrides, p.source, outcomes, fam, store.shown, revived)

@@ -18,7 +18,7 @@ from flows.search.space import Dim
 from flows.search.study import optuna_module
 from flows.sweep.table import csv_text
 from mllm import UserError, storage
-from mllm.resolve import resolve
+from mllm.resolve import Overrides, resolve
 from tasks.tracking.tracker import MAX_TAG_VALUE
 
 
@@ -63,7 +63,7 @@ def record(
     st: Any,
     recipe: str,
     space: dict[str, Dim],
-    overrides: list[str],
+    overrides: Overrides,
     source: str | list[str] | None,
     outcomes: list[TrialOutcome],
     fam: Any,
@@ -86,7 +86,7 @@ def record(
     texts = {"search.md": md, "search.csv": csv_text(rows), "search.json": json.dumps(rows, indent=2) + "\n"}
     best_recipe = None
     if best is not None:
-        cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in best.params.items())], source=source)
+        cfg = resolve(recipe, overrides=overrides.with_values(best.params), source=source)
         texts["best.yaml"] = search_report.best_recipe(cfg, parent.study, best, fam.headline)
         best_recipe = storage.join(folder, "best.yaml")
     for name_, text in texts.items():

@@ -9,15 +9,18 @@ SPEC is a list of values (`2,4,6`, each a YAML value as `--set` takes it), or a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
 
 from flows.sweep.points import split_values
 from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.resolve import resolve
+from mllm.resolve import NO_OVERRIDES, Overrides, field_value, resolve
 
 EXAMPLE = "e.g. --space train.lr=log:1e-4..1e-2 or --space model.n_layer=1,2,3"
+NO_SPACE = f"give at least one --space FIELD=SPEC ({EXAMPLE})"
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,10 @@ class Dim:
 
 def parse_space(items: list[str]) -> dict[str, Dim]:
     if not items:
-        raise UserError(f"give at least one --space FIELD=SPEC ({EXAMPLE})")
+        raise UserError(NO_SPACE)
     texts: dict[str, str] = {}
     for item in items:
-        field, sep, text = item.partition("=")
-        field = field.strip()
-        if not sep or not field or any(not part for part in field.split(".")):
-            raise UserError(f"malformed --space {item!r}: write it as FIELD=SPEC ({EXAMPLE})")
+        field, text = field_value(item, "--space", f"FIELD=SPEC ({EXAMPLE})")
         if field in texts:  # first: each of two one-value --space of a field is no mistake of its own
             raise UserError(f"--space {field} is given twice: give each field once")
         texts[field] = text.strip()
@@ -110,30 +110,45 @@ def parse_spec(field: str, text: str) -> Dim:
     return Dim(field, low=low, high=high, log=log, integer=integer)
 
 
+def _space_of(value: Any) -> Any:
+    return parse_space(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
+
+
+# A flow's space parameter: the parsed space; `--space` texts (a script's, a test's) are parsed on the way in.
+Space = Annotated[dict[str, Dim], BeforeValidator(_space_of)]
+
+
+def without_credentials(space: dict[str, Dim]) -> dict[str, Dim]:
+    """A URL among a field's choices with its password kept in memory only, as --source's."""
+    return {
+        field: replace(dim, choices=tuple(storage.hide_credentials(c) for c in dim.choices))
+        for field, dim in space.items()
+    }
+
+
 def check_space(
-    recipe: str, space: dict[str, Dim], overrides: list[str] = (), source: str | list[str] | None = None
+    recipe: str, space: dict[str, Dim], overrides: Overrides = NO_OVERRIDES, source: str | list[str] | None = None
 ) -> RunConfig:
     """The recipe's config with the fixed overrides, after checking every choice and both ends of
     every range against it: an unknown field, a value of the wrong type, a field of another
     family, a field fixed by --set too: one line naming it."""
-    fixed = {item.partition("=")[0].strip() for item in overrides}
-    base = resolve(recipe, overrides=list(overrides), source=source)
+    base = resolve(recipe, overrides=overrides, source=source)
     for field, dim in space.items():
-        if field in fixed:
+        if field in overrides.fields:
             raise UserError(f"{field} is in both --set and --space: give it in one of them")
         for value in dim.edges():
             try:
-                resolve(recipe, overrides=[*overrides, f"{field}={value}"], source=source)
+                resolve(recipe, overrides=overrides.with_values({field: value}), source=source)
             except UserError as e:
                 raise UserError(f"--space {field}={dim.spec}: {e}") from None
     return base
 
 
-def study_name(recipe: str, space: dict[str, Dim], overrides: list[str], base: RunConfig) -> str:
+def study_name(recipe: str, space: dict[str, Dim], overrides: Overrides, base: RunConfig) -> str:
     """Named by what it searches: the recipe, the space, the fixed fields and the data (the base
     config's data section names the source). The same command names the same study."""
     digest = storage.digest(
-        [recipe, {f: d.spec for f, d in space.items()}, sorted(overrides), base.data.model_dump(mode="json")]
+        [recipe, {f: d.spec for f, d in space.items()}, sorted(overrides.items()), base.data.model_dump(mode="json")]
     )
     return f"{recipe}-{digest[:10]}"
 

@@ -8,6 +8,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, task
@@ -28,7 +29,7 @@ from flows.training import run_training
 from mllm import UserError
 from mllm.config import RunConfig
 from mllm.redact import scrub
-from mllm.resolve import resolve
+from mllm.resolve import Overrides, resolve
 from tasks import trials
 from tasks.caching import forget_exception
 from tasks.model import Prepared
@@ -94,29 +95,33 @@ def trial_run(
         return {**found, "state": "complete", "value": evaluation.score, "headline": evaluation.headline}
 
 
+@dataclass(frozen=True)
+class TrialPlan:
+    """What every trial of a search shares: the recipe and its fixed overrides, the space drawn from,
+    where its runs go and train, and the sign that turns a val loss into the study's direction."""
+
+    recipe: str
+    space: dict[str, Dim]
+    overrides: Overrides
+    source: str | list[str] | None
+    root: str
+    parent_id: str
+    pool: str | None
+    sign: float
+    model: str | None = None
+
+
 @task(name="search-trial", cache_policy=NO_CACHE, persist_result=False, on_failure=[forget_exception])
-def run_one(
-    study: Any,
-    trial: Any,
-    space: dict[str, Dim],
-    recipe: str,
-    source: str | list[str] | None,
-    root: str,
-    overrides: list[str],
-    parent_id: str,
-    pool: str | None,
-    sign: float,
-    model: str | None = None,
-) -> TrialOutcome:
+def run_one(study: Any, trial: Any, plan: TrialPlan) -> TrialOutcome:
     """Ask the trial's values, run it, and tell the study how it ended (a failure too)."""
-    params = {field: dim.suggest(trial) for field, dim in space.items()}
+    params = {field: dim.suggest(trial) for field, dim in plan.space.items()}
     resumes = resumed_number(study.trials[trial.number])
     outcome = TrialOutcome(number=trial.number, params=params, state="failed", resumes=resumes)
     tags = {
-        PARENT_TAG: parent_id,
+        PARENT_TAG: plan.parent_id,
         STUDY_TAG: study.study_name,
         TRIAL_TAG: str(trial.number),
-        **({"train.pool": pool} if pool else {}),
+        **({"train.pool": plan.pool} if plan.pool else {}),
     }
     if resumes is not None:
         tags["search.resumes"] = str(resumes)
@@ -124,46 +129,58 @@ def run_one(
         for step, value in study.trials[resumes].intermediate_values.items():
             trial.report(value, step)
     try:
-        cfg = resolve(recipe, overrides=[*overrides, *(f"{f}={v}" for f, v in params.items())], source=source)
-        with _preparing:  # trials on a pool start side by side: no two write one data stage at once
-            data = with_results(prepare, root, data_runner(cfg.data.task_runner))(cfg, root)
-
-        def ask_pruner(step: int, val_loss: float) -> bool:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a step reported before the process died: Optuna keeps the first
-                trial.report(sign * val_loss, step)
-            return trial.should_prune()
-
-        # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
-        asking = (
-            trials.asking(training_stage.train_key(cfg, data), ask_pruner)
-            if pool is None
-            else trials.answering(training_stage.train_job(cfg, data, root)[1], ask_pruner)
-        )
-        with asking:
-            found = once_more_if_passing(
-                lambda: trial_run.with_options(flow_run_name=f"{study.study_name}-trial-{trial.number}")(
-                    cfg=cfg,
-                    data=data,
-                    root=root,
-                    study=study.study_name,
-                    number=trial.number,
-                    tags=tags,
-                    pool=pool,
-                    model=model,
-                ),
-                root,
-                tags,
-            )
+        found = _run_trial(study, trial, plan, params, tags)
     except Exception as e:  # noqa: BLE001 (a failed trial is told to the study and reported, not raised)
         message = scrub(str(e).splitlines()[0]) if str(e) else ""
         if not isinstance(e, UserError):
             message = database.down_line(e) or f"{type(e).__name__}: {message}"
         outcome.error = message[:500]
         trial.set_user_attr("error", outcome.error)
-        mark_failed(root, parent_id, study.study_name, trial.number)
+        mark_failed(plan.root, plan.parent_id, study.study_name, trial.number)
         study.tell(trial, state=optuna_module().trial.TrialState.FAIL)
         return outcome
+    return _told(study, trial, outcome, found)
+
+
+def _run_trial(study: Any, trial: Any, plan: TrialPlan, params: dict[str, str], tags: dict[str, str]) -> dict[str, Any]:
+    """The trial's config prepared and run (`trial_run`), its training asking the pruner at each
+    evaluation: what it found."""
+    cfg = resolve(plan.recipe, overrides=plan.overrides.with_values(params), source=plan.source)
+    with _preparing:  # trials on a pool start side by side: no two write one data stage at once
+        data = with_results(prepare, plan.root, data_runner(cfg.data.task_runner))(cfg, plan.root)
+
+    def ask_pruner(step: int, val_loss: float) -> bool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a step reported before the process died: Optuna keeps the first
+            trial.report(plan.sign * val_loss, step)
+        return trial.should_prune()
+
+    # Here: the training in this process asks the pruner; on a pool: its worker asks through storage.
+    asking = (
+        trials.asking(training_stage.train_key(cfg, data), ask_pruner)
+        if plan.pool is None
+        else trials.answering(training_stage.train_job(cfg, data, plan.root)[1], ask_pruner)
+    )
+    name = study.study_name
+    with asking:
+        return once_more_if_passing(
+            lambda: trial_run.with_options(flow_run_name=f"{name}-trial-{trial.number}")(
+                cfg=cfg,
+                data=data,
+                root=plan.root,
+                study=name,
+                number=trial.number,
+                tags=tags,
+                pool=plan.pool,
+                model=plan.model,
+            ),
+            plan.root,
+            tags,
+        )
+
+
+def _told(study: Any, trial: Any, outcome: TrialOutcome, found: dict[str, Any]) -> TrialOutcome:
+    """The study told how a trial that ran ended (pruned, or its value), and its outcome."""
     for name in ("mlflow_run_id", "step", "val_loss", "resumed_from_step"):
         trial.set_user_attr(name, found[name])
     outcome = outcome.model_copy(

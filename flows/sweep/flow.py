@@ -31,11 +31,12 @@ from flows.launch import check_model_name, preflight, storage_root, training_poo
 from flows.pipeline import RecipeName, pipeline, prepare
 from flows.stack import database, orphans
 from flows.sweep.parent import PARENT_TAG, POINT_TAG, DatabaseDown, ParentRun, passing, retry_delay_s, supersede
-from flows.sweep.points import expand, parse_grid, point_overrides, resolve_points
+from flows.sweep.points import NO_GRID, Grid, expand, resolve_points
 from flows.sweep.table import PointOutcome, csv_text, figure, label, markdown_table, table_rows
 from flows.training import train
 from mllm import UserError, storage
 from mllm.redact import scrub
+from mllm.resolve import NO_OVERRIDES, Overrides
 from tasks.caching import forget_exception
 from tasks.model.train import train_key
 from tasks.tracking import servers as tracking_servers
@@ -90,7 +91,7 @@ def run_point(
     recipe: str,
     source: str | list[str] | None,
     root: str,
-    overrides: list[str],
+    overrides: Overrides,
     tags: dict[str, str],
     pool: str | None,
     model: str | None = None,
@@ -145,10 +146,10 @@ def run_point(
 )
 def sweep(
     recipe: RecipeName = "default",
-    grid: list[str] = [],
+    grid: Grid = {},
     source: str | list[str] | None = None,
     storage_url: str | None = None,
-    overrides: list[str] = [],
+    overrides: Overrides = NO_OVERRIDES,
     train_on: str | None = None,
     parallel: int | None = None,
     model: str | None = None,
@@ -168,7 +169,9 @@ def sweep(
     orphans.running_here(flow_run.get_id())  # for `stack up`, should the stack's database go down under it
     if model:
         check_model_name(model)
-    fields = parse_grid(grid)
+    if not grid:
+        raise UserError(NO_GRID)
+    fields = grid
     points = expand(fields)
     cfgs = resolve_points(recipe, fields, overrides, source)
     root = storage_root(storage_url)
@@ -206,7 +209,7 @@ def submit_points(
     recipe: str,
     source: str | list[str] | None,
     root: str,
-    overrides: list[str],
+    overrides: Overrides,
     points: list[dict[str, str]],
     keys: list[str | None],
     parent_id: str,
@@ -232,7 +235,7 @@ def submit_points(
             recipe,
             source,
             root,
-            point_overrides(overrides, point),
+            overrides.with_values(point),
             {PARENT_TAG: parent_id, POINT_TAG: label(point)},
             pool,
             model,

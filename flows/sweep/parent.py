@@ -15,6 +15,7 @@ from flows.sweep.table import PointOutcome
 from mllm import UserError, failures, storage
 from mllm.config import RunConfig
 from mllm.redact import scrub
+from mllm.resolve import Overrides
 from tasks.tracking import outage
 from tasks.tracking.provenance import code_git_info, run_tags
 from tasks.tracking.store import client as tracking_client
@@ -94,14 +95,14 @@ class ParentRun:
     """The sweep's MLflow run, in the recipe's experiment; each point's run names it in its
     `mlflow.parentRunId` tag. It ends FAILED when a point failed."""
 
-    def __init__(self, cfg: RunConfig, root: str, grid: dict[str, list[str]], overrides: list[str]):
+    def __init__(self, cfg: RunConfig, root: str, grid: dict[str, list[str]], overrides: Overrides):
         self.cfg, self.root, self.grid, self.overrides = cfg, root, grid, overrides
         self.client = tracking_client(root)
         self.run_id = self.artifact_uri = self.experiment_id = ""
         self.failed: list[str] = []
 
     def __enter__(self) -> "ParentRun":
-        digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides)])[:8]
+        digest = storage.digest([self.cfg.recipe, self.grid, sorted(self.overrides.items())])[:8]
         tags = scrub(
             {
                 **run_tags(self.cfg, self.root, code_git_info()),
@@ -118,7 +119,7 @@ class ParentRun:
         self.run_id, self.artifact_uri = run.info.run_id, run.info.artifact_uri
         params = {f"grid.{field}": ",".join(values) for field, values in self.grid.items()}
         if self.overrides:
-            params["overrides"] = " ".join(self.overrides)
+            params["overrides"] = " ".join(self.overrides.items())
         for name, value in scrub(params).items():
             self.client.log_param(self.run_id, name, value[:MAX_PARAM_VALUE])
         return self

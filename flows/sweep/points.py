@@ -4,24 +4,26 @@ config before anything runs, so a bad field or value stops the sweep with one li
 from __future__ import annotations
 
 import itertools
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
 
 from flows.sweep.table import label
-from mllm import UserError
+from mllm import UserError, storage
 from mllm.config import RunConfig
-from mllm.resolve import resolve
+from mllm.resolve import NO_OVERRIDES, Overrides, field_value, resolve
+
+NO_GRID = "give at least one --grid FIELD=v1,v2,... (e.g. --grid train.lr=1e-3,3e-3)"
 
 
 def parse_grid(items: list[str]) -> dict[str, list[str]]:
     """`--grid FIELD=v1,v2,...` options -> {field: [raw value, ...]}, in the order given. The
     values stay as written: each becomes a `--set FIELD=value`, which parses it as YAML."""
     if not items:
-        raise UserError("give at least one --grid FIELD=v1,v2,... (e.g. --grid train.lr=1e-3,3e-3)")
+        raise UserError(NO_GRID)
     grid: dict[str, list[str]] = {}
     for item in items:
-        field, sep, text = item.partition("=")
-        field = field.strip()
-        if not sep or not field or any(not part for part in field.split(".")):
-            raise UserError(f"malformed --grid {item!r}: write it as FIELD=v1,v2,... (e.g. train.lr=1e-3,3e-3)")
+        field, text = field_value(item, "--grid", "FIELD=v1,v2,... (e.g. train.lr=1e-3,3e-3)")
         if field in grid:
             raise UserError(f"--grid {field} is given twice: give each field once, with all its values")
         values = split_values(text)
@@ -61,23 +63,31 @@ def expand(grid: dict[str, list[str]]) -> list[dict[str, str]]:
     return [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
 
 
-def point_overrides(overrides: list[str], point: dict[str, str]) -> list[str]:
-    return [*overrides, *(f"{field}={value}" for field, value in point.items())]
+def _grid_of(value: Any) -> Any:
+    return parse_grid(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
+
+
+# A flow's grid parameter: the parsed grid; `--grid` texts (a script's, a test's) are parsed on the way in.
+Grid = Annotated[dict[str, list[str]], BeforeValidator(_grid_of)]
+
+
+def without_credentials(grid: dict[str, list[str]]) -> dict[str, list[str]]:
+    """A URL among the values (several sources, say) with its password kept in memory only, as --source's."""
+    return {field: [storage.hide_credentials(v) for v in values] for field, values in grid.items()}
 
 
 def resolve_points(
-    recipe: str, grid: dict[str, list[str]], overrides: list[str] = (), source: str | list[str] | None = None
+    recipe: str, grid: dict[str, list[str]], overrides: Overrides = NO_OVERRIDES, source: str | list[str] | None = None
 ) -> list[RunConfig]:
     """The config of every point, or a UserError naming the first point that does not validate,
     a field that is in both --set and --grid, or two points that are the same config."""
-    fixed = {item.partition("=")[0].strip() for item in overrides}
     for field in grid:
-        if field in fixed:
+        if field in overrides.fields:
             raise UserError(f"{field} is in both --set and --grid: give it in one of them")
     cfgs, seen = [], {}
     for point in expand(grid):
         try:
-            cfg = resolve(recipe, overrides=point_overrides(list(overrides), point), source=source)
+            cfg = resolve(recipe, overrides=overrides.with_values(point), source=source)
         except UserError as e:
             raise UserError(f"--grid point {label(point)}: {e}") from None
         same = seen.setdefault(cfg.to_yaml(paths=False), label(point))

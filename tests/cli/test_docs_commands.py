@@ -107,13 +107,14 @@ def _check_fields(names: list[str], params: dict) -> None:
     """Overrides and grid fields resolve against the recipe (the checks the command makes first)."""
     if names[:1] not in (["run"], ["sweep"], ["search"], ["schedule"]) or not params.get("recipe"):
         return
-    from mllm.resolve import resolve
+    from mllm.resolve import Overrides, resolve
 
-    resolve(params["recipe"], overrides=params.get("set_") or [])
+    sets = Overrides.parse(params.get("set_"))
+    resolve(params["recipe"], overrides=sets)
     if params.get("grid"):
         from flows.sweep.points import parse_grid, resolve_points
 
-        resolve_points(params["recipe"], parse_grid(params["grid"]), params.get("set_") or [], None)
+        resolve_points(params["recipe"], parse_grid(params["grid"]), sets, None)
 
 
 def test_every_command_in_the_docs_parses_and_names_files_that_are_there(folder: Path, monkeypatch) -> None:

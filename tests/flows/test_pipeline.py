@@ -17,6 +17,7 @@ from textdata import make_text
 
 from flows.pipeline import pipeline
 from mllm.data.vocab import Vocab
+from mllm.resolve import Overrides
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +32,32 @@ FAST = [
 
 def _run(source: Path, root: Path, extra: list[str] = ()):
     return pipeline(recipe="smoke", source=str(source), storage_url=str(root), overrides=FAST + list(extra))
+
+
+def test_flows_take_overrides_space_and_grid_typed_and_prefect_records_them_as_json() -> None:
+    # What a deployment's form, a script or a test gives (texts) is validated into the types the
+    # flows use; what Prefect stores of a run is JSON that validates back to the same.
+    from prefect.exceptions import ParameterTypeError
+
+    from flows.search.flow import search
+    from flows.search.space import parse_space
+    from flows.sweep.flow import sweep
+
+    texts = ["train.lr=3e-4", "sample.methods=[greedy]"]
+    params = pipeline.validate_parameters({"recipe": "smoke", "overrides": texts})
+    assert params["overrides"] == Overrides.parse(texts)
+    assert pipeline.serialize_parameters(params)["overrides"] == texts
+    with pytest.raises(ParameterTypeError, match="malformed override 'train.lr'"):
+        pipeline.validate_parameters({"overrides": ["train.lr"]})
+    space = ["train.lr=log:1e-4..1e-2", "model.n_layer=1,2"]
+    for flow, given, typed in (
+        (search, {"space": space}, {"space": parse_space(space)}),
+        (sweep, {"grid": ["train.lr=1e-3, 3e-3"]}, {"grid": {"train.lr": ["1e-3", "3e-3"]}}),
+    ):
+        params = flow.validate_parameters({**given, "overrides": texts})
+        assert {k: params[k] for k in typed} == typed and params["overrides"] == Overrides.parse(texts)
+        recorded = json.loads(json.dumps(flow.serialize_parameters(params)))
+        assert flow.validate_parameters(recorded) == params
 
 
 def _task_states(name: str) -> list[str]:

@@ -15,7 +15,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from textdata import make_text
 
-from flows.pipeline import pipeline, summary
+from flows.artifacts.pipeline import summary
+from flows.pipeline import pipeline
 from mllm.resolve import resolve
 from tasks.tracking.tracker import flatten
 

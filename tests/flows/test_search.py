@@ -18,6 +18,7 @@ import torch
 
 from flows.search.space import check_space, parse_space
 from mllm import UserError
+from mllm.resolve import Overrides
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
@@ -95,7 +96,7 @@ def test_malformed_spaces_are_refused(items: list[str], needle: str) -> None:
 )
 def test_spaces_that_do_not_fit_the_recipe_are_refused(items: list[str], sets: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
-        check_space("smoke", parse_space(items), sets)
+        check_space("smoke", parse_space(items), Overrides.parse(sets))
 
 
 # --- the training loop's hook --------------------------------------------------------------
@@ -504,15 +505,15 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
     )
     path = tmp_path / "best.yaml"
     path.write_text("# a comment\n" + cfg.to_yaml(paths=False))
-    name, sets = as_overrides(str(path), ["train.max_steps=7"])
-    assert name == "smoke" and sets[-1] == "train.max_steps=7"
+    name, sets = as_overrides(str(path), Overrides.parse(["train.max_steps=7"]))
+    assert name == "smoke" and sets.items()[-1] == "train.max_steps=7"
     assert resolve(name, overrides=sets) == cfg.model_copy(
         update={"train": cfg.train.model_copy(update={"max_steps": 7})}
     )
-    assert as_overrides("smoke", ["a=1"]) == ("smoke", ["a=1"])  # a shipped name stays a name
+    assert as_overrides("smoke", Overrides.parse(["a=1"])) == ("smoke", Overrides.parse(["a=1"]))  # a name stays a name
     path.write_text("recipe: mine\ntrain: {lr: 0.1}\n")
     with pytest.raises(UserError, match="names recipe 'mine', not a shipped one"):
-        as_overrides(str(path), [])
+        as_overrides(str(path), Overrides())
 
 
 def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no_verdict_comes(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from flows.sweep.points import expand, parse_grid, resolve_points, split_values
 from mllm import UserError
+from mllm.resolve import Overrides
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +84,7 @@ def test_malformed_grids_are_refused(items: list[str], needle: str) -> None:
 )
 def test_points_that_do_not_resolve_are_refused(grid: list[str], sets: list[str], needle: str) -> None:
     with pytest.raises(UserError, match=needle):
-        resolve_points("smoke", parse_grid(grid), sets)
+        resolve_points("smoke", parse_grid(grid), Overrides.parse(sets))
 
 
 @pytest.mark.parametrize(

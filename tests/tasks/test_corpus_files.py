@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from flows.pipeline import files_line
+from flows.artifacts.pipeline import files_line
 from mllm.data import files
 from tasks.data.download import corpus_changes, download_files, record_corpus
 from tasks.model import Prepared

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from flows.pipeline import files_line
+from flows.artifacts.pipeline import files_line
 from mllm import UserError
 from mllm.config import DataConfig
 from mllm.data import files, heads
