@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from flows.cli.app import Storage, app
-from flows.cli.terminal import flows_module, user_errors
+from flows.cli.terminal import user_errors
+from flows.launch import storage_root
 from mllm import UserError
 
 
@@ -39,7 +40,7 @@ def export_model(
             raise UserError(f"unknown --format {format_!r}: choose {', '.join(FORMATS)}")
         from flows.launch import check_tracked
 
-        root = flows_module().storage_root(storage)
+        root = storage_root(storage)
         check_tracked(root)
         from mllm.export import export
         from mllm.runtime.checkpoint import load_checkpoint

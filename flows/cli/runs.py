@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from flows.cli.app import Storage, app
-from flows.cli.terminal import flows_module, user_errors
+from flows.cli.terminal import user_errors
+from flows.launch import storage_root
 from mllm import UserError
 
 
@@ -23,7 +24,7 @@ def list_runs(
     with user_errors():
         from flows.launch import check_tracked
 
-        root = flows_module().storage_root(storage)
+        root = storage_root(storage)
         check_tracked(root)
         from flows.history import runs
 
@@ -55,7 +56,7 @@ def reproduce(
     with user_errors():
         from flows.launch import check_tracked
 
-        root = flows_module().storage_root(storage)
+        root = storage_root(storage)
         check_tracked(root)
         from flows.history import runs
 
@@ -109,7 +110,7 @@ def lineage(
             raise UserError("give a model (MODEL@ALIAS, MODEL/VERSION or a run id) or --corpus SHA256-PREFIX, not both")
         from flows.launch import check_tracked
 
-        root = flows_module().storage_root(storage)
+        root = storage_root(storage)
         check_tracked(root)
         from flows.history import lineage as trail
 
