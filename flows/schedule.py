@@ -11,6 +11,7 @@ then trains or skips as the pipeline flow decides; the same deployment is what t
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 from typing import Any
 
 from prefect import get_client
@@ -35,7 +36,7 @@ from flows.dispatch import job_env, one_slot
 from flows.launch import check_model_name, storage_root, training_pool
 from flows.pipeline import pipeline
 from mllm import UserError
-from mllm.resolve import resolve
+from mllm.resolve import NO_OVERRIDES, Overrides, resolve
 
 FLOW = "pipeline"
 ENTRYPOINT = "flows.pipeline:pipeline"
@@ -87,18 +88,19 @@ def upsert(
     train_on: str | None = None,
     source: str | list[str] | None = None,
     storage_url: str | None = None,
-    overrides: list[str] = (),
+    overrides: Overrides | Iterable[str] = NO_OVERRIDES,
     paused: bool = False,
     model: str | None = None,
 ) -> dict[str, Any]:
     """Create or update the deployment `pipeline/<recipe>` with its schedule."""
-    resolve(recipe, overrides=list(overrides), source=source)  # a bad recipe or --set fails here
+    overrides = Overrides.parse(overrides, "override")  # the CLI's parsed ones, or a script's texts
+    resolve(recipe, overrides=overrides, source=source)  # a bad recipe or --set fails here
     if model:
         check_model_name(model)
     schedule = _schedule(cron, interval, timezone)
     _require_server()
     root = storage_root(storage_url)
-    params: dict[str, Any] = {"recipe": recipe, "storage_url": root, "overrides": list(overrides)}
+    params: dict[str, Any] = {"recipe": recipe, "storage_url": root, "overrides": overrides.items()}
     if source:
         params["source"] = source
     if train_on:

@@ -68,7 +68,7 @@ def schedule(
             typer.echo(f"pipeline/{recipe}: {'paused' if pause else 'resumed' if resume else 'deleted'}")
             return
         from mllm.redact import strip_userinfo
-        from mllm.resolve import absolute_source
+        from mllm.resolve import Overrides, absolute_source
 
         if any(strip_userinfo(s)[1] for s in source or []):
             # A scheduled run downloads in a worker, later: the password would have to be stored
@@ -87,7 +87,7 @@ def schedule(
             train_on=train_on,
             source=(source[0] if len(source) == 1 else source) if source else None,
             storage_url=storage,
-            overrides=set_ or [],
+            overrides=Overrides.parse(set_),
             model=model,
         )
         typer.echo(
