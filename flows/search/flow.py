@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
-import socket
 import threading
 import time
 import warnings
@@ -46,10 +44,9 @@ from flows.search.study import (
     Heartbeats,
     check_options,
     check_study,
-    make_pruner,
-    make_sampler,
     one_at_a_time,
     open_storage,
+    open_study,
     optuna_module,
     resumed_number,
     study_lock,
@@ -59,7 +56,7 @@ from flows.search.trial import STUDY_TAG, TrialPlan, mark_failed, run_one
 from flows.stack import database, orphans
 from flows.sweep.parent import ParentRun
 from flows.training import train
-from mllm import UserError, storage
+from mllm import UserError
 from mllm.config import RunConfig
 from mllm.families.base import family_of
 from mllm.redact import scrub
@@ -324,26 +321,15 @@ def search(
     return result
 
 
-def open_study(
-    rdb: Any, store: Any, name: str, recipe: str, space: dict[str, Dim], base: RunConfig, options: dict, startup: int
-) -> Any:
-    """The study (made, or loaded to continue), with its sampler and pruner."""
-    higher = family_of(base).higher_is_better
-    st = optuna_module().create_study(
-        study_name=name, storage=rdb, direction="maximize" if higher else "minimize", load_if_exists=True
-    )
-    st.set_user_attr("space", space_text(space))
-    st.set_user_attr("recipe", recipe)
-    # A seed per start (and per process where searches share the study): a rerun, or the
-    # search beside it, must not draw the same values again.
-    where = [os.getpid(), socket.gethostname()] if store.shared else []
-    st.sampler = make_sampler(options["sampler"], int(storage.digest([name, len(st.trials), *where])[:8], 16), startup)
-    st.pruner = make_pruner(options["pruner"], base, startup)
-    return st
-
-
 def run_study(
-    st: Any, beats: Heartbeats, rdb: Any, store: Any, plan: TrialPlan, trials_n: int, parallel: int | None, parent: Any
+    st: Any,
+    beats: Heartbeats,
+    rdb: Any,
+    store: Any,
+    plan: TrialPlan,
+    trials_n: int,
+    parallel: int | None,
+    parent: StudyRun,
 ) -> SearchResult:
     """Trials until the study has `trials_n` (a dead search's resumed first), then the record."""
     fam = family_of(parent.cfg)

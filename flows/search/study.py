@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from flows.settings import settings
 from flows.stack import database
 from mllm import UserError, storage
 from mllm.config import RunConfig
+from mllm.families.base import family_of
 from tasks.tracking.store import local_store
 
 SAMPLERS = ("tpe", "random")
@@ -245,3 +247,28 @@ def check_options(trials_n: int, sampler: str, pruner: str, parallel: int | None
         raise UserError(f"--parallel {parallel}: give at least 1 (the trials that run at once)")
     if startup < 0:
         raise UserError(f"--startup-trials {startup}: give 0 or more")
+
+
+def open_study(
+    rdb: Any,
+    store: StudyStore,
+    name: str,
+    recipe: str,
+    space: dict[str, Dim],
+    base: RunConfig,
+    options: dict,
+    startup: int,
+) -> Any:
+    """The study (made, or loaded to continue), with its sampler and pruner."""
+    higher = family_of(base).higher_is_better
+    st = optuna_module().create_study(
+        study_name=name, storage=rdb, direction="maximize" if higher else "minimize", load_if_exists=True
+    )
+    st.set_user_attr("space", space_text(space))
+    st.set_user_attr("recipe", recipe)
+    # A seed per start (and per process where searches share the study): a rerun, or the
+    # search beside it, must not draw the same values again.
+    where = [os.getpid(), socket.gethostname()] if store.shared else []
+    st.sampler = make_sampler(options["sampler"], int(storage.digest([name, len(st.trials), *where])[:8], 16), startup)
+    st.pruner = make_pruner(options["pruner"], base, startup)
+    return st
