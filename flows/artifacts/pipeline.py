@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from mllm.resolve import resolve
 from tasks.model import Evaluation, Prepared, Trained
 from tasks.model.evaluate import describe
-from tasks.tracking.registry import Outcome
+from tasks.tracking.champion import Outcome
 from tasks.tracking.store import run_url
 
 
