@@ -49,6 +49,15 @@ def test_flows_take_overrides_space_and_grid_typed_and_prefect_records_them_as_j
     assert pipeline.serialize_parameters(params)["overrides"] == texts
     with pytest.raises(ParameterTypeError, match="malformed override 'train.lr'"):
         pipeline.validate_parameters({"overrides": ["train.lr"]})
+    # A deployment's form (the UI's Run, a schedule's runs): the server checks its parameters
+    # against the flow's schema with this function before any worker sees them.
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    validate({"recipe": "smoke", "overrides": texts}, schema, raise_on_error=True)
+    with pytest.raises(ValidationError, match="overrides"):
+        validate({"recipe": "smoke", "overrides": [{"field": "train.lr"}]}, schema, raise_on_error=True)
     space = ["train.lr=log:1e-4..1e-2", "model.n_layer=1,2"]
     for flow, given, typed in (
         (search, {"space": space}, {"space": parse_space(space)}),
