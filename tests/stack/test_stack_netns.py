@@ -306,34 +306,39 @@ def _audit(site: Site, *args: str) -> list[str]:
 def test_the_remote_worker_runs_a_search_and_a_sweep_and_the_audit_names_the_sweeps_writes(site: Site) -> None:
     sets = [a for s in FAST for a in ("--set", s)]
     common = ["--recipe", "smoke", "--source", f"s3://{BUCKET}/corpus.txt", "--train-on", "gpu"]
-    searched = site.cli(
-        "gpu-box",
-        [
-            "search",
-            *common,
-            "--storage",
-            f"s3://{BUCKET}/search",
-            "--space",
-            "train.lr=log:1e-4..1e-2",
-            "--trials",
-            "2",
-            "--sampler",
-            "random",
-            "--startup-trials",
-            "1",
-            *sets,
-        ],
-        site.root / "search",
-    )
-    assert searched.returncode == 0, searched.stderr[-3000:]
     started = datetime.datetime.now(datetime.UTC).isoformat()
-    swept = site.cli(
-        "ana",
-        ["sweep", *common, "--storage", f"s3://{BUCKET}/sweep", "--grid", "train.lr=1e-3,3e-3", *sets],
-        site.root / "sweep",
-    )
-    assert swept.returncode == 0, swept.stderr[-3000:]
-    for out, word in ((searched.stdout, "search"), (swept.stdout, "sweep")):
+    # At once, as two people of a team would: the search as the worker's user, the sweep as ana's.
+    search = [
+        "search",
+        *common,
+        "--storage",
+        f"s3://{BUCKET}/search",
+        "--space",
+        "train.lr=log:1e-4..1e-2",
+        "--trials",
+        "2",
+        "--sampler",
+        "random",
+        "--startup-trials",
+        "1",
+        *sets,
+    ]
+    sweep = ["sweep", *common, "--storage", f"s3://{BUCKET}/sweep", "--grid", "train.lr=1e-3,3e-3", *sets]
+    procs = {
+        "search": site.cli("gpu-box", search, site.root / "search", background=True),
+        "sweep": site.cli("ana", sweep, site.root / "sweep", background=True),
+    }
+    outs = {}
+    try:
+        for word, proc in procs.items():
+            outs[word], err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, (word, err[-3000:])
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for word, out in outs.items():
         pools = _children_pools(site, re.search(rf"{word} mlflow run: (\w+)", out).group(1))
         assert pools == ["gpu", "gpu"], (word, pools)
     # Every trial's and point's training ran on the remote worker's pool and completed.
@@ -342,7 +347,7 @@ def test_the_remote_worker_runs_a_search_and_a_sweep_and_the_audit_names_the_swe
             site.api + "/flow_runs/filter",
             json={"flows": {"name": {"any_": ["train"]}}, "flow_runs": {"start_time": {"after_": started}}},
         ).json()
-    assert sorted((t["work_pool_name"], t["state_type"]) for t in trains) == [("gpu", "COMPLETED")] * 2, trains
+    assert sorted((t["work_pool_name"], t["state_type"]) for t in trains) == [("gpu", "COMPLETED")] * 4, trains
     # The sweep's writes, by the user who ran it: its flow runs and its MLflow runs, each a line.
     mine = _audit(site, "--user", "ana", "--since", started)
     assert mine and all(" ana " in line for line in mine), mine[:5]
@@ -424,10 +429,24 @@ def test_a_cancel_from_the_ui_stops_the_remote_training_within_10s_with_last_pt_
                 if written is None and [k for k in site.keys("cancel/") if k.endswith("checkpoints/last.pt")]:
                     written = time.monotonic() - asked
                 time.sleep(0.2)
-            state = admin.get(f"{site.api}/flow_runs/{run['id']}").json()["state_type"]
-        assert stopped is not None and stopped <= 10, (stopped, state)
-        assert written is not None and written <= 10, (written, state)
-        assert state == "CANCELLED"
+            # The run ends, not left Running or Cancelling. (Crashed, not Cancelled, on Prefect 3.8 with
+            # or without the gate: the run's process does not ack the runner's cancel on Prefect's
+            # control channel within its 1 s, so the runner kills it the crash way; docs/team-stack.md.)
+            while time.monotonic() - asked < 60:
+                state = admin.get(f"{site.api}/flow_runs/{run['id']}").json()["state_type"]
+                if state not in ("RUNNING", "CANCELLING"):
+                    break
+                time.sleep(0.5)
+            history = [
+                (h["type"], h["name"], h["message"])
+                for h in admin.get(f"{site.api}/flow_run_states/", params={"flow_run_id": run["id"]}).json()
+            ]
+        assert stopped is not None and stopped <= 10, (stopped, history)
+        assert written is not None and written <= 10, (written, history)
+        assert state in ("CANCELLED", "CRASHED") and "CANCELLING" in [h[0] for h in history], (
+            history,
+            Path(site.worker.log).read_text()[-3000:],
+        )
         out, err = proc.communicate(timeout=120)
         assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
     finally:
