@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 _POOL_PATH = re.compile(r"^/api/work_pools/([^/]+)/")
 # Polls that name no pool: a bound worker polls its pools' own routes instead.
 _UNBOUND_POLLS = ("/api/deployments/get_scheduled_flow_runs", "/api/work_queues/{id}/get_runs")
+# The routes whose body names the pool (a deployment's, or the deployment of a new flow run).
+NEEDS_BODY = ("/api/deployments/", "/api/flow_runs/")
 # Writes on an object whose pool is the one it was made for: (route, what to look up).
 _LOOKUPS = {
     "/api/deployments/{id}/create_flow_run": "deployments",

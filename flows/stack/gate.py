@@ -29,7 +29,7 @@ from starlette.websockets import WebSocket
 from flows.settings import settings
 from flows.stack import checks, policy
 from flows.stack.audit import LOCK_S, Audit, Throttle
-from flows.stack.binding import pool_problem
+from flows.stack.binding import NEEDS_BODY, pool_problem
 from flows.stack.gate_ws import relay
 
 _HOP = {
@@ -177,16 +177,19 @@ class Gate:
         method, path = where["method"], where["path"]
         if role not in rule.roles:
             return refusal(403, f"forbidden: the role {role!r} may not {method} {where['route'] or path}"), None
-        pools = self.users().get(user, {}).get("pools")
-        if role == "admin" or not (rule.check or (pools and rule.level == "worker")):
+        if role == "admin":
             return None, None
-        body = await self._body(request)
-        if body is None:
-            return refusal(403, "forbidden: the body is too large"), None
-        problem = checks.body_problem(rule.check, body, self.tracking, self.storage_endpoint)
+        pools = self.users().get(user, {}).get("pools")
+        bound = bool(pools) and rule.level == "worker" and server == "prefect"
+        body = None
+        if rule.check or (bound and where["route"] in NEEDS_BODY):
+            body = await self._body(request)
+            if body is None:
+                return refusal(403, "forbidden: the body is too large"), None
+        problem = checks.body_problem(rule.check, body, self.tracking, self.storage_endpoint) if rule.check else None
         if not problem and rule.check == "results" and method == "PATCH":
             problem = await self._block_problem(server, path, body)
-        if not problem and pools and rule.level == "worker" and server == "prefect":
+        if not problem and bound:
             problem = await pool_problem(pools, where["route"], path, body, self._lookup)
         return (refusal(403, f"forbidden: {problem}") if problem else None), body
 

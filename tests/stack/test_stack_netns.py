@@ -351,10 +351,13 @@ def test_the_remote_worker_runs_a_search_and_a_sweep_and_the_audit_names_the_swe
     # The sweep's writes, by the user who ran it: its flow runs and its MLflow runs, each a line.
     mine = _audit(site, "--user", "ana", "--since", started)
     assert mine and all(" ana " in line for line in mine), mine[:5]
+    # (A request the server answered 503, busy, is a line too, and its retry another.)
     made = [
-        line for line in mine if "POST /api/deployments/" in line and line.split("?")[0].endswith("/create_flow_run")
+        line
+        for line in mine
+        if "POST /api/deployments/" in line and line.split("?")[0].endswith("/create_flow_run") and " 201 " in line
     ]
-    assert len(made) == 2 and all(" 201 " in line and " write " in line for line in made), mine
+    assert len(made) == 2 and all(" write " in line for line in made), mine
     assert any("POST /api/2.0/mlflow/runs/create" in line and " 200 " in line for line in mine), mine
     assert all(site.ns_ip in line for line in mine)
     # The trainings' own writes are the worker's, not ana's.
