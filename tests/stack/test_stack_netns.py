@@ -450,8 +450,11 @@ def test_a_cancel_from_the_ui_stops_the_remote_training_within_10s_with_last_pt_
             history,
             Path(site.worker.log).read_text()[-3000:],
         )
+        # The command that handed the training over ends, saying so; it does not submit it again
+        # as it would a crashed one.
         out, err = proc.communicate(timeout=120)
         assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+        assert "on pool 'gpu' was cancelled" in err, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -642,12 +642,17 @@ def test_writes_show_by_user_and_a_burst_of_wrong_passwords_is_throttled(home: P
             wrong.auth = httpx.BasicAuth("vic", f"wrong-{i}")
             statuses.append(wrong.get(_base(home, "prefect") + "/api/flows/" + str(uuid.UUID(int=7))).status_code)
     assert statuses[:TRIES] == [401] * TRIES and set(statuses[TRIES + 1 :]) == {429}, statuses
-    # Locked out, the right secret is refused too until the lock ends.
-    with _client(home, "vic") as right:
+    # Locked out, the right secret is refused too until the lock ends; and the address is locked,
+    # so another user's right secret from it as well.
+    with _client(home, "vic") as right, _client(home, "wok") as other:
         assert right.get(_base(home, "prefect") + "/api/health").status_code == 429
+        assert other.get(_base(home, "prefect") + "/api/health").status_code == 429
     failed = _audit(home, "--failed", "--user", "vic")
     assert sum("login_failed" in line for line in failed) == TRIES + 1
     assert any("lockout" in line and "user:vic locked" in line for line in failed)
+    everyone = _audit(home, "--failed")
+    assert any("lockout" in line and "address:127.0.0.1 locked" in line for line in everyone), everyone[-5:]
+    assert any("locked_out" in line and " wok " in line for line in everyone)
     assert sum("locked_out" in line for line in failed) >= 38
     secret = stack_auth.credential(home, "vic")[1]
     assert secret not in audit.read_text()
