@@ -11,7 +11,6 @@ flows/stack/pool_api.py.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 from pathlib import Path
