@@ -13,6 +13,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -338,16 +339,21 @@ def test_item3_a_worker_runs_no_command_of_its_own_and_changes_no_pool(home: Pat
 def _train_deployment(home: Path, pool: str = "local") -> tuple[str, str]:
     api = _base(home, "prefect") + "/api"
     with _client(home, "stack-admin") as admin:
-        flow = admin.post(f"{api}/flows/", json={"name": "train"}).json()["id"]
-        dep = admin.post(
-            f"{api}/deployments/",
-            json={
-                "name": f"train-{pool}",
-                "flow_id": flow,
-                "work_pool_name": pool,
-                "entrypoint": policy.TRAINING_ENTRYPOINT,
-            },
-        ).json()["id"]
+
+        def made(path: str, body: dict) -> str:
+            for _ in range(10):  # a server on SQLite answers 503 while another write holds it
+                r = admin.post(api + path, json=body)
+                if r.status_code != 503:
+                    break
+                time.sleep(1)
+            assert r.status_code in (200, 201), r.text
+            return r.json()["id"]
+
+        flow = made("/flows/", {"name": "train"})
+        entry = policy.TRAINING_ENTRYPOINT
+        dep = made(
+            "/deployments/", {"name": f"train-{pool}", "flow_id": flow, "work_pool_name": pool, "entrypoint": entry}
+        )
     return flow, dep
 
 
