@@ -9,7 +9,8 @@ own, its state decides what happens next.
 - Failed (the training raised): the pipeline fails with the remote error.
 - Crashed, or lost (Running but silent for `MLLM_LOST_AFTER_S` seconds: its worker or machine
   went away): the run is marked Crashed and submitted again, up to `MLLM_TRAIN_RESTARTS`
-  times. Training resumes from its last checkpoint in storage.
+  times. Training resumes from its last checkpoint in storage. A run cancelled from the UI or the
+  API that ends Crashed (Prefect's runner kills a run that does not ack its cancel) is not.
 
 The worker needs the project installed, the storage credentials in its own environment, and
 the MLflow server reachable; the pipeline passes the non-secret settings (tracking URI, S3
@@ -128,6 +129,18 @@ def gpu_variables(cfg: RunConfig, variables: set[str]) -> dict[str, Any]:
     return {}
 
 
+def _was_cancelled(flow_run: FlowRun) -> bool:
+    """Whether a Crashed run was cancelled (from the UI or the API) and is not to be submitted
+    again: Prefect's runner, when the run's process does not ack its cancel on the control
+    channel, kills it and the run ends Crashed rather than Cancelled; a Cancelling state follows
+    its last Running one."""
+    with get_client(sync_client=True) as client:
+        states = sorted(client.read_flow_run_states(flow_run.id), key=lambda s: s.timestamp)
+    kinds = [s.type for s in states]
+    running = max((i for i, k in enumerate(kinds) if k == StateType.RUNNING), default=-1)
+    return StateType.CANCELLING in kinds[running + 1 :]
+
+
 # Docker's answer to a GPU request on a host without the NVIDIA Container Toolkit.
 _NO_GPU_RUNTIME = "could not select device driver"
 
@@ -172,6 +185,11 @@ def train_on_pool(
                 f"the Docker host of pool {pool!r} has no GPU runtime (the NVIDIA Container Toolkit) for the "
                 f"GPUs this training asks for (Docker: {_docker_error(message)}): install the toolkit there, "
                 "or train on CPU with --set train.device=cpu"
+            )
+        if final.state_type == StateType.CRASHED and _was_cancelled(final):
+            raise RemoteTrainingFailed(
+                f"training flow run {flow_run.name!r} on pool {pool!r} was cancelled (its log: "
+                f"{_run_url(flow_run)}); run the command again to resume from its last checkpoint"
             )
         if final.state_type != StateType.CRASHED:
             raise RemoteTrainingFailed(

@@ -133,6 +133,51 @@ StackHome = Annotated[
 ]
 
 
+Pool = Annotated[str, typer.Option(metavar="POOL", help="The process work pool its worker serves.")]
+AnyPort = Annotated[int, typer.Option(metavar="PORT", help="0: any free port.")]
+DatabaseUrl = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="postgresql://USER:PASSWORD@HOST:PORT/NAME",
+        help="Keep Prefect's and MLflow's records on this PostgreSQL server (databases NAME_prefect, "
+        "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
+        "else SQLite]. The password stays in the servers' environment only.",
+    ),
+]
+Slots = Annotated[
+    Optional[int],
+    typer.Option(
+        metavar="N",
+        help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].",
+    ),
+]
+Listen = Annotated[
+    str,
+    typer.Option(
+        metavar="ADDRESS",
+        help="Serve Prefect and MLflow on this address. Any but loopback: always HTTPS "
+        "with each user's credential checked (docs/team-stack.md).",
+    ),
+]
+Auth = Annotated[bool, typer.Option("--auth", help="HTTPS and users on a loopback stack too.")]
+TlsCert = Annotated[
+    Optional[str],
+    typer.Option(
+        metavar="FILE",
+        help="The team's certificate (PEM, chain included) [a CA and certificate of the stack's own].",
+    ),
+]
+TlsKey = Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")]
+LocalWorker = Annotated[
+    bool,
+    typer.Option(
+        "--local-worker",
+        help="A secured stack runs a worker of its pool on this machine too (its flow "
+        "runs then run as the stack's user, beside its keys); a loopback stack always does.",
+    ),
+]
+
+
 @stack_app.command(
     "up",
     help=(
@@ -143,50 +188,16 @@ StackHome = Annotated[
 def stack_up(
     home: StackHome = None,
     storage: Storage = None,
-    pool: Annotated[str, typer.Option(metavar="POOL", help="The process work pool its worker serves.")] = "local",
-    prefect_port: Annotated[int, typer.Option(metavar="PORT", help="0: any free port.")] = 4200,
-    mlflow_port: Annotated[int, typer.Option(metavar="PORT", help="0: any free port.")] = 5000,
-    database_url: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="postgresql://USER:PASSWORD@HOST:PORT/NAME",
-            help="Keep Prefect's and MLflow's records on this PostgreSQL server (databases NAME_prefect, "
-            "NAME_mlflow) [a PostgreSQL cluster of the stack's own when the machine has the server, "
-            "else SQLite]. The password stays in the servers' environment only.",
-        ),
-    ] = None,
-    slots: Annotated[
-        Optional[int],
-        typer.Option(
-            metavar="N",
-            help="Trainings the pool runs at once; the rest wait their turn [1 per GPU, else 1 per 2 cores].",
-        ),
-    ] = None,
-    listen: Annotated[
-        str,
-        typer.Option(
-            metavar="ADDRESS",
-            help="Serve Prefect and MLflow on this address. Any but loopback: always HTTPS "
-            "with each user's credential checked (docs/team-stack.md).",
-        ),
-    ] = "127.0.0.1",
-    auth: Annotated[bool, typer.Option("--auth", help="HTTPS and users on a loopback stack too.")] = False,
-    tls_cert: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="FILE",
-            help="The team's certificate (PEM, chain included) [a CA and certificate of the stack's own].",
-        ),
-    ] = None,
-    tls_key: Annotated[Optional[str], typer.Option(metavar="FILE", help="Its private key (PEM).")] = None,
-    local_worker: Annotated[
-        bool,
-        typer.Option(
-            "--local-worker",
-            help="A secured stack runs a worker of its pool on this machine too (its flow "
-            "runs then run as the stack's user, beside its keys); a loopback stack always does.",
-        ),
-    ] = False,
+    pool: Pool = "local",
+    prefect_port: AnyPort = 4200,
+    mlflow_port: AnyPort = 5000,
+    database_url: DatabaseUrl = None,
+    slots: Slots = None,
+    listen: Listen = "127.0.0.1",
+    auth: Auth = False,
+    tls_cert: TlsCert = None,
+    tls_key: TlsKey = None,
+    local_worker: LocalWorker = False,
 ) -> None:
     with user_errors():
         if slots is not None and slots < 1:
@@ -213,46 +224,50 @@ def stack_up(
             )
         except RuntimeError as e:
             raise UserError(f"the stack did not start: {e}") from None
-        if not any(s.name == "worker" for s in state["services"]):
-            console.print(
-                f"no worker on this machine: pool {state['pool']!r} is served by the team's workers "
-                "(`mllm-pipeline stack worker-env --user NAME`); `stack up --local-worker` runs one here",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if state["reused"]:
-            again = f"started again: {', '.join(state['restarted'])}; " if state["restarted"] else "nothing to start; "
-            console.print(
-                f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False, soft_wrap=True
-            )
-        if state.get("crashed"):
-            names = _some(state["crashed"])
-            console.print(
-                f"marked Crashed, freeing their slots of pool {state['pool']!r}: {len(state['crashed'])} flow "
-                f"run(s) whose process is gone ({names}); run their commands again to resume them",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if state.get("closed"):
-            names = _some(state["closed"])
-            console.print(
-                f"marked Crashed: {len(state['closed'])} flow run(s) left in flight by commands that ended as "
-                f"the database was down ({names}); run their commands again to resume them",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if state.get("cancelled"):
-            names = _some(state["cancelled"])
-            console.print(
-                f"cancelled: {len(state['cancelled'])} training(s) those commands had queued on pool "
-                f"{state['pool']!r} ({names}); no worker had taken them",
-                highlight=False,
-                soft_wrap=True,
-            )
-        note = database.recorded(folder).get("note")
-        if note:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
-        _print_stack(state, folder)
+        _report_up(state, folder)
+
+
+def _report_up(state: dict, folder) -> None:
+    """What `stack up` found and did, beyond the endpoints: no local worker, what it reused or
+    started again, the flow runs it marked Crashed or cancelled, a note on its database."""
+    if not any(s.name == "worker" for s in state["services"]):
+        console.print(
+            f"no worker on this machine: pool {state['pool']!r} is served by the team's workers "
+            "(`mllm-pipeline stack worker-env --user NAME`); `stack up --local-worker` runs one here",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if state["reused"]:
+        again = f"started again: {', '.join(state['restarted'])}; " if state["restarted"] else "nothing to start; "
+        console.print(f"{again}running already, reused: {', '.join(state['reused'])}", highlight=False, soft_wrap=True)
+    if state.get("crashed"):
+        names = _some(state["crashed"])
+        console.print(
+            f"marked Crashed, freeing their slots of pool {state['pool']!r}: {len(state['crashed'])} flow "
+            f"run(s) whose process is gone ({names}); run their commands again to resume them",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if state.get("closed"):
+        names = _some(state["closed"])
+        console.print(
+            f"marked Crashed: {len(state['closed'])} flow run(s) left in flight by commands that ended as "
+            f"the database was down ({names}); run their commands again to resume them",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if state.get("cancelled"):
+        names = _some(state["cancelled"])
+        console.print(
+            f"cancelled: {len(state['cancelled'])} training(s) those commands had queued on pool "
+            f"{state['pool']!r} ({names}); no worker had taken them",
+            highlight=False,
+            soft_wrap=True,
+        )
+    note = database.recorded(folder).get("note")
+    if note:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    _print_stack(state, folder)
 
 
 def _some(names: list[str], shown: int = 5) -> str:

@@ -36,14 +36,25 @@ def _apply(home) -> str:
     return "the running stack took it at once"
 
 
+Pools = Annotated[
+    Optional[list[str]],
+    typer.Option(
+        "--pool",
+        metavar="POOL",
+        help="Bind a worker to this pool (repeat for more): it serves, claims and starts runs of these pools only.",
+    ),
+]
+
+
 @user_app.command("add")
-def user_add(name: UserName, role: Role = "worker", home: StackHome = None) -> None:
+def user_add(name: UserName, role: Role = "worker", pool: Pools = None, home: StackHome = None) -> None:
     """Add a user with a new random secret; `stack worker-env --user NAME` prints its settings."""
     with user_errors():
         folder = stack.stack_home(home)
-        stack_auth.add_user(folder, name, role)
+        stack_auth.add_user(folder, name, role, pools=pool)
+        bound = f", pools {', '.join(sorted(set(pool)))} only" if pool else ""
         typer.echo(
-            f"user {name} ({role}) added; {_apply(folder)}. Its settings: "
+            f"user {name} ({role}{bound}) added; {_apply(folder)}. Its settings: "
             f"`mllm-pipeline stack worker-env --user {name}`"
         )
 
@@ -80,7 +91,8 @@ def user_list(home: StackHome = None) -> None:
         )
     for name, u in sorted(users.items()):
         own = "  (the stack's own)" if name in stack_auth.BUILT_IN else ""
-        typer.echo(f"{name:24} {u['role']}{own}")
+        bound = f"  (pools {', '.join(u['pools'])} only)" if u.get("pools") else ""
+        typer.echo(f"{name:24} {u['role']}{own}{bound}")
 
 
 @stack_app.command("worker-env")

@@ -12,13 +12,13 @@ the stack's users with the same secrets (stack `admin` and `worker` users are ML
 Prefect's own `PREFECT_SERVER_API_AUTH_STRING` stays off: its one string cannot tell users
 apart; the gate takes the subscribers' in-message token itself.
 
-The users and their secrets: flows/stack/users.py; the certificates: flows/stack/certs.py.
+The users and their secrets: flows/stack/users.py; the certificates: flows/stack/certs.py; where
+a secured stack serves: flows/stack/endpoints.py; MLflow's auth app and users:
+flows/stack/mlflow_auth.py.
 """
 
 from __future__ import annotations
 
-import base64
-import ipaddress
 import json
 import os
 import ssl
@@ -28,46 +28,30 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from flows.stack.certs import Certs, certificates, hosts_for
-from flows.stack.processes import _DIRECT, Service, unix_request, unix_url
+from flows.stack.certs import Certs, hosts_for
+from flows.stack.certs import certificates as certificates
+from flows.stack.endpoints import gate_socket as gate_socket
+from flows.stack.endpoints import is_loopback, secured, server_sockets
+from flows.stack.mlflow_auth import basic, set_database, sync_mlflow, write_ini
+from flows.stack.mlflow_auth import mlflow_args as mlflow_args
+from flows.stack.mlflow_auth import server_env as server_env
+from flows.stack.processes import _DIRECT, Service
 from flows.stack.state import load
 
 # The users' file's API, re-exported for the CLI and the tests (`stack_auth.add_user`).
 from flows.stack.users import BUILT_IN as BUILT_IN
 from flows.stack.users import INSTALL as INSTALL
-from flows.stack.users import (
-    MLFLOW_ADMIN,
-    STACK_ADMIN,
-    _write_users,
-    caddy_binary,
-    credential,
-    ensure_built_in,
-    folder,
-    private,
-    read_users,
-)
 from flows.stack.users import ROLES as ROLES
+from flows.stack.users import STACK_ADMIN, caddy_binary, credential, ensure_built_in, folder, private
 from flows.stack.users import STACK_WORKER as STACK_WORKER
 from flows.stack.users import add_user as add_user
+from flows.stack.users import read_users as read_users
 from flows.stack.users import remove_user as remove_user
 from flows.stack.users import rotate_user as rotate_user
 from mllm import UserError
-
-
-def secured(home: Path) -> dict | None:
-    """How the stack in `home` serves when it is secured (no secret in it), else None."""
-    try:
-        return json.loads((folder(home) / "endpoints.json").read_text())
-    except (OSError, ValueError):
-        return None
-
+from mllm.settings import settings as mllm_settings
 
 # -- the proxy's configuration -------------------------------------------------------------------
-
-
-def gate_socket(home: Path) -> Path:
-    """The gate's Unix socket, in a 0700 folder: only the stack's own user (the proxy) reaches it."""
-    return folder(home) / "gate" / "gate.sock"
 
 
 def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> str:
@@ -150,19 +134,6 @@ def reload_proxy(home: Path) -> bool:
 # -- the plan of a secured stack -----------------------------------------------------------------
 
 
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
-
-
-def server_sockets(home: Path) -> dict[str, str]:
-    """The Prefect and MLflow servers' Unix sockets on a secured stack, in a 0700 folder: no
-    server listens on TCP, and only the stack's own user reaches them."""
-    return {s: str(folder(home) / "servers" / f"{s}.sock") for s in ("prefect", "mlflow")}
-
-
 def plan(home: Path, listen: str, ports: dict[str, int], tls_cert: str | None, tls_key: str | None) -> dict:
     """Make what a secured stack needs in `home` (users, certificates) and record its endpoints."""
     caddy_binary()
@@ -177,40 +148,15 @@ def plan(home: Path, listen: str, ports: dict[str, int], tls_cert: str | None, t
         "api": f"https://{host}:{ports['prefect']}/api",
         "tracking": f"https://{host}:{ports['mlflow']}",
         "listen_url": f"https://{host}:{ports['prefect']} https://{host}:{ports['mlflow']}",
+        # The one S3 endpoint a worker's run may be pointed at (flows/stack/checks.py).
+        "storage_endpoint": mllm_settings().s3_endpoint,
     }
     (folder(home) / "servers").mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(folder(home) / "servers", 0o700)
     (folder(home) / "endpoints.json").write_text(json.dumps(ends, indent=1) + "\n")
-    _mlflow_ini(home)
+    write_ini(home)
     write_caddyfile(home)
     return ends
-
-
-def _without_password(uri: str) -> str:
-    parts = urllib.parse.urlsplit(uri)
-    if not parts.password:
-        return uri
-    host = parts.netloc.rsplit("@", 1)[1]
-    user = urllib.parse.unquote(parts.username or "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{urllib.parse.quote(user)}@{host}" if user else host))
-
-
-def _mlflow_ini(home: Path, database_uri: str | None = None) -> Path:
-    """MLflow's auth configuration, with no secret in it: its admin's password comes from the
-    users file and the database's from the server's environment (server_env), so each secret
-    stays in one file."""
-    uri = _without_password(database_uri or f"sqlite:///{folder(home) / 'mlflow-auth.db'}")
-    return private(
-        folder(home) / "mlflow-auth.ini",
-        "[mlflow]\ndefault_permission = READ\n"
-        f"database_uri = {uri}\nadmin_username = {MLFLOW_ADMIN}\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
-        # A checked credential is remembered for 5 minutes: without this each request
-        # pays a PBKDF2 check (about 250 ms of the server's CPU per log_batch, measured on
-        # 2 busy cores). Its one server process forgets a user's entries the moment the
-        # stack changes the password or deletes the user, so rotation still bites at once.
-        "auth_cache_ttl_seconds = 300\n",
-    )
 
 
 def setup(
@@ -265,51 +211,6 @@ def start_proxy(home: Path, timeout: float) -> list[Service]:
     return [gate, proxy]
 
 
-def set_database(home: Path, mlflow_backend_uri: str | None) -> None:
-    """MLflow's users on the stack's database: its tables beside MLflow's own (their migrations
-    keep a version table of their own, alembic_version_auth)."""
-    _mlflow_ini(home, mlflow_backend_uri)
-
-
-def server_env(name: str, home: Path, backend_uri: str | None = None) -> dict[str, str]:
-    """What a secured stack's server needs in its environment beyond the plain stack's (never
-    saved: MLflow's admin password, and the database's password for its auth tables, which libpq
-    takes from PGPASSWORD)."""
-    ends = secured(home)
-    if ends is None:
-        return {}
-    if name == "prefect-server":
-        return {"PREFECT_UI_API_URL": ends["api"]}
-    env = {
-        "MLFLOW_AUTH_CONFIG_PATH": str(folder(home) / "mlflow-auth.ini"),
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": read_users(home)["flask_key"],
-        "MLFLOW_AUTH_ADMIN_PASSWORD": read_users(home)["mlflow_admin"],
-    }
-    password = urllib.parse.urlsplit(backend_uri).password if backend_uri else None
-    if password:
-        env["PGPASSWORD"] = urllib.parse.unquote(password)
-    return env
-
-
-def mlflow_args(home: Path) -> list[str]:
-    """The MLflow server's options on a secured stack: its basic-auth app, and the Host headers
-    it takes (the proxy passes the client's: the listening address and this host's names)."""
-    ends = secured(home)
-    if ends is None:
-        return []
-    port = ends["ports"]["mlflow"]
-    hosts = [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts_for(ends["listen"])]
-    # The stack's own calls on its socket (sync_mlflow) say Host: localhost.
-    return [
-        "--app-name",
-        "basic-auth",
-        "--allowed-hosts",
-        ",".join([*hosts, "localhost"]),
-        "--uvicorn-opts",
-        f"--uds {ends['sockets']['mlflow']}",
-    ]
-
-
 # -- clients -------------------------------------------------------------------------------------
 
 
@@ -327,10 +228,6 @@ def client_env(home: Path, user: str, ca_path: str | None = None) -> dict[str, s
         "MLFLOW_TRACKING_PASSWORD": secret,
         "MLFLOW_TRACKING_SERVER_CERT_PATH": ca,
     }
-
-
-def basic(name: str, secret: str) -> str:
-    return "Basic " + base64.b64encode(f"{name}:{secret}".encode()).decode()
 
 
 def context(ca: str | Path) -> ssl.SSLContext:
@@ -378,40 +275,3 @@ def proxy_ready(home: Path) -> bool:
         return True
     except (urllib.error.URLError, OSError):
         return False
-
-
-# -- MLflow's users: the stack's ------------------------------------------------------------------
-
-
-def _mlflow(home: Path, method: str, route: str, body: dict) -> int:
-    """A call to MLflow's user API as its own admin, straight to the server's socket (the gate
-    knows no such user)."""
-    url = unix_url(secured(home)["sockets"]["mlflow"], f"/api/2.0/mlflow/users/{route}")
-    data = json.dumps(body).encode()
-    if method == "GET":
-        url, data = url + "?" + urllib.parse.urlencode(body), None
-    headers = {
-        "Content-Type": "application/json",
-        "Authorization": basic(MLFLOW_ADMIN, read_users(home)["mlflow_admin"]),
-    }
-    return unix_request(url, method, data, headers, timeout=30)[0]
-
-
-def sync_mlflow(home: Path) -> None:
-    """Make MLflow's users what the stack's users file says: each with its secret, the admins
-    and workers MLflow admins, the removed ones gone."""
-    data = read_users(home)
-    for name, user in data["users"].items():
-        if _mlflow(home, "GET", "get", {"username": name}) == 200:
-            code = _mlflow(home, "PATCH", "update-password", {"username": name, "password": user["secret"]})
-        else:
-            code = _mlflow(home, "POST", "create", {"username": name, "password": user["secret"]})
-        admin = _mlflow(home, "PATCH", "update-admin", {"username": name, "is_admin": user["role"] != "viewer"})
-        if code != 200 or admin != 200:
-            raise RuntimeError(f"MLflow's server did not take the stack's user {name!r} (HTTP {code}, {admin})")
-    for name in data["removed"]:
-        if _mlflow(home, "DELETE", "delete", {"username": name}) not in (200, 404):
-            raise RuntimeError(f"MLflow's server did not delete the removed user {name!r}")
-    if data["removed"]:
-        data["removed"] = []
-        _write_users(home, data)

@@ -27,8 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket
 
 from flows.settings import settings
-from flows.stack import policy
+from flows.stack import checks, policy
 from flows.stack.audit import LOCK_S, Audit, Throttle
+from flows.stack.binding import NEEDS_BODY, pool_problem
 from flows.stack.gate_ws import relay
 
 _HOP = {
@@ -72,6 +73,7 @@ class Gate:
     def __init__(self, home: Path):
         ends = json.loads((home / "auth" / "endpoints.json").read_text())
         self.home, self.tracking = home, ends["tracking"]
+        self.storage_endpoint = ends.get("storage_endpoint")  # the stack's own S3 endpoint, if any
         self.backends = ends["sockets"]  # each server's Unix socket
         self.audit, self.throttle = Audit(home), Throttle(settings().stack_login_tries)
         self._users: tuple[float, dict] = (-1.0, {})
@@ -148,17 +150,7 @@ class Gate:
             answer = who
         else:
             user, role = who
-            answer = None
-            if role not in rule.roles:
-                answer = refusal(403, f"forbidden: the role {role!r} may not {method} {where['route'] or path}")
-            elif rule.check and role != "admin":
-                body = await self._body(request)
-                problem = (
-                    "the body is too large" if body is None else policy.body_problem(rule.check, body, self.tracking)
-                )
-                if not problem and rule.check == "results" and method == "PATCH":
-                    problem = await self._block_problem(server, path)
-                answer = refusal(403, f"forbidden: {problem}") if problem else None
+            answer, body = await self._check(request, server, rule, where, user, role)
         if answer is not None:
             await self._drain(request)  # an HTTP/2 client still sending its body gets the answer, not a reset
             await answer(scope, receive, send)
@@ -177,11 +169,39 @@ class Gate:
         if method not in _READS and rule.level != "all" and where["route"] not in policy.POLLS:  # a write
             self.audit.write(event="write", user=user, role=role, source=source, status=status, **where)
 
-    async def _block_problem(self, server: str, path: str) -> str | None:
-        """Why a non-admin may not change the block document at `path` (the name it has now)."""
+    async def _check(
+        self, request: Request, server: str, rule: policy.Rule, where: dict, user: str, role: str
+    ) -> tuple[Response | None, bytes | None]:
+        """The refusal of an authenticated request by its rule and checks (None: it passes), and
+        its body when a check read it."""
+        method, path = where["method"], where["path"]
+        if role not in rule.roles:
+            return refusal(403, f"forbidden: the role {role!r} may not {method} {where['route'] or path}"), None
+        if role == "admin":
+            return None, None
+        pools = self.users().get(user, {}).get("pools")
+        bound = bool(pools) and rule.level == "worker" and server == "prefect"
+        body = None
+        if rule.check or (bound and where["route"] in NEEDS_BODY):
+            body = await self._body(request)
+            if body is None:
+                return refusal(403, "forbidden: the body is too large"), None
+        problem = checks.body_problem(rule.check, body, self.tracking, self.storage_endpoint) if rule.check else None
+        if not problem and rule.check == "results" and method == "PATCH":
+            problem = await self._block_problem(server, path, body)
+        if not problem and bound:
+            problem = await pool_problem(pools, where["route"], path, body, self._lookup)
+        return (refusal(403, f"forbidden: {problem}") if problem else None), body
+
+    async def _lookup(self, path: str) -> dict | None:
+        found = await self._client_for("prefect").get(f"http://localhost{path}")
+        return found.json() if found.status_code == 200 else None
+
+    async def _block_problem(self, server: str, path: str, body: bytes) -> str | None:
+        """Why a non-admin may not change the block document at `path` (by the name it has now)."""
         found = await self._client_for(server).get(f"http://localhost{path}")
         name = found.json().get("name") if found.status_code == 200 else None
-        return policy.results_problem(name)
+        return checks.results_problem(name, json.loads(body or b"{}"), self.storage_endpoint)
 
     async def _body(self, request: Request) -> bytes | None:
         chunks, size = [], 0

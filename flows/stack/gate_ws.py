@@ -12,7 +12,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import unix_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from flows.stack import policy
+from flows.stack import checks, policy
+from flows.stack.binding import pool_problem
 
 
 async def relay(gate, ws: WebSocket, server: str, rule, who, source: str, where: dict) -> None:
@@ -38,6 +39,13 @@ async def relay(gate, ws: WebSocket, server: str, rule, who, source: str, where:
             who = await _token_login(gate, ws, upstream, rule, source, where)
             if who is None:
                 return
+        pools = gate.users().get(who[0], {}).get("pools")
+        if pools and who[1] == "worker" and (problem := await pool_problem(pools, None, where["path"], None, None)):
+            gate.audit.write(
+                event="refused", user=who[0], role=who[1], source=source, status=403, detail=problem, **where
+            )
+            await ws.close(1008, "forbidden")
+            return
         gate.audit.write(event="websocket", user=who[0], role=who[1], source=source, status=101, **where)
         hello = policy.has(rule, "hello") and who[1] != "admin"
         async with anyio.create_task_group() as tasks:
@@ -119,7 +127,7 @@ def _no_new_pool(text: str) -> str:
         message = json.loads(text)
     except ValueError:
         return text
-    if isinstance(message, dict) and policy.hello_problem(message):
+    if isinstance(message, dict) and checks.hello_problem(message):
         message["payload"]["create_pool_if_not_found"] = False
         message["payload"]["default_base_job_template"] = {}
         return json.dumps(message)

@@ -25,6 +25,7 @@ LEVELS = {"all": ("viewer", "worker", "admin"), "worker": ("worker", "admin"), "
 #   jobvars  the body's job_variables only from the safe set (SAFE_JOB_VARIABLES);
 #   training a deployment only of the project's training flow, with no pull steps or other code;
 #   results  a block document only of the pipeline's result storage (named mllm-results-...);
+#   state    a forced state (force: true) only one that ends a run (FORCEABLE);
 #   hello    a worker channel's hello may not create its pool (create_pool_if_not_found off);
 #   (two checks joined by + both apply)
 #   token    the credential may come inside the first message ({"type": "auth", "token": ...}),
@@ -51,7 +52,7 @@ worker POST   /api/work_pools/{work_pool_name}/workers/heartbeat
 worker POST   /api/flows/
 worker POST   /api/flow_runs/                                   jobvars
 worker PATCH  /api/flow_runs/{id}                               jobvars
-worker POST   /api/flow_runs/{id}/set_state
+worker POST   /api/flow_runs/{id}/set_state                     state
 worker POST   /api/flow_runs/{id}/input
 worker PATCH  /api/flow_runs/{id}/labels
 worker POST   /api/task_runs/
@@ -105,6 +106,7 @@ admin  *      *
 """,
 }
 
+# The checks themselves are flows/stack/checks.py's.
 # The job variables a non-admin may set on a flow run or training deployment, and the `env` keys:
 # the settings a training needs to find storage and MLflow (flows/dispatch.py job_env) and the
 # GPUs it asks for. A command, image, working folder or any other env var changes what a worker
@@ -118,6 +120,13 @@ SAFE_ENV = (
     "AWS_DEFAULT_REGION",
     "MLFLOW_S3_ENDPOINT_URL",
 )
+# The storage endpoints among them: only the stack's own (a worker's run writes where the stack's
+# storage is, never where a caller points it).
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL")
+# The states a non-admin may force a flow run into, bypassing the server's orchestration rules:
+# those Prefect's own clients force (a runner marking a cancelled run, an engine's crash or
+# failed submission); forcing a run back to SCHEDULED, RUNNING or COMPLETED would re-run or fake it.
+FORCEABLE = ("CANCELLING", "CANCELLED", "CRASHED", "FAILED")
 TRAINING_ENTRYPOINT = "flows.training:train"  # flows/dispatch.py ENTRYPOINT
 RESULTS_PREFIX = "mllm-results-"  # tasks/caching.py result_storage's blocks
 # A worker's polls and heartbeats: POSTs every few seconds that change no one's work; not audited.
@@ -197,69 +206,8 @@ def decide(server: str, method: str, path: str) -> tuple[Rule, list[str]]:
     return Rule(strictest.level, method, strictest.pattern, next(iter(checks), None)), found
 
 
-# -- the checks on a body ------------------------------------------------------------------------
-
-
-def job_variables_problem(job_variables: object, tracking_uri: str | None = None) -> str | None:
-    """Why a non-admin may not set these job variables (a sentence naming the field), or None."""
-    if job_variables in (None, {}):
-        return None
-    if not isinstance(job_variables, dict):
-        return "job_variables must be an object"
-    for name in job_variables:
-        if name not in SAFE_JOB_VARIABLES:
-            return (
-                f"job variable {name!r} changes what a worker runs: an admin's alone "
-                f"(a worker may set {', '.join(SAFE_JOB_VARIABLES)})"
-            )
-    env = job_variables.get("env") or {}
-    if not isinstance(env, dict):
-        return "job variable 'env' must be an object"
-    for key, value in env.items():
-        if key not in SAFE_ENV:
-            return f"job variable env.{key} is not one a worker may set (it may set {', '.join(SAFE_ENV)})"
-        if not isinstance(value, str):
-            return f"job variable env.{key} must be a string"
-    if tracking_uri and env.get("MLFLOW_TRACKING_URI", tracking_uri).rstrip("/") != tracking_uri.rstrip("/"):
-        return f"job variable env.MLFLOW_TRACKING_URI must be the stack's own ({tracking_uri})"
-    return None
-
-
-def body_problem(check: str | None, body: bytes, tracking_uri: str | None = None) -> str | None:
-    """Why a non-admin's request body fails the route's check, or None."""
-    if check not in ("jobvars", "training", "results"):
-        return None
-    try:
-        data = json.loads(body or b"{}")
-    except ValueError:
-        return "the body is not JSON"
-    if not isinstance(data, dict):
-        return "the body is not a JSON object"
-    if check == "results":
-        return results_problem(data.get("name", RESULTS_PREFIX))
-    if check == "training":
-        if data.get("entrypoint") != TRAINING_ENTRYPOINT:
-            return f"a worker may deploy only the project's training (entrypoint {TRAINING_ENTRYPOINT})"
-        for field in ("pull_steps", "path", "job_variables_schema"):
-            if data.get(field):
-                return f"field {field!r} of a deployment is an admin's alone"
-    return job_variables_problem(data.get("job_variables"), tracking_uri)
-
-
-def results_problem(name: object) -> str | None:
-    if isinstance(name, str) and name.startswith(RESULTS_PREFIX):
-        return None
-    return f"a worker writes only the pipeline's result storage blocks (named {RESULTS_PREFIX}...)"
-
-
 def has(rule: Rule, check: str) -> bool:
     return check in (rule.check or "").split("+")
-
-
-def hello_problem(message: dict) -> str | None:
-    if message.get("type") == "worker.hello.v1" and (message.get("payload") or {}).get("create_pool_if_not_found"):
-        return "create_pool_if_not_found: only an admin makes pools"
-    return None
 
 
 # -- the table for the docs ----------------------------------------------------------------------

@@ -4,24 +4,25 @@ on 127.0.0.1, for trying the whole system on one machine.
 What `up` started is written to `<home>/stack.json` (process ids, command lines, URLs, log
 files); `down` stops those processes and nothing else (a process id whose command line no longer
 matches is left alone), `status` checks each. Each service leads a process group of its own so
-that stopping it stops its children too (the worker's flow runs, the servers' workers).
+that stopping it stops its children too (the worker's flow runs, the servers' workers). The
+stack's calls to its Prefect server (a worker online, the pool's slots, runs in flight):
+flows/stack/pool_api.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from flows import QUIET_ENV
 from flows.stack import auth as stack_auth
 from flows.stack import database, state
 from flows.stack.orphans import crash_left_in_flight, crash_orphans
+from flows.stack.pool_api import _open, _worker_online, set_slots
+from flows.stack.pool_api import default_slots as default_slots
+from flows.stack.pool_api import in_flight as in_flight
+from flows.stack.pool_api import slots_of as slots_of
 from flows.stack.pools import ensure_pool
 from flows.stack.processes import _DIRECT, Service, descendants, free_port, port_free, tail, unix_url  # noqa: F401 (the stack's API)
 from flows.stack.state import save, stack_home, state_file  # noqa: F401 (the stack's API)
@@ -103,20 +104,7 @@ def up(
     the stack's user, beside its keys)."""
     state = load(home)
     if any(s.alive() for s in state["services"]):
-        restarted = _restart_servers(home, state, database_url, timeout) + _restart_proxy(home, timeout)
-        had = [s for s in state["services"] if s.name == "worker"]
-        if (had or local_worker) and not any(s.alive() for s in had):
-            start_worker(home, timeout)
-            restarted.append("worker")
-        set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
-        now = load(home)
-        return {
-            **now,
-            "restarted": restarted,
-            "reused": [s.name for s in now["services"] if s.name not in restarted],
-            "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
-            **_crash_left(state["env"]["PREFECT_API_URL"], home),
-        }
+        return _up_again(home, state, database_url, timeout, slots, local_worker)
     prefect_port = _port(prefect_port, "Prefect server", "--prefect-port")
     mlflow_port = _port(mlflow_port, "MLflow server", "--mlflow-port")
     # -- the database (flows/stack/database.py): PostgreSQL started here, or SQLite ------------------
@@ -155,6 +143,26 @@ def up(
         state_file(home).unlink(missing_ok=True)
         raise
     return {**load(home), "restarted": [], "reused": [], "crashed": _crash_orphans(api, pool), **_crash_left(api, home)}
+
+
+def _up_again(
+    home: Path, state: dict, database_url: str | None, timeout: float, slots: int | None, local_worker: bool | None
+) -> dict:
+    """`up` on a running stack: what of it is down started again, what runs reused."""
+    restarted = _restart_servers(home, state, database_url, timeout) + _restart_proxy(home, timeout)
+    had = [s for s in state["services"] if s.name == "worker"]
+    if (had or local_worker) and not any(s.alive() for s in had):
+        start_worker(home, timeout)
+        restarted.append("worker")
+    set_slots(state["env"]["PREFECT_API_URL"], state["pool"], slots)
+    now = load(home)
+    return {
+        **now,
+        "restarted": restarted,
+        "reused": [s.name for s in now["services"] if s.name not in restarted],
+        "crashed": _crash_orphans(state["env"]["PREFECT_API_URL"], state["pool"]),
+        **_crash_left(state["env"]["PREFECT_API_URL"], home),
+    }
 
 
 def _server_services(
@@ -349,75 +357,6 @@ def _worker_secrets(home: Path) -> dict[str, str]:
     return stack_auth.client_env(home, stack_auth.STACK_WORKER) if stack_auth.secured(home) else {}
 
 
-def _worker_online(api: str, pool: str, pid: int | None = None) -> bool:
-    """Whether a worker of `pool` has sent the server a heartbeat (since `pid` started)."""
-    try:
-        workers = _post(f"{api}/work_pools/{pool}/workers/filter", {}, timeout=5)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-    started = _started_at(pid)
-    return any(
-        w.get("status") == "ONLINE" and (started is None or _timestamp(w["last_heartbeat_time"]) > started)
-        for w in workers
-    )
-
-
-def default_slots() -> int:
-    """Trainings a pool runs at once unless told: one per GPU, else one per two cores."""
-    import torch
-
-    return torch.cuda.device_count() or max(1, (os.cpu_count() or 1) // 2)
-
-
-def set_slots(api: str, pool: str, slots: int | None) -> None:
-    """Set the work pool's concurrency limit: flow runs beyond it wait, Scheduled, for a slot."""
-    if slots is None:
-        return
-    req = urllib.request.Request(
-        f"{api}/work_pools/{pool}",
-        data=json.dumps({"concurrency_limit": slots}).encode(),
-        method="PATCH",
-        headers={"Content-Type": "application/json"},
-    )
-    # A server on SQLite answers 503 while another write holds the database (the new worker's):
-    # such an answer is tried again for a while, anything else is raised.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with _open(req, timeout=30):
-                return
-        except urllib.error.HTTPError as e:
-            if e.code < 500 or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the Prefect server did not take the pool's limit of {slots} slots: HTTP {e.code} {e.reason}"
-                ) from None
-        except (urllib.error.URLError, OSError) as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Prefect server did not take the pool's limit of {slots} slots: {e}") from None
-        time.sleep(1.0)
-
-
-def slots_of(api: str, pool: str) -> int | None:
-    try:
-        with _open(f"{api}/work_pools/{pool}", timeout=5) as r:
-            return json.loads(r.read()).get("concurrency_limit")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
-def _started_at(pid: int | None) -> float | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_mtime if pid else None
-    except OSError:
-        return None
-
-
-def _timestamp(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
-
-
 def down(home: Path, force: bool = False) -> list[tuple[str, bool]]:
     """Stop what `up` started: (service, whether it was running) for each. Refused while flow
     runs on the stack's Prefect server are in flight (they would crash with it), unless `force`."""
@@ -436,34 +375,3 @@ def down(home: Path, force: bool = False) -> list[tuple[str, bool]]:
 
 def status(home: Path) -> list[tuple[Service, bool]]:
     return [(s, s.healthy()) for s in load(home)["services"]]
-
-
-def in_flight(state: dict) -> list[str]:
-    """The stack's flow runs that are Pending, Running or Cancelling, as `flow/run (STATE)`; none
-    when its Prefect server does not answer (nothing can then report to it)."""
-    api = state.get("env", {}).get("PREFECT_API_URL")
-    if not api:
-        return []
-    body = {"flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}}, "limit": 50}
-    try:
-        runs = _post(f"{api}/flow_runs/filter", body)
-        flows = {
-            f["id"]: f["name"]
-            for f in _post(f"{api}/flows/filter", {"flows": {"id": {"any_": list({r["flow_id"] for r in runs})}}})
-        }
-    except (urllib.error.URLError, OSError, ValueError):
-        return []
-    return [f"{flows.get(r['flow_id'], '?')}/{r['name']} ({r['state_type']})" for r in runs]
-
-
-def _post(url: str, body: dict, timeout: float = 10) -> list:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
-    )
-    with _open(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _open(req, timeout: float):
-    """The stack's own request to its server: as itself on a secured stack (flows/stack/auth.py)."""
-    return stack_auth.open_url(req, timeout)

@@ -91,11 +91,14 @@ def _check_name(name: str) -> None:
         raise UserError(f"user name {name!r}: use letters, digits, '-', '_' or '.' (at most 64)")
 
 
-def add_user(home: Path, name: str, role: str, built_in: bool = False) -> str:
-    """A new user with a new random secret; the secret."""
+def add_user(home: Path, name: str, role: str, built_in: bool = False, pools: list[str] | None = None) -> str:
+    """A new user with a new random secret; the secret. A worker given `pools` is bound to them:
+    it serves, claims and starts runs of those pools only (flows/stack/gate.py)."""
     _check_name(name)
     if role not in ROLES:
         raise UserError(f"--role {role!r}: give one of {', '.join(ROLES)}")
+    if pools and role != "worker":
+        raise UserError(f"--pool binds a worker to pools: give it with --role worker, not {role}")
     data = read_users(home)
     if name in data["users"]:
         raise UserError(
@@ -106,6 +109,8 @@ def add_user(home: Path, name: str, role: str, built_in: bool = False) -> str:
         raise UserError(f"user name {name!r} is the stack's own: choose another")
     secret = secrets.token_urlsafe(32)
     data["users"][name] = {"role": role, "secret": secret, "hash": bcrypt_hash(secret)}
+    if pools:
+        data["users"][name]["pools"] = sorted(set(pools))
     data["removed"] = [n for n in data["removed"] if n != name]
     _write_users(home, data)
     return secret

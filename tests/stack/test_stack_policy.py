@@ -13,6 +13,7 @@ import shutil
 import ssl
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,7 @@ import prewarmed
 import pytest
 
 from flows.stack import auth as stack_auth
-from flows.stack import policy
+from flows.stack import checks, policy
 from flows.stack import servers as stack
 from flows.stack.audit import TRIES
 
@@ -332,6 +333,151 @@ def test_item3_a_worker_runs_no_command_of_its_own_and_changes_no_pool(home: Pat
     assert "command" not in template["variables"]["properties"] and "command" not in template["job_configuration"]
 
 
+# -- what a worker of this project does not need, closed -----------------------------------------
+
+
+def _train_deployment(home: Path, pool: str = "local") -> tuple[str, str]:
+    api = _base(home, "prefect") + "/api"
+    with _client(home, "stack-admin") as admin:
+
+        def made(path: str, body: dict) -> str:
+            for _ in range(10):  # a server on SQLite answers 503 while another write holds it
+                r = admin.post(api + path, json=body)
+                if r.status_code != 503:
+                    break
+                time.sleep(1)
+            assert r.status_code in (200, 201), r.text
+            return r.json()["id"]
+
+        flow = made("/flows/", {"name": "train"})
+        entry = policy.TRAINING_ENTRYPOINT
+        dep = made(
+            "/deployments/", {"name": f"train-{pool}", "flow_id": flow, "work_pool_name": pool, "entrypoint": entry}
+        )
+    return flow, dep
+
+
+def test_a_worker_forces_no_state_but_one_that_ends_a_run(home: Path) -> None:
+    api = _base(home, "prefect") + "/api"
+    flow, dep = _train_deployment(home)
+    with _client(home, "wok") as worker, _client(home, "stack-admin") as admin:
+        run = admin.post(f"{api}/deployments/{dep}/create_flow_run", json={"state": {"type": "COMPLETED"}}).json()["id"]
+        # Forcing a finished run back to SCHEDULED (it would run again) or RUNNING: refused, naming force.
+        for kind in ("SCHEDULED", "RUNNING", "COMPLETED", "PENDING"):
+            r = worker.post(f"{api}/flow_runs/{run}/set_state", json={"state": {"type": kind}, "force": True})
+            assert r.status_code == 403 and "force: true" in r.json()["detail"], (kind, r.text)
+        assert admin.get(f"{api}/flow_runs/{run}").json()["state_type"] == "COMPLETED"
+        # What Prefect's clients force (a runner marking a cancelled run): taken.
+        r = worker.post(f"{api}/flow_runs/{run}/set_state", json={"state": {"type": "CANCELLED"}, "force": True})
+        assert r.status_code == 201 and r.json()["status"] == "ACCEPT", r.text
+        # The server's own rules still apply to an unforced proposal: not the gate's business.
+        r = worker.post(f"{api}/flow_runs/{run}/set_state", json={"state": {"type": "RUNNING"}})
+        assert r.headers.get("x-stack-gate") != "refused", r.text
+
+
+def test_a_worker_points_no_run_at_a_storage_endpoint_of_its_own(home: Path) -> None:
+    api = _base(home, "prefect") + "/api"
+    _, dep = _train_deployment(home)
+    with _client(home, "wok") as worker:
+        for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL"):
+            r = worker.post(
+                f"{api}/deployments/{dep}/create_flow_run",
+                json={"job_variables": {"env": {key: "http://collector.example:9000"}}, "state": {"type": "CANCELLED"}},
+            )
+            assert r.status_code == 403 and f"env.{key}" in r.json()["detail"], (key, r.text)
+    # A stack with storage behind an endpoint takes that one, and no other.
+    assert (
+        checks.job_variables_problem({"env": {"AWS_ENDPOINT_URL": "http://s3.lan:9000/"}}, None, "http://s3.lan:9000")
+        is None
+    )
+    assert "AWS_ENDPOINT_URL" in checks.job_variables_problem(
+        {"env": {"AWS_ENDPOINT_URL": "http://other:9000"}}, None, "http://s3.lan:9000"
+    )
+
+
+def test_a_worker_writes_a_result_block_only_for_its_own_base_path(home: Path, tmp_path: Path) -> None:
+    """The pipeline saves a result-storage block per storage root (tasks/caching.py); a worker may
+    make and save that block again, not point another root's block elsewhere."""
+    env = {**os.environ, **stack_auth.client_env(home, "wok"), "HOME": str(tmp_path)}
+    save = (
+        "from tasks.caching import result_storage; b = result_storage('memory://team/a'); print(b._block_document_name)"
+    )
+    names = []
+    for _ in range(2):  # made, then saved again over itself (a PATCH)
+        done = subprocess.run([sys.executable, "-c", save], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        names.append(done.stdout.split()[-1])
+    assert names[0] == names[1] and names[0].startswith(policy.RESULTS_PREFIX)
+    api = _base(home, "prefect") + "/api"
+    with _client(home, "stack-admin") as admin, _client(home, "wok") as worker:
+        block = admin.post(
+            f"{api}/block_documents/filter", json={"block_documents": {"name": {"any_": [names[0]]}}}
+        ).json()[0]
+        elsewhere = {"basepath": "memory://elsewhere/prefect-results", "settings": {}}
+        r = worker.patch(f"{api}/block_documents/{block['id']}", json={"data": elsewhere})
+        assert r.status_code == 403 and "another base path" in r.json()["detail"], r.text
+        r = worker.post(
+            f"{api}/block_documents/",
+            json={
+                **{k: block[k] for k in ("block_schema_id", "block_type_id")},
+                "name": names[0] + "x",
+                "data": elsewhere,
+            },
+        )
+        assert r.status_code == 403, r.text
+        assert (
+            admin.get(f"{api}/block_documents/{block['id']}").json()["data"]["basepath"].startswith("memory://team/a")
+        )
+
+
+def test_a_worker_bound_to_a_pool_serves_and_starts_runs_of_that_pool_only(home: Path) -> None:
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    api = _base(home, "prefect") + "/api"
+    with _client(home, "stack-admin") as admin:
+        assert admin.post(f"{api}/work_pools/", json={"name": "gpu-a", "type": "process"}).status_code in (201, 409)
+    done = prewarmed.run(
+        "flows.cli", ["stack", "user", "add", "bound", "--role", "worker", "--pool", "gpu-a", "--home", str(home)]
+    )
+    assert done.returncode == 0 and "pools gpu-a only" in done.stdout, done.stderr
+    _, local_dep = _train_deployment(home, "local")
+    _, own_dep = _train_deployment(home, "gpu-a")
+    with _client(home, "bound") as bound:
+        assert bound.post(f"{api}/work_pools/gpu-a/workers/heartbeat", json={"name": "b"}).status_code == 204
+        assert bound.post(f"{api}/work_pools/gpu-a/get_scheduled_flow_runs", json={}).status_code == 200
+        for path, body in (
+            ("/work_pools/local/workers/heartbeat", {"name": "b"}),
+            ("/work_pools/local/get_scheduled_flow_runs", {}),
+            ("/deployments/get_scheduled_flow_runs", {"deployment_ids": [local_dep]}),
+            (f"/deployments/{local_dep}/create_flow_run", {"state": {"type": "CANCELLED"}}),
+        ):
+            r = bound.post(api + path, json=body)
+            assert r.status_code == 403 and "gpu-a" in r.json()["detail"], (path, r.text)
+        r = bound.post(f"{api}/deployments/{own_dep}/create_flow_run", json={"state": {"type": "CANCELLED"}})
+        assert r.status_code == 201, r.text
+    # Its worker channel: to its own pool only.
+    ctx = ssl.create_default_context(cafile=stack_auth.secured(home)["certs"]["ca"])
+    token = f"bound:{stack_auth.credential(home, 'bound')[1]}"
+    base = _base(home, "prefect").replace("https://", "wss://")
+    with connect(
+        f"{base}/api/work_pools/local/workers/connect", ssl=ctx, subprotocols=["prefect"], open_timeout=60
+    ) as ws:
+        ws.send(json.dumps({"type": "auth", "token": token}))
+        with pytest.raises(ConnectionClosed):
+            while True:
+                ws.recv(timeout=60)
+    # The other roles take no --pool: a one-line refusal.
+    done = prewarmed.run(
+        "flows.cli", ["stack", "user", "add", "v2", "--role", "viewer", "--pool", "x", "--home", str(home)]
+    )
+    assert (
+        done.returncode == 2
+        and done.stderr.startswith("error: --pool binds a worker")
+        and "Traceback" not in done.stderr
+    )
+
+
 # -- issue 62's smaller items ----------------------------------------------------------------------
 
 
@@ -502,12 +648,17 @@ def test_writes_show_by_user_and_a_burst_of_wrong_passwords_is_throttled(home: P
             wrong.auth = httpx.BasicAuth("vic", f"wrong-{i}")
             statuses.append(wrong.get(_base(home, "prefect") + "/api/flows/" + str(uuid.UUID(int=7))).status_code)
     assert statuses[:TRIES] == [401] * TRIES and set(statuses[TRIES + 1 :]) == {429}, statuses
-    # Locked out, the right secret is refused too until the lock ends.
-    with _client(home, "vic") as right:
+    # Locked out, the right secret is refused too until the lock ends; and the address is locked,
+    # so another user's right secret from it as well.
+    with _client(home, "vic") as right, _client(home, "wok") as other:
         assert right.get(_base(home, "prefect") + "/api/health").status_code == 429
+        assert other.get(_base(home, "prefect") + "/api/health").status_code == 429
     failed = _audit(home, "--failed", "--user", "vic")
     assert sum("login_failed" in line for line in failed) == TRIES + 1
     assert any("lockout" in line and "user:vic locked" in line for line in failed)
+    everyone = _audit(home, "--failed")
+    assert any("lockout" in line and "address:127.0.0.1 locked" in line for line in everyone), everyone[-5:]
+    assert any("locked_out" in line and " wok " in line for line in everyone)
     assert sum("locked_out" in line for line in failed) >= 38
     secret = stack_auth.credential(home, "vic")[1]
     assert secret not in audit.read_text()
