@@ -70,11 +70,17 @@ def schedule(
         from mllm.redact import strip_userinfo
         from mllm.resolve import Overrides, absolute_source
 
-        if any(strip_userinfo(s)[1] for s in source or []):
+        given = {
+            "--source": source or [],
+            "--storage": [storage] if storage else [],
+            "--set": [item.partition("=")[2].strip() for item in set_ or []],
+        }
+        carrying = [option for option, urls in given.items() if any(strip_userinfo(u)[1] for u in urls)]
+        if carrying:
             # A scheduled run downloads in a worker, later: the password would have to be stored
             # in the deployment's parameters, in Prefect's database.
             raise UserError(
-                "a scheduled --source cannot carry a user:password: give the worker its credentials "
+                f"a scheduled {carrying[0]} cannot carry a user:password: give the worker its credentials "
                 "(AWS_* for s3://, a ~/.netrc for https://) and schedule the URL without them"
             )
         source = [absolute_source(s) for s in source or []]  # the worker runs in a folder of its own

@@ -261,6 +261,14 @@ def test_unknown_work_pool_and_schedule_without_a_server(corpus: Path, tmp_path:
     )
     _assert_one_line_error(out, "cannot carry a user:password", "~/.netrc")
     assert "s3cr3t-Pw" not in out.stdout + out.stderr
+    # Likewise a URL with a password given as an override or as the storage root.
+    for option, value in (
+        ("--set", "data.source=https://reader:s3cr3t-Pw@127.0.0.1:9/corpus.txt"),
+        ("--storage", "https://reader:s3cr3t-Pw@127.0.0.1:9/storage"),
+    ):
+        out = cli("schedule", "--recipe", "smoke", "--cron", "0 3 * * 0", option, value)
+        _assert_one_line_error(out, f"scheduled {option} cannot carry a user:password", "~/.netrc")
+        assert "s3cr3t-Pw" not in out.stdout + out.stderr
 
 
 def test_a_field_of_another_model_family_is_refused_in_one_line(tmp_path: Path) -> None:
