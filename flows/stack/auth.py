@@ -1,21 +1,5 @@
 """The stack's users, roles, certificates and TLS proxy: what makes a stack reachable from other
-machines (`stack up --listen ADDRESS`, or `--auth` on loopback).
-
-Caddy (Debian's 2.6) terminates TLS on the listening address, one endpoint per server, answers a
-foreign Host with 421 and hands every request over a Unix socket to the gate
-(flows/stack/gate.py), which checks each user's credential and the policy of
-flows/stack/policy.py. The Prefect and MLflow servers listen on Unix sockets in a 0700 folder
-only. MLflow runs its basic-auth app and checks the same credentials again: MLflow's users are
-the stack's users with the same secrets (stack `admin` and `worker` users are MLflow admins,
-`viewer` users plain ones with MLflow's default READ).
-
-Prefect's own `PREFECT_SERVER_API_AUTH_STRING` stays off: its one string cannot tell users
-apart; the gate takes the subscribers' in-message token itself.
-
-The users and their secrets: flows/stack/users.py; the certificates: flows/stack/certs.py; where
-a secured stack serves: flows/stack/endpoints.py; MLflow's auth app and users:
-flows/stack/mlflow_auth.py.
-"""
+machines (`stack up --listen ADDRESS`, or `--auth` on loopback); docs/team-stack.md tells how."""
 
 from __future__ import annotations
 

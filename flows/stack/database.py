@@ -1,18 +1,5 @@
-"""The stack's database: where the Prefect server and MLflow's backend store keep their records.
-
-PostgreSQL when the machine has its server: a cluster of the stack's own under `<home>/postgres`
-(created once with initdb, kept across `stack down`/`up`, listening on 127.0.0.1 only, with a
-role `mllm` whose password is in `<home>/postgres/password`, mode 0600); or a team's server
-given as `--database-url postgresql://USER:PASSWORD@HOST:PORT/NAME`, whose password is kept only in
-the environment of the two servers' processes (never in stack.json, a log or the terminal).
-Either way the stack uses two databases, `<NAME>_prefect` and `<NAME>_mlflow` (NAME defaults to
-`mllm`): both Prefect and MLflow keep an `alembic_version` table, so they cannot share one.
-Without PostgreSQL the stack stays on SQLite files in its home, which is fine for one user.
-
-As root the cluster runs as the unprivileged user `postgres` (PostgreSQL refuses root), through
-`runuser`; its folder belongs to that user. PostgreSQL's binaries, initdb and the creation of the
-databases: flows/stack/postgres.py.
-"""
+"""The stack's database, PostgreSQL (its own cluster or a team's server) or SQLite files: where the
+Prefect server and MLflow's backend store keep their records (docs/stack.md)."""
 
 from __future__ import annotations
 

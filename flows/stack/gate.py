@@ -1,14 +1,5 @@
-"""The secured stack's gate: the one place where a request meets the policy (flows/stack/policy.py).
-
-Caddy ends TLS, refuses foreign Host headers and hands every request to this ASGI app over a Unix
-socket in a 0700 folder, naming the server (X-Stack-Server) and the client's address
-(X-Stack-Client). The gate checks the credential (Basic, or for Prefect's event and log
-subscribers the token inside the first websocket message), applies the role's rule for the route,
-reads what a rule needs (a body's job variables, a worker's hello), forwards to the server,
-writes the audit (flows/stack/audit.py) and throttles failed logins.
-
-Run as `python -m flows.stack.gate HOME SOCKET`.
-"""
+"""The secured stack's gate, an ASGI app behind Caddy: the one place where a request meets the policy
+(flows/stack/policy.py); docs/team-stack.md tells what it checks."""
 
 from __future__ import annotations
 

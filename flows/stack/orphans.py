@@ -1,19 +1,5 @@
-"""Flow runs of the stack's pool that its records say are running, but whose process is gone.
-
-A flow run writes its own final state. When it cannot (its database was down, its worker was
-killed with it, the machine rebooted), Prefect's records keep it Running for ever, and a
-Running (or Pending, Cancelling) flow run holds one of its work pool's slots: with every slot so
-held, nothing on the pool would start again. The stack's worker runs its flow runs as processes
-on this machine, and Prefect records each one's process id (`infrastructure_pid`), so
-`stack up` can tell: such a run whose process is gone, or whose id now belongs to another
-process, is marked Crashed through Prefect's client, which frees its slot.
-
-A command's own flow runs (a `run`'s pipeline, a sweep and its points' pipelines) run in its
-process, on no pool and with no process id recorded. A command that ends because the stack's
-database is down cannot write their final states either: it leaves their ids in the stack's home
-(`flow-runs-in-flight.json`), and `stack up`, once the database is back, marks those still in
-flight Crashed, and cancels the trainings they handed to the pool that no worker has taken yet.
-"""
+"""Flow runs that the stack's records say are running but whose process is gone, marked Crashed at
+`stack up` so that they free their pool's slots (docs/stack.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""The secured stack's one policy: what each role may do on every route of the Prefect and MLflow
-servers (flows/stack/routes.json, their own route lists), the checks some routes need on the
-request's body or websocket messages, and the table rendered for docs/team-stack.md.
-
-A request is first resolved to the server's route templates that match its path and method (from
-the servers' own lists, never a guess from how a path ends); each template's rule is the first
-line of RULES whose pattern matches it, and a request matching several templates gets the most
-restrictive of their rules. A path that matches no template is the admin's alone.
-"""
+"""The secured stack's one policy: what each role may do on every route of the Prefect and MLflow servers,
+and the table rendered for docs/team-stack.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,5 @@
 """The stack's Prefect server: Prefect's own `prefect server start`, except that a request which
-could not reach the server's database answers 503 (Service Unavailable) rather than 500.
-
-Prefect's server already answers 503 for a database that is shutting down or starting up, or a
-connection it lost (`is_client_retryable_exception`), and every Prefect client (this project's
-commands, the worker, the flow runs it starts) retries a 503 with back-off, PREFECT_CLIENT_MAX_RETRIES
-times (flows/__init__.py: about 4 minutes). A database that is down altogether refuses the
-connection (an OSError from asyncpg), which Prefect answers with 500, which no client retries: the
-first state a run could not write failed it. Here only that case changes; a 500 of any other
-cause (a bug) still fails at once, where PREFECT_CLIENT_RETRY_EXTRA_CODES=500 would have every
-client wait out its retries on it.
-
-Run as `python -m flows.stack.prefect_server server start ...` (Prefect's CLI arguments), or as
-`python -m flows.stack.prefect_server uds SOCKET`: the same server on a Unix socket (a secured
-stack's, in a 0700 folder), as `prefect server start` runs it in the foreground.
-"""
+could not reach the server's database answers 503 rather than 500 (docs/stack.md)."""
 
 from __future__ import annotations
 

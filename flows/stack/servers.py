@@ -1,13 +1,5 @@
 """`mllm-pipeline stack up|down|status`: a Prefect server, a process worker and an MLflow server
-on 127.0.0.1, for trying the whole system on one machine.
-
-What `up` started is written to `<home>/stack.json` (process ids, command lines, URLs, log
-files); `down` stops those processes and nothing else (a process id whose command line no longer
-matches is left alone), `status` checks each. Each service leads a process group of its own so
-that stopping it stops its children too (the worker's flow runs, the servers' workers). The
-stack's calls to its Prefect server (a worker online, the pool's slots, runs in flight):
-flows/stack/pool_api.py.
-"""
+on 127.0.0.1, for trying the whole system on one machine."""
 
 from __future__ import annotations
 

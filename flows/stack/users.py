@@ -1,8 +1,5 @@
-"""The secured stack's users (flows/stack/auth.py): one file, `<home>/auth/users.json` (0600, in
-a 0700 folder), with each user's role and random secret (which the gate, flows/stack/gate.py,
-checks; a bcrypt hash of it is kept too), and the secrets of MLflow's own admin and of its CSRF
-tokens. Each secret is in this one file only: MLflow's server gets its admin's password in its
-environment, never in `<home>/auth/mlflow-auth.ini`."""
+"""The secured stack's users file, `<home>/auth/users.json`: each user's role and secret, and the
+secrets of MLflow's own admin and of its CSRF tokens."""
 
 from __future__ import annotations
 
