@@ -1,21 +1,5 @@
-"""Training on a Prefect work pool: `--train-on POOL`.
-
-The pipeline keeps the data stages, evaluation and tracking in its own process and hands the
-`train` flow to a worker of the pool through a deployment (`train/train-<pool>`, created or
-updated on the fly). It then follows the remote run: its log lines come back as the pipeline's
-own, its state decides what happens next.
-
-- Completed: the result is read from `<run_dir>/trained.json` in storage.
-- Failed (the training raised): the pipeline fails with the remote error.
-- Crashed, or lost (Running but silent for `MLLM_LOST_AFTER_S` seconds: its worker or machine
-  went away): the run is marked Crashed and submitted again, up to `MLLM_TRAIN_RESTARTS`
-  times. Training resumes from its last checkpoint in storage. A run cancelled from the UI or the
-  API that ends Crashed (Prefect's runner kills a run that does not ack its cancel) is not.
-
-The worker needs the project installed, the storage credentials in its own environment, and
-the MLflow server reachable; the pipeline passes the non-secret settings (tracking URI, S3
-endpoint, storage root) as the run's `env` job variable and never a credential.
-"""
+"""Training on a Prefect work pool (`--train-on POOL`): hand the `train` flow to a worker through a
+deployment, follow the remote run, and submit it again when its worker is lost (docs/deployment.md)."""
 
 from __future__ import annotations
 

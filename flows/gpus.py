@@ -1,15 +1,4 @@
-"""A GPU of its own for each training that a worker runs at once.
-
-A pool's slots (`stack up --slots N`, one per GPU by default) bound how many trainings a worker
-runs side by side, but every one of them would see all the machine's GPUs and take the first.
-So a training started by a worker (a process of its own: PREFECT__FLOW_RUN_ID is set) takes as
-many devices as it has ranks from the worker's list, and sees only those (CUDA_VISIBLE_DEVICES,
-set before torch touches CUDA). A device is held by an advisory lock on a file of its own
-(`fcntl.flock`), which the system releases when the training's process ends however it ends,
-so a killed training never keeps its GPU. The worker's list: $MLLM_GPUS (`0,1,2,3`, ids as
-CUDA_VISIBLE_DEVICES takes them; a list of made-up ids tests this without GPUs), else the
-worker's own CUDA_VISIBLE_DEVICES, else every GPU torch sees. One device or none: nothing to share.
-"""
+"""A GPU of its own for each training that a worker runs at once, held by a file lock (docs/stack.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""Scheduled retraining: a deployment of the pipeline flow per recipe on the Prefect server.
-
-`mllm-pipeline schedule --recipe NAME --cron "0 3 * * 0"` creates or updates the deployment
-`pipeline/NAME`: its parameters (recipe, source, storage, overrides, pool to train on) are
-those of the command, its runs go to a process worker of `--pool`, at most one at a time (two
-retrainings of one recipe would race for its champion). Each run downloads the source again and
-then trains or skips as the pipeline flow decides; the same deployment is what the Prefect UI's
-"Run" form starts, with the same parameters to edit.
-"""
+"""Scheduled retraining: a deployment of the pipeline flow per recipe on the Prefect server
+(docs/scheduling.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The process of Prefect's temporary server: `python -m flows.cli.temporary_server PID ARGS` runs
 uvicorn with ARGS, as Prefect's `python -m uvicorn ARGS` would, and ends it once the command whose
-process is PID is gone, however it went.
-
-The server leads a process group of its own (flows/cli/temporary_start.py), so a signal to the command's
-group does not end it under the runs it records; the command stops it when it ends. A `kill -9` to
-the command (or its group, or the OOM killer) leaves nothing to stop it: without this watch it
-would serve an empty port for ever. The parent is polled, not asked to signal its death:
-PR_SET_PDEATHSIG fires when the *thread* that started the child ends (here a thread that ends as
-soon as the server answers), and a pipe's end is inherited by every process the command forks."""
+process is PID is gone, however it went (docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +16,10 @@ GRACE_S = 10.0  # for uvicorn's own shutdown (lifespan, database) before the pro
 
 
 def _watch(parent: int) -> None:
-    # Once the parent is gone this process has another (init, or a subreaper).
+    # Once the parent is gone this process has another (init, or a subreaper). Polled, not asked to
+    # signal its death: PR_SET_PDEATHSIG fires when the *thread* that started the child ends (here
+    # one that ends as soon as the server answers), and a pipe's end is inherited by every process
+    # the command forks.
     while os.getppid() == parent:
         time.sleep(POLL_S)
     os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown, as the command's own stop

@@ -1,11 +1,5 @@
 """Where a model came from: from a registered version (or a run) back to the corpus bytes, and from
-a corpus forward to every run and version trained on it.
-
-The chain is read from what the pipeline recorded (the run's tags, the registered version's tags)
-and every link that lives in storage is checked there: a stage folder that was deleted, or whose
-content no longer has the recorded digest, is reported as such, never skipped. Nothing here
-trusts a tag that storage can contradict.
-"""
+a corpus forward to every run and version trained on it, each link in storage checked there."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """A dead search's flow runs: the search that takes over its trial marks them Crashed, as `stack up`
-marks the pool's (flows/stack/orphans.py); left Running, they would keep `stack down` refusing.
-
-Each search notes its process in the trials it starts (`search.process`: its flow run, host, process
-id and start time). On SQLite the lock proves a RUNNING trial's search dead; on PostgreSQL a
-stopped heartbeat does not (the search may only be stalled, or on another machine), so there its
-flow runs are marked only when its process on this machine is gone."""
+marks the pool's (flows/stack/orphans.py); left Running, they would keep `stack down` refusing."""
 
 from __future__ import annotations
 

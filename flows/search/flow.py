@@ -1,20 +1,5 @@
 """`mllm-pipeline search`: Optuna samples a space of config fields, and each trial is a tracked,
-cached pipeline run whose training a pruner may stop at an evaluation.
-
-The study lives in an SQLite file beside the storage root (`optuna.db`, as `mlflow.db` is), or on
-PostgreSQL where several searches share it (flows/search/study.py), named by the recipe, the space
-and the data, so the same command again continues it: finished trials stay finished, and a trial
-that was running when its process died (SIGKILL, Ctrl-C, a crash) is asked again with the same
-parameters, which give the same config, the same training key and so the same checkpoint folder:
-its training resumes from its last checkpoint. On SQLite a search holds the study's lock, so a
-trial found RUNNING by the next one is known dead; on PostgreSQL a trial is dead when its
-heartbeat stops.
-
-Every trial shares the data stages (cached by content) and nests its MLflow run under one parent
-run per study, tagged `trial_state` complete, pruned or failed. The training reports its val loss
-at each evaluation through `tasks.trials` (mllm knows nothing of Optuna); the study's objective
-is the family's headline metric in its own direction.
-"""
+cached pipeline run whose training a pruner may stop at an evaluation (docs/search.md)."""
 
 from __future__ import annotations
 

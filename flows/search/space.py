@@ -1,10 +1,5 @@
 """A search's space: `--space FIELD=SPEC` options parsed and checked against the recipe, before
-anything runs (`flows/search/flow.py` samples it with Optuna).
-
-SPEC is a list of values (`2,4,6`, each a YAML value as `--set` takes it), or a range:
-`1e-4..1e-2` (uniform), `log:1e-4..1e-2` (uniform in the logarithm), `int:64..512` (integers,
-`int:log:` for both).
-"""
+anything runs (`flows/search/flow.py` samples it with Optuna)."""
 
 from __future__ import annotations
 

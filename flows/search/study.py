@@ -1,16 +1,5 @@
-"""A search's study: where Optuna keeps it, the lock a running search holds on it, its sampler and
-pruner, and the checks of a search's options made before anything starts.
-
-Two places. `optuna.db` (SQLite) beside a local storage root: one search at a time holds the
-study's lock, so a trial the next one finds RUNNING is known dead. Or PostgreSQL: the stack's own
-cluster, or the server in $MLLM_STUDY_DATABASE (flows/stack/database.py (`study_database`)), where
-searches on several machines share one study. There no lock can tell a dead trial from another
-machine's live one, so each search beats a heartbeat for the trials it runs (Optuna beats only
-inside `study.optimize`, which a search does not use) and fails the trials whose heartbeat stopped
-before each ask, re-queued with their parameters by Optuna's `RetryHeartbeatStaleTrialCallback`
-(the name `RetryFailedTrialCallback` has in Optuna 5); and a PostgreSQL advisory lock makes
-counting the study's trials and asking the next one a single step, so that searches together
-start exactly --trials."""
+"""A search's study: where Optuna keeps it (SQLite or PostgreSQL), the lock or heartbeat that tells a dead
+trial, its sampler and pruner, and the checks of a search's options made before anything starts."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""`mllm-pipeline sweep`: the pipeline at every point of a grid of config fields.
-
-Every point is resolved before anything runs, so a bad field or value stops the sweep with one
-line. Each point is a normal pipeline run (forced: a sweep measures every point, even one the
-champion already has), nested in MLflow under one parent run that holds the table and the plot
-of each point's headline metric. In this process the points run one after another; with a work
-pool their trainings run side by side on its workers, the data stages prepared first so that
-no two points ever write the same stage at once.
-"""
+"""`mllm-pipeline sweep`: the pipeline at every point of a grid of config fields, nested under one
+MLflow parent run (docs/sweeps.md)."""
 
 from __future__ import annotations
 
