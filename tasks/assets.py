@@ -1,26 +1,5 @@
 """Each stage's outputs as Prefect assets keyed by their storage URIs, with what the stage read as
-their upstream assets: Prefect's events then hold the graph that `lineage` follows through MLflow's
-tags (corpus source -> stored copy -> token chunks -> vocabulary and split -> checkpoints ->
-evaluation report and samples).
-
-Not `@materialize`: a stage's output URI digests its inputs and is computed inside the task
-(download's names the sha256 of bytes not yet read), so there is no key when the task is declared
-or called, which `@materialize` and `task.with_options(assets=...)` both need. Prefect 3.8 reads
-the assets of every task run, not only of a `MaterializingTask`, from the run's AssetContext when
-the run ends (`AssetContext.emit_events`): a stage adds its outputs and inputs there, and Prefect
-emits `prefect.asset.materialization.succeeded` for each output (`.failed` if the stage fails
-after naming it) with the inputs as related assets, and `prefect.asset.referenced` for each input,
-exactly as for a `@materialize` task.
-
-A task run that Prefect finds Cached does not run, and Prefect emits no asset event for a Cached
-run: the materialization recorded by the run that wrote the output stands, with the metadata of
-the bytes that are still there, and re-runs do not repeat it as if the bytes were new. A stage that
-runs and finds its output already complete in storage (its Prefect cache record lost) names it
-again: the Prefect server it reports to may never have seen it.
-
-Keys and metadata pass `scrub`: a source URL loses user:password, and its query and fragment (a
-presigned URL's signature lives there; Prefect refuses `?`, `#` and `%` in a key anyway).
-"""
+their upstream assets, so that Prefect's events hold the graph `lineage` follows (docs/tracking.md)."""
 
 from __future__ import annotations
 

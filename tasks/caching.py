@@ -1,9 +1,5 @@
-"""What makes a stage's output reusable: its key, where Prefect keeps results, and retries.
-
-A stage's key is a digest of its inputs' content, its config and the source of the code that
-does the work. It names the stage's folder under the storage root and is Prefect's cache key, so
-Prefect shows a stage whose output already exists as Cached instead of running it.
-"""
+"""What makes a stage's output reusable: its key (its folder's name and Prefect's cache key), where
+Prefect keeps results, and retries."""
 
 from __future__ import annotations
 

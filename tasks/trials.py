@@ -1,15 +1,5 @@
 """A search's say in its trials' trainings: the callable that the training loop asks at each
-evaluation whether to stop (`mllm.train.train(on_eval=...)`), found by the training's key.
-
-The search (flows/search/flow.py) registers one for the key a trial trains under before it starts the
-trial's pipeline, and the training stage in this process picks it up. A key has one hook at a
-time: two trials of the same config train into the same folder, so they never run at once.
-
-A trial trained on a work pool asks through storage, which the worker and the search share: at
-each evaluation the worker's training writes `<run dir>/search/eval-<step>.json` (its val loss)
-and waits for `verdict-<step>.json`, which the search writes once its pruner has answered
-(`answering`). A verdict that does not come in time (the search is gone) lets the training go on.
-"""
+evaluation whether to stop (`mllm.train.train(on_eval=...)`), found by the training's key."""
 
 from __future__ import annotations
 
@@ -28,7 +18,9 @@ _lock = threading.Lock()
 
 @contextlib.contextmanager
 def asking(key: str, hook: EvalHook) -> Iterator[None]:
-    """While inside, a training of `key` in this process asks `hook` at each evaluation."""
+    """While inside, a training of `key` in this process asks `hook` at each evaluation. A key has one
+    hook at a time: two trials of the same config train into the same folder, so they never run at
+    once."""
     with _lock:
         if key in _hooks:
             raise RuntimeError(f"training {key} already has a search hook")

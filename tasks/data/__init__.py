@@ -1,12 +1,5 @@
-"""The data stages as Prefect tasks, a module each: download, tokenize, vocabulary, split, and the
-parallel-text and generated data of the seq2seq and sequence families. A stage takes one file or
-a corpus of many the same way; the work is done in `mllm.data`, and here is what makes it a
-stage: its key and folder under the storage root (`mllm.layout`), caching, retries, the manifest
-that marks an output complete, logging and progress.
-
-What each stage hands on is defined here: Prefect keeps a cached result as a pickle that names
-its class by module, so these classes stay at `tasks.data.<Name>` for stages cached before.
-"""
+"""The data stages as Prefect tasks, a module each (the work is done in `mllm.data`), and what each
+stage hands on."""
 
 from __future__ import annotations
 
@@ -15,6 +8,8 @@ from pydantic import BaseModel
 from mllm import storage
 
 
+# Prefect keeps a cached result as a pickle that names its class by module: these classes stay at
+# `tasks.data.<Name>` for stages cached before.
 class RawText(BaseModel):
     source: str
     url: str

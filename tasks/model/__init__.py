@@ -1,9 +1,5 @@
 """The model stages as Prefect tasks, a module each: train, evaluate (and score the champion),
-generate samples.
-
-What the stages hand on is defined here: Prefect keeps a cached result as a pickle that names its
-class by module, so these classes stay at `tasks.model.<Name>` for results cached before.
-"""
+generate samples; and what the stages hand on."""
 
 from __future__ import annotations
 
@@ -15,6 +11,8 @@ from mllm.runtime.results import TrainResult
 from tasks.data import SourceSide, Splits, Tokens, Vocabulary
 
 
+# Prefect keeps a cached result as a pickle that names its class by module: these classes stay at
+# `tasks.model.<Name>` for results cached before.
 class Prepared(BaseModel):
     """What the data stages hand on to training."""
 

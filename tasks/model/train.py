@@ -1,10 +1,5 @@
-"""The training stage as a Prefect task.
-
-Training writes to `runs/<key>/` where the key digests the data it trains on, the model and
-training config and the code. Running the same training again resumes from its last checkpoint
-(and returns at once when that checkpoint is final): a crashed or killed run continues where it
-stopped, and a finished one is not paid for twice.
-"""
+"""The training stage as a Prefect task: it trains into `runs/<key>/`, resuming from its last
+checkpoint when the same training runs again."""
 
 from __future__ import annotations
 

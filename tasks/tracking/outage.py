@@ -1,14 +1,5 @@
-"""An MLflow tracking server that stops answering while a pipeline runs.
-
-Training does not wait for it: during training MLflow's requests fail in seconds instead of
-retrying for minutes (`fail_fast`), and metrics that cannot be sent are held and sent when the
-server answers again (`HeldMetrics`), with one warning; those still held when training ends are
-kept in storage (`keep_unsent`). After training the pipeline asks the server once (`check_back`):
-still down, the command ends with one line naming it (`TrackingAway`: a sweep runs the point once
-more), the training kept in storage; the MLflow run it leaves open is noted in storage
-(`note_unfinished`), and the next run against that storage root that reaches the server sends its
-kept metrics and closes it (`settle_unfinished`).
-"""
+"""An MLflow tracking server that stops answering while a pipeline runs: training goes on and holds its
+metrics, and a later run sends them and closes the MLflow run (docs/faults.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The registered model as MLflow serves it: an mllm checkpoint behind the pyfunc interface.
-
-This module and the `mllm` package are the only code packaged with a registered model, so it
-imports nothing but mlflow, pandas and mllm: `models:/NAME@champion` loads, and `mlflow models
-serve` answers, where neither Prefect nor the rest of this project is installed.
-"""
+"""The registered model as MLflow serves it: an mllm checkpoint behind the pyfunc interface."""
 
 from __future__ import annotations
 
@@ -13,6 +8,9 @@ import re
 import sys
 from typing import Any
 
+# This module and `mllm` are the only code packaged with a registered model, so it imports nothing
+# but mlflow, pandas and mllm: `models:/NAME@champion` loads, and `mlflow models serve` answers,
+# where neither Prefect nor the rest of this project is installed.
 import mlflow.pyfunc
 import pandas as pd
 from mlflow.exceptions import MlflowException

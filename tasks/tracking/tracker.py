@@ -1,14 +1,4 @@
-"""MLflow tracking: one run per training, in an experiment per recipe.
-
-A `RunTracker` records the resolved config (params and `config.yaml`), the git state, the
-Prefect flow run, package versions and device as tags (`tasks/tracking/provenance.py`), the data stages
-as datasets with our digests (`tasks/tracking/datasets.py`), metrics in batches, and a loss curve. The
-registry is in `tasks/tracking/registry.py`, the champion policy in `tasks/tracking/champion.py`.
-
-Everything goes through an `MlflowClient` bound to an explicit run id rather than MLflow's
-thread-local "active run": Prefect may call the tracker from worker threads. Nothing that
-looks like a secret reaches a param, tag, artifact or log line: it all passes `scrub` first.
-"""
+"""MLflow tracking: one run per training, in an experiment per recipe (docs/tracking.md)."""
 
 from __future__ import annotations
 
@@ -91,7 +81,10 @@ def log_records(client: MlflowClient, run_id: str, records: list[dict]) -> None:
 
 
 class RunTracker:
-    """One MLflow run for one training: `with RunTracker(cfg, root) as run: ...`."""
+    """One MLflow run for one training: `with RunTracker(cfg, root) as run: ...`.
+
+    Everything goes through an `MlflowClient` bound to an explicit run id rather than MLflow's
+    thread-local "active run": Prefect may call the tracker from worker threads."""
 
     def __init__(self, cfg: RunConfig, storage_root: str, tags: dict | None = None, run_name: str | None = None):
         self.cfg = cfg
