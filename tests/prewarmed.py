@@ -182,6 +182,12 @@ _BASE_PATH: list[str] = []  # the server's sys.path without its script's folder 
 def serve(path: str) -> None:
     own = {entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
     _BASE_PATH[:] = [entry for entry in sys.path[1:] if entry not in own]
+    try:  # what the console script sets up before it imports Prefect (flows.cli.main)
+        from flows.settings import process_defaults
+
+        process_defaults()
+    except ImportError:  # flows' needs not installed (`pytest tests/mllm`)
+        pass
     for name in (*AHEAD, *AHEAD_PREFECT):
         try:
             importlib.import_module(name)
