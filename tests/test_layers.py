@@ -14,7 +14,7 @@ PACKAGES = ("mllm", "tasks", "flows")
 # Modules that import project modules inside functions, and why (measured where it is time).
 # Everywhere else an import is at the top of its module.
 LAZY = {
-    "flows/cli/__init__.py": "the console script sets up the environment before the commands, and Prefect "
+    "flows/cli/console.py": "the console script sets up the environment before the commands, and Prefect "
     "with them, are imported: Prefect reads DO_NOT_TRACK and its settings when imported",
     "flows/cli/pipeline.py": "its commands import Prefect's flows and mllm's models (torch) when they run: "
     "--help answers in under a second instead of 2.5 s",

@@ -1,5 +1,5 @@
 """`python -m flows.cli`: the same as the `mllm-pipeline` console script."""
 
-from flows.cli import main
+from flows.cli.console import main
 
 main()

@@ -1,4 +1,4 @@
-"""The app with every command registered on it (the console script, `flows.cli:main`, imports it
+"""The app with every command registered on it (the console script, `flows.cli.console:main`, imports it
 once the process's environment is set up)."""
 
 # Importing a command module registers its commands, in the order `--help` lists them: the
