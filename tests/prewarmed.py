@@ -119,6 +119,8 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
     # The path a new interpreter would have: the working directory, then PYTHONPATH, then the rest.
     ahead = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:] = [request["cwd"], *ahead, *_BASE_PATH]
+    if request["module"].split(".")[0] == "flows":
+        _process_defaults()
     if "prefect.context" in sys.modules:
         _own_prefect()
     code: int = 0
@@ -147,6 +149,19 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code & 0xFF)
+
+
+PROJECT = ("mllm", "tasks", "flows")
+
+
+def _process_defaults() -> None:
+    """What the console script sets up before it imports Prefect (flows.cli.console), set before
+    Prefect is imported (in the server) or its settings are built again (in a child)."""
+    try:
+        from flows.settings import process_defaults
+    except ImportError:  # flows' needs not installed (`pytest tests/mllm`)
+        return
+    process_defaults()
 
 
 def _own_prefect() -> None:
@@ -182,12 +197,13 @@ _BASE_PATH: list[str] = []  # the server's sys.path without its script's folder 
 def serve(path: str) -> None:
     own = {entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
     _BASE_PATH[:] = [entry for entry in sys.path[1:] if entry not in own]
-    try:  # what the console script sets up before it imports Prefect (flows.cli.main)
-        from flows.settings import process_defaults
-
-        process_defaults()
-    except ImportError:  # flows' needs not installed (`pytest tests/mllm`)
-        pass
+    # Not this script's folder on the path: tests/mllm would be imported as a namespace package
+    # `mllm`, ahead of the installed project.
+    sys.path[:] = [str(Path(__file__).resolve().parents[1]), *_BASE_PATH]
+    _process_defaults()
+    # The project's modules were imported for that alone: each command imports them again.
+    for name in [name for name in sys.modules if name.split(".")[0] in PROJECT]:
+        del sys.modules[name]
     for name in (*AHEAD, *AHEAD_PREFECT):
         try:
             importlib.import_module(name)
