@@ -4,6 +4,9 @@ entry points set up: the only place under `flows` that reads or sets the environ
 
 from __future__ import annotations
 
+import atexit
+import gc
+
 from pydantic import Field
 
 from mllm.settings import environment, export, export_defaults, seconds
@@ -111,6 +114,12 @@ def process_defaults() -> None:
     export_defaults(QUIET_ENV)
     if not environment().get("PREFECT_API_URL", "x").strip():
         export({"PREFECT_API_URL": None})
+    # The last exit handler (they run in reverse order) takes every object out of the collector's
+    # reach before the interpreter's own collections at exit: after a training those took 15-35 s
+    # of a command's or a flow run's exit here (docs/benchmarks/orchestration.md, "Ctrl-C"). Once
+    # per process however often this runs.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def markdown() -> str:
