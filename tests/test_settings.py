@@ -86,6 +86,7 @@ print(sorted(k for k, v in typer_now().items() if typer_before.get(k) is not v))
 """
 
 
+@pytest.mark.slow
 def test_importing_the_packages_changes_no_environment_and_no_library() -> None:
     from flows import QUIET_ENV
 

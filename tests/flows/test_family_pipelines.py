@@ -11,7 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration  # whole pipelines, one per family
 
 
 # --- code digests -------------------------------------------------------------------------

@@ -199,6 +199,7 @@ def _runs(client, parent_id: str) -> dict[str, object]:
 
 
 @pytest.mark.usefixtures("prefect_server")
+@pytest.mark.integration
 def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains(corpus: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -292,6 +293,7 @@ def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains
     assert mine.data.params["train.max_steps"] == "40"
 
 
+@pytest.mark.integration
 def test_a_trial_whose_tracking_server_was_away_runs_once_more_as_a_sweeps_point(tmp_path: Path, monkeypatch) -> None:
     # As a sweep's point (docs/sweeps.md): the retry finds the training in storage and records it;
     # the failed attempt's run goes to the trash, its curve kept in the run that stands for the trial.
@@ -343,6 +345,7 @@ def _trial_states(db: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+@pytest.mark.integration
 def test_a_trial_killed_mid_training_is_resumed_from_its_checkpoint_by_the_next_search(
     how: int, corpus: Path, tmp_path: Path
 ) -> None:
@@ -516,6 +519,7 @@ def test_a_recipe_file_is_its_recipe_plus_the_fields_where_it_differs(tmp_path: 
         as_overrides(str(path), Overrides())
 
 
+@pytest.mark.integration
 def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no_verdict_comes(tmp_path: Path) -> None:
     # The worker's side and the search's side of tasks/trials.py, over a storage folder as over S3,
     # with Optuna's median pruner answering (its verdicts are numpy's bools).
@@ -552,6 +556,7 @@ def test_a_trial_on_a_pool_asks_the_pruner_through_storage_and_trains_on_when_no
         assert worker(20, 2.4) is False
 
 
+@pytest.mark.integration
 def test_a_trial_whose_heartbeat_stopped_is_asked_again_with_its_values_and_the_study_stops_at_its_trials(
     tmp_path: Path,
 ) -> None:

@@ -23,6 +23,7 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for s in overrides for a in ("--set", s)]
 
 
+@pytest.mark.integration
 def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_pruned(
     corpus: Path, tmp_path: Path
 ) -> None:
@@ -56,6 +57,7 @@ def test_a_trial_pruned_at_its_first_evaluation_before_any_log_step_is_recorded_
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tokens_per_s")] == [10]
 
 
+@pytest.mark.integration
 def test_a_search_with_a_failed_trial_exits_1_after_its_table_as_a_sweep_does(corpus: Path, tmp_path: Path) -> None:
     # A window longer than the validation split resolves, then fails in training (as in
     # tests/test_sweep.py); the study's name fixes the draws: trial 0 that window, trial 1 16.
@@ -103,6 +105,7 @@ def test_a_space_field_with_one_value_is_refused_before_anything_runs(space: lis
     assert list(here.iterdir()) == []  # no study, no storage
 
 
+@pytest.mark.integration
 def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process(corpus: Path, tmp_path: Path) -> None:
     import psutil
 

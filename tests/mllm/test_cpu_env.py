@@ -49,6 +49,7 @@ def _muon(tmp_path: Path, **env: str) -> dict:
 
 
 @pytest.mark.skipif(not machine.fast_bf16(), reason="this CPU has no bf16 hardware: Muon takes float32 unprobed")
+@pytest.mark.slow
 def test_muon_follows_the_measured_speed_under_the_avx2_variables(tmp_path):
     plain = _muon(tmp_path)
     limited = _muon(tmp_path, **AVX2)

@@ -149,6 +149,7 @@ def test_hf_of_confident_random_weights_generates_the_same_varied_text(pieces, t
     assert len(set(mine)) > 5
 
 
+@pytest.mark.slow
 def test_an_exported_folder_loads_with_transformers_alone(trained, tmp_path):
     """In an interpreter that has no site processing (so no editable install of mllm, whose
     finder a .pth file registers) and only site-packages on its path: transformers and torch

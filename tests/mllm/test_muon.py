@@ -190,6 +190,7 @@ def test_muon_learns(data_dir, tmp_path):
     assert result.muon_precision.split(":")[0] == str(newton_schulz_dtype(torch.device("cpu"), muon_shapes)[0])[6:]
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_ranks_resumes_exactly_with_muon(data_dir, tmp_path):
     from test_train import DDP_SCRIPT  # the script of the AdamW test: straight, stopped, resumed
 

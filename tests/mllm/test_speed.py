@@ -230,6 +230,7 @@ def test_compile_auto_leaves_a_short_training_eager_and_says_why(data_dir, tmp_p
     assert r.compile_reason.startswith("about ") and "too short to win back a compilation" in r.compile_reason
 
 
+@pytest.mark.slow
 def test_compile_auto_compiles_where_it_measured_a_gain_and_keeps_it_only_if_faster(data_dir, tmp_path):
     # A gain this machine measured before (seeded in the cache) makes even a short training
     # compile after its first eager steps; the compiled steps are then timed for real, the verdict

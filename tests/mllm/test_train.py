@@ -304,6 +304,7 @@ def test_a_checkpoint_every_few_minutes_besides_every_n_steps(data_dir, tmp_path
     assert saved_steps(1e-7) == [2, 4, 6]  # a few microseconds of training each time: every step
 
 
+@pytest.mark.slow
 def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_path):
     cfg = make_config(
         data_dir,
@@ -369,6 +370,7 @@ def _compiler_processes(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_a_signal_to_the_whole_group_while_inductor_compiles_stops_in_seconds_at_the_last_finished_step(
     data_dir, tmp_path, monkeypatch
 ):
@@ -453,6 +455,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_ddp_on_two_cpu_ranks_resumes_exactly(data_dir, tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT)
@@ -538,6 +541,7 @@ def write_config(path: Path, cfg: RunConfig) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_cli_trains_and_resumes(data_dir, tmp_path):
     config = write_config(tmp_path / "run.yaml", make_config(data_dir, tmp_path / "ck", max_steps=4))
     first = run_cli("--config", str(config))

@@ -8,6 +8,7 @@ import subprocess
 import time
 import uuid
 
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.states import Pending, Running
@@ -15,6 +16,7 @@ from prefect.states import Pending, Running
 from flows.stack.orphans import crash_orphans
 
 
+@pytest.mark.integration
 def test_a_queued_or_live_run_is_never_crashed_and_a_gone_or_reused_one_is(prefect_server: str) -> None:
     pool = f"orphans-{uuid.uuid4().hex[:8]}"
     alive: list[subprocess.Popen] = []

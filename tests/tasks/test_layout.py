@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mllm.config import DataConfig, SplitConfig, TokenizerConfig, VocabConfig
 from tasks.data import RawText, Tokens, Vocabulary
 from tasks.data.pairs import _pairs_key
@@ -94,6 +96,7 @@ def _keys(src: Path) -> dict[str, str]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_moving_a_module_and_formatting_the_code_change_no_key_and_an_edit_does(tmp_path: Path) -> None:
     src = tmp_path / "src"
     for room in ("mllm", "tasks"):

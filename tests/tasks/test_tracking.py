@@ -658,6 +658,7 @@ def test_champion_moves_only_when_its_headline_improves_and_the_model_generates(
     ]
 
 
+@pytest.mark.integration
 def test_registered_model_loads_and_serves_where_prefect_cannot_be_imported(checkpoint, tmp_path):
     """The model carries its own code (mllm and tasks/tracking/served_model.py): a serving environment
     without Prefect loads it with pyfunc and answers /invocations from `mlflow models serve`."""
