@@ -115,9 +115,8 @@ def gpu_variables(cfg: RunConfig, variables: set[str]) -> dict[str, Any]:
 
 def _was_cancelled(flow_run: FlowRun) -> bool:
     """Whether a Crashed run was cancelled (from the UI or the API) and is not to be submitted
-    again: Prefect's runner, when the run's process does not ack its cancel on the control
-    channel, kills it and the run ends Crashed rather than Cancelled; a Cancelling state follows
-    its last Running one."""
+    again: a cancel that lands before the training holds SIGTERM (the flow still loading) is
+    killed by Prefect's runner the crash way; a Cancelling state follows its last Running one."""
     with get_client(sync_client=True) as client:
         states = sorted(client.read_flow_run_states(flow_run.id), key=lambda s: s.timestamp)
     kinds = [s.type for s in states]
@@ -170,7 +169,7 @@ def train_on_pool(
                 f"GPUs this training asks for (Docker: {_docker_error(message)}): install the toolkit there, "
                 "or train on CPU with --set train.device=cpu"
             )
-        if final.state_type == StateType.CRASHED and _was_cancelled(final):
+        if final.state_type == StateType.CANCELLED or (final.state_type == StateType.CRASHED and _was_cancelled(final)):
             raise RemoteTrainingFailed(
                 f"training flow run {flow_run.name!r} on pool {pool!r} was cancelled (its log: "
                 f"{_run_url(flow_run)}); run the command again to resume from its last checkpoint"

@@ -38,6 +38,7 @@ def train(
     resume: bool = True,
     on_eval: Callable[[int, float], bool] | None = None,
     on_notice: Callable[[str], None] | None = None,
+    signals: Signals | None = None,
 ) -> TrainResult:
     """Train per `cfg` (its paths section says where inputs and checkpoints are), from last.pt
     there unless `resume` is False.
@@ -46,11 +47,12 @@ def train(
     on_notice a line for the terminal (a resume, a change of threads, a busy machine).
     on_eval gets (step, val loss) at each evaluation and answers whether to stop there: the
     training then ends with stop_reason "pruned", its checkpoint written (a search's pruner).
-    Under DDP only rank 0 calls them and writes checkpoints.
+    Under DDP only rank 0 calls them and writes checkpoints. `signals`: a caller that runs the
+    training in a thread of its own passes `Signals(install=False)` and calls its stop().
     """
     inputs = load_inputs(cfg)
     d, device = join(resolve_device(inputs[0].train.device))
-    signals, threads_before = Signals(), torch.get_num_threads()
+    signals, threads_before = signals or Signals(), torch.get_num_threads()
     hooks = Hooks(on_metrics, on_progress, on_eval)
     if d.master and on_notice:
         hooks.notice = on_notice

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import pickle
 import signal
@@ -192,11 +193,16 @@ class Signals:
 
     NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal closed
 
-    def __init__(self) -> None:
+    def __init__(self, install: bool = True) -> None:
+        """`install=False`: no handler is set; the caller, whose own handlers stay, asks for the
+        stop with `stop()` (a training run in a thread while the main thread takes the signals)."""
         self.received: int | None = None
         self.previous: dict[int, object] = {}
         self._breaking = False
-        if threading.current_thread() is not threading.main_thread():
+        self._asked = False
+        self._lock = threading.Lock()
+        self._loop_thread: int | None = None
+        if not install or threading.current_thread() is not threading.main_thread():
             return  # signals reach the main thread only; there the caller's handlers stay
         for signum in self.NAMES:
             if signal.getsignal(signum) not in (signal.SIG_IGN, None):
@@ -214,20 +220,38 @@ class Signals:
     @contextlib.contextmanager
     def breaking(self, allowed: bool = True) -> Iterator[None]:
         """The first signal in this block raises BrokenOff in it (when `allowed`)."""
+        self._loop_thread = threading.get_ident()
         self._breaking = allowed and self.received is None
         try:
             yield
         finally:
-            self._breaking = False
+            with self._lock:
+                self._breaking = False
 
     def restore(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
 
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Stop as at `signum` (from any thread): last.pt of the last finished step, then the loop
+        raises KeyboardInterrupt; the signal itself is the caller's to handle. Within `breaking()`
+        the loop's thread is broken off as a signal would break off the main thread."""
+        with self._lock:
+            if self.received is not None:
+                return
+            self._asked = True
+            self.received = signum
+            if self._breaking and self._loop_thread is not None:
+                # As a signal's handler raises in the main thread: BrokenOff where the loop's own
+                # thread stands, at its next bytecode (a compilation: seconds to minutes of it).
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self._loop_thread), ctypes.py_object(BrokenOff)
+                )
+
     def deliver(self, step: int) -> None:
         """The checkpoint is written: let the signal take its course."""
-        if self.received is not None:
+        if self.received is not None and not self._asked:
             self._hand_on(self.received, None)
         # A handler that only took note (or a signal from another rank): stop here all the same.
         raise KeyboardInterrupt(f"stopped by a signal after step {step}; last.pt holds it")

@@ -3,6 +3,8 @@ checkpoint when the same training runs again."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -10,9 +12,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
+import psutil
 from prefect import get_run_logger, task
 
 import mllm.train
@@ -20,6 +24,7 @@ import tasks
 from mllm import UserError, layout, storage
 from mllm.config import RunConfig, TrainPaths
 from mllm.runtime import speed
+from mllm.runtime.checkpoint import Signals
 from tasks import assets, trials
 from tasks.caching import forget_exception, retry_io_only
 from tasks.model import Prepared, Trained
@@ -218,16 +223,79 @@ def _train(
         if job.train.nproc_per_node > 1:
             result = _torchrun(job, on_metrics, on_progress)
         else:
-            result = mllm.train.train(
-                job,
-                on_metrics=on_metrics,
-                on_progress=on_progress,
-                on_eval=on_eval,
-                on_notice=lambda line: logger.info(line, extra=tasks.NOTICE),
-            )
+            result = _in_process(job, on_metrics, on_progress, on_eval, logger)
         if on_metrics is not None:
             on_metrics.flush()
     return result
+
+
+def _in_process(job: RunConfig, on_metrics: Any, on_progress: Any, on_eval: Any, logger: Any) -> mllm.train.TrainResult:
+    """Train in this process. A flow run that a worker started trains in a thread of its own, so
+    that the main thread keeps Prefect's SIGTERM handler: the worker's runner asks on its control
+    channel before it signals a cancel, and only that handler answers (with mllm's in its place
+    the run ends Crashed, not Cancelled). The signal then stops the training as mllm's handler
+    would: last.pt of the last finished step, then the signal's exception goes on."""
+    from prefect.runtime import deployment
+
+    def run(signals: Signals | None = None) -> mllm.train.TrainResult:
+        return mllm.train.train(
+            job,
+            on_metrics=on_metrics,
+            on_progress=on_progress,
+            on_eval=on_eval,
+            on_notice=lambda line: logger.info(line, extra=tasks.NOTICE),
+            signals=signals,
+        )
+
+    if deployment.id is None:
+        return run()
+    signals = Signals(install=False)
+
+    def stop() -> None:
+        signals.stop()
+        # What a signal to the whole process group does: a step that compiles (the C++ compiler,
+        # inductor's workers) fails at once, and the training writes the last finished step.
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.terminate()
+
+    return _beside_the_main_thread(lambda: run(signals), stop)
+
+
+def _beside_the_main_thread(fn: Any, stop: Any, wait_s: float = 25.0) -> Any:
+    """fn() in a thread (with this context: Prefect's run context, for its logger); an exception
+    a signal raises in the main thread meanwhile calls stop() and waits up to `wait_s` for fn to
+    end, through any further signal (a worker's runner kills a cancelled run 30 s after its
+    SIGTERM), before it goes on. The main thread polls an event rather than join(): Python 3.11's
+    join, interrupted by a signal's exception, marks a thread that still runs as stopped."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            box["result"] = context.run(fn)
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread, which raises it)
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="mllm-training", daemon=True).start()
+    try:
+        while not done.is_set():
+            time.sleep(0.1)  # a signal's handler runs between the sleeps
+    except BaseException as signalled:
+        stop()
+        deadline = time.monotonic() + wait_s
+        while not done.is_set() and time.monotonic() < deadline:
+            try:
+                time.sleep(0.1)
+            except BaseException:  # noqa: BLE001 (a second signal: the runner's kill follows its cancel)
+                pass
+        raise signalled
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 def data_assets(data: Prepared) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -334,6 +335,37 @@ def test_sigterm_writes_the_checkpoint_of_the_last_finished_step(data_dir, tmp_p
     assert proc.returncode == -15, stderr[-2000:]  # then Python's default: the signal ends the process
     step = torch.load(tmp_path / "last.pt", weights_only=True)["step"]
     assert 20 <= step < 10_000  # no step printed before the signal is lost
+
+
+def test_a_training_in_a_thread_stopped_from_the_main_thread_writes_its_last_finished_step(data_dir, tmp_path):
+    # As a worker's flow run trains (tasks/model/train.py): the main thread keeps its own handlers
+    # and asks the training's thread to stop, which writes last.pt and raises KeyboardInterrupt.
+    import threading
+
+    from mllm.runtime.checkpoint import Signals
+
+    before = signal.getsignal(signal.SIGTERM)
+    cfg = make_config(data_dir, tmp_path, max_steps=10_000, checkpoint_interval=10_000, checkpoint_minutes=None)
+    signals, stepped, ended = Signals(install=False), threading.Event(), {}
+
+    def progress(p: dict) -> None:
+        if p["step"] >= 5:
+            stepped.set()
+
+    def target() -> None:
+        try:
+            train(cfg, on_progress=progress, signals=signals)
+        except BaseException as e:  # noqa: BLE001 (the test reads it)
+            ended["error"] = e
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    assert signal.getsignal(signal.SIGTERM) is before  # nothing installed over the main thread's
+    assert stepped.wait(60)
+    signals.stop()
+    thread.join(60)
+    assert isinstance(ended.get("error"), KeyboardInterrupt), ended
+    assert 5 <= torch.load(tmp_path / "last.pt", weights_only=True)["step"] < 10_000
 
 
 def test_a_hang_up_stops_the_loop_as_ctrl_c_does_unless_nohup_ignores_it():
