@@ -432,6 +432,7 @@ class FaultProxy(TcpProxy):
         self._unavailable_until = 0.0
         self._window_met, self._open_until_met = 0, 0.0  # see unavailable(until_met=)
         self._only: bytes | None = None
+        self._refuse_next = 0  # see unavailable_for()
 
     def unavailable(self, seconds: float, only: str | None = None, until_met: float = 0.0) -> None:
         """Answer 503 for `seconds` from now: to every request, or to those whose request line
@@ -445,6 +446,13 @@ class FaultProxy(TcpProxy):
         self._unavailable_until = now + seconds
         self._window_met = self.answered_503
         self._open_until_met = now + until_met
+
+    def unavailable_for(self, requests: int, only: str) -> None:
+        """Answer 503 to the next `requests` requests whose request line starts with `only`,
+        however late they come (a client's retries, counted rather than timed)."""
+        self._only = only.encode()
+        with self._lock:
+            self._refuse_next = requests
 
     def refuse(self, seconds: float) -> None:
         """Refuse connections (nothing listens) for `seconds`, then listen again."""
@@ -475,7 +483,12 @@ class FaultProxy(TcpProxy):
             window = now < self._unavailable_until or (
                 self.answered_503 == self._window_met and now < self._open_until_met
             )
-            if window and (self._only is None or lines[0].startswith(self._only)):
+            matches = self._only is None or lines[0].startswith(self._only)
+            with self._lock:
+                counted = matches and self._refuse_next > 0
+                if counted:
+                    self._refuse_next -= 1
+            if counted or (window and matches):
                 with self._lock:
                     self.answered_503 += 1
                 body = b'{"detail": "Service Unavailable (test proxy)"}'
