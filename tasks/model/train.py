@@ -230,12 +230,13 @@ def _train(
 
 
 def _in_process(job: RunConfig, on_metrics: Any, on_progress: Any, on_eval: Any, logger: Any) -> mllm.train.TrainResult:
-    """Train in this process. A flow run that a worker started trains in a thread of its own, so
-    that the main thread keeps Prefect's SIGTERM handler: the worker's runner asks on its control
+    """Train in this process. The `train` flow run of a deployment (`--train-on POOL`: a worker
+    started it) trains in a thread of its own, so that the main thread keeps Prefect's SIGTERM
+    handler: the worker's runner asks on its control
     channel before it signals a cancel, and only that handler answers (with mllm's in its place
     the run ends Crashed, not Cancelled). The signal then stops the training as mllm's handler
     would: last.pt of the last finished step, then the signal's exception goes on."""
-    from prefect.runtime import deployment
+    from prefect.context import FlowRunContext
 
     def run(signals: Signals | None = None) -> mllm.train.TrainResult:
         return mllm.train.train(
@@ -247,7 +248,8 @@ def _in_process(job: RunConfig, on_metrics: Any, on_progress: Any, on_eval: Any,
             signals=signals,
         )
 
-    if deployment.id is None:
+    context = FlowRunContext.get()  # a run of a deployment (not prefect.runtime: an API call, outages)
+    if context is None or context.flow_run is None or context.flow_run.deployment_id is None:
         return run()
     signals = Signals(install=False)
 
