@@ -232,10 +232,10 @@ def _train(
 def _in_process(job: RunConfig, on_metrics: Any, on_progress: Any, on_eval: Any, logger: Any) -> mllm.train.TrainResult:
     """Train in this process. The `train` flow run of a deployment (`--train-on POOL`: a worker
     started it) trains in a thread of its own, so that the main thread keeps Prefect's SIGTERM
-    handler: the worker's runner asks on its control
-    channel before it signals a cancel, and only that handler answers (with mllm's in its place
-    the run ends Crashed, not Cancelled). The signal then stops the training as mllm's handler
-    would: last.pt of the last finished step, then the signal's exception goes on."""
+    handler: the worker's runner asks on its control channel before it signals a cancel, and
+    only that handler answers (with mllm's in its place the run ends Crashed, not Cancelled).
+    The signal then stops the training as mllm's handler would: last.pt of the last finished
+    step, then the signal's exception goes on."""
     from prefect.context import FlowRunContext
 
     def run(signals: Signals | None = None) -> mllm.train.TrainResult:
