@@ -107,6 +107,9 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
         os.close(fd)
     if request.get("new_session"):
         os.setsid()
+    import faulthandler
+
+    faulthandler.register(STACKS, all_threads=True)  # a command that outlasts its timeout prints its stacks
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -152,6 +155,7 @@ def _run_command(request: dict, out_fd: int, err_fd: int) -> None:
 
 
 PROJECT = ("mllm", "tasks", "flows")
+STACKS = signal.SIGUSR2  # asks a command for its threads' stacks on stderr (`Command.communicate` at a timeout)
 
 
 def _process_defaults() -> None:
@@ -342,23 +346,25 @@ class Command:
             for stream in texts:
                 if not stream.closed:
                     sel.register(stream.fileno(), selectors.EVENT_READ, stream)
-            while sel.get_map():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise subprocess.TimeoutExpired(
-                        self.args, timeout, _text(b"".join(texts[self.stdout])), _text(b"".join(texts[self.stderr]))
-                    )
-                for key, _ in sel.select(left):
-                    data = os.read(key.fd, 65536)
-                    if data:
-                        texts[key.data].append(data)
-                    else:
-                        sel.unregister(key.fd)
+            if not _read(sel, texts, deadline):
+                raise self._timed_out(timeout, sel, texts)  # type: ignore[arg-type]
         for stream in texts:
             if not stream.closed:
                 stream.close()
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 1.0))
         return tuple(_text(b"".join(chunks)) for chunks in texts.values())  # type: ignore[return-value]
+
+    def _timed_out(self, timeout: float, sel: selectors.BaseSelector, texts: dict) -> subprocess.TimeoutExpired:
+        """The timeout, with what tells why: the command's threads' stacks if it still runs (read
+        for up to 5 s more), or that it ended while something it started still holds its pipes."""
+        if self.poll() is None:
+            os.kill(self.pid, STACKS)
+            _read(sel, texts, time.monotonic() + 5)
+            why = "still running; its threads' stacks end its stderr"
+        else:
+            why = f"ended with {self.returncode}, but a process it started still holds its stdout or stderr"
+        out, err = (_text(b"".join(texts[stream])) for stream in (self.stdout, self.stderr))
+        return Timeout(self.args, timeout, out, err, why)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -369,6 +375,33 @@ class Command:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class Timeout(subprocess.TimeoutExpired):
+    """A command past its timeout; its message carries why and the end of its output."""
+
+    def __init__(self, cmd: list[str], timeout: float, output: str, stderr: str, why: str):
+        super().__init__(cmd, timeout, output, stderr)
+        self.why = why
+
+    def __str__(self) -> str:
+        last = ("\n".join(text.splitlines()[-60:]) for text in (self.output, self.stderr))
+        return f"{super().__str__()}: {self.why}\n--- stdout\n{next(last)}\n--- stderr\n{next(last)}"
+
+
+def _read(sel: selectors.BaseSelector, texts: dict, deadline: float | None) -> bool:
+    """Read the registered pipes into `texts` until all close (True) or the deadline (False)."""
+    while sel.get_map():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        for key, _ in sel.select(left):
+            data = os.read(key.fd, 65536)
+            if data:
+                texts[key.data].append(data)
+            else:
+                sel.unregister(key.fd)
+    return True
 
 
 def _text(data: bytes) -> str:
