@@ -115,7 +115,7 @@ def process_defaults() -> None:
     if not environment().get("PREFECT_API_URL", "x").strip():
         export({"PREFECT_API_URL": None})
     # The last exit handler (they run in reverse order) takes every object out of the collector's
-    # reach before the interpreter's own collections at exit: after a training those took 15-35 s
+    # reach before the interpreter's own collections at exit: after a training those took 17-38 s
     # of a command's or a flow run's exit here (docs/benchmarks/orchestration.md, "Ctrl-C"). Once
     # per process however often this runs.
     atexit.unregister(gc.freeze)
