@@ -443,6 +443,7 @@ def test_a_cancel_from_the_ui_stops_the_remote_training_within_10s_with_last_pt_
                 (h["type"], h["name"], h["message"])
                 for h in admin.get(f"{site.api}/flow_run_states/", params={"flow_run_id": run["id"]}).json()
             ]
+        print(f"after the UI's cancel: last.pt written in {written} s, the training's processes gone in {stopped} s")
         assert stopped is not None and stopped <= 10, (stopped, history)
         assert written is not None and written <= 10, (written, history)
         assert state == "CANCELLED" and "CANCELLING" in [h[0] for h in history], (
