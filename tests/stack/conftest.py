@@ -1,3 +1,22 @@
 """Tests of flows/stack/: the session's Prefect server and an MLflow store of each test's own."""
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 from pipeline_rooms import _own_mlflow_store, _session_prefect_server  # noqa: F401 (fixtures, found by name)
+
+
+@pytest.fixture(scope="module")
+def open_dir() -> Iterator[Path]:
+    """A folder the PostgreSQL cluster's user (postgres, when we are root) can enter: a stack whose
+    home is there runs on PostgreSQL where its server is installed, as `stack up` does for a user;
+    under pytest's private folders it falls back to SQLite."""
+    folder = Path(tempfile.mkdtemp(prefix="mllm-pg-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -86,8 +86,13 @@ def s3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stack_env(s3, tmp_path_factory):
-    home = tmp_path_factory.mktemp("stack")
+def stack_env(s3, open_dir: Path):
+    # On PostgreSQL where its server is installed (CI), as `stack up` is for a user who has it. Under
+    # pytest's private folders the stack fell back to SQLite, where this module's load (a training,
+    # the worker polling every second, the tests' own polling) held the one writer's lock up to
+    # Prefect's 60-s busy timeout: a `schedule list` got no answer in 120 s (CI of 33b1a79).
+    # SQLite's stack stays tested where it fits, one user's load (tests/stack/test_stack_auth.py).
+    home = open_dir / "stack"
     mp = pytest.MonkeyPatch()
     mp.setenv("HOME", str(home / "home"))  # the servers write nothing under the real ~
     for k, v in s3.env.items():

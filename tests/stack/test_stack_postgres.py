@@ -16,7 +16,6 @@ import selectors
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -63,17 +62,6 @@ FAST = [
     "sample.max_new_tokens=20",
 ]
 TEAM_PASSWORD = "s3cret-Team-pw"
-
-
-@pytest.fixture(scope="module")
-def open_dir() -> Iterator[Path]:
-    """A folder the cluster's user (postgres, when we are root) can enter."""
-    folder = Path(tempfile.mkdtemp(prefix="mllm-pg-"))
-    folder.chmod(0o755)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
