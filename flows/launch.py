@@ -150,6 +150,10 @@ def check_tracking_server(timeout: float = 5.0) -> None:
     """An MLflow server named by MLFLOW_TRACKING_URI must answer its health check within seconds
     (MLflow's own client would retry for minutes before failing)."""
     uri = settings().mlflow_tracking_uri.strip()
+    if uri:
+        from tasks.tracking.store import check_not_a_folder
+
+        check_not_a_folder(uri)
     if not uri.startswith(("http://", "https://")):
         return
     from flows.stack.auth_errors import _tls, mlflow_refused, tls_line

@@ -13,6 +13,7 @@ import mlflow
 from fsspec.implementations.local import LocalFileSystem
 from mlflow.tracking import MlflowClient
 
+from mllm import UserError
 from mllm.settings import export_defaults
 from tasks.settings import settings
 
@@ -34,6 +35,7 @@ def tracking_uri(storage_root: str) -> str:
     uri = settings().mlflow_tracking_uri.strip()
     if uri and uri != _derived_uri:  # set_tracking_uri exports what we chose: not the user's
         parts = urlsplit(uri)
+        check_not_a_folder(uri)
         if parts.username or parts.password:
             export_defaults(
                 {"MLFLOW_TRACKING_USERNAME": parts.username or "", "MLFLOW_TRACKING_PASSWORD": parts.password or ""}
@@ -45,6 +47,18 @@ def tracking_uri(storage_root: str) -> str:
         uri = _derived_uri = f"sqlite:///{path}"
     mlflow.set_tracking_uri(uri)
     return uri
+
+
+def check_not_a_folder(uri: str) -> None:
+    """MLflow 3 refuses a tracking URI that is a folder (its file store is in maintenance mode)
+    with a traceback from deep in the run: one line instead, before anything runs."""
+    scheme = urlsplit(uri).scheme
+    if scheme == "file" or (not scheme and (os.sep in uri or os.path.exists(uri))):
+        raise UserError(
+            f"MLFLOW_TRACKING_URI={uri} names a folder, which MLflow no longer tracks to: give "
+            "sqlite:///PATH/mlflow.db or a server's http(s):// URL, or unset it (runs then go to "
+            "mlflow.db beside the storage root)"
+        )
 
 
 def local_store(storage_root: str) -> str:

@@ -13,6 +13,8 @@ import pytest
 from commands import cli, one_line_error, temporary_server_home
 from textdata import make_text
 
+from mllm import UserError
+
 pytestmark = pytest.mark.integration
 
 
@@ -51,6 +53,21 @@ def test_an_mlflow_server_that_is_down_fails_in_seconds_before_any_stage(corpus,
     assert "storage unreachable" not in out.stderr  # it blames the right server
     assert not (storage / "raw").exists()  # no stage ran
     assert took < 60, took  # not MLflow's minutes of retries (the figure itself is in README)
+
+
+def test_a_tracking_uri_that_is_a_folder_is_refused_in_one_line_before_any_stage(corpus, own_stores, tmp_path):
+    # MLflow 3's file store is in maintenance mode: MLflow itself refused it minutes in, in a traceback.
+    env, _, _, storage = own_stores
+    out = cli("run", "--recipe", "smoke", "--source", str(corpus), env={**env, "MLFLOW_TRACKING_URI": str(tmp_path)})
+    one_line_error(out, f"MLFLOW_TRACKING_URI={tmp_path} names a folder", "sqlite:///")
+    assert not (storage / "raw").exists()  # no stage ran
+    from tasks.tracking.store import check_not_a_folder
+
+    for folder in ("file:///srv/mlruns", "./mlruns", str(tmp_path)):
+        with pytest.raises(UserError, match="names a folder"):
+            check_not_a_folder(folder)
+    for uri in ("sqlite:///srv/mlflow.db", "http://127.0.0.1:5000", "https://mlflow.example", "databricks"):
+        check_not_a_folder(uri)
 
 
 def test_checkpoint_errors_name_the_real_cause(tmp_path, own_stores):
