@@ -56,7 +56,7 @@ def test_an_mlflow_server_that_is_down_fails_in_seconds_before_any_stage(corpus,
 
 
 def test_a_tracking_uri_that_is_a_folder_is_refused_in_one_line_before_any_stage(corpus, own_stores, tmp_path):
-    # MLflow 3's file store is in maintenance mode: MLflow itself refused it minutes in, in a traceback.
+    # MLflow 3's file store is in maintenance mode: MLflow itself refused it after the data stages, in a traceback.
     env, _, _, storage = own_stores
     out = cli("run", "--recipe", "smoke", "--source", str(corpus), env={**env, "MLFLOW_TRACKING_URI": str(tmp_path)})
     one_line_error(out, f"MLFLOW_TRACKING_URI={tmp_path} names a folder", "sqlite:///")
