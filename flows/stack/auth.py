@@ -72,6 +72,13 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> s
                     f"\t\theader_up X-Stack-Server {server}",
                     "\t\theader_up X-Stack-Client {remote_host}",
                     "\t\tflush_interval -1",
+                    # A body of up to 1 MiB is read whole before it goes on. Streamed, a gate that
+                    # answered at once (a refusal) raced Go's HTTP/1.1 server, which discards an
+                    # unread body as the answer starts, against the proxy still reading that body:
+                    # Caddy then cut the answer after its headers ("use of closed network
+                    # connection"), about one run of the route matrix in two.
+                    "\t\tbuffer_requests",
+                    "\t\tmax_buffer_size 1MiB",
                     "\t}",
                     "}",
                 ]

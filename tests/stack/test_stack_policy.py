@@ -152,9 +152,12 @@ def _http_row(home: Path, user: str, server: str, cells) -> list[tuple]:
             if method == "WS" or (ROLES[user] == "admin" and _unsafe(method, template)):
                 continue
             body = None if method in ("GET", "DELETE") else _body(server, rule)
-            r = client.request(
-                method, _base(home, server) + path, content=body, headers={"Content-Type": "application/json"}
-            )
+            try:
+                r = client.request(
+                    method, _base(home, server) + path, content=body, headers={"Content-Type": "application/json"}
+                )
+            except httpx.TransportError as e:
+                raise AssertionError(f"{user} {method} {server} {path}: {type(e).__name__}: {e}") from e
             # The role's refusal; a body check's (the placeholders are no real objects) is not the matrix's.
             refused = r.headers.get("x-stack-gate") == "refused" and (
                 r.status_code != 403 or r.json()["detail"].startswith("forbidden: the role")
