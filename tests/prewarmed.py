@@ -26,6 +26,7 @@ import atexit
 import importlib
 import json
 import os
+import re
 import runpy
 import selectors
 import shutil
@@ -385,8 +386,22 @@ class Timeout(subprocess.TimeoutExpired):
         self.why = why
 
     def __str__(self) -> str:
-        last = ("\n".join(text.splitlines()[-60:]) for text in (self.output, self.stderr))
-        return f"{super().__str__()}: {self.why}\n--- stdout\n{next(last)}\n--- stderr\n{next(last)}"
+        # The stacks' dump would crowd out the command's own last lines: those first, then the
+        # stack of the thread the dump calls current (the command's main thread).
+        err, stacks = _split_stacks(self.stderr)
+        last = ("\n".join(text.splitlines()[-40:]) for text in (self.output, err))
+        text = f"{super().__str__()}: {self.why}\n--- stdout\n{next(last)}\n--- stderr\n{next(last)}"
+        return text + (f"\n--- its main thread\n{stacks}" if stacks else "")
+
+
+def _split_stacks(stderr: str) -> tuple[str, str]:
+    """stderr without faulthandler's dump of the threads' stacks, and the current thread's stack."""
+    found = re.search(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):$", stderr, re.MULTILINE)
+    if not found:
+        return stderr, ""
+    dump = stderr[found.start() :]
+    current = re.search(r"^Current thread 0x.*?(?=\n\s*\n|\Z)", dump, re.MULTILINE | re.DOTALL)
+    return stderr[: found.start()], current.group(0) if current else dump
 
 
 def _read(sel: selectors.BaseSelector, texts: dict, deadline: float | None) -> bool:

@@ -83,3 +83,38 @@ def test_a_workers_leftover_processes_end_with_the_worker_and_its_home_goes(tmp_
     while home.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not home.exists(), "the killed worker's home was left behind"
+
+
+def test_a_forked_command_past_its_timeout_says_where_its_main_thread_waits(tmp_path: Path) -> None:
+    """A command the fork server started that outlasts its timeout: the failure shows its last
+    lines and the stack of the thread that waits, not a screenful of idle threads' stacks."""
+    import prewarmed
+
+    script = tmp_path / "waits_for_a_worker.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, threading, time
+            def idle():
+                time.sleep(600)
+            for _ in range(8):
+                threading.Thread(target=idle, daemon=True).start()
+            print("loaded the data", file=sys.stderr, flush=True)
+            def wait_for_the_worker():
+                time.sleep(600)
+            wait_for_the_worker()
+            """
+        )
+    )
+    proc = prewarmed.start("waits_for_a_worker", [], dict(os.environ), tmp_path)
+    try:
+        proc.communicate(timeout=3)
+    except prewarmed.Timeout as e:
+        text = str(e)
+    else:
+        raise AssertionError("the command ended")
+    finally:
+        proc.kill()
+    assert "still running" in text and "loaded the data" in text
+    main = text.split("--- its main thread\n", 1)[1]
+    assert main.startswith("Current thread 0x") and "wait_for_the_worker" in main and " idle" not in main
