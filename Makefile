@@ -39,7 +39,8 @@ run: $(VENV)/.installed
 		$(if $(STORAGE),--storage "$(STORAGE)") $(foreach s,$(SET),--set "$(s)")
 
 # Three workers (pytest-xdist) on 2 cores, a test file each at a time: a module's tests share its
-# servers and fixtures and run in order on one worker (--dist loadfile). The third fills the time
+# servers and fixtures and run in order on one worker (--dist loadfile); the five modules that each
+# run a whole stack are one lane, one after another (tests/conftest.py, ONE_LANE). The third fills the time
 # the others wait on servers, outages and back-offs (two kept 2 Zen 5 cores 69% busy, three 86%:
 # 16 min 31 s to 13 min 0 s; on a CPU the suite keeps busy already it changes nothing,
 # docs/benchmarks/test-suite.md). The whole suite is the gate (CI runs it); test-fast, the inner loop

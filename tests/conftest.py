@@ -94,6 +94,37 @@ HEAVY_FIRST = (
 )
 
 
+# The modules that each run a whole stack (a Prefect server, a worker, MLflow, some with PostgreSQL,
+# Caddy or moto, and trainings on the pool): one lane, run one after another on one worker, while
+# the other workers take the rest. Side by side they (with the suite's other servers) kept 2 cores
+# at load 7-9 for minutes, and their commands' timeouts are sized for one stack at a time: CI runs
+# of 6dae5ff and e9204f7 failed there, a resubmitted training that waited past 300 s and a test
+# that then found its run in flight.
+ONE_LANE = (
+    "test_stack_postgres.py",
+    "test_stack.py",
+    "test_stack_netns.py",
+    "test_stack_auth.py",
+    "test_stack_policy.py",
+)
+LANE = "tests/stack: the modules that run a whole stack, one after another"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, but ONE_LANE's modules are one work unit (pytest-xdist's loadfile
+    scheduler with its scope function changed); any other --dist is xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneStackAtATime(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return LANE if module.rsplit("/", 1)[-1] in ONE_LANE else module
+
+    return OneStackAtATime(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order stays
