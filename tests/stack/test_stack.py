@@ -169,10 +169,14 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
         for pid in [worker.pid, *stack.descendants(worker.pid)]:
             os.kill(pid, signal.SIGKILL)
         stack.start_worker(stack_env.home)
-        out, err = proc.communicate(timeout=300)
+        try:
+            out, err = proc.communicate(timeout=300)
+        except prewarmed.Timeout as e:
+            raise AssertionError(f"{e}\n--- the stack's flow runs\n{_flow_runs(stack_env)}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
+            _end_runs_in_flight()  # the module's next tests find no run of this one in flight
     assert proc.returncode == 0, err[-3000:]
     assert "crashed" in err and "resumes from its last checkpoint" in err
 
@@ -291,6 +295,32 @@ def test_stack_down_stops_only_what_it_started(tmp_path: Path) -> None:
     finally:
         other.kill()
         ours.stop()
+
+
+def _flow_runs(stack_env: Stack) -> str:
+    """Each flow run of the stack with its states, and the worker log's last lines: what a run that
+    did not end was waiting for."""
+    lines = []
+    with get_client(sync_client=True) as prefect:
+        for run in prefect.read_flow_runs(sort=FlowRunSort.EXPECTED_START_TIME_ASC):
+            states = sorted(prefect.read_flow_run_states(run.id), key=lambda st: st.timestamp)
+            told = " -> ".join(f"{st.name} {st.timestamp:%H:%M:%S}" for st in states)
+            lines.append(f"{run.name} (worker {run.work_pool_name}): {told}; {(run.state.message or '')[:300]}")
+    log = (stack_env.home / "logs" / "worker.log").read_text(errors="replace").splitlines()[-40:]
+    return "\n".join([*lines, "--- worker.log", *log])
+
+
+def _end_runs_in_flight() -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelled
+
+    live = FlowRunFilterStateType(
+        any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+    )
+    with get_client(sync_client=True) as prefect:
+        for run in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=live))):
+            prefect.set_flow_run_state(run.id, Cancelled(message="left by a failed test"), force=True)
 
 
 def _time_wait(*ports: int) -> bool:
