@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -85,6 +87,7 @@ def test_a_workers_leftover_processes_end_with_the_worker_and_its_home_goes(tmp_
     assert not home.exists(), "the killed worker's home was left behind"
 
 
+@pytest.mark.slow  # starts the fork server (8 s)
 def test_a_forked_command_past_its_timeout_says_where_its_main_thread_waits(tmp_path: Path) -> None:
     """A command the fork server started that outlasts its timeout: the failure shows its last
     lines and the stack of the thread that waits, not a screenful of idle threads' stacks."""
