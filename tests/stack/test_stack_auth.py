@@ -689,3 +689,26 @@ def test_no_secret_is_left_anywhere_it_should_not_be(secured: Secured) -> None:
     assert not [n for n, s in canaries.items() if s in terminal]
     # The MLflow admin's secret is in its ini (the auth app reads it there) and nowhere else.
     assert _mode(secured.home / "auth" / "mlflow-auth.ini") == 0o600
+
+
+def test_a_checkpoint_sized_artifact_goes_through_the_proxy_whole(secured: Secured) -> None:
+    """Caddy reads a body of up to 1 MiB whole before the gate sees it and streams the rest
+    (flows/stack/auth.py): an artifact on either side of that size, and far over it, arrives and
+    comes back byte for byte; a viewer's upload of the same size is refused and its body drained."""
+    import hashlib
+
+    import httpx
+
+    ends = stack_auth.secured(secured.home)
+    ctx = ssl.create_default_context(cafile=ends["certs"]["ca"])
+    base = ends["tracking"].rstrip("/") + "/api/2.0/mlflow-artifacts/artifacts/through-the-proxy"
+    sizes = (1024 * 1024 - 1, 1024 * 1024, 1024 * 1024 + 1, 24 * 1024 * 1024 + 7)
+    with httpx.Client(verify=ctx, auth=stack_auth.credential(secured.home, "wendy"), timeout=120, trust_env=False) as c:
+        for size in sizes:
+            data = os.urandom(size)
+            assert c.put(f"{base}/{size}.bin", content=data).status_code == 200, size
+            back = c.get(f"{base}/{size}.bin")
+            assert (back.status_code, hashlib.sha256(back.content).digest()) == (200, hashlib.sha256(data).digest())
+    with httpx.Client(verify=ctx, auth=stack_auth.credential(secured.home, "vic"), timeout=120, trust_env=False) as c:
+        refused = c.put(f"{base}/viewer.bin", content=os.urandom(3 * 1024 * 1024))
+        assert refused.status_code == 403 and refused.headers["x-stack-gate"] == "refused"
