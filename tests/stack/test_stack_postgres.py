@@ -896,11 +896,15 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     # on the pool's two slots: two train, the third waits in the pool's queue, when the database
     # stops at the first checkpoint.
     home, env = pg_stack["home"], {**pg_stack["state"]["env"], "MLLM_STACK_HOME": str(pg_stack["home"])}
+    # 1,200 steps (about 15 s a training on one quiet Zen 3 core): the sweep hands its points to the
+    # pool a few seconds apart, and with 300 steps the first two had finished before the third came,
+    # which never queued (CI-like run of ebb480c, the stacks' modules alone in their lane).
+    max_steps = 1200
     steps = [
-        "train.max_steps=300",
-        "train.eval_interval=100",
+        f"train.max_steps={max_steps}",
+        "train.eval_interval=400",
         "train.checkpoint_interval=50",
-        "train.log_interval=10",
+        "train.log_interval=40",
         "sample.max_new_tokens=10",
     ]
     runs = Path(pg_stack["root"]) / "runs"
@@ -1050,7 +1054,7 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     parent = next(line.split()[-1] for line in out.splitlines() if line.startswith("sweep mlflow run:"))
     points = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
-    assert sorted(r.data.tags["train.resumed_from_step"] for r in points) == ["0", "300", "300"], [
+    assert sorted(r.data.tags["train.resumed_from_step"] for r in points) == ["0", *[str(max_steps)] * 2], [
         r.data.tags for r in points
     ]
     # Nothing is left in flight: no MLflow run RUNNING, and every flow run of this command Completed.
