@@ -11,10 +11,13 @@ import functools
 import http.server
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,11 @@ from flows import QUIET_ENV
 # under its home below, as does everything else the run writes, and the home is removed when the
 # process ends (by the reaper when it is killed, pytest_configure). An xdist worker inherits its
 # controller's TMPDIR: the run's own is kept in MLLM_TESTS_OUTER_TMPDIR.
+# Bytecode caches on, whatever the shell said (PYTHONDONTWRITEBYTECODE=1 on the machines we test on):
+# otherwise each worker and every command it starts compiles the project's modules again, and
+# pytest rewrites the test modules' asserts again, 5-6 s a process here (docs/benchmarks/test-suite.md).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 tempfile.tempdir = os.environ.setdefault("MLLM_TESTS_OUTER_TMPDIR", tempfile.gettempdir())
 _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
 (_HOME / "tmp").mkdir()
@@ -49,10 +57,14 @@ os.environ.update(
         "OMP_NUM_THREADS": "1",
     }
 )
-# No storage root and no Prefect server named by the environment the tests were started in: the
-# session's own server (the `prefect_server` fixture) is named once it runs.
-for _name in ("MLLM_STORAGE", "PREFECT_API_URL"):
-    os.environ.pop(_name, None)
+# No storage root named by the environment the tests were started in. The Prefect API is an address
+# where nothing answers until the session's own server (the `prefect_server` fixture) is named: a
+# test that reaches Prefect without asking for that server fails at once, rather than starting a
+# temporary server of its own in 25 s. The socket is bound, not listening, for the process's life.
+os.environ.pop("MLLM_STORAGE", None)
+_NO_PREFECT = socket.socket()
+_NO_PREFECT.bind(("127.0.0.1", 0))
+os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_NO_PREFECT.getsockname()[1]}/api"
 
 # The servers' fixtures (tests/servers.py), registered once for the session.
 pytest_plugins = ("servers",)
@@ -125,9 +137,24 @@ def pytest_xdist_make_scheduler(config, log):
     return OneStackAtATime(config, log)
 
 
+# The rooms whose integration tests run flows and CLI commands: each such test gets the session's
+# Prefect server, set up before its module's own fixtures (which may start commands). Other tests get
+# none (`make test-fast` starts none) unless they ask for it by name.
+PIPELINE_ROOMS = {"tasks", "flows", "stack", "cli", "infra"}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order stays
+    for item in items:
+        room = item.path.relative_to(TESTS).parts[0]
+        if (
+            room in PIPELINE_ROOMS
+            and item.get_closest_marker("integration")
+            and "prefect_server" not in item.fixturenames
+        ):
+            # A new list: parametrized items of one function share theirs. Session-scoped, so set up first.
+            item.fixturenames = ["prefect_server", *item.fixturenames]
 
 
 def pytest_configure(config) -> None:
@@ -154,8 +181,45 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
+def _made_once(config, name: str, make: Callable[[Path], None]) -> Path:
+    """The file `make(path)` writes, made once and kept in pytest's cache folder (.pytest_cache; this
+    process's home under -p no:cacheprovider), under `name`, which names the version of what made it.
+    xdist's workers share it: the first makes it, under a lock, and the others wait for it."""
+    import fcntl
+
+    cache = getattr(config, "cache", None)
+    path = cache.mkdir("made-once") / name if cache else _HOME / "made-once" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            folder = Path(tempfile.mkdtemp(dir=path.parent))
+            try:
+                make(folder / path.name)
+                os.replace(folder / path.name, path)
+            finally:
+                shutil.rmtree(folder)
+    return path
+
+
+def _migrated_prefect_database(config) -> Path:
+    """A Prefect database with every migration applied. A server started on a copy answers in 11 s
+    here, against 25 s on a new database, whose 14 s of migrations it runs first
+    (docs/benchmarks/test-suite.md)."""
+    from servers import quiet_env
+
+    def make(path: Path) -> None:
+        env = {**quiet_env(path.parent / "home"), "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{path}"}
+        cmd = [str(Path(sys.executable).with_name("prefect")), "server", "database", "upgrade", "-y"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"prefect server database upgrade failed:\n{done.stdout}{done.stderr}")
+
+    return _made_once(config, f"prefect-{version('prefect')}.db", make)
+
+
 @pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory):
+def prefect_server(tmp_path_factory, pytestconfig):
     """One real Prefect server per test process (an xdist worker), for the flows it runs and for
     every CLI command it starts: a command with no PREFECT_API_URL starts a temporary server of its
     own, which cost 40-70 s a command at load 6 here against 28 s with this one. A test that is
@@ -179,7 +243,11 @@ def prefect_server(tmp_path_factory):
         "--port",
         str(port),
     ]
-    server = background(cmd, f"{api}/health", folder / "prefect-server.log", quiet_env(folder / "home"))
+    env = quiet_env(folder / "home")
+    env.pop("PREFECT_API_URL")  # the server's own: this process's says "none yet"
+    Path(env["PREFECT_HOME"]).mkdir()
+    shutil.copyfile(_migrated_prefect_database(pytestconfig), Path(env["PREFECT_HOME"]) / "prefect.db")
+    server = background(cmd, f"{api}/health", folder / "prefect-server.log", env)
     before = os.environ.get("PREFECT_API_URL")
     try:
         server.wait_ready(180)
@@ -218,14 +286,16 @@ def _keep_a_new_database(database: Path, copy: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def empty_mlflow_store(tmp_path_factory) -> bytes:
+def empty_mlflow_store(pytestconfig) -> bytes:
     """The bytes of a new, empty MLflow SQLite store. MLflow makes one by running every migration
-    of its schema (1.5 s of CPU, against 0.6 s to open one that exists); made once, copied per test."""
-    from mlflow.tracking import MlflowClient
+    of its schema (5 s here, against 0.01 s to open one that exists); made once, copied per test."""
 
-    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path.read_bytes()
+    def make(path: Path) -> None:
+        from mlflow.tracking import MlflowClient
+
+        MlflowClient(f"sqlite:///{path}").search_experiments()
+
+    return _made_once(pytestconfig, f"mlflow-{version('mlflow')}.db", make).read_bytes()
 
 
 @pytest.fixture(autouse=True)

@@ -1,15 +1,11 @@
 """What every test of the pipeline's rooms (tasks, flows, stack, cli, infra) gets, imported by each
-room's conftest.py: the session's Prefect server, started before any module's fixtures, and an
-MLflow store of the test's own. tests/mllm and the project-wide tests need neither."""
+room's conftest.py: an MLflow store of the test's own. (Their integration tests get the session's
+Prefect server too: tests/conftest.py, pytest_collection_modifyitems.) tests/mllm and the
+project-wide tests need neither."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _session_prefect_server(prefect_server) -> None:
-    """Session-scoped so that it runs before a module's own fixtures, which may start commands."""
 
 
 @pytest.fixture(autouse=True)

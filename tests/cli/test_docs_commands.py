@@ -143,7 +143,6 @@ def test_every_command_in_the_docs_parses_and_names_files_that_are_there(folder:
     assert ran >= 30 and synopses >= 15, (ran, synopses)  # the docs' commands were found at all
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_a_few_commands_of_the_docs_run_as_written(folder: Path, tmp_path: Path) -> None:
     tiny = [
         "--set",

@@ -20,7 +20,6 @@ def _tree(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")}
 
 
-@pytest.mark.usefixtures("prefect_server")
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_clean_takes_what_a_run_left_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
     here = tmp_path / "checkout"

@@ -260,7 +260,6 @@ def _val_text(result) -> str:
     return "".join(vocab.decode(np.asarray(load_ids(result.data.splits.val.ids))))
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path: Path) -> None:
     from test_pipeline import _task_states
 
@@ -355,7 +354,6 @@ def test_a_folder_of_books_trains_and_a_sixth_book_is_the_only_new_work(tmp_path
     assert out.returncode == 1 and "[MISSING]" in out.stdout and f"{piece} is gone" in out.stdout
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_jsonl_parquet_and_a_glob_train_on_the_text_field_only(tmp_path: Path) -> None:
     from flows.pipeline import pipeline
 
@@ -536,7 +534,6 @@ def _objects(s3, prefix: str) -> dict[str, bytes]:
     return {k[len(prefix) :]: c.get_object(Bucket="corpora", Key=k)["Body"].read() for k in keys}
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_an_s3_prefix_trains_and_a_dask_cluster_makes_the_same_token_packs(
     tmp_path: Path, s3_env, dask_cluster
 ) -> None:
@@ -623,7 +620,6 @@ def test_a_stored_copy_changed_in_storage_is_written_again(tmp_path: Path) -> No
     assert single.read_bytes() == book.read_bytes() and many.read_bytes() == (folder / "book00.txt").read_bytes()
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_another_text_field_of_the_same_records_is_another_corpus(tmp_path: Path) -> None:
     from flows.launch import data_runner, with_results
     from flows.pipeline import prepare

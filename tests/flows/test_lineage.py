@@ -256,7 +256,6 @@ def test_an_asset_key_is_the_storage_uri_without_secrets():
     assert asset_key("/tmp/a folder/x") is None and asset_key("/tmp/" + "x" * 600) is None
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_parallel_text_and_made_data_are_assets_and_a_cached_stage_adds_none(tmp_path):
     from flows.launch import with_results
     from flows.pipeline import prepare

@@ -36,7 +36,6 @@ def git(path: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_pipeline_run_is_recorded_in_mlflow_over_http(
     mlflow_server,
     corpus: Path,

@@ -198,7 +198,6 @@ def _runs(client, parent_id: str) -> dict[str, object]:
     return {r.data.tags["search.trial"]: r for r in children}
 
 
-@pytest.mark.usefixtures("prefect_server")
 @pytest.mark.integration
 def test_search_prunes_losing_trials_at_an_evaluation_and_its_best_recipe_trains(corpus: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient

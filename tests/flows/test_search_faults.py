@@ -154,6 +154,7 @@ def test_the_search_benchmark_stopped_by_sigterm_leaves_no_folder_and_no_process
     assert [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
 
 
+@pytest.mark.integration  # its flow runs are on the session's Prefect server
 def test_a_dead_search_found_by_its_heartbeat_has_its_flow_runs_crashed_only_once_its_process_is_gone() -> None:
     # PostgreSQL's path (flows/search/dead.py): a stopped heartbeat alone proves no death (a stalled
     # search, one on another machine); a process of this machine that is gone does.

@@ -108,7 +108,6 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_runs(
     assert (tmp_path / "mlflow-store" / "mlflow.db").read_bytes() == empty_mlflow_store  # no MLflow run either
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_sweep_of_smoke_nests_every_point_under_one_parent_and_shares_data(corpus: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client

@@ -1,3 +1,3 @@
-"""Tests of infra/: the session's Prefect server and an MLflow store of each test's own."""
+"""Tests of infra/: an MLflow store of each test's own; its integration tests, the session's Prefect server."""
 
-from pipeline_rooms import _own_mlflow_store, _session_prefect_server  # noqa: F401 (fixtures, found by name)
+from pipeline_rooms import _own_mlflow_store  # noqa: F401 (a fixture, found by name)

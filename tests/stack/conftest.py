@@ -1,4 +1,4 @@
-"""Tests of flows/stack/: the session's Prefect server and an MLflow store of each test's own."""
+"""Tests of flows/stack/: an MLflow store of each test's own; its integration tests, the session's Prefect server."""
 
 import shutil
 import tempfile
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pipeline_rooms import _own_mlflow_store, _session_prefect_server  # noqa: F401 (fixtures, found by name)
+from pipeline_rooms import _own_mlflow_store  # noqa: F401 (a fixture, found by name)
 
 
 @pytest.fixture(scope="module")

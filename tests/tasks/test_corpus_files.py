@@ -73,7 +73,7 @@ def test_names_with_an_underscore_are_read_and_only_hidden_files_and_writers_mar
     assert sorted(Path(f.url).name for f in found) == [".hidden.py", "_SUCCESS"]
 
 
-@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.integration  # runs Prefect tasks on the session's server
 def test_the_manifest_names_the_files_left_out_and_every_duplicate_beside_the_one_kept(tmp_path: Path, caplog) -> None:
     src, root = tmp_path / "books", str(tmp_path / "storage")
     _write(

@@ -51,7 +51,7 @@ def test_empty_files_of_many_are_left_out_by_default_and_all_named_under_fail(tm
     assert heads.empty_files(files.list_files([str(one)])[0], "skip-empty", [str(one)]) == []
 
 
-@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.integration  # runs Prefect tasks on the session's server
 def test_the_download_stage_records_the_empty_files_it_left_out(tmp_path: Path) -> None:
     src, root = _corpus(tmp_path / "lib", empty=3), str(tmp_path / "storage")
     d = DataConfig(source=str(src))

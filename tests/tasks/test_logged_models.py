@@ -34,7 +34,6 @@ def mlflow_server(tmp_path_factory):
         yield server
 
 
-@pytest.mark.usefixtures("prefect_server")
 def test_best_and_last_checkpoints_are_logged_models_with_their_steps_and_metrics(
     mlflow_server, corpus: Path, tmp_path: Path, monkeypatch
 ) -> None:

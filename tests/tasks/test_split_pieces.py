@@ -110,7 +110,7 @@ def test_a_changed_or_broken_piece_is_named(tmp_path: Path) -> None:
         load_ids(manifest)
 
 
-@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.integration  # runs Prefect tasks on the session's server
 def test_cbow_trains_and_evaluates_on_a_folder_whose_splits_are_pieces(tmp_path: Path) -> None:
     from test_embeddings_pipeline import FAST, _paragraphs
 
