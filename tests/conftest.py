@@ -70,39 +70,47 @@ os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{_NO_PREFECT.getsockname()[1]
 pytest_plugins = ("servers",)
 
 
-# The modules that take longest, longest first (their times summed from `make test`'s junit report):
+# The modules that take longest, longest first (their times summed from `make test`'s junit report,
+# a fresh-clone run of ab78e6b on 2 Zen 3 cores):
 # sent to the workers first, so that none is left with one of them at the end while the others
 # idle. xdist's own reordering is turned off below (--no-loadscope-reorder, for any invocation):
 # with it, xdist sends the modules with the most tests first, and these, which have few, went last.
 HEAVY_FIRST = (
     "test_stack_postgres.py",
-    "test_stack.py",
     "test_faults_training.py",
-    "test_stack_netns.py",
+    "test_stack.py",
     "test_docker.py",
-    "test_faults.py",
+    "test_stack_netns.py",
     "test_search.py",
+    "test_faults.py",
     "test_cli.py",
+    "test_pipeline_tracking.py",
+    "test_object_storage.py",
+    "test_lineage.py",
     "test_corpora.py",
     "test_transient.py",
-    "test_object_storage.py",
+    "test_stack_auth.py",
+    "test_sweep.py",
+    "test_tracking.py",
     "test_pipeline.py",
     "test_stack_policy.py",
-    "test_stack_auth.py",
-    "test_tracking.py",
-    "test_sweep.py",
-    "test_pipeline_tracking.py",
-    "test_lineage.py",
+    "test_speed.py",
+    "test_family_pipelines.py",
+    "test_search_faults.py",
+    "test_export.py",
+    "test_export_cli.py",
     "test_train.py",
     "test_layout.py",
-    "test_family_pipelines.py",
-    "test_speed.py",
-    "test_export.py",
-    "test_settings.py",
-    "test_search_faults.py",
-    "test_export_cli.py",
-    "test_logged_models.py",
     "test_seq2seq_pipeline.py",
+    "test_logged_models.py",
+    "test_docs_commands.py",
+    "test_embeddings_pipeline.py",
+    "test_make_clean.py",
+    "test_settings.py",
+    "test_seq2seq.py",
+    "test_muon.py",
+    "test_models.py",
+    "test_layers.py",
 )
 
 
