@@ -26,16 +26,17 @@ from textdata import make_text
 
 from flows import QUIET_ENV
 
+# Bytecode caches on, whatever the shell said (PYTHONDONTWRITEBYTECODE=1 on the machines we test on):
+# otherwise every worker rewrites the test modules' asserts again (collecting the fast tier: 16.3 s
+# a process against 11.2 s) and every command compiles the project again (docs/benchmarks/test-suite.md).
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 # Temporary files: this process's own (pytest's, the fixtures') go where TMPDIR said when the run
 # began; those of the commands and servers it starts (Prefect's workspaces, torchrun's folders) go
 # under its home below, as does everything else the run writes, and the home is removed when the
 # process ends (by the reaper when it is killed, pytest_configure). An xdist worker inherits its
 # controller's TMPDIR: the run's own is kept in MLLM_TESTS_OUTER_TMPDIR.
-# Bytecode caches on, whatever the shell said (PYTHONDONTWRITEBYTECODE=1 on the machines we test on):
-# otherwise each worker and every command it starts compiles the project's modules again, and
-# pytest rewrites the test modules' asserts again, 5-6 s a process here (docs/benchmarks/test-suite.md).
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 tempfile.tempdir = os.environ.setdefault("MLLM_TESTS_OUTER_TMPDIR", tempfile.gettempdir())
 _HOME = Path(tempfile.mkdtemp(prefix="mllm-tests-"))
 (_HOME / "tmp").mkdir()
