@@ -67,24 +67,35 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> s
                     f"\tbind {listen}",
                     f"\ttls {certs.cert} {certs.key}",
                     f"\t@foreign not host {hosts}",
-                    '\trespond @foreign "misdirected request: this is the mllm stack at one of its own names" 421',
-                    f"\treverse_proxy unix/{gate_socket(home)} {{",
-                    f"\t\theader_up X-Stack-Server {server}",
-                    "\t\theader_up X-Stack-Client {remote_host}",
-                    "\t\tflush_interval -1",
-                    # A body of up to 1 MiB is read whole before it goes on. Streamed, a gate that
-                    # answered at once (a refusal) raced Go's HTTP/1.1 server, which discards an
-                    # unread body as the answer starts, against the proxy still reading that body:
-                    # Caddy then cut the answer after its headers ("use of closed network
-                    # connection"), about one run of the route matrix in two.
-                    "\t\tbuffer_requests",
-                    "\t\tmax_buffer_size 1MiB",
+                    "\t@small header_regexp Content-Length ^[0-9]{1,6}$",
+                    "\troute {",  # each in this order
+                    '\t\trespond @foreign "misdirected request: this is the mllm stack at one of its own names" 421',
+                    *_to_gate(home, server, "@small "),
+                    *_to_gate(home, server, ""),
                     "\t}",
                     "}",
                 ]
             )
         )
     return "\n".join(head) + "\n\n" + "\n\n".join(sites) + "\n"
+
+
+def _to_gate(home: Path, server: str, match: str) -> list[str]:
+    """Caddy's hand-over to the gate of the requests `match` names (all when empty).
+
+    A body of under 1 MB (`@small`) is read whole, and the client's body closed, before it goes on;
+    a larger or a chunked one streams. Caddy 2.6's `max_buffer_size` keeps the client's body open
+    behind its buffer, and a gate that answered at once (a refusal) raced it: Go's server closed
+    that body as the answer began while the proxy made its last read of it, and Caddy cut the
+    answer after its headers (docs/team-stack.md)."""
+    return [
+        f"\t\treverse_proxy {match}unix/{gate_socket(home)} {{",
+        f"\t\t\theader_up X-Stack-Server {server}",
+        "\t\t\theader_up X-Stack-Client {remote_host}",
+        "\t\t\tflush_interval -1",
+        *(["\t\t\tbuffer_requests"] if match else []),
+        "\t\t}",
+    ]
 
 
 def write_caddyfile(home: Path) -> Path:
