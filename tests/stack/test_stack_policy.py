@@ -63,14 +63,28 @@ def home(tmp_path_factory):
         mp.undo()
 
 
+class _RetryBusy(httpx.HTTPTransport):
+    """Sends a request again when the server answers 503, as Prefect's own client does: Prefect's
+    server on SQLite answers 503 when the database was busy (SQLITE_BUSY), a write that met another
+    one; neither the gate nor Caddy answers 503."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for wait in (0.5, 1, 2, 4):
+            response = super().handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.close()
+            time.sleep(wait)
+        return super().handle_request(request)
+
+
 def _client(home: Path, user: str | None, secret: str | None = None) -> httpx.Client:
     ends = stack_auth.secured(home)
     auth = None
     if user:
         auth = (user, secret or stack_auth.credential(home, user)[1])
-    return httpx.Client(
-        verify=ssl.create_default_context(cafile=ends["certs"]["ca"]), auth=auth, timeout=120, trust_env=False
-    )
+    verify = ssl.create_default_context(cafile=ends["certs"]["ca"])
+    return httpx.Client(transport=_RetryBusy(verify=verify), verify=verify, auth=auth, timeout=120, trust_env=False)
 
 
 def _base(home: Path, server: str) -> str:
