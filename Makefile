@@ -44,7 +44,7 @@ run: $(VENV)/.installed
 # the others wait on servers, outages and back-offs (two kept 2 Zen 5 cores 69% busy, three 86%:
 # 16 min 31 s to 13 min 0 s; on a CPU the suite keeps busy already it changes nothing,
 # docs/benchmarks/test-suite.md). The whole suite is the gate (CI runs it); test-fast, the inner loop
-# (its goal: 90 s on 2 cores; 1 min 31-46 s on a Zen 3 EPYC), leaves out the tests marked integration (real flows, CLI
+# (its goal: 90 s on 2 cores; 66-75 s on a Zen 3 EPYC), leaves out the tests marked integration (real flows, CLI
 # commands, servers; only those get a Prefect server)
 # and slow (compiles, DDP ranks, trainings to a figure: seconds to a minute each).
 test: $(VENV)/.installed-dev
