@@ -81,13 +81,9 @@ def caddyfile(home: Path, listen: str, ports: dict[str, int], certs: Certs) -> s
 
 
 def _to_gate(home: Path, server: str, match: str) -> list[str]:
-    """Caddy's hand-over to the gate of the requests `match` names (all when empty).
-
-    A body of under 1 MB (`@small`) is read whole, and the client's body closed, before it goes on;
-    a larger or a chunked one streams. Caddy 2.6's `max_buffer_size` keeps the client's body open
-    behind its buffer, and a gate that answered at once (a refusal) raced it: Go's server closed
-    that body as the answer began while the proxy made its last read of it, and Caddy cut the
-    answer after its headers (docs/team-stack.md)."""
+    """Caddy's hand-over to the gate of the requests `match` names (all when empty). A body of under
+    1 MB (`@small`) is read whole, the client's body closed, before it goes on; a larger or chunked
+    one streams (why: docs/team-stack.md, Caddy 2.6's buffer and a refusal's cut answer)."""
     return [
         f"\t\treverse_proxy {match}unix/{gate_socket(home)} {{",
         f"\t\t\theader_up X-Stack-Server {server}",

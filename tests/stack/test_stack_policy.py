@@ -84,7 +84,7 @@ def _client(home: Path, user: str | None, secret: str | None = None) -> httpx.Cl
     if user:
         auth = (user, secret or stack_auth.credential(home, user)[1])
     verify = ssl.create_default_context(cafile=ends["certs"]["ca"])
-    return httpx.Client(transport=_RetryBusy(verify=verify), verify=verify, auth=auth, timeout=120, trust_env=False)
+    return httpx.Client(transport=_RetryBusy(verify=verify), auth=auth, timeout=120, trust_env=False)
 
 
 def _base(home: Path, server: str) -> str:
