@@ -42,6 +42,7 @@ from textdata import make_text
 
 from flows.stack import database
 from flows.stack import servers as stack
+from flows.stack.pool_api import set_slots
 from mllm import UserError
 
 pytestmark = pytest.mark.integration
@@ -684,7 +685,7 @@ def test_a_pipeline_on_a_pool_of_one_slot_that_trains_on_that_pool_is_refused_in
     pg_stack: dict, tmp_path: Path
 ) -> None:
     env, api = pg_stack["state"]["env"], pg_stack["state"]["env"]["PREFECT_API_URL"]
-    stack.set_slots(api, "local", 1)
+    set_slots(api, "local", 1)
     try:
         out = _cli(
             "schedule",
@@ -700,7 +701,7 @@ def test_a_pipeline_on_a_pool_of_one_slot_that_trains_on_that_pool_is_refused_in
             env=env,
         )
     finally:
-        stack.set_slots(api, "local", 2)
+        set_slots(api, "local", 2)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [
         "error: pool 'local' has one slot, which the pipeline's own flow run takes: its training, handed to the same "
@@ -746,12 +747,12 @@ def test_a_pipeline_flow_run_on_a_pool_of_one_slot_refuses_to_hand_its_training_
         assert run.work_pool_name == "local"
         monkeypatch.setenv("PREFECT__FLOW_RUN_ID", str(run.id))
         dispatch.ensure_deployment(train, "local")  # two slots: the training may wait for the second
-        stack.set_slots(api, "local", 1)
+        set_slots(api, "local", 1)
         try:
             with pytest.raises(UserError) as refused:
                 dispatch.ensure_deployment(train, "local")
         finally:
-            stack.set_slots(api, "local", 2)
+            set_slots(api, "local", 2)
             prefect.delete_flow_run(run.id)
             schedule.delete("smoke")
     assert str(refused.value) == dispatch.one_slot("local")
@@ -893,12 +894,13 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     pg_stack: dict, tmp_path: Path
 ) -> None:
     # Last in this module: it stops the stack's database under the servers. A sweep of three points
-    # on the pool's two slots: two train, the third waits in the pool's queue, when the database
-    # stops at the first checkpoint.
+    # on the pool, cut to one slot for it: one trains, the others wait in the pool's queue, when the
+    # database stops at the first checkpoint. (On two slots the third point had to come while the
+    # first two trained; the sweep hands its points over seconds apart, and under a loaded CI run
+    # all three trained before the third was seen queued, c034eb3.)
     home, env = pg_stack["home"], {**pg_stack["state"]["env"], "MLLM_STACK_HOME": str(pg_stack["home"])}
-    # 1,200 steps (about 15 s a training on one quiet Zen 3 core): the sweep hands its points to the
-    # pool a few seconds apart, and with 300 steps the first two had finished before the third came,
-    # which never queued (CI-like run of ebb480c, the stacks' modules alone in their lane).
+    # 1,200 steps (about 15 s a training on one quiet Zen 3 core): with 300, the first training ended
+    # before the sweep had handed over its last point (CI-like run of ebb480c).
     max_steps = 1200
     steps = [
         f"train.max_steps={max_steps}",
@@ -969,6 +971,7 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     # to come after a second and to wait three for the servers): one line. The trainings it handed
     # to the pool go on in the worker, whose client retries for minutes (PREFECT_CLIENT_MAX_RETRIES
     # 7, flows/__init__.py), and finish once `stack up` below starts the database again.
+    set_slots(api, "local", 1)
     started = datetime.now().astimezone()
     before = set(runs.glob("*/checkpoints/last.pt"))
     proc = command({"PREFECT_CLIENT_MAX_RETRIES": "2", "MLLM_SWEEP_RETRY_DELAY_S": "1", "MLLM_SERVERS_WAIT_S": "3"})
@@ -981,11 +984,11 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
         trainings = flow_runs(started, "train")
         return [r.name for r in trainings if r.state_type.value == "SCHEDULED"] if len(trainings) == 3 else []
 
-    # The third point's training, waiting for a slot: the sweep hands it to the pool a moment after
-    # the first two, which may have written a checkpoint by then.
+    # The other points' trainings, waiting for the slot (both, unless the first ended before the
+    # sweep handed over the last).
     while not (queued := waiting()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(queued) == 1, [(r.name, r.state_name) for r in flow_runs(started, "train")]
+    assert queued, [(r.name, r.state_name) for r in flow_runs(started, "train")]
     out, err, after_line = through_outage(proc)
     assert proc.returncode == 2, err[-3000:]
     last = err.strip().splitlines()[-1]
@@ -1012,19 +1015,24 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     assert (
         "marked Crashed: 4 flow run(s) left in flight by commands that ended as the database was down" in up.stderr
     ), up.stderr
-    # The training still queued would run for no one and take a slot from the sweep run again.
-    assert f"cancelled: 1 training(s) those commands had queued on pool 'local' ({queued[0]})" in up.stderr, up.stderr
+    # The trainings still queued would run for no one and take the slot from the sweep run again.
+    assert (
+        f"cancelled: {len(queued)} training(s) those commands had queued on pool 'local' ({queued[0]}" in up.stderr
+    ), up.stderr
     assert {s.name: s.pid for s in stack.load(home)["services"] if s.name in servers} == servers  # reused as they ran
     assert _cli("stack", "status", "--home", str(home), cwd=tmp_path).returncode == 0
 
-    # The two trainings on the pool end once their client's back-off (doubling from 2 s) meets the
-    # database again: waited for here, lest the outage below catch them too and double their next wait.
+    # The training on the pool ends once its client's back-off (doubling from 2 s) meets the
+    # database again: waited for here, lest the outage below catch it too and double its next wait.
     deadline = time.monotonic() + 240
     while [r for r in flow_runs(started) if not r.state.is_final()] and time.monotonic() < deadline:
         time.sleep(0.5)
     first = sorted((r.name, r.state_name) for r in flow_runs(started))
-    assert sorted(state for _, state in first if state != "Completed") == ["Cancelled", *["Crashed"] * 4], first
-    assert sorted(r.state_name for r in flow_runs(started, "train")) == ["Cancelled", "Completed", "Completed"], first
+    cancelled = ["Cancelled"] * len(queued)
+    assert sorted(state for _, state in first if state != "Completed") == [*cancelled, *["Crashed"] * 4], first
+    trained = ["Completed"] * (3 - len(queued))
+    assert sorted(r.state_name for r in flow_runs(started, "train")) == [*cancelled, *trained], first
+    set_slots(api, "local", 2)  # the pool's own limit again
 
     # The same command again, with the clients' retries (minutes), and the database down under it
     # for less than those: stopped once a worker has taken a training the command handed to the
@@ -1049,14 +1057,14 @@ def test_the_database_stopped_under_a_sweep_ends_it_in_one_line_and_its_rerun_tr
     assert "Traceback" not in err and "Server error '500" not in err and "PrefectHTTPStatusError" not in err, err[
         -3000:
     ]
-    # Each point trained once: the two the worker finished are found in storage, the cancelled one
-    # trains now (its training's MLflow tags say where each began).
+    # Each point trained once: those the worker finished are found in storage, the cancelled ones
+    # train now (their trainings' MLflow tags say where each began).
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     parent = next(line.split()[-1] for line in out.splitlines() if line.startswith("sweep mlflow run:"))
     points = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
-    assert sorted(r.data.tags["train.resumed_from_step"] for r in points) == ["0", *[str(max_steps)] * 2], [
-        r.data.tags for r in points
-    ]
+    assert sorted(r.data.tags["train.resumed_from_step"] for r in points) == ["0"] * len(queued) + [str(max_steps)] * (
+        3 - len(queued)
+    ), [r.data.tags for r in points]
     # Nothing is left in flight: no MLflow run RUNNING, and every flow run of this command Completed.
     assert _cluster_query(home, "mllm_mlflow", "SELECT count(*) FROM runs WHERE status = 'RUNNING'") == [(0,)]
     states = [(r.name, r.state_name) for r in flow_runs(again_started)]
