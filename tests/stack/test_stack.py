@@ -98,8 +98,9 @@ def stack_env(s3, open_dir: Path):
     for k, v in s3.env.items():
         mp.setenv(k, v)
     # A deployment's run that finds its one slot taken tries again after this (Prefect's default: 30 s,
-    # paid by each queued run of the schedule and of the UI's form below).
-    mp.setenv("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "1")
+    # paid by each queued run of the schedule and of the UI's form below). Not 1 s: each try is the
+    # worker proposing Pending again, a hundred of them while a training runs on a loaded machine.
+    mp.setenv("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "5")
     try:
         state = stack.up(
             home,
@@ -125,7 +126,25 @@ def _stack_mlflow(request, monkeypatch) -> None:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", request.getfixturevalue("stack_env").env["MLFLOW_TRACKING_URI"])
 
 
-def _wait_for(what: str, condition, timeout: float, proc: subprocess.Popen | None = None):
+@pytest.fixture(autouse=True)
+def _no_run_left_in_flight(request):
+    """After each test on the stack, its flow runs still in flight are ended, so that the module's
+    next tests find the pool's slots free; a test that passed and left any fails, naming them."""
+    yield
+    if "stack_env" not in request.fixturenames:
+        return
+    services = stack.load(request.getfixturevalue("stack_env").home)["services"]
+    if not any(s.name == "prefect-server" and s.alive() for s in services):
+        return  # a test that stopped the stack: nothing runs on it
+    left = _end_runs_in_flight()
+    report = getattr(request.node, "rep_call", None)  # tests/stack/conftest.py
+    if left and report is not None and report.passed:
+        raise AssertionError(f"the test left flow runs in flight, now cancelled: {', '.join(left)}")
+
+
+def _wait_for(what: str, condition, timeout: float, proc: subprocess.Popen | None = None, stack_env=None):
+    """`condition()` once it is true, within `timeout` s; else an error that says, with `stack_env`,
+    each of the stack's flow runs with its states and the worker log's last lines."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
@@ -134,7 +153,18 @@ def _wait_for(what: str, condition, timeout: float, proc: subprocess.Popen | Non
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n{proc.stderr.read()[-3000:]}")
         time.sleep(0.2)
-    raise AssertionError(f"no {what} within {timeout} s")
+    told = f"\n--- the stack's flow runs\n{_flow_runs(stack_env)}" if stack_env is not None else ""
+    raise AssertionError(f"no {what} within {timeout} s{told}")
+
+
+def _communicate(proc: prewarmed.Command, timeout: float, stack_env: Stack) -> tuple[str, str]:
+    """The command's stdout and stderr once it ends; past `timeout` s it is killed, and the error
+    says each of the stack's flow runs with its states and the worker log's last lines."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except prewarmed.Timeout as e:
+        proc.kill()
+        raise AssertionError(f"{e}\n--- the stack's flow runs\n{_flow_runs(stack_env)}") from None
 
 
 def _checkpoint(stack_env: Stack, prefix: str) -> str | None:
@@ -169,14 +199,10 @@ def test_training_on_the_pool_with_s3_resumes_after_its_worker_is_killed(stack_e
         for pid in [worker.pid, *stack.descendants(worker.pid)]:
             os.kill(pid, signal.SIGKILL)
         stack.start_worker(stack_env.home)
-        try:
-            out, err = proc.communicate(timeout=300)
-        except prewarmed.Timeout as e:
-            raise AssertionError(f"{e}\n--- the stack's flow runs\n{_flow_runs(stack_env)}") from None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            _end_runs_in_flight()  # the module's next tests find no run of this one in flight
+    except BaseException:
+        proc.kill()
+        raise
+    out, err = _communicate(proc, 300, stack_env)
     assert proc.returncode == 0, err[-3000:]
     assert "crashed" in err and "resumes from its last checkpoint" in err
 
@@ -310,17 +336,36 @@ def _flow_runs(stack_env: Stack) -> str:
     return "\n".join([*lines, "--- worker.log", *log])
 
 
-def _end_runs_in_flight() -> None:
+def _end_runs_in_flight() -> list[str]:
+    """Cancel the stack's flow runs in flight (Pending, Running, Cancelling, or Scheduled and due):
+    the worker stops their processes; what has not ended within 60 s is marked Cancelled. Their
+    names, with the state each was in."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
     from prefect.client.schemas.objects import StateType
-    from prefect.states import Cancelled
+    from prefect.states import Cancelled, Cancelling
 
     live = FlowRunFilterStateType(
         any_=[StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
     )
+    due = time.time() + 5
     with get_client(sync_client=True) as prefect:
-        for run in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=live))):
-            prefect.set_flow_run_state(run.id, Cancelled(message="left by a failed test"), force=True)
+
+        def in_flight() -> list:
+            runs = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=live)))
+            return [r for r in runs if r.state.type != StateType.SCHEDULED or r.expected_start_time.timestamp() < due]
+
+        left = in_flight()
+        for run in left:
+            if run.state.type == StateType.RUNNING and run.infrastructure_pid:
+                prefect.set_flow_run_state(run.id, Cancelling(message="left by a test"), force=True)
+            else:
+                prefect.set_flow_run_state(run.id, Cancelled(message="left by a test"), force=True)
+        deadline = time.monotonic() + 60
+        while (still := in_flight()) and time.monotonic() < deadline:
+            time.sleep(1)
+        for run in still:
+            prefect.set_flow_run_state(run.id, Cancelled(message="left by a test"), force=True)
+    return [f"{r.name} ({r.state.name})" for r in left]
 
 
 def _time_wait(*ports: int) -> bool:
@@ -397,10 +442,16 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
         "two scheduled runs taken by the worker",
         lambda: sum(r.state.name not in ("Scheduled", "Late") for r in _deployment_runs(deployment.id)) >= 2,
         300,
+        stack_env=stack_env,
     )
     assert cli("schedule", "--recipe", "smoke", "--pause").returncode == 0
     assert "PAUSED" in cli("schedule", "list").stdout
-    _wait_for("the runs to end", lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)), 300)
+    _wait_for(
+        "the runs to end",
+        lambda: all(r.state.is_final() for r in _deployment_runs(deployment.id)),
+        300,
+        stack_env=stack_env,
+    )
     runs = _deployment_runs(deployment.id)
     assert len(runs) >= 2 and all(r.state.is_completed() for r in runs)
     # The first scheduled run trains and is its model's first champion; the next ones find a model
@@ -432,7 +483,9 @@ def test_scheduled_runs_train_then_skip_and_a_ui_run_after_new_data_retrains(sta
     }
     with get_client(sync_client=True) as prefect:
         run = prefect.create_flow_run_from_deployment(deployment.id, parameters=form)
-    final = _wait_for("the UI's run", lambda run=run: (r := _flow_run(run.id)).state.is_final() and r, 240)
+    final = _wait_for(
+        "the UI's run", lambda run=run: (r := _flow_run(run.id)).state.is_final() and r, 240, stack_env=stack_env
+    )
     assert final.state.is_completed(), final.state.message
     decision, reason = _decisions(client)[-1]
     assert decision in ("promoted", "kept") and "both on this run's validation split" in reason
@@ -502,7 +555,10 @@ def test_a_ui_run_with_bad_parameters_fails_naming_the_forms_fields(stack_env: S
         }
     for field, run in runs.items():
         final = _wait_for(
-            f"the form's run with a bad {field}", lambda run=run: (r := _flow_run(run.id)).state.is_final() and r, 240
+            f"the form's run with a bad {field}",
+            lambda run=run: (r := _flow_run(run.id)).state.is_final() and r,
+            240,
+            stack_env=stack_env,
         )
         message = final.state.message
         assert final.state.is_failed() and field in message and "--" not in message, message
@@ -549,7 +605,7 @@ def test_a_search_on_the_pool_trains_its_trials_on_the_worker(stack_env: Stack, 
         *[a for s in sets for a in ("--set", s)],
         cwd=tmp_path,
     )
-    out, err = proc.communicate(timeout=500)
+    out, err = _communicate(proc, 500, stack_env)
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "optuna.db").exists()
     parent_id = re.search(r"search mlflow run: (\w+)", out).group(1)
