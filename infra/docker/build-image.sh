@@ -39,7 +39,23 @@ commit=$(git -C "$context" rev-parse HEAD)
 base=${BASE_IMAGE:-python:3.11-slim}
 ((local_base)) && base=$("$here/base-image.sh")
 
-# Build-only inputs of the deps stage: a torch wheel, the CA bundle. Not in git, not in the image.
+# The Dockerfile needs BuildKit (RUN --mount). A client that has the buildx plugin uses it; a
+# client older than 23.0 has it built in. Debian's docker.io ships such a CLI, which may be
+# behind a newer one without buildx on PATH.
+buildkit_docker() {
+    local d
+    for d in $(type -ap docker); do
+        "$d" buildx version >/dev/null 2>&1 && { echo "$d"; return; }
+        local major; major=$("$d" version --format '{{.Client.Version}}' 2>/dev/null | cut -d. -f1)
+        [[ $major =~ ^[0-9]+$ ]] && ((major < 23)) && { echo "$d"; return; }
+    done
+    return 1
+}
+docker_bin=$(buildkit_docker) \
+    || { say "no docker client here builds with BuildKit: install the docker-buildx plugin"; exit 2; }
+
+# Build-only inputs, bind-mounted into the RUNs that install: a torch wheel, the CA bundle.
+# Not in git, not in the image.
 stage="$context/infra/docker/local"
 mkdir -p "$stage"
 rm -rf "$stage/wheels" "$stage/ca.crt"
@@ -53,7 +69,7 @@ cert=${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}
 tag="mllm-pipeline:${commit:0:12}"
 say "building $tag from $context (base $base, commit $commit)"
 start=$SECONDS
-DOCKER_BUILDKIT=0 docker build "${no_cache[@]}" --network host -f "$context/infra/Dockerfile" \
+DOCKER_BUILDKIT=1 "$docker_bin" build "${no_cache[@]}" --progress plain --network host -f "$context/infra/Dockerfile" \
     --build-arg BASE="$base" --build-arg GIT_COMMIT="$commit" -t "$tag" "$context" >&2
 rm -rf "$stage/wheels" "$stage/ca.crt"
 say "built $tag in $((SECONDS - start)) s"
