@@ -244,7 +244,7 @@ def test_dockerfile_installs_with_the_constraints():
     text = (INFRA / "Dockerfile").read_text()
     # The dependencies of mllm and the pipeline extra at constraints.txt's versions, then the
     # project itself with no index: nothing unpinned comes in with it.
-    assert re.search(r"pip install -c /tmp/project/constraints\.txt -r /tmp/project/requirements\.txt", text)
+    assert re.search(r"pip install -c /tmp/project/constraints\.txt -r /tmp/requirements\.txt", text)
     assert "['optional-dependencies']['pipeline']" in text
     assert "pip install --no-deps --no-build-isolation --no-index ." in text
     assert re.search(r"^USER (?!root)", text, re.M)
