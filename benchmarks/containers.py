@@ -13,7 +13,7 @@ mounted read-only, as tests/infra/test_docker.py does.
 - build, cold: infra/docker/base-image.sh after removing its image (debootstrap), then
   build-image.sh --no-cache: every layer, torch and the dependencies installed from the index;
 - build, cached: build-image.sh again at the same commit (Docker's layer cache);
-- push: to an empty registry (the dependency layer is most of it);
+- push: to an empty registry (the layers of torch and of the dependencies are most of it);
 - to the first step: `mllm-pipeline run --recipe smoke --train-on POOL` with the data stages
   already done (the same source and storage; a new seed each time, so a new training): from the
   creation of the `train` flow run (Prefect's record) to the timestamp of the first `train_loss`
