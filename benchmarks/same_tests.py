@@ -4,7 +4,8 @@
 
 OLD.xml is the earlier run's JUnit XML (`--junitxml`). A test is kept when its module's file name
 and its own name (parameters included) are in it, whichever folder the module lives in now; the
-rest are deselected, and the run says how many. By hand, not in `make test`
+rest are deselected, and the run says how many. Test functions only: this suite has no test classes,
+whose JUnit class name would not end in the module's. By hand, not in `make test`
 (docs/benchmarks/test-suite.md).
 """
 
